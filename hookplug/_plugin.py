@@ -1,0 +1,30 @@
+"""``Plugin``: an optional base class for hookplug plugins.
+
+A plugin is any object with a ``name`` and methods marked ``@hookplug.hookimpl``; this base
+only supplies the conventions a session relies on (``results``, ``reset``, ``report``).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+__all__ = ["Plugin"]
+
+
+class Plugin:
+    """Base class: subclasses set ``name`` and implement hooks from ``hookplug.hookspecs``."""
+
+    name: str = ""
+
+    def results(self) -> Dict[str, Any]:
+        """Results keyed by qualified module name."""
+        return {}
+
+    def reset(self) -> None:
+        """Forget what was gathered so far."""
+
+    def report(self) -> str:
+        """A plain-text section for ``session.report()`` (empty: no section)."""
+        return ""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"

@@ -1,0 +1,611 @@
+"""``attach`` and ``Session``: plugins bound to the modules a selector picks.
+
+pluggy is consulted once, at attach time: for every selected module and every per-call hook
+spec we keep a tuple of ``(plugin, bound method)`` in plugin order, and register a torch
+hook only where that tuple is non-empty. The torch hooks then loop over plain tuples.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.nn as nn
+
+from . import hookspecs
+from ._manager import PluginError, create_plugin, new_plugin_manager
+from ._selectors import select
+from .structures import iter_tensors
+
+__all__ = ["attach", "Session", "HookContext"]
+
+_PER_CALL_HOOKS = (
+    "hookplug_forward_input",
+    "hookplug_forward_output",
+    "hookplug_output_grad",
+    "hookplug_param_grad",
+)
+_SPEC_ARGS = {
+    name: tuple(getattr(hookspecs, name).__code__.co_varnames[: getattr(hookspecs, name).__code__.co_argcount])
+    for name in _PER_CALL_HOOKS
+}
+_ON_ERROR = ("raise", "warn")
+
+
+class HookContext:
+    """What a per-call hook knows about the call: module ``name``, ``call_index`` (how many
+    times this module ran before in this session), the session's ``step``, and ``session``."""
+
+    __slots__ = ("name", "call_index", "step", "session")
+
+    def __init__(self, name: str, call_index: int, step: int, session: "Session"):
+        self.name = name
+        self.call_index = call_index
+        self.step = step
+        self.session = session
+
+    def __repr__(self) -> str:
+        return f"HookContext(name={self.name!r}, call_index={self.call_index}, step={self.step})"
+
+
+# -- plugin specs --------------------------------------------------------------------------
+
+PluginSpec = Union[str, Any, Tuple[str, Dict[str, Any]], List[Any], Dict[str, Dict[str, Any]]]
+
+
+def _normalize_specs(spec: PluginSpec, what: str = "plugins") -> List[Tuple[str, Dict[str, Any], Any]]:
+    """Every accepted form as ``[(name, options, instance_or_None), ...]``."""
+    if spec is None:
+        return []
+    if isinstance(spec, str):
+        return [(spec, {}, None)]
+    if isinstance(spec, dict):
+        out = []
+        for name, opts in spec.items():
+            if opts is not None and not isinstance(opts, dict):
+                raise PluginError(
+                    f"{what}={{...}}: options of {name!r} must be a dict or None, got {type(opts).__name__}"
+                )
+            out.append((name, dict(opts or {}), None))
+        return out
+    if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], str) and isinstance(spec[1], dict):
+        return [(spec[0], dict(spec[1]), None)]
+    if isinstance(spec, (list, tuple)):
+        return [item for sub in spec for item in _normalize_specs(sub, what)]
+    if isinstance(spec, type):
+        raise PluginError(f"{what}= got the class {spec.__name__}; pass an instance or a registered name")
+    name = getattr(spec, "name", None) or type(spec).__name__
+    return [(name, {}, spec)]
+
+
+# -- per-module binding (the hot path) -------------------------------------------------------
+
+def _adapt(impl, hook_name: str) -> Callable:
+    """The plugin's bound method, called positionally with the spec's arguments."""
+    if impl.hookwrapper or getattr(impl, "wrapper", False):
+        raise PluginError(
+            f"plugin {impl.plugin_name.rsplit('-', 1)[0]!r}: {hook_name} is called on the hot path and cannot be "
+            "a hookwrapper/wrapper; implement it as a plain hook"
+        )
+    spec_args = _SPEC_ARGS[hook_name]
+    wanted = tuple(impl.argnames)
+    fn = impl.function
+    if wanted == spec_args:
+        return fn
+    unknown = [a for a in wanted if a not in spec_args]
+    if unknown:
+        raise PluginError(
+            f"plugin {impl.plugin_name.rsplit('-', 1)[0]!r}: {hook_name} takes unknown argument(s) {unknown}; "
+            f"the spec offers {list(spec_args)}"
+        )
+    idx = tuple(spec_args.index(a) for a in wanted)
+
+    def adapted(*args):
+        return fn(*[args[i] for i in idx])
+
+    return adapted
+
+
+class _ModuleBinding:
+    """The torch hooks of one module: tuples of ``(plugin, fn)`` per hook kind."""
+
+    __slots__ = ("name", "session", "fwd_in", "fwd_out", "out_grad", "calls", "_pending", "__weakref__")
+
+    def __init__(self, name: str, session: "Session"):
+        self.name = name
+        self.session = session
+        self.fwd_in: Tuple = ()
+        self.fwd_out: Tuple = ()
+        self.out_grad: Tuple = ()
+        self.calls = 0
+        self._pending: List[HookContext] = []
+
+    def _new_ctx(self) -> HookContext:
+        ctx = HookContext(self.name, self.calls, self.session._step, self.session)
+        self.calls += 1
+        return ctx
+
+    def pre_hook(self, module, args, kwargs):
+        s = self.session
+        if not s._sampling:
+            return None
+        ctx = self._new_ctx()
+        self._pending.append(ctx)
+        changed = False
+        for plugin, fn in self.fwd_in:
+            try:
+                res = fn(ctx, module, args, kwargs)
+            except Exception as exc:  # noqa: BLE001
+                s._plugin_failed(plugin, "hookplug_forward_input", exc)
+                continue
+            if res is not None:
+                if not (isinstance(res, tuple) and len(res) == 2 and isinstance(res[1], dict)):
+                    s._plugin_failed(plugin, "hookplug_forward_input", PluginError(
+                        f"plugin {s._key_of.get(id(plugin))!r}: hookplug_forward_input must return None or "
+                        f"(args, kwargs), got {type(res).__name__}"))
+                    continue
+                args, kwargs = res
+                args = tuple(args)
+                changed = True
+        return (args, kwargs) if changed else None
+
+    def post_hook(self, module, args, kwargs, output):
+        s = self.session
+        if not s._sampling:
+            return None
+        ctx = self._pending.pop() if self.fwd_in and self._pending else self._new_ctx()
+        changed = False
+        for plugin, fn in self.fwd_out:
+            try:
+                res = fn(ctx, module, args, kwargs, output)
+            except Exception as exc:  # noqa: BLE001
+                s._plugin_failed(plugin, "hookplug_forward_output", exc)
+                continue
+            if res is not None:
+                output = res
+                changed = True
+        if self.out_grad and torch.is_grad_enabled():
+            for path, t in iter_tensors(output):
+                if t.requires_grad:
+                    t.register_hook(functools.partial(self.grad_hook, ctx, module, path))
+        return output if changed else None
+
+    def grad_hook(self, ctx, module, path, grad):
+        s = self.session
+        if s._removed:
+            return None
+        changed = False
+        for plugin, fn in self.out_grad:
+            try:
+                res = fn(ctx, module, grad, path)
+            except Exception as exc:  # noqa: BLE001
+                s._plugin_failed(plugin, "hookplug_output_grad", exc)
+                continue
+            if res is not None:
+                grad = res
+                changed = True
+        return grad if changed else None
+
+
+class _ParamBinding:
+    """The tensor hook on one parameter's gradient."""
+
+    __slots__ = ("name", "param_ref", "session", "impls", "calls")
+
+    def __init__(self, name: str, param: torch.Tensor, session: "Session"):
+        self.name = name
+        self.param_ref = weakref.ref(param)
+        self.session = session
+        self.impls: Tuple = ()
+        self.calls = 0
+
+    def __call__(self, grad):
+        s = self.session
+        if s._removed or not s._sampling:
+            return None
+        ctx = HookContext(self.name, self.calls, s._step, s)
+        self.calls += 1
+        param = self.param_ref()
+        changed = False
+        for plugin, fn in self.impls:
+            try:
+                res = fn(ctx, self.name, param, grad)
+            except Exception as exc:  # noqa: BLE001
+                s._plugin_failed(plugin, "hookplug_param_grad", exc)
+                continue
+            if res is not None:
+                grad = res
+                changed = True
+        return grad if changed else None
+
+
+# -- the session ---------------------------------------------------------------------------------
+
+class Session:
+    """Plugins attached to a model. A context manager; ``remove()`` takes every hook off.
+
+    ``session[name]`` is a plugin; ``session.modules`` the selected ``{name: module}``;
+    ``results()``, ``report()``, ``step()`` and ``flush()`` act on every plugin.
+    """
+
+    def __init__(self, model: nn.Module, *, every: int = 1, on_error: str = "raise",
+                 flush_every: Optional[int] = None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"attach() expects a torch.nn.Module, got {type(model).__name__}")
+        if on_error not in _ON_ERROR:
+            raise ValueError(f"on_error must be one of {_ON_ERROR}, got {on_error!r}")
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"every must be an int >= 1, got {every!r}")
+        if flush_every is not None and (not isinstance(flush_every, int) or flush_every < 1):
+            raise ValueError(f"flush_every must be None or an int >= 1, got {flush_every!r}")
+        self._model_ref = weakref.ref(model)
+        self.every = every
+        self.on_error = on_error
+        self.flush_every = flush_every
+        self._step = 0
+        self._sampling = True
+        self._removed = False
+        self._plugins: Dict[str, Any] = {}
+        self._plugin_modules: Dict[str, List[str]] = {}
+        self._sinks: Dict[str, Any] = {}
+        self._disabled: Dict[str, str] = {}
+        self._module_refs: Dict[str, weakref.ref] = {}
+        self._bindings: Dict[str, _ModuleBinding] = {}
+        self._param_bindings: Dict[str, _ParamBinding] = {}
+        self._handles: List[Any] = []
+        self._pm = new_plugin_manager()
+        self._call_order: Dict[str, List[Any]] = {}
+        self._key_of: Dict[int, str] = {}
+
+    # -- public API ------------------------------------------------------------------------
+
+    @property
+    def model(self) -> Optional[nn.Module]:
+        return self._model_ref()
+
+    @property
+    def modules(self) -> Dict[str, nn.Module]:
+        """The selected modules, ``{qualified name: module}``, in model order."""
+        out = {}
+        for name, ref in self._module_refs.items():
+            mod = ref()
+            if mod is not None:
+                out[name] = mod
+        return out
+
+    def modules_of(self, plugin: Union[str, Any]) -> Dict[str, nn.Module]:
+        """The modules one plugin is attached to (with ``{selector: plugins}`` they differ)."""
+        name = plugin if isinstance(plugin, str) else self._key_of.get(id(plugin), "")
+        mods = self.modules
+        return {n: mods[n] for n in self._plugin_modules.get(name, []) if n in mods}
+
+    @property
+    def plugins(self) -> Dict[str, Any]:
+        return dict(self._plugins)
+
+    @property
+    def sinks(self) -> Dict[str, Any]:
+        return dict(self._sinks)
+
+    @property
+    def step_index(self) -> int:
+        """The current step (0 before the first ``step()``)."""
+        return self._step
+
+    @property
+    def disabled(self) -> Dict[str, str]:
+        """Plugins switched off under ``on_error="warn"``, with the error that did it."""
+        return dict(self._disabled)
+
+    @property
+    def removed(self) -> bool:
+        return self._removed
+
+    def __getitem__(self, name: str):
+        try:
+            return self._plugins[name] if name in self._plugins else self._sinks[name]
+        except KeyError:
+            raise KeyError(
+                f"no plugin {name!r} in this session; it has: {', '.join([*self._plugins, *self._sinks]) or 'none'}"
+            ) from None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._plugins or name in self._sinks
+
+    def results(self) -> Dict[str, Any]:
+        """``{plugin name: plugin.results()}``."""
+        return {n: p.results() for n, p in self._plugins.items() if hasattr(p, "results")}
+
+    def reset(self) -> None:
+        for p in self._plugins.values():
+            if hasattr(p, "reset"):
+                p.reset()
+
+    def report(self) -> str:
+        """A plain-text report: one section per plugin that has something to say."""
+        lines = [f"hookplug session: {len(self._module_refs)} module(s), step {self._step}, "
+                 f"plugins: {', '.join(self._plugins) or 'none'}"]
+        for name, p in self._plugins.items():
+            text = p.report() if hasattr(p, "report") else ""
+            if text:
+                lines += ["", f"== {name} ==", text.rstrip()]
+        for name, why in self._disabled.items():
+            lines += ["", f"!! {name} was disabled: {why}"]
+        return "\n".join(lines)
+
+    def step(self) -> "_StepScope":
+        """Mark a training-step boundary: the step counter advances, plugins see
+        ``hookplug_step``, sampling (``every=N``) and ``flush_every`` take effect.
+        Also usable as ``with session.step(): ...`` (the body runs in the new step)."""
+        ended = self._step
+        self._step += 1
+        self._sampling = (self._step % self.every) == 0 and not self._removed
+        self._call_session_hook("hookplug_step", session=self, step=ended)
+        if self.flush_every and self._step % self.flush_every == 0:
+            self.flush()
+        return _StepScope(self)
+
+    def flush(self) -> List[dict]:
+        """Collect telemetry records from plugins and hand them to every sink."""
+        records: List[dict] = []
+        for res in self._call_session_hook("hookplug_collect", session=self, step=self._step) or []:
+            if res:
+                records.extend(res)
+        if records:
+            self._call_session_hook("hookplug_flush", session=self, records=records)
+        return records
+
+    def remove(self) -> None:
+        """Take every hook off (idempotent) and end the session for its plugins."""
+        if self._removed:
+            return
+        self._removed = True
+        self._sampling = False
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        try:
+            if self._plugins or self._sinks:
+                self.flush()
+        finally:
+            self._call_session_hook("hookplug_session_end", session=self)
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "removed" if self._removed else "attached"
+        return f"<hookplug.Session {state}: {len(self._module_refs)} modules, plugins={list(self._plugins)}>"
+
+    # -- errors ----------------------------------------------------------------------------
+
+    def _plugin_failed(self, plugin, hook_name: str, exc: BaseException) -> None:
+        name = self._key_of.get(id(plugin), type(plugin).__name__)
+        if self.on_error == "raise":
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"(raised by hookplug plugin {name!r} in {hook_name})")
+            raise exc
+        if name in self._disabled:
+            return
+        why = f"{type(exc).__name__} in {hook_name}: {exc}"
+        self._disabled[name] = why
+        warnings.warn(f"hookplug plugin {name!r} failed and is disabled for this session: {why}",
+                      RuntimeWarning, stacklevel=3)
+        self._rebind()
+
+    def _call_session_hook(self, hook_name: str, **kwargs) -> List[Any]:
+        results = []
+        for plugin in self._call_order.get(hook_name, []):
+            if self._key_of.get(id(plugin)) in self._disabled:
+                continue
+            impl = self._impl_of(plugin, hook_name)
+            call_kwargs = {a: kwargs[a] for a in impl.argnames if a in kwargs}
+            try:
+                res = impl.function(**call_kwargs)
+            except Exception as exc:  # noqa: BLE001
+                self._plugin_failed(plugin, hook_name, exc)
+                continue
+            if res is not None:
+                results.append(res)
+        return results
+
+    def _impl_of(self, plugin, hook_name: str):
+        for impl in getattr(self._pm.hook, hook_name).get_hookimpls():
+            if impl.plugin is plugin:
+                return impl
+        raise KeyError(hook_name)
+
+    # -- binding -----------------------------------------------------------------------------
+
+    def _add_plugin(self, name: str, plugin, module_names: List[str], sink: bool = False) -> None:
+        table = self._sinks if sink else self._plugins
+        other = self._plugins if sink else self._sinks
+        if name in table or name in other:
+            raise PluginError(f"plugin name {name!r} is used twice in one session")
+        table[name] = plugin
+        self._key_of[id(plugin)] = name
+        self._plugin_modules[name] = list(module_names)
+
+    def _bind(self, model: nn.Module) -> None:
+        order = list(self._plugins.values()) + list(self._sinks.values())
+        for plugin in reversed(order):  # pluggy calls the last registered first
+            self._pm.register(plugin, name=f"{self._key_of[id(plugin)]}-{id(plugin)}")
+        self._pm.check_pending()
+        for hook_name in hookspecs.__dict__:
+            if hook_name.startswith("hookplug_"):
+                impls = getattr(self._pm.hook, hook_name).get_hookimpls()
+                self._call_order[hook_name] = [i.plugin for i in reversed(impls)]
+        self._adapted = {
+            (id(impl.plugin), h): _adapt(impl, h)
+            for h in _PER_CALL_HOOKS
+            for impl in getattr(self._pm.hook, h).get_hookimpls()
+        }
+        mods = dict(model.named_modules())
+        for name in self._module_refs:
+            self._bindings[name] = _ModuleBinding(name, self)
+        params_by_id: Dict[int, str] = {}
+        for pname, p in model.named_parameters():
+            params_by_id.setdefault(id(p), pname)
+        wanted_params: Dict[str, torch.Tensor] = {}
+        param_plugins = set(id(p) for p in self._call_order["hookplug_param_grad"])
+        for pl_name, mod_names in self._plugin_modules.items():
+            plugin = self._plugins.get(pl_name)
+            if plugin is None or id(plugin) not in param_plugins:
+                continue
+            for mn in mod_names:
+                for p in mods[mn].parameters():
+                    if p.requires_grad and id(p) in params_by_id:
+                        wanted_params[params_by_id[id(p)]] = p
+        for pname, p in wanted_params.items():
+            self._param_bindings[pname] = _ParamBinding(pname, p, self)
+        self._rebind()
+        for name, binding in self._bindings.items():
+            mod = mods[name]
+            if binding.fwd_in:
+                self._handles.append(mod.register_forward_pre_hook(binding.pre_hook, with_kwargs=True))
+            if binding.fwd_out or binding.out_grad:
+                self._handles.append(mod.register_forward_hook(binding.post_hook, with_kwargs=True))
+        for pname, pb in self._param_bindings.items():
+            if pb.impls:
+                self._handles.append(wanted_params[pname].register_hook(pb))
+
+    def _rebind(self) -> None:
+        """(Re)build the per-module tuples, leaving out disabled plugins."""
+        by_module: Dict[str, List[Any]] = {n: [] for n in self._bindings}
+        for pl_name, mod_names in self._plugin_modules.items():
+            if pl_name in self._disabled or pl_name not in self._plugins:
+                continue
+            for mn in mod_names:
+                by_module[mn].append(self._plugins[pl_name])
+
+        def impls_for(hook_name: str, allowed) -> Tuple:
+            allowed_ids = {id(p) for p in allowed}
+            return tuple(
+                (p, self._adapted[(id(p), hook_name)])
+                for p in self._call_order[hook_name]
+                if id(p) in allowed_ids
+            )
+
+        for name, binding in self._bindings.items():
+            allowed = by_module[name]
+            binding.fwd_in = impls_for("hookplug_forward_input", allowed)
+            binding.fwd_out = impls_for("hookplug_forward_output", allowed)
+            binding.out_grad = impls_for("hookplug_output_grad", allowed)
+        live = [p for n, p in self._plugins.items() if n not in self._disabled]
+        for pb in self._param_bindings.values():
+            covering = [p for p in live if pb.name in self._params_of(p)]
+            pb.impls = impls_for("hookplug_param_grad", covering)
+
+    def _params_of(self, plugin) -> set:
+        cache = self.__dict__.setdefault("_param_cache", {})
+        key = id(plugin)
+        if key not in cache:
+            model = self.model
+            names = set()
+            if model is not None:
+                ids = {id(p) for mn in self._plugin_modules.get(self._key_of[id(plugin)], [])
+                       for p in model.get_submodule(mn).parameters()}
+                names = {n for n, p in model.named_parameters() if id(p) in ids}
+            cache[key] = names
+        return cache[key]
+
+
+class _StepScope:
+    """Returned by ``Session.step()`` so it can also be used as a context manager."""
+
+    __slots__ = ("session",)
+
+    def __init__(self, session: Session):
+        self.session = session
+
+    def __enter__(self) -> Session:
+        return self.session
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+# -- attach ----------------------------------------------------------------------------------
+
+def _build_plugins(specs, on_error: str) -> List[Tuple[str, Any]]:
+    built = []
+    for name, options, instance in specs:
+        if instance is None:
+            instance = create_plugin(name, options)
+            if instance is None:  # failed to load: warned already, the rest keep working
+                continue
+        built.append((name, instance))
+    return built
+
+
+def attach(
+    model: nn.Module,
+    selector: Union[str, Dict[str, PluginSpec]] = "*",
+    plugins: PluginSpec = None,
+    *,
+    every: int = 1,
+    sink: PluginSpec = None,
+    on_error: str = "raise",
+    strict: bool = False,
+    flush_every: Optional[int] = None,
+) -> Session:
+    """Attach ``plugins`` to the modules of ``model`` that ``selector`` picks.
+
+    ``selector`` may be a dict ``{selector: plugins}`` to give each plugin its own modules.
+    ``plugins`` and ``sink`` take a name, ``(name, {options})``, a list, a dict
+    ``{name: options}`` or plugin instances. Returns a :class:`Session`.
+    """
+    session = Session(model, every=every, on_error=on_error, flush_every=flush_every)
+    if isinstance(selector, dict):
+        if plugins is not None:
+            raise PluginError("attach(): with a {selector: plugins} dict, leave plugins= unset")
+        groups = list(selector.items())
+    else:
+        if plugins is None:
+            raise PluginError("attach(): plugins= is required (a name, a list, or instances)")
+        groups = [(selector, plugins)]
+
+    chosen: Dict[str, nn.Module] = {}
+    plan: Dict[str, Tuple[Any, List[str], Dict[str, Any]]] = {}
+    for sel, spec in groups:
+        matched = select(model, sel, strict=strict)
+        specs = _normalize_specs(spec)
+        if not specs:
+            raise PluginError(f"attach(): no plugins given for selector {sel!r}")
+        for name, options, instance in specs:
+            key = getattr(instance, "name", None) or name
+            if key in plan:
+                prev_instance, mods, prev_opts = plan[key]
+                if instance is not None and instance is not prev_instance or options != prev_opts:
+                    raise PluginError(
+                        f"plugin {key!r} appears under two selectors with different options or "
+                        "instances; give the second one its own instance with another name"
+                    )
+                mods.extend(n for n, _ in matched if n not in mods)
+            else:
+                plan[key] = (instance, [n for n, _ in matched], options)
+        for n, m in matched:
+            chosen.setdefault(n, m)
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    for n in sorted(chosen, key=order.__getitem__):
+        session._module_refs[n] = weakref.ref(chosen[n])
+
+    built = _build_plugins([(k, opts, inst) for k, (inst, _, opts) in plan.items()], on_error)
+    for key, instance in built:
+        session._add_plugin(key, instance, sorted(plan[key][1], key=order.__getitem__))
+    sink_specs = [(getattr(inst, "name", None) or n, o, inst) for n, o, inst in _normalize_specs(sink, "sink")]
+    for key, instance in _build_plugins(sink_specs, on_error):
+        session._add_plugin(key, instance, [], sink=True)
+    try:
+        session._bind(model)
+        session._call_session_hook("hookplug_session_start", session=session)
+    except BaseException:
+        session.remove()
+        raise
+    return session
+

@@ -1,0 +1,83 @@
+"""Hook specifications: the public contract between hookplug and its plugins.
+
+A plugin is any object with a ``name`` whose methods are marked with
+``@hookplug.hookimpl`` and named after the specs below. A plugin may accept a subset of a
+spec's arguments (pluggy matches them by name).
+
+Per-call hooks (the hot path) are resolved **once, at attach time**, into tuples of bound
+methods per module; pluggy is not consulted on each forward. Their results are *folded in
+plugin order*: each plugin sees the previous plugin's result, and ``None`` leaves the value
+unchanged (observe only).
+
+``ctx`` is a :class:`hookplug.HookContext` with ``name`` (the module's qualified name),
+``call_index`` (how many times this module has been called in this session, from 0),
+``step`` (the session's step counter) and ``session``.
+"""
+import pluggy
+
+hookspec = pluggy.HookspecMarker("hookplug")
+hookimpl = pluggy.HookimplMarker("hookplug")
+
+
+# -- session phase ---------------------------------------------------------------------
+
+@hookspec
+def hookplug_session_start(session):
+    """Called once after every hook is registered. Result ignored."""
+
+
+@hookspec
+def hookplug_session_end(session):
+    """Called once by ``session.remove()`` after every hook is taken off. Result ignored."""
+
+
+@hookspec
+def hookplug_step(session, step):
+    """Called by ``session.step()`` at a training-step boundary; ``step`` is the step that
+    just ended. Result ignored."""
+
+
+# -- forward phase (per module call) ---------------------------------------------------
+
+@hookspec
+def hookplug_forward_input(ctx, module, args, kwargs):
+    """Before ``module.forward``. Return ``None`` or a new ``(args, kwargs)`` pair, which
+    the next plugin and then the module receive."""
+
+
+@hookspec
+def hookplug_forward_output(ctx, module, args, kwargs, output):
+    """After ``module.forward``. Return ``None`` or a new output, which the next plugin
+    and then the caller receive. ``output`` may be a tensor or any structure of tensors
+    (tuple, list, dict, dataclass, HF ``ModelOutput``)."""
+
+
+# -- backward phase ---------------------------------------------------------------------
+
+@hookspec
+def hookplug_output_grad(ctx, module, grad, path):
+    """When the gradient with respect to one of the module's output tensors is computed
+    (a tensor hook on that output, so in-place ops after the module are safe). ``path``
+    names the tensor inside the output structure (``"output"``, ``"output[1]"``,
+    ``"output.logits"``). Return ``None`` or a new gradient, which flows on into the
+    module's backward."""
+
+
+@hookspec
+def hookplug_param_grad(ctx, name, param, grad):
+    """When the gradient of a parameter of a selected module is computed; ``name`` is its
+    qualified name in the model. Return ``None`` or a new gradient."""
+
+
+# -- telemetry --------------------------------------------------------------------------
+
+@hookspec
+def hookplug_collect(session, step):
+    """Telemetry producers: return a list of flat records (dicts) gathered since the last
+    collection, or ``None``. Called by the session at a flush; results are concatenated."""
+
+
+@hookspec
+def hookplug_flush(session, records):
+    """Sinks: write ``records`` (a list of flat dicts ``{step, time, rank, module, site,
+    stat...}``). Result ignored."""

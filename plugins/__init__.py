@@ -1,0 +1,1 @@
+"""hookplug's first-party plugins, registered through the ``hookplug.plugins`` entry points."""

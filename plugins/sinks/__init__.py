@@ -1,0 +1,1 @@
+"""Telemetry sinks (plugins implementing ``hookplug_flush``)."""
