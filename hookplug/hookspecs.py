@@ -73,8 +73,11 @@ def hookplug_param_grad(ctx, name, param, grad):
 
 @hookspec
 def hookplug_collect(session, step):
-    """Telemetry producers: return a list of flat records (dicts) gathered since the last
-    collection, or ``None``. Called by the session at a flush; results are concatenated."""
+    """Telemetry producers: return what was gathered since the last collection as a list
+    of ``(meta, TensorStats)`` pairs, ``meta`` being ``{"step": int, "module": str, "site":
+    str}``, or ``None``. The stats stay on the device: the session packs every pair into one
+    buffer, reduces it across ranks under ``torch.distributed``, copies it to the host in one
+    non-blocking transfer and turns it into flat records for the sinks."""
 
 
 @hookspec
