@@ -6,6 +6,7 @@
 """
 from importlib import import_module as _import_module
 
+from . import structures
 from ._manager import PluginError, plugin_info, plugin_names
 from ._plugin import Plugin
 from ._selectors import SelectorError, select
@@ -31,6 +32,7 @@ __all__ = [
     "load_capture",
     "load_config",
     "plot_features",
+    "structures",
 ]
 
 # Imported on first use so that `import hookplug` stays light.

@@ -577,11 +577,15 @@ def attach(
         specs = _normalize_specs(spec)
         if not specs:
             raise PluginError(f"attach(): no plugins given for selector {sel!r}")
+        group_keys = set()
         for name, options, instance in specs:
             key = getattr(instance, "name", None) or name
+            if key in group_keys:
+                raise PluginError(f"plugin name {key!r} is used twice for selector {sel!r}")
+            group_keys.add(key)
             if key in plan:
                 prev_instance, mods, prev_opts = plan[key]
-                if instance is not None and instance is not prev_instance or options != prev_opts:
+                if instance is not prev_instance or options != prev_opts:
                     raise PluginError(
                         f"plugin {key!r} appears under two selectors with different options or "
                         "instances; give the second one its own instance with another name"

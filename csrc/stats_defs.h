@@ -1,0 +1,106 @@
+// hookplug stats op: definitions shared by the CPU kernels, the CUDA kernels and the
+// bindings. Torch-free and STL-free on purpose: it is included by plain-nvcc .cu files
+// and by the CPU kernel translation units compiled for a specific ISA.
+//
+// Output layout of hookplug::tensor_stats(x, bins, hist_mode, lo, hi):
+//   counts      int64[4]    numel, nan_count, inf_count, zero_count
+//   moments     float64[5]  min, max, mean, std, absmax   (finite values only; NaN if none)
+//   hist_counts int64[B]    B = 0 (bins == 0), kLog2Bins (log2 mode) or bins (linear mode)
+//   hist_edges  float64[B+1] (empty when B == 0)
+//
+// Log2 histogram (hist_mode 0), kLog2Bins = 131 buckets, ascending:
+//   [0, 65)    negative values, bucket j holds -2^(33-j) < x <= -2^(32-j) i.e. binary
+//              exponent e = 32 - j (|x| in [2^e, 2^(e+1)));
+//   65         exact zeros (+0 and -0);
+//   [66, 131)  positive values, bucket 66 + k holds 2^(k-32) <= x < 2^(k-31), e = k - 32.
+//   Exponents are clamped to the window [kLog2MinExp, kLog2MaxExp] = [-32, 32]: tinier
+//   magnitudes (subnormals included) fall in the innermost bucket of their sign, larger ones
+//   and +-Inf in the outermost. NaN is not counted. So sum(hist_counts) = numel - nan_count.
+//   Edges are the nominal bucket limits -2^33, -2^32, ..., -2^-32, 2^-32, ..., 2^33
+//   (strictly increasing and finite; the zero bucket nominally spans [-2^-32, 2^-32]).
+// Linear histogram (hist_mode 1), `bins` buckets over [lo, hi] (given, or the finite
+//   min/max; widened to [lo-1, hi+1] when lo == hi, [-1, 1] when there is no finite value):
+//   bucket = floor((x - lo) * (bins / (hi - lo))) in float64, x == hi in the last bucket;
+//   values outside [lo, hi], NaN and +-Inf are not counted (torch.histc's rule).
+//   edges[i] = lo + ((hi - lo) * i) / bins, edges[bins] = hi.
+#pragma once
+
+#include <stdint.h>
+
+#if defined(__CUDACC__)
+#define HOOKPLUG_HD __host__ __device__ inline
+#else
+#define HOOKPLUG_HD inline
+#endif
+
+namespace hookplug {
+
+constexpr int kLog2MinExp = -32;
+constexpr int kLog2MaxExp = 32;
+constexpr int kLog2PerSign = kLog2MaxExp - kLog2MinExp + 1;  // 65
+constexpr int kLog2ZeroBin = kLog2PerSign;                   // 65
+constexpr int kLog2Bins = 2 * kLog2PerSign + 1;              // 131
+
+constexpr int64_t kHistLog2 = 0;
+constexpr int64_t kHistLinear = 1;
+
+constexpr int kNumCounts = 4;   // numel, nan, inf, zero
+constexpr int kNumMoments = 5;  // min, max, mean, std, absmax
+
+// Log2 bucket of a finite nonzero value with sign `neg` and binary exponent e
+// (|x| in [2^e, 2^(e+1))); e is clamped to the window.
+HOOKPLUG_HD int log2_bucket(bool neg, int e) {
+  e = e < kLog2MinExp ? kLog2MinExp : (e > kLog2MaxExp ? kLog2MaxExp : e);
+  return neg ? (kLog2MaxExp - e) : (kLog2ZeroBin + 1 + (e - kLog2MinExp));
+}
+
+HOOKPLUG_HD double pow2i(int e) {  // exact 2^e for |e| < 1000, no libm needed
+  double r = 1.0, b = e < 0 ? 0.5 : 2.0;
+  for (int k = e < 0 ? -e : e; k > 0; --k) r *= b;
+  return r;
+}
+
+// Edge i (0..kLog2Bins) of the log2 layout.
+HOOKPLUG_HD double log2_edge(int i) {
+  if (i <= kLog2PerSign) return -pow2i(kLog2MaxExp + 1 - i);
+  return pow2i(kLog2MinExp + (i - kLog2PerSign - 1));
+}
+
+// Linear bucket of x, or -1 when x is outside [lo, hi] (NaN included).
+HOOKPLUG_HD int64_t linear_bucket(double x, double lo, double hi, double scale, int64_t bins) {
+  if (!(x >= lo && x <= hi)) return -1;
+  int64_t b = static_cast<int64_t>((x - lo) * scale);
+  return b >= bins ? bins - 1 : (b < 0 ? 0 : b);
+}
+
+HOOKPLUG_HD double linear_edge(double lo, double hi, int64_t i, int64_t bins) {
+  return i == bins ? hi : lo + ((hi - lo) * static_cast<double>(i)) / static_cast<double>(bins);
+}
+
+// The automatic linear range from the finite min/max (n = number of finite values).
+HOOKPLUG_HD void linear_auto_range(double n, double mn, double mx, double* lo, double* hi) {
+  if (!(n > 0)) { mn = 0.0; mx = 0.0; }
+  if (mn == mx) { mn -= 1.0; mx += 1.0; }
+  *lo = mn;
+  *hi = mx;
+}
+
+// Count, mean and sum of squared deviations of a set of finite values; merged with
+// Chan et al.'s parallel formula.
+struct Moments {
+  double n;
+  double mean;
+  double m2;
+};
+
+HOOKPLUG_HD void moments_merge(Moments& a, double nb, double mean_b, double m2_b) {
+  if (nb == 0) return;
+  if (a.n == 0) { a.n = nb; a.mean = mean_b; a.m2 = m2_b; return; }
+  const double n = a.n + nb;
+  const double delta = mean_b - a.mean;
+  a.mean += delta * (nb / n);
+  a.m2 += m2_b + delta * delta * (a.n * (nb / n));
+  a.n = n;
+}
+
+}  // namespace hookplug

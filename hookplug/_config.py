@@ -1,0 +1,272 @@
+"""Telemetry config files: ``hookplug.attach(model, config="telemetry.toml")``.
+
+``load_config(path)`` reads a TOML file and returns the keyword arguments of
+:func:`hookplug.attach` it describes, so ``attach(model, **load_config(path))`` and
+``attach(model, config=path)`` do the same thing. Every key is optional::
+
+    select = "Conv2d|Linear"      # default selector of the [plugins.*] tables ("*" if unset)
+    every = 1                     # sample one step in N (session level)
+    flush_every = 10              # flush telemetry every K steps
+    on_error = "raise"            # or "warn"
+    strict = false                # a selector that matches nothing raises
+
+    [plugins.stats]               # one table per plugin; its keys are the plugin's options
+    select = "Linear:*"           # reserved key: this plugin's own selector (optional)
+    bins = 32
+    sites = ["output", "grad"]    # TOML arrays reach the plugin as lists
+
+    [plugins.capture]             # a plugin without options: an empty table
+
+    [sinks.jsonl]                 # one table per sink; its keys are the sink's options
+    path = "runs/exp1"
+    [sinks.prometheus]
+    port = 9100
+
+``plugins = ["stats", "capture"]`` (names without options) may replace the ``[plugins.*]``
+tables. The result maps onto ``attach``: ``selector`` is ``{selector: {plugin: options}}``
+(plugins that share a selector share an entry), ``sink`` is ``{sink: options}``.
+
+Checks happen here, before anything is attached: unknown top-level keys, wrong types,
+unknown plugin or sink names, and, for plugins whose factory can be inspected, unknown
+options and options whose type differs from the factory's default or annotation. Every
+error is a :class:`ConfigError` (a ``ValueError``) that names the file, the key and what
+was expected, e.g. ``telemetry.toml: [plugins.stats] bins: expected an int, got "x"``.
+
+TOML is read with ``tomllib`` (Python 3.11+) or, on 3.9/3.10, the ``tomli`` package.
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+import os
+import sys
+import typing
+from typing import Any, Dict, Optional, Tuple
+
+__all__ = ["load_config", "ConfigError"]
+
+_TOP_KEYS = ("select", "every", "flush_every", "on_error", "strict", "plugins", "sinks")
+
+
+class ConfigError(ValueError):
+    """A telemetry config file that cannot be read or does not match the schema."""
+
+
+def _toml():
+    if sys.version_info >= (3, 11):
+        import tomllib
+
+        return tomllib
+    try:
+        import tomli
+    except ImportError:  # pragma: no cover - depends on the interpreter
+        raise ConfigError(
+            "reading a hookplug config file needs Python 3.11+ (tomllib) or the tomli package: "
+            "pip install tomli"
+        ) from None
+    return tomli
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, str):
+        return '"' + value.replace('"', '\\"') + '"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, list):
+        return "an array"
+    return repr(value)
+
+
+_ARTICLE = {"int": "an int", "float": "a float", "str": "a string", "bool": "a boolean",
+            "list": "an array", "dict": "a table"}
+
+
+def _type_ok(value: Any, kind: str) -> bool:
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "str":
+        return isinstance(value, str)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "list":
+        return isinstance(value, list)
+    if kind == "dict":
+        return isinstance(value, dict)
+    return True
+
+
+class _Ctx:
+    def __init__(self, path: str):
+        self.name = os.path.basename(path) or path
+
+    def error(self, where: str, message: str) -> ConfigError:
+        return ConfigError(f"{self.name}: {where}{': ' if where else ''}{message}")
+
+    def expect(self, where: str, value: Any, *kinds: str) -> None:
+        if not any(_type_ok(value, k) for k in kinds):
+            want = " or ".join(_ARTICLE.get(k, k) for k in kinds)
+            raise self.error(where, f"expected {want}, got {_show(value)}")
+
+
+# -- plugin option checks from the factory's signature ----------------------------------------
+
+_ANNOTATION_KINDS = {int: ("int",), float: ("float",), str: ("str",), bool: ("bool",),
+                     list: ("list",), tuple: ("list",), dict: ("dict",)}
+_STRING_KINDS = {"int": ("int",), "float": ("float",), "str": ("str",), "bool": ("bool",)}
+
+
+def _kinds_of(param: inspect.Parameter) -> Optional[Tuple[str, ...]]:
+    """What TOML types an option accepts, from its annotation or, failing that, its default;
+    None when it cannot be told (no check)."""
+    ann = param.annotation
+    if ann is not inspect.Parameter.empty:
+        if isinstance(ann, str):
+            text = ann.replace(" ", "")
+            optional = text.startswith("Optional[") and text.endswith("]")
+            inner = text[len("Optional["):-1] if optional else text
+            if inner in _STRING_KINDS:
+                return _STRING_KINDS[inner]
+            return None
+        if ann in _ANNOTATION_KINDS:
+            return _ANNOTATION_KINDS[ann]
+        origin = typing.get_origin(ann)
+        if origin is typing.Union:
+            kinds = []
+            for arg in typing.get_args(ann):
+                if arg is type(None):
+                    continue
+                sub = _ANNOTATION_KINDS.get(arg) or _ANNOTATION_KINDS.get(typing.get_origin(arg))
+                if sub is None:
+                    return None
+                kinds.extend(sub)
+            return tuple(kinds) or None
+        if origin in _ANNOTATION_KINDS:
+            return _ANNOTATION_KINDS[origin]
+        return None
+    default = param.default
+    if default is inspect.Parameter.empty or default is None:
+        return None
+    for t in (bool, int, float, str, list, tuple, dict):
+        if type(default) is t:
+            return _ANNOTATION_KINDS[t]
+    return None
+
+
+def _check_options(ctx: _Ctx, table: str, name: str, options: Dict[str, Any]) -> None:
+    from ._manager import _discover
+
+    sources = _discover()
+    src = sources.get(name)
+    if src is None:
+        close = difflib.get_close_matches(name, list(sources), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ctx.error(f"[{table}.{name}]", f"unknown plugin {name!r}.{hint} Available: "
+                        f"{', '.join(sources) or 'none'}")
+    factory = src.load()  # a broken plugin has warned already; attach() will skip it
+    if factory is None:
+        return
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return
+    params = {p.name: p for p in sig.parameters.values()
+              if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    open_ended = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+    for key, value in options.items():
+        param = params.get(key)
+        if param is None:
+            if open_ended:
+                continue
+            close = difflib.get_close_matches(key, list(params), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ctx.error(f"[{table}.{name}] {key}", f"unknown option{hint}; {name!r} accepts: "
+                            f"{', '.join(params) or 'no options'}")
+        kinds = _kinds_of(param)
+        if kinds and value is not None:
+            ctx.expect(f"[{table}.{name}] {key}", value, *kinds)
+
+
+# -- the schema ---------------------------------------------------------------------------------
+
+def _plugin_tables(ctx: _Ctx, table: str, raw: Any) -> Dict[str, Dict[str, Any]]:
+    if isinstance(raw, list) and table == "plugins":
+        out = {}
+        for i, item in enumerate(raw):
+            ctx.expect(f"plugins[{i}]", item, "str")
+            out[item] = {}
+        return out
+    if not isinstance(raw, dict):
+        want = "a table [plugins.NAME] or an array of names" if table == "plugins" else "a table [sinks.NAME]"
+        raise ctx.error(table, f"expected {want}, got {_show(raw)}")
+    out = {}
+    for name, opts in raw.items():
+        if not isinstance(opts, dict):
+            raise ctx.error(f"[{table}.{name}]", f"expected a table of options, got {_show(opts)}")
+        out[name] = dict(opts)
+    return out
+
+
+def parse_config(data: Dict[str, Any], path: str = "<config>") -> Dict[str, Any]:
+    """Validate an already parsed config mapping; see :func:`load_config`."""
+    ctx = _Ctx(path)
+    for key in data:
+        if key not in _TOP_KEYS:
+            close = difflib.get_close_matches(key, _TOP_KEYS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ctx.error(key, f"unknown key{hint}; expected one of {', '.join(_TOP_KEYS)}")
+    out: Dict[str, Any] = {}
+    default_sel = data.get("select", "*")
+    ctx.expect("select", default_sel, "str")
+    for key in ("every", "flush_every"):
+        if key in data:
+            ctx.expect(key, data[key], "int")
+            if data[key] < 1:
+                raise ctx.error(key, f"expected an int >= 1, got {data[key]}")
+            out[key] = data[key]
+    if "on_error" in data:
+        if data["on_error"] not in ("raise", "warn"):
+            raise ctx.error("on_error", f'expected "raise" or "warn", got {_show(data["on_error"])}')
+        out["on_error"] = data["on_error"]
+    if "strict" in data:
+        ctx.expect("strict", data["strict"], "bool")
+        out["strict"] = data["strict"]
+
+    groups: Dict[str, Dict[str, Dict[str, Any]]] = {}
+    for name, opts in _plugin_tables(ctx, "plugins", data.get("plugins", {})).items():
+        sel = opts.pop("select", default_sel)
+        ctx.expect(f"[plugins.{name}] select", sel, "str")
+        _check_options(ctx, "plugins", name, opts)
+        groups.setdefault(sel, {})[name] = opts
+    if groups:
+        out["selector"] = groups
+    sinks = _plugin_tables(ctx, "sinks", data.get("sinks", {}))
+    for name, opts in sinks.items():
+        _check_options(ctx, "sinks", name, opts)
+    if sinks:
+        out["sink"] = sinks
+    return out
+
+
+def load_config(path: "str | os.PathLike[str]") -> Dict[str, Any]:
+    """Read a telemetry TOML file (schema in this module's docstring) and return the
+    ``hookplug.attach`` keyword arguments it describes: some of ``selector`` (a
+    ``{selector: {plugin: options}}`` dict), ``sink`` (``{sink: options}``), ``every``,
+    ``flush_every``, ``on_error``, ``strict``. Raises :class:`ConfigError`."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file: {exc.strerror or exc}") from None
+    toml = _toml()
+    try:
+        data = toml.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{os.path.basename(path)}: not UTF-8 text: {exc}") from None
+    except toml.TOMLDecodeError as exc:
+        raise ConfigError(f"{os.path.basename(path)}: invalid TOML: {exc}") from None
+    return parse_config(data, path)

@@ -1,0 +1,174 @@
+import re
+import warnings
+
+import pytest
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hookplug
+from hookplug import SelectorError, select
+from hookplug.models import resnet34_like, tiny_transformer
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    return resnet34_like()
+
+
+@pytest.fixture(scope="module")
+def transformer():
+    return tiny_transformer(depth=3)
+
+
+def names(model, sel, **kw):
+    return [n for n, _ in select(model, sel, **kw)]
+
+
+def by_hand(model, pred):
+    return [n for n, m in model.named_modules() if pred(n, m)]
+
+
+def test_class_name_matches_class_and_order(resnet):
+    got = names(resnet, "Conv2d:*")
+    assert got == by_hand(resnet, lambda n, m: isinstance(m, nn.Conv2d))
+    assert len(got) == 36
+    assert names(resnet, "Conv2d") == got
+
+
+def test_base_class_name_matches_subclasses():
+    class MyConv(nn.Conv2d):
+        pass
+
+    m = nn.Sequential(MyConv(1, 1, 1), nn.Conv2d(1, 1, 1), nn.ReLU())
+    assert names(m, "Conv2d") == ["0", "1"]
+    assert names(m, "MyConv") == ["0"]
+    assert names(m, "_ConvNd") == ["0", "1"]
+
+
+def test_glob_dot_is_literal_and_star_spans_dots(resnet):
+    got = names(resnet, "*:layer1.*")
+    assert got == by_hand(resnet, lambda n, m: n.startswith("layer1."))
+    m = nn.ModuleDict({"axb": nn.ReLU(), "a": nn.ModuleDict({"b": nn.ReLU()})})
+    assert names(m, "*:a.b") == ["a.b"]  # '.' is literal: 'axb' is not matched
+    assert names(m, "*:a?b") == ["axb", "a.b"]
+    assert names(resnet, "Conv2d:layer2.0.conv?") == ["layer2.0.conv1", "layer2.0.conv2"]
+
+
+def test_alternation(resnet):
+    got = names(resnet, "Conv2d|Linear:*")
+    assert got == by_hand(resnet, lambda n, m: isinstance(m, (nn.Conv2d, nn.Linear)))
+    assert "fc" in got
+
+
+def test_regex_full_match(transformer):
+    got = names(transformer, r"Linear:re:layers\.\d+\.(query|key)")
+    want = by_hand(transformer, lambda n, m: isinstance(m, nn.Linear) and re.fullmatch(r"layers\.\d+\.(query|key)", n))
+    assert got == want and len(got) == 6
+    # full match: a prefix alone does not match
+    assert names(transformer, r"*:re:layers\.\d") == ["layers.0", "layers.1", "layers.2"]
+
+
+def test_regex_with_comma_inside_braces(transformer):
+    got = names(transformer, r"Linear:re:layers\.[0-9]{1,2}\.ff1, Embedding")
+    assert got == ["embed", "layers.0.ff1", "layers.1.ff1", "layers.2.ff1"]
+
+
+def test_dotted_class_path(transformer):
+    assert names(transformer, "torch.nn.Linear:*") == names(transformer, "Linear")
+    assert names(transformer, "torch.nn.modules.linear.Linear") == names(transformer, "Linear")
+    enc = names(transformer, "hookplug.models.EncoderLayer")
+    assert enc == ["layers.0", "layers.1", "layers.2"]
+
+
+def test_union_and_exclusion(resnet):
+    got = names(resnet, "Conv2d, Linear, -*:layer4.*, -*:conv1")
+    want = by_hand(resnet, lambda n, m: isinstance(m, (nn.Conv2d, nn.Linear))
+                   and not n.startswith("layer4.") and n != "conv1")
+    assert got == want
+    # exclusion applies to the union so far; later terms add back
+    assert "conv1" in names(resnet, "Conv2d, -*:conv1, *:conv1")
+
+
+def test_root_only_when_named(resnet):
+    assert "" not in names(resnet, "*")
+    assert names(resnet, "*:") == [""]
+    assert names(resnet, "ResNetLike:") == [""]
+
+
+def test_root_with_class_mismatch_warns(resnet):
+    with pytest.warns(UserWarning, match="matched no module"):
+        assert names(resnet, "Conv2d:") == []
+
+
+@pytest.mark.parametrize("sel, col, msg", [
+    ("Conv2d,", 7, "empty term"),
+    ("Conv2d|:*", 7, "empty class name"),
+    ("Conv-2d", 4, "expected a class name"),
+    ("Linear:re:(ab", 10, "invalid regular expression"),
+    ("-Linear", 1, "cannot start with '-'"),
+    ("", 0, "empty selector"),
+    ("*|Linear", 0, "cannot be combined"),
+])
+def test_malformed_selectors_mark_the_column(resnet, sel, col, msg):
+    with pytest.raises(SelectorError) as info:
+        select(resnet, sel)
+    err = info.value
+    assert isinstance(err, ValueError)
+    assert msg in str(err)
+    assert err.column == col
+    lines = str(err).splitlines()
+    assert lines[1] == "  " + sel
+    assert lines[2] == " " * (col + 2) + "^"
+
+
+def test_unknown_class_suggests_close_match(resnet):
+    with pytest.raises(SelectorError, match="did you mean 'Conv2d'"):
+        select(resnet, "Conv2D")
+    with pytest.raises(SelectorError, match="BatchNorm2d"):
+        select(resnet, "BatchNorm2")
+    with pytest.raises(SelectorError, match="cannot import class"):
+        select(resnet, "nosuchpkg.Conv2d")
+
+
+def test_known_torch_class_absent_from_model_warns_not_raises(resnet):
+    with pytest.warns(UserWarning, match="matched no module"):
+        assert select(resnet, "LSTM") == []
+
+
+def test_strict_raises_on_empty_match(resnet):
+    with pytest.raises(SelectorError, match="matched no module"):
+        select(resnet, "*:nothing.here", strict=True)
+
+
+def test_non_string_and_non_module_inputs(resnet):
+    with pytest.raises(TypeError, match="selector must be a str"):
+        select(resnet, 3)
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        select("not a model", "*")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("Conv2dLinear*:|,-.re[](){}\\ ?_0123456789")), max_size=30))
+def test_fuzz_only_result_or_selector_error(sel):
+    model = nn.Sequential(nn.Conv2d(1, 1, 1), nn.Sequential(nn.Linear(1, 1)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            out = select(model, sel)
+        except SelectorError:
+            return
+    assert isinstance(out, list)
+    assert all(isinstance(n, str) and isinstance(m, nn.Module) for n, m in out)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=40))
+def test_fuzz_arbitrary_unicode(sel):
+    model = nn.Sequential(nn.Linear(1, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            hookplug.select(model, sel)
+        except SelectorError:
+            pass

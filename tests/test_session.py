@@ -1,0 +1,480 @@
+import copy
+import dataclasses
+import gc
+import warnings
+import weakref
+from collections import OrderedDict
+
+import pluggy
+import pytest
+import torch
+import torch.nn as nn
+
+import hookplug
+from hookplug import PluginError, hookimpl
+from hookplug.models import MLP, resnet34_like, tiny_cnn, tiny_transformer
+
+
+class Recorder(hookplug.Plugin):
+    """Observe-only: records what it sees."""
+
+    def __init__(self, name="rec"):
+        self.name = name
+        self.calls = []
+        self.grads = []
+
+    @hookimpl
+    def hookplug_forward_output(self, ctx, module, output):
+        self.calls.append((ctx.name, ctx.call_index, ctx.step, type(module).__name__))
+
+    @hookimpl
+    def hookplug_output_grad(self, ctx, grad, path):
+        self.grads.append((ctx.name, path, grad.clone()))
+
+
+class AddOutput(hookplug.Plugin):
+    def __init__(self, name, value, log):
+        self.name, self.value, self.log = name, value, log
+
+    @hookimpl
+    def hookplug_forward_output(self, output):
+        self.log.append(self.name)
+        return output + self.value
+
+
+class ScaleOutput(hookplug.Plugin):
+    def __init__(self, name, factor, log):
+        self.name, self.factor, self.log = name, factor, log
+
+    @hookimpl
+    def hookplug_forward_output(self, output):
+        self.log.append(self.name)
+        return output * self.factor
+
+
+def all_hook_dicts(model):
+    snap = {}
+    for n, m in model.named_modules():
+        for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                     "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
+                     "_forward_hooks_always_called", "_state_dict_hooks", "_load_state_dict_pre_hooks"):
+            if hasattr(m, attr):
+                snap[(n, attr)] = dict(getattr(m, attr))
+    for n, p in model.named_parameters():
+        snap[(n, "param_hooks")] = dict(p._backward_hooks or {})
+    return snap
+
+
+def train_step(model, x):
+    model.zero_grad(set_to_none=True)
+    out = model(x)
+    out.square().mean().backward()
+    return out.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# -- plugin forms -----------------------------------------------------------------------------
+
+def test_plugin_forms_and_lookup():
+    m = MLP()
+    rec = Recorder()
+    with hookplug.attach(m, "Linear", plugins=rec) as s:
+        assert s["rec"] is rec and "rec" in s
+        assert list(s.modules) == ["fc1", "fc2", "fc3"]
+        with pytest.raises(KeyError, match="it has: rec"):
+            s["nope"]
+    with pytest.raises(PluginError, match="unknown hookplug plugin 'nosuch'.*Available:"):
+        hookplug.attach(m, "Linear", plugins="nosuch")
+    with pytest.raises(PluginError, match="the class Recorder"):
+        hookplug.attach(m, "Linear", plugins=Recorder)
+    with pytest.raises(PluginError, match="plugins= is required"):
+        hookplug.attach(m, "Linear")
+
+
+def test_two_instances_need_distinct_names():
+    m = MLP()
+    with pytest.raises(PluginError, match="used twice"):
+        hookplug.attach(m, "Linear", plugins=[Recorder("a"), Recorder("a")])
+    with hookplug.attach(m, "Linear", plugins=[Recorder("a"), Recorder("b")]) as s:
+        m(torch.randn(2, 32))
+    assert len(s["a"].calls) == len(s["b"].calls) == 4
+
+
+def test_selector_dict_gives_each_plugin_its_modules():
+    m = MLP()
+    a, b = Recorder("a"), Recorder("b")
+    with hookplug.attach(m, {"*:fc1": a, "*:fc3, *:fc1": b}) as s:
+        m(torch.randn(2, 32))
+    assert [c[0] for c in a.calls] == ["fc1"]
+    assert [c[0] for c in b.calls] == ["fc1", "fc3"]
+    assert list(s.modules) == ["fc1", "fc3"]
+    assert list(s.modules_of("b")) == ["fc1", "fc3"]
+
+
+# -- folding and context -----------------------------------------------------------------------------
+
+def test_fold_in_plugin_order():
+    m = nn.Linear(3, 3)
+    x = torch.randn(2, 3)
+    ref = m(x)
+    log = []
+    with hookplug.attach(m, "*:", plugins=[AddOutput("add", 1.0, log), ScaleOutput("mul", 2.0, log)]):
+        y = m(x)
+    assert log == ["add", "mul"]
+    torch.testing.assert_close(y, (ref + 1) * 2)
+    log.clear()
+    with hookplug.attach(m, "*:", plugins=[ScaleOutput("mul", 2.0, log), AddOutput("add", 1.0, log)]):
+        y = m(x)
+    assert log == ["mul", "add"]
+    torch.testing.assert_close(y, ref * 2 + 1)
+    torch.testing.assert_close(m(x), ref)  # removed
+
+
+def test_tryfirst_is_honoured():
+    log = []
+
+    class Late(AddOutput):
+        @hookimpl(trylast=True)
+        def hookplug_forward_output(self, output):
+            self.log.append(self.name)
+            return output + self.value
+
+    m = nn.Linear(2, 2)
+    with hookplug.attach(m, "*:", plugins=[Late("late", 1.0, log), ScaleOutput("mul", 3.0, log)]):
+        m(torch.randn(1, 2))
+    assert log == ["mul", "late"]
+
+
+def test_forward_input_fold_and_kwargs():
+    class Block(nn.Module):
+        def forward(self, x, *, scale=1.0):
+            return x * scale
+
+    class Shift(hookplug.Plugin):
+        name = "shift"
+
+        @hookimpl
+        def hookplug_forward_input(self, args, kwargs):
+            return (args[0] + 1,), {**kwargs, "scale": kwargs.get("scale", 1.0) * 10}
+
+    class Seen(hookplug.Plugin):
+        name = "seen"
+
+        def __init__(self):
+            self.kwargs = None
+
+        @hookimpl
+        def hookplug_forward_input(self, args, kwargs):
+            self.kwargs = dict(kwargs)
+
+    m = nn.Sequential()
+    m.add_module("blk", Block())
+    seen = Seen()
+    with hookplug.attach(m, "Block", plugins=["shift" and Shift(), seen]):
+        y = m.blk(torch.zeros(2), scale=2.0)
+    assert seen.kwargs == {"scale": 20.0}
+    torch.testing.assert_close(y, torch.full((2,), 20.0))
+
+
+def test_context_call_index_and_step():
+    m = MLP()
+    rec = Recorder()
+    with hookplug.attach(m, "Linear", plugins=rec) as s:
+        m(torch.randn(2, 32))
+        s.step()
+        m(torch.randn(2, 32))
+    assert rec.calls[:4] == [("fc1", 0, 0, "Linear"), ("fc2", 0, 0, "Linear"), ("fc2", 1, 0, "Linear"),
+                             ("fc3", 0, 0, "Linear")]
+    assert rec.calls[4:] == [("fc1", 1, 1, "Linear"), ("fc2", 2, 1, "Linear"), ("fc2", 3, 1, "Linear"),
+                             ("fc3", 1, 1, "Linear")]
+
+
+def test_every_n_samples_steps():
+    m = MLP()
+    rec = Recorder()
+    with hookplug.attach(m, "*:fc1", plugins=rec, every=3) as s:
+        for _ in range(7):
+            m(torch.randn(2, 32))
+            s.step()
+    assert [c[2] for c in rec.calls] == [0, 3, 6]
+
+
+# -- observe-only is exact ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("factory, shape", [(tiny_cnn, (2, 3, 32, 32)), (MLP, (4, 32))])
+def test_observe_only_is_bitwise_identical(factory, shape):
+    torch.manual_seed(1)
+    model = factory()
+    x = torch.randn(*shape)
+    ref_out, ref_grads = train_step(copy.deepcopy(model), x)
+    rec = Recorder()
+    with hookplug.attach(model, "*", plugins=rec):
+        out, grads = train_step(model, x)
+    assert torch.equal(out, ref_out)
+    assert grads.keys() == ref_grads.keys()
+    assert all(torch.equal(grads[k], ref_grads[k]) for k in grads)
+    assert rec.calls and rec.grads
+
+
+def test_output_grad_equals_true_gradient():
+    model = MLP()
+    x = torch.randn(4, 32)
+    true = {}
+    def by_hand(m, i, o):
+        o.register_hook(lambda g: true.setdefault("fc1", g.clone()))
+
+    handle = model.fc1.register_forward_hook(by_hand)
+    model(x).sum().backward()
+    handle.remove()
+    rec = Recorder()
+    with hookplug.attach(model, "*:fc1", plugins=rec):
+        model(x).sum().backward()
+    assert rec.grads[0][:2] == ("fc1", "output")
+    assert torch.equal(rec.grads[0][2], true["fc1"])
+
+
+def test_inplace_relu_after_hooked_conv_trains():
+    class Clamp(hookplug.Plugin):
+        name = "clamp"
+
+        @hookimpl
+        def hookplug_output_grad(self, grad):
+            return grad.clamp(min=0)
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(inplace=True), nn.Conv2d(4, 2, 3))
+    x = torch.randn(2, 3, 10, 10)
+    ref = copy.deepcopy(model)
+    # by hand: the same clamp with a plain tensor hook on conv0's output
+    def by_hand(m, i, o):
+        o.register_hook(lambda g: g.clamp(min=0))
+
+    h = ref[0].register_forward_hook(by_hand)
+    ref(x).sum().backward()
+    h.remove()
+    rec = Recorder()
+    with hookplug.attach(model, "Conv2d", plugins=[Clamp(), rec]):
+        model(x).sum().backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p.grad, q.grad), n
+    assert {g[0] for g in rec.grads} == {"0", "2"}
+
+
+@dataclasses.dataclass
+class Out:
+    logits: torch.Tensor
+    hidden: tuple
+
+
+class ModelOutputLike(OrderedDict):
+    pass
+
+
+class Structured(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.kind = kind
+
+    def forward(self, x):
+        a = self.lin(x)
+        b = a * 2
+        if self.kind == "tuple":
+            return a, [b]
+        if self.kind == "dict":
+            return {"a": a, "b": b}
+        if self.kind == "dataclass":
+            return Out(logits=a, hidden=(b,))
+        return ModelOutputLike(logits=a, hidden=b)
+
+
+@pytest.mark.parametrize("kind, paths", [
+    ("tuple", {"output[0]", "output[1][0]"}),
+    ("dict", {"output.a", "output.b"}),
+    ("dataclass", {"output.logits", "output.hidden[0]"}),
+    ("modeloutput", {"output.logits", "output.hidden"}),
+])
+def test_structured_outputs_get_grad_hooks_per_tensor(kind, paths):
+    outer = nn.Sequential()
+    outer.add_module("s", Structured(kind))
+    rec = Recorder()
+    with hookplug.attach(outer, "Structured", plugins=rec):
+        out = outer(torch.randn(2, 3))
+        tensors = [t for _, t in hookplug.structures.iter_tensors(out)]
+        sum(t.sum() for t in tensors).backward()
+    assert {g[1] for g in rec.grads} == paths
+
+
+def test_param_grad_hook_replaces_gradient():
+    class ZeroBias(hookplug.Plugin):
+        name = "zb"
+
+        def __init__(self):
+            self.seen = []
+
+        @hookimpl
+        def hookplug_param_grad(self, ctx, name, param, grad):
+            self.seen.append(name)
+            if name.endswith("bias"):
+                return torch.zeros_like(grad)
+
+    model = MLP()
+    zb = ZeroBias()
+    with hookplug.attach(model, "*:fc3", plugins=zb):
+        model(torch.randn(4, 32)).sum().backward()
+    assert sorted(zb.seen) == ["fc3.bias", "fc3.weight"]
+    assert torch.count_nonzero(model.fc3.bias.grad) == 0
+    assert torch.count_nonzero(model.fc1.bias.grad) > 0
+
+
+# -- hot path ------------------------------------------------------------------------------------------
+
+def test_pluggy_not_called_per_forward(monkeypatch):
+    model = MLP()
+    rec = Recorder()
+    with hookplug.attach(model, "Linear", plugins=rec):
+        def boom(*a, **k):
+            raise AssertionError("pm.hook called on the hot path")
+
+        monkeypatch.setattr(pluggy.HookCaller, "__call__", boom)
+        model(torch.randn(2, 32)).sum().backward()
+        monkeypatch.undo()
+    assert len(rec.calls) == 4
+
+
+def test_only_needed_torch_hooks_are_registered():
+    class OnlyOutput(hookplug.Plugin):
+        name = "o"
+
+        @hookimpl
+        def hookplug_forward_output(self, output):
+            return None
+
+    model = MLP()
+    with hookplug.attach(model, "Linear", plugins=OnlyOutput()):
+        for m in (model.fc1, model.fc2, model.fc3):
+            assert len(m._forward_hooks) == 1 and len(m._forward_pre_hooks) == 0
+        assert all(not p._backward_hooks for p in model.parameters())
+
+
+# -- safety ----------------------------------------------------------------------------------------------
+
+def test_remove_restores_every_hook_dict_and_is_idempotent():
+    model = resnet34_like()
+    model.fc.register_forward_hook(lambda *a: None)  # the user's own hook survives
+    before = all_hook_dicts(model)
+    sd_keys = list(model.state_dict().keys())
+
+    class Everything(Recorder):
+        @hookimpl
+        def hookplug_forward_input(self, args):
+            return None
+
+        @hookimpl
+        def hookplug_param_grad(self, grad):
+            return None
+
+    s = hookplug.attach(model, "*", plugins=Everything())
+    assert all_hook_dicts(model) != before
+    assert list(model.state_dict().keys()) == sd_keys
+    model(torch.randn(2, 3, 64, 64)).sum().backward()
+    s.remove()
+    s.remove()
+    assert all_hook_dicts(model) == before
+    assert s.removed
+
+
+def test_model_is_garbage_collected_after_remove():
+    model = tiny_cnn()
+    ref = weakref.ref(model)
+    with hookplug.attach(model, "*", plugins=Recorder()) as s:
+        model(torch.randn(2, 3, 64, 64)).sum().backward()
+    del model
+    gc.collect()
+    assert ref() is None
+    assert s.modules == {}
+
+
+def test_model_freed_by_refcount_even_while_attached():
+    model = MLP()
+    ref = weakref.ref(model)
+    s = hookplug.attach(model, "Linear", plugins=Recorder())
+    gc.disable()
+    try:
+        del model
+        assert ref() is None, "a reference cycle keeps the model alive"
+    finally:
+        gc.enable()
+    s.remove()
+
+
+class Failing(hookplug.Plugin):
+    name = "failing"
+
+    def __init__(self):
+        self.calls = 0
+
+    @hookimpl
+    def hookplug_forward_output(self, output):
+        self.calls += 1
+        raise RuntimeError("plugin bug")
+
+
+def test_on_error_warn_disables_plugin_and_keeps_result():
+    model = MLP()
+    x = torch.randn(4, 32)
+    ref_out, ref_grads = train_step(copy.deepcopy(model), x)
+    bad, rec = Failing(), Recorder()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with hookplug.attach(model, "Linear", plugins=[bad, rec], on_error="warn") as s:
+            out, grads = train_step(model, x)
+            out2, _ = train_step(model, x)
+    msgs = [str(x.message) for x in w if "failing" in str(x.message)]
+    assert len(msgs) == 1 and "plugin bug" in msgs[0]
+    assert bad.calls == 1
+    assert "failing" in s.disabled
+    assert torch.equal(out, ref_out) and all(torch.equal(grads[k], ref_grads[k]) for k in grads)
+    assert len(rec.calls) == 8  # the other plugin kept working
+    assert "failing was disabled" in s.report()
+
+
+def test_on_error_raise_names_plugin():
+    model = MLP()
+    with hookplug.attach(model, "Linear", plugins=Failing()):
+        with pytest.raises(RuntimeError, match="plugin bug") as info:
+            model(torch.randn(2, 32))
+    notes = getattr(info.value, "__notes__", [])
+    assert any("failing" in n and "hookplug_forward_output" in n for n in notes)
+
+
+def test_bad_arguments_get_clear_errors():
+    m = MLP()
+    with pytest.raises(ValueError, match="on_error must be one of"):
+        hookplug.attach(m, "Linear", plugins=Recorder(), on_error="ignore")
+    with pytest.raises(ValueError, match="every must be an int >= 1, got 0"):
+        hookplug.attach(m, "Linear", plugins=Recorder(), every=0)
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        hookplug.attach([1], "Linear", plugins=Recorder())
+    with pytest.raises(hookplug.SelectorError):
+        hookplug.attach(m, "Lineer", plugins=Recorder())
+    assert all_hook_dicts(m) == all_hook_dicts(MLP())  # nothing left behind by failed attaches
+
+    class BadArg(hookplug.Plugin):
+        name = "badarg"
+
+        @hookimpl
+        def hookplug_forward_output(self, outputs):
+            pass
+
+    with pytest.raises(Exception, match="outputs"):
+        hookplug.attach(m, "Linear", plugins=BadArg())
+
+
+def test_transformer_model_with_kwargs_hooks():
+    model = tiny_transformer()
+    rec = Recorder()
+    tokens = torch.randint(0, 1000, (2, 8))
+    ref = model(tokens)
+    with hookplug.attach(model, "EncoderLayer, Linear:*.out", plugins=rec):
+        out = model(tokens)
+    assert torch.equal(out, ref)
+    assert [c[0] for c in rec.calls] == ["layers.0.out", "layers.0", "layers.1.out", "layers.1"]
