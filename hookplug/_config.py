@@ -270,3 +270,34 @@ def load_config(path: "str | os.PathLike[str]") -> Dict[str, Any]:
     except toml.TOMLDecodeError as exc:
         raise ConfigError(f"{os.path.basename(path)}: invalid TOML: {exc}") from None
     return parse_config(data, path)
+
+
+def attach_options(config, selector, plugins, *, every, sink, on_error, strict, flush_every):
+    """How ``attach()`` combines ``config=`` (a path or an already loaded dict) with its own
+    arguments: an argument given to ``attach`` wins over the file; plugins come from one or
+    the other, not both. Then the defaults: ``every=1``; with ``flush_every`` set and no
+    sink anywhere, the embedded ``jsonl`` sink (``runs/<run-id>/telemetry.jsonl``).
+    Returns ``(selector, plugins, every, sink, on_error, strict, flush_every)``."""
+    if config is not None:
+        if isinstance(config, dict):
+            cfg = parse_config(config)
+        else:
+            cfg = load_config(config)
+        if "selector" in cfg:
+            if plugins is not None or isinstance(selector, dict) or selector != "*":
+                raise ConfigError(
+                    f"attach(): plugins come from config={config!r}; leave selector= and plugins= "
+                    "unset, or remove the plugins from the file")
+            selector = cfg["selector"]
+        every = cfg.get("every", 1) if every is None else every
+        flush_every = cfg.get("flush_every") if flush_every is None else flush_every
+        sink = cfg.get("sink") if sink is None else sink
+        if on_error == "raise":
+            on_error = cfg.get("on_error", on_error)
+        if strict is False:
+            strict = cfg.get("strict", strict)
+    if every is None:
+        every = 1
+    if sink is None and flush_every is not None:
+        sink = "jsonl"
+    return selector, plugins, every, sink, on_error, strict, flush_every

@@ -258,6 +258,10 @@ class Session:
         self._pm = new_plugin_manager()
         self._call_order: Dict[str, List[Any]] = {}
         self._key_of: Dict[int, str] = {}
+        from ._telemetry import Telemetry, new_run_id
+
+        self._telemetry = Telemetry()
+        self.run_id = new_run_id()  # names runs/<run-id>/ for sinks given no path
 
     # -- public API ------------------------------------------------------------------------
 
@@ -343,19 +347,15 @@ class Session:
         self._step += 1
         self._sampling = (self._step % self.every) == 0 and not self._removed
         self._call_session_hook("hookplug_step", session=self, step=ended)
-        if self.flush_every and self._step % self.flush_every == 0:
-            self.flush()
+        self._telemetry.on_step(self, ended)  # polls flushes in flight; never waits
         return _StepScope(self)
 
-    def flush(self) -> List[dict]:
-        """Collect telemetry records from plugins and hand them to every sink."""
-        records: List[dict] = []
-        for res in self._call_session_hook("hookplug_collect", session=self, step=self._step) or []:
-            if res:
-                records.extend(res)
-        if records:
-            self._call_session_hook("hookplug_flush", session=self, records=records)
-        return records
+    def flush(self, *, wait: bool = True) -> List[dict]:
+        """Collect telemetry from the producers and hand the records to every sink (see
+        ``hookplug._telemetry``). ``wait=True`` finishes every flush in flight (a device sync);
+        ``wait=False`` starts one and emits only what is already done. Returns the records
+        emitted by this call."""
+        return self._telemetry.flush(self, wait=wait)
 
     def remove(self) -> None:
         """Take every hook off (idempotent) and end the session for its plugins."""
@@ -367,10 +367,11 @@ class Session:
             h.remove()
         self._handles.clear()
         try:
-            if self._plugins or self._sinks:
-                self.flush()
+            if self._telemetry.has_consumers(self):
+                self.flush(wait=True)
         finally:
-            self._call_session_hook("hookplug_session_end", session=self)
+            # disabled plugins get their cleanup call too
+            self._call_session_hook("hookplug_session_end", session=self, include_disabled=True)
 
     def __enter__(self) -> "Session":
         return self
@@ -398,10 +399,10 @@ class Session:
                       RuntimeWarning, stacklevel=3)
         self._rebind()
 
-    def _call_session_hook(self, hook_name: str, **kwargs) -> List[Any]:
+    def _call_session_hook(self, hook_name: str, include_disabled: bool = False, **kwargs) -> List[Any]:
         results = []
         for plugin in self._call_order.get(hook_name, []):
-            if self._key_of.get(id(plugin)) in self._disabled:
+            if self._key_of.get(id(plugin)) in self._disabled and not include_disabled:
                 continue
             impl = self._impl_of(plugin, hook_name)
             call_kwargs = {a: kwargs[a] for a in impl.argnames if a in kwargs}
@@ -548,18 +549,29 @@ def attach(
     selector: Union[str, Dict[str, PluginSpec]] = "*",
     plugins: PluginSpec = None,
     *,
-    every: int = 1,
+    every: Optional[int] = None,
     sink: PluginSpec = None,
     on_error: str = "raise",
     strict: bool = False,
     flush_every: Optional[int] = None,
+    config: Union[str, "os.PathLike[str]", Dict[str, Any], None] = None,
 ) -> Session:
     """Attach ``plugins`` to the modules of ``model`` that ``selector`` picks.
 
     ``selector`` may be a dict ``{selector: plugins}`` to give each plugin its own modules.
     ``plugins`` and ``sink`` take a name, ``(name, {options})``, a list, a dict
     ``{name: options}`` or plugin instances. Returns a :class:`Session`.
+
+    Telemetry: ``every=N`` samples one step in N (default 1); ``flush_every=K`` flushes
+    the producers' stats to the sinks every K steps without waiting for the device; with
+    ``flush_every`` set and no ``sink``, records go to ``runs/<run-id>/telemetry.jsonl``.
+    ``config=`` a TOML file (see ``hookplug.load_config``) supplies what is not passed here.
     """
+    from ._config import attach_options
+
+    selector, plugins, every, sink, on_error, strict, flush_every = attach_options(
+        config, selector, plugins, every=every, sink=sink, on_error=on_error, strict=strict,
+        flush_every=flush_every)
     session = Session(model, every=every, on_error=on_error, flush_every=flush_every)
     if isinstance(selector, dict):
         if plugins is not None:

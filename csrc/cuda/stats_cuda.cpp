@@ -1,0 +1,77 @@
+// CUDA implementation of hookplug::tensor_stats: checks the arguments (stats_checks.h),
+// describes the tensor's memory to the torch-free launcher (stats_kernels.cu) and
+// enqueues it on torch's current stream. Built only when torch has CUDA and CUDA_HOME is
+// set (setup.py); never synchronizes with the host.
+//
+// Layout: dimensions are merged as on the CPU (mem_layout), so dense tensors in any
+// dimension order (transposed, channels-last) are read as one flat run with vector loads.
+// Other strided tensors are read in place with up to kMaxDims merged dimensions; only a
+// tensor needing more is copied with .contiguous() first.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "cuda/stats_cuda.h"
+#include "stats_checks.h"
+
+namespace hookplug {
+namespace {
+
+cuda::DType cuda_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return cuda::kF32;
+    case at::kDouble: return cuda::kF64;
+    case at::kHalf: return cuda::kF16;
+    default: return cuda::kBF16;
+  }
+}
+
+StatsOutputs tensor_stats_cuda(const at::Tensor& x_in, int64_t bins, int64_t hist_mode,
+                               std::optional<double> lo, std::optional<double> hi) {
+  const StatsArgs a = check_stats_args(x_in, bins, hist_mode, lo, hi);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  at::Tensor x = x_in;
+  MemLayout L = mem_layout(x);
+  if (!L.flat() && L.sizes.size() > static_cast<size_t>(cuda::kMaxDims)) {
+    x = x.contiguous();
+    L = mem_layout(x);
+  }
+  StatsOutputs outs = empty_stats_outputs(x, a);
+
+  cuda::StatsLaunch s{};
+  s.data = x.data_ptr();
+  s.dtype = cuda_dtype(x.scalar_type());
+  s.numel = x.numel();
+  s.ndim = L.flat() ? 0 : static_cast<int>(L.sizes.size());
+  for (int d = 0; d < s.ndim; ++d) {
+    s.sizes[d] = L.sizes[d];
+    s.strides[d] = L.strides[d];
+  }
+  s.nbins = a.nbins;
+  s.hist_mode = static_cast<int>(hist_mode);
+  s.has_range = a.has_range ? 1 : 0;
+  s.lo = a.lo;
+  s.hi = a.hi;
+  s.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  s.counts = std::get<0>(outs).data_ptr<int64_t>();
+  s.moments = std::get<1>(outs).data_ptr<double>();
+  s.hist_counts = a.nbins ? std::get<2>(outs).data_ptr<int64_t>() : nullptr;
+  s.hist_edges = a.nbins ? std::get<3>(outs).data_ptr<double>() : nullptr;
+  // Stream-ordered scratch: the caching allocator reuses it only after this stream's work.
+  at::Tensor workspace = at::empty({static_cast<int64_t>(cuda::stats_workspace_bytes(s))},
+                                   x.options().dtype(at::kByte));
+  s.workspace = workspace.data_ptr();
+
+  const cudaError_t err = cuda::launch_tensor_stats(s, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "hookplug::tensor_stats: CUDA launch failed on ", x.device(),
+              ": ", cudaGetErrorString(err));
+  return outs;
+}
+
+}  // namespace
+}  // namespace hookplug
+
+TORCH_LIBRARY_IMPL(hookplug, CUDA, m) {
+  m.impl("tensor_stats", &hookplug::tensor_stats_cuda);
+}

@@ -1,0 +1,44 @@
+// hookplug::tensor_stats on CUDA: the launcher interface between the torch binding
+// (stats_cuda.cpp) and the kernels (stats_kernels.cu). Torch-free: only CUDA headers, so
+// the kernels compile with plain nvcc (.ci/nvcc_check.sh).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+namespace hookplug {
+namespace cuda {
+
+constexpr int kMaxDims = 8;  // strided inputs with more (merged) dims are made contiguous
+
+enum DType : int { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3 };
+
+struct StatsLaunch {
+  const void* data;  // first element
+  int dtype;         // DType
+  int64_t numel;
+  int ndim;  // 0: dense, numel elements from data on; else sizes/strides, outer -> inner
+  int64_t sizes[kMaxDims];
+  int64_t strides[kMaxDims];  // in elements
+  int64_t nbins;              // 0 (no histogram), kLog2Bins or the linear bins
+  int hist_mode;              // 0 log2, 1 linear
+  int has_range;              // linear: lo/hi given (else read from the pass-1 min/max)
+  double lo, hi;
+  int num_sms;
+  // outputs (device memory), see stats_defs.h
+  int64_t* counts;
+  double* moments;
+  int64_t* hist_counts;
+  double* hist_edges;
+  void* workspace;  // stats_workspace_bytes() bytes of device memory
+};
+
+// Device memory the launch needs as scratch (per-block partials and a counter).
+size_t stats_workspace_bytes(const StatsLaunch& s);
+
+// Enqueues everything on `stream` (no host synchronization). Returns the first error.
+cudaError_t launch_tensor_stats(const StatsLaunch& s, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace hookplug

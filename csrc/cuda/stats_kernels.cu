@@ -1,0 +1,472 @@
+// CUDA kernels of hookplug::tensor_stats. Only CUDA/CUB headers and the torch-free
+// hookplug headers: compiles with plain nvcc (see .ci/nvcc_check.sh).
+//
+// Pass 1 (one read of the tensor): a grid-stride loop, 16-byte vector loads on the dense
+// path (scalar head/tail), per-element offsets on the strided path. Each thread keeps
+//   count, sum and sum of squares of (x - K) in float64 (K = the tensor's first value if
+//   finite, else 0: a shift that keeps the squares well conditioned), finite min/max and
+//   the NaN/Inf/zero counts;
+// the histogram (log2, or linear with a given range) goes to shared memory: one private
+// copy per warp for log2, updates aggregated across the warp with __match_any_sync so
+// equal keys cost one atomic. A block reduces its threads with cub::BlockReduce (Chan's
+// merge), writes its partial and adds its histogram to the output with integer atomics;
+// the last block to finish (atomic counter + threadfence) merges the partials in block
+// order and writes the outputs. Everything is deterministic for a given device: integer
+// atomics commute and the float merges happen in a fixed order.
+// Pass 2 (linear histogram without a range): reads the finite min/max written by pass 1
+// from device memory and histograms a second read. No host synchronization anywhere.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <cub/block/block_reduce.cuh>
+
+#include "../stats_defs.h"
+#include "stats_cuda.h"
+
+namespace hookplug {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kBlocksPerSm = 3;  // resident blocks per SM (launch bounds: <= 85 registers)
+constexpr int64_t kSmemLinearBins = 8192;  // larger linear histograms use global atomics
+
+// ---- element types -------------------------------------------------------------------
+struct F32 {
+  typedef float storage;
+  typedef float acc;
+  static constexpr int kVec = 4;
+};
+struct F64 {
+  typedef double storage;
+  typedef double acc;
+  static constexpr int kVec = 2;
+};
+struct F16 {
+  typedef unsigned short storage;
+  typedef float acc;
+  static constexpr int kVec = 8;
+};
+struct BF16 {
+  typedef unsigned short storage;
+  typedef float acc;
+  static constexpr int kVec = 8;
+};
+
+__device__ __forceinline__ float load1(F32, const float* p) { return __ldg(p); }
+__device__ __forceinline__ double load1(F64, const double* p) { return __ldg(p); }
+__device__ __forceinline__ float load1(F16, const unsigned short* p) {
+  return __half2float(__ushort_as_half(__ldg(p)));
+}
+__device__ __forceinline__ float load1(BF16, const unsigned short* p) {
+  return __uint_as_float(static_cast<unsigned>(__ldg(p)) << 16);
+}
+
+__device__ __forceinline__ unsigned word(const uint4& r, int k) {
+  return k == 0 ? r.x : (k == 1 ? r.y : (k == 2 ? r.z : r.w));
+}
+// Element j of a 16-byte vector.
+__device__ __forceinline__ float unpack(F32, const uint4& r, int j) {
+  return __uint_as_float(word(r, j));
+}
+__device__ __forceinline__ double unpack(F64, const uint4& r, int j) {
+  return j == 0 ? __hiloint2double(static_cast<int>(r.y), static_cast<int>(r.x))
+                : __hiloint2double(static_cast<int>(r.w), static_cast<int>(r.z));
+}
+__device__ __forceinline__ unsigned half_bits(const uint4& r, int j) {
+  const unsigned w = word(r, j >> 1);
+  return (j & 1) ? (w >> 16) : (w & 0xffffu);
+}
+__device__ __forceinline__ float unpack(F16, const uint4& r, int j) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(half_bits(r, j))));
+}
+__device__ __forceinline__ float unpack(BF16, const uint4& r, int j) {
+  return __uint_as_float(half_bits(r, j) << 16);
+}
+
+// ---- histogram keys ------------------------------------------------------------------
+__device__ __forceinline__ int log2_key(float x) {
+  if (x != x) return -1;
+  if (x == 0.0f) return kLog2ZeroBin;
+  const unsigned b = __float_as_uint(x);
+  return log2_bucket((b >> 31) != 0, static_cast<int>((b >> 23) & 0xffu) - 127);
+}
+__device__ __forceinline__ int log2_key(double x) {
+  if (x != x) return -1;
+  if (x == 0.0) return kLog2ZeroBin;
+  const unsigned long long b = static_cast<unsigned long long>(__double_as_longlong(x));
+  return log2_bucket((b >> 63) != 0, static_cast<int>((b >> 52) & 0x7ffu) - 1023);
+}
+
+// All 32 lanes call this together (the loops below are warp-uniform); key < 0: nothing.
+__device__ __forceinline__ void hist_add(unsigned* sh, unsigned long long* gl, int key) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  const unsigned peers = __match_any_sync(0xffffffffu, key);
+  if (key >= 0 && static_cast<int>(threadIdx.x & 31) == __ffs(peers) - 1) {
+    const unsigned c = static_cast<unsigned>(__popc(peers));
+    if (sh) {
+      atomicAdd(sh + key, c);
+    } else {
+      atomicAdd(gl + key, static_cast<unsigned long long>(c));
+    }
+  }
+#else
+  if (key >= 0) {
+    if (sh) {
+      atomicAdd(sh + key, 1u);
+    } else {
+      atomicAdd(gl + key, 1ull);
+    }
+  }
+#endif
+}
+
+// ---- moments -------------------------------------------------------------------------
+struct Partial {
+  double n, mean, m2, mn, mx;
+  unsigned long long nan, inf, zero;
+};
+
+struct MergeOp {
+  __device__ __forceinline__ Partial operator()(const Partial& a, const Partial& b) const {
+    Moments m{a.n, a.mean, a.m2};
+    moments_merge(m, b.n, b.mean, b.m2);
+    Partial r;
+    r.n = m.n;
+    r.mean = m.mean;
+    r.m2 = m.m2;
+    r.mn = b.mn < a.mn ? b.mn : a.mn;
+    r.mx = b.mx > a.mx ? b.mx : a.mx;
+    r.nan = a.nan + b.nan;
+    r.inf = a.inf + b.inf;
+    r.zero = a.zero + b.zero;
+    return r;
+  }
+};
+
+__device__ __forceinline__ Partial empty_partial() {
+  Partial p;
+  p.n = p.mean = p.m2 = 0.0;
+  p.mn = __longlong_as_double(0x7ff0000000000000ll);   // +inf
+  p.mx = __longlong_as_double(static_cast<long long>(0xfff0000000000000ull));  // -inf
+  p.nan = p.inf = p.zero = 0;
+  return p;
+}
+
+template <class A>
+struct ThreadAcc {
+  double shift, s1, s2;
+  unsigned nf, nan, inf, zero;
+  A mn, mx;
+
+  __device__ __forceinline__ void init(double k) {
+    shift = k;
+    s1 = s2 = 0.0;
+    nf = nan = inf = zero = 0;
+    mn = static_cast<A>(__longlong_as_double(0x7ff0000000000000ll));
+    mx = -mn;
+  }
+  __device__ __forceinline__ void add(A x, bool valid) {
+    const bool is_nan = x != x;
+    const bool is_inf = isinf(x);
+    const bool fin = valid && !is_nan && !is_inf;
+    const double d = fin ? static_cast<double>(x) - shift : 0.0;
+    s1 += d;
+    s2 = fma(d, d, s2);
+    nf += fin;
+    nan += valid && is_nan;
+    inf += valid && is_inf;
+    zero += fin && x == A(0);
+    mn = fin && x < mn ? x : mn;
+    mx = fin && x > mx ? x : mx;
+  }
+  __device__ __forceinline__ Partial partial() const {
+    Partial p;
+    p.n = static_cast<double>(nf);
+    p.mean = nf ? shift + s1 / p.n : 0.0;
+    const double m2 = nf ? s2 - s1 * s1 / p.n : 0.0;
+    p.m2 = m2 > 0.0 ? m2 : 0.0;
+    p.mn = static_cast<double>(mn);
+    p.mx = static_cast<double>(mx);
+    p.nan = nan;
+    p.inf = inf;
+    p.zero = zero;
+    return p;
+  }
+};
+
+struct Work {
+  double* part_d;               // 5 per block: n, mean, m2, mn, mx
+  unsigned long long* part_c;   // 3 per block: nan, inf, zero
+  unsigned* done;               // blocks finished
+};
+
+// ---- traversal -----------------------------------------------------------------------
+__device__ __forceinline__ int64_t strided_offset(const StatsLaunch& s, int64_t i) {
+  int64_t off = 0;
+#pragma unroll
+  for (int d = kMaxDims - 1; d >= 0; --d) {
+    if (d < s.ndim) {
+      const int64_t q = i / s.sizes[d];
+      off += (i - q * s.sizes[d]) * s.strides[d];
+      i = q;
+    }
+  }
+  return off;
+}
+
+// Calls visit(value, valid) for every element; every lane of a warp makes the same
+// number of calls (valid == false past the end), as hist_add needs.
+template <class E, bool CONTIG, class Visit>
+__device__ __forceinline__ void for_each_element(const StatsLaunch& s, Visit& visit) {
+  typedef typename E::storage St;
+  typedef typename E::acc A;
+  const St* data = static_cast<const St*>(s.data);
+  const int64_t n = s.numel;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kThreads + warp * 32;
+  if (CONTIG) {
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(data);
+    int64_t head = static_cast<int64_t>(((16 - (addr & 15)) & 15) / sizeof(St));
+    if (head > n) head = n;
+    const int64_t nvec = (n - head) / E::kVec;
+    const int64_t tail0 = head + nvec * E::kVec;
+    const uint4* vp = reinterpret_cast<const uint4*>(data + head);
+    for (int64_t u0 = first; u0 < nvec; u0 += 2 * step) {  // two 16-byte loads in flight
+      const int64_t ua = u0 + lane, ub = u0 + step + lane;
+      const bool oka = ua < nvec, okb = ub < nvec;
+      uint4 ra = make_uint4(0u, 0u, 0u, 0u), rb = ra;
+      if (oka) ra = __ldg(vp + ua);
+      if (okb) rb = __ldg(vp + ub);
+#pragma unroll
+      for (int j = 0; j < E::kVec; ++j) visit(unpack(E(), ra, j), oka);
+#pragma unroll
+      for (int j = 0; j < E::kVec; ++j) visit(unpack(E(), rb, j), okb);
+    }
+    const int64_t extra = head + (n - tail0);  // < 2 * kVec elements
+    if (blockIdx.x == 0 && warp == 0) {
+      for (int64_t i0 = 0; i0 < extra; i0 += 32) {
+        const int64_t i = i0 + lane;
+        const bool ok = i < extra;
+        const int64_t idx = i < head ? i : tail0 + (i - head);
+        visit(ok ? load1(E(), data + idx) : A(0), ok);
+      }
+    }
+  } else {
+    for (int64_t i0 = first; i0 < n; i0 += step) {
+      const int64_t i = i0 + lane;
+      const bool ok = i < n;
+      visit(ok ? load1(E(), data + strided_offset(s, i)) : A(0), ok);
+    }
+  }
+}
+
+__device__ __forceinline__ void write_edges(const StatsLaunch& s, bool log2, double lo, double hi) {
+  if (blockIdx.x != 0) return;
+  for (int64_t i = threadIdx.x; i <= s.nbins; i += kThreads) {
+    s.hist_edges[i] = log2 ? log2_edge(static_cast<int>(i)) : linear_edge(lo, hi, i, s.nbins);
+  }
+}
+
+// Adds a block's shared-memory histogram (nsh counters, `copies` private copies of
+// stride nb) to the int64 output.
+__device__ __forceinline__ void flush_hist(const unsigned* sh, int nb, int copies,
+                                           unsigned long long* out) {
+  __syncthreads();
+  for (int k = threadIdx.x; k < nb; k += kThreads) {
+    unsigned c = 0;
+    for (int w = 0; w < copies; ++w) c += sh[w * nb + k];
+    if (c) atomicAdd(out + k, static_cast<unsigned long long>(c));
+  }
+}
+
+// MODE 0: no histogram, 1: log2, 2: linear with a given range.
+template <class E, int MODE, bool CONTIG>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+    stats_pass1(const StatsLaunch s, const Work w, const double scale) {
+  typedef typename E::acc A;
+  typedef cub::BlockReduce<Partial, kThreads> Reduce;
+  __shared__ typename Reduce::TempStorage tmp;
+  __shared__ bool last;
+  extern __shared__ unsigned sh[];
+
+  const int warp = threadIdx.x >> 5;
+  const int nsh = MODE == 1 ? kWarps * kLog2Bins
+                            : (MODE == 2 && s.nbins <= kSmemLinearBins ? static_cast<int>(s.nbins) : 0);
+  for (int k = threadIdx.x; k < nsh; k += kThreads) sh[k] = 0;
+  if (MODE == 1) write_edges(s, true, 0.0, 0.0);
+  if (MODE == 2) write_edges(s, false, s.lo, s.hi);
+  __syncthreads();
+
+  unsigned* hsh = MODE == 1 ? sh + warp * kLog2Bins : (nsh ? sh : nullptr);
+  unsigned long long* hgl = reinterpret_cast<unsigned long long*>(s.hist_counts);
+  double shift = 0.0;
+  if (s.numel > 0) {
+    const double x0 = static_cast<double>(load1(E(), static_cast<const typename E::storage*>(s.data)));
+    shift = isfinite(x0) ? x0 : 0.0;
+  }
+  ThreadAcc<A> acc;
+  acc.init(shift);
+  auto visit = [&](A x, bool valid) {
+    acc.add(x, valid);
+    if (MODE == 1) hist_add(hsh, hgl, valid ? log2_key(x) : -1);
+    if (MODE == 2) {
+      const int64_t b = valid ? linear_bucket(static_cast<double>(x), s.lo, s.hi, scale, s.nbins) : -1;
+      hist_add(hsh, hgl, static_cast<int>(b));
+    }
+  };
+  for_each_element<E, CONTIG>(s, visit);
+
+  const Partial bp = Reduce(tmp).Reduce(acc.partial(), MergeOp());
+  if (MODE == 1) flush_hist(sh, kLog2Bins, kWarps, hgl);
+  if (MODE == 2 && nsh) flush_hist(sh, nsh, 1, hgl);
+
+  if (threadIdx.x == 0) {
+    double* d = w.part_d + 5 * static_cast<int64_t>(blockIdx.x);
+    unsigned long long* c = w.part_c + 3 * static_cast<int64_t>(blockIdx.x);
+    d[0] = bp.n;
+    d[1] = bp.mean;
+    d[2] = bp.m2;
+    d[3] = bp.mn;
+    d[4] = bp.mx;
+    c[0] = bp.nan;
+    c[1] = bp.inf;
+    c[2] = bp.zero;
+    __threadfence();
+    last = atomicAdd(w.done, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+
+  // The last block: merge the partials in block order, write the outputs.
+  __threadfence();
+  Partial p = empty_partial();
+  for (unsigned b = threadIdx.x; b < gridDim.x; b += kThreads) {
+    Partial q;
+    const double* d = w.part_d + 5 * static_cast<int64_t>(b);
+    const unsigned long long* c = w.part_c + 3 * static_cast<int64_t>(b);
+    q.n = __ldcg(d);
+    q.mean = __ldcg(d + 1);
+    q.m2 = __ldcg(d + 2);
+    q.mn = __ldcg(d + 3);
+    q.mx = __ldcg(d + 4);
+    q.nan = __ldcg(c);
+    q.inf = __ldcg(c + 1);
+    q.zero = __ldcg(c + 2);
+    p = MergeOp()(p, q);
+  }
+  __syncthreads();  // tmp is reused
+  const Partial t = Reduce(tmp).Reduce(p, MergeOp());
+  if (threadIdx.x == 0) {
+    const double nan = __longlong_as_double(0x7ff8000000000000ll);
+    const bool any = t.n > 0;
+    s.counts[0] = s.numel;
+    s.counts[1] = static_cast<int64_t>(t.nan);
+    s.counts[2] = static_cast<int64_t>(t.inf);
+    s.counts[3] = static_cast<int64_t>(t.zero);
+    s.moments[0] = any ? t.mn : nan;
+    s.moments[1] = any ? t.mx : nan;
+    s.moments[2] = any ? t.mean : nan;
+    s.moments[3] = any ? sqrt((t.m2 > 0.0 ? t.m2 : 0.0) / t.n) : nan;
+    s.moments[4] = any ? fmax(fabs(t.mn), fabs(t.mx)) : nan;
+  }
+}
+
+// Linear histogram whose range is pass 1's finite min/max, read from device memory.
+template <class E, bool CONTIG>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm) linear_pass(const StatsLaunch s) {
+  typedef typename E::acc A;
+  extern __shared__ unsigned sh[];
+  const double nf = static_cast<double>(s.counts[0] - s.counts[1] - s.counts[2]);
+  double lo, hi;
+  linear_auto_range(nf, s.moments[0], s.moments[1], &lo, &hi);
+  const double scale = static_cast<double>(s.nbins) / (hi - lo);
+  const int nsh = s.nbins <= kSmemLinearBins ? static_cast<int>(s.nbins) : 0;
+  for (int k = threadIdx.x; k < nsh; k += kThreads) sh[k] = 0;
+  write_edges(s, false, lo, hi);
+  __syncthreads();
+  unsigned long long* hgl = reinterpret_cast<unsigned long long*>(s.hist_counts);
+  unsigned* hsh = nsh ? sh : nullptr;
+  auto visit = [&](A x, bool valid) {
+    const int64_t b = valid ? linear_bucket(static_cast<double>(x), lo, hi, scale, s.nbins) : -1;
+    hist_add(hsh, hgl, static_cast<int>(b));
+  };
+  for_each_element<E, CONTIG>(s, visit);
+  if (nsh) flush_hist(sh, nsh, 1, hgl);
+}
+
+int grid_size(const StatsLaunch& s) {
+  const int vec = s.dtype == kF64 ? 2 : (s.dtype == kF32 ? 4 : 8);
+  const int64_t units = s.ndim == 0 ? (s.numel + vec - 1) / vec : s.numel;
+  int64_t blocks = (units + kThreads - 1) / kThreads;
+  const int64_t most = static_cast<int64_t>(s.num_sms > 0 ? s.num_sms : 1) * kBlocksPerSm;
+  if (blocks > most) blocks = most;
+  return static_cast<int>(blocks < 1 ? 1 : blocks);
+}
+
+template <class E>
+cudaError_t launch_typed(const StatsLaunch& s, const Work& w, int grid, cudaStream_t st) {
+  const bool contig = s.ndim == 0;
+  const int mode = s.nbins == 0 ? 0 : (s.hist_mode == kHistLog2 ? 1 : (s.has_range ? 2 : 0));
+  const size_t smem = mode == 1 ? sizeof(unsigned) * kWarps * kLog2Bins
+                                : (mode == 2 && s.nbins <= kSmemLinearBins ? sizeof(unsigned) * s.nbins : 0);
+  const double scale = s.has_range ? static_cast<double>(s.nbins) / (s.hi - s.lo) : 0.0;
+#define HOOKPLUG_PASS1(M)                                                   \
+  if (contig) {                                                             \
+    stats_pass1<E, M, true><<<grid, kThreads, smem, st>>>(s, w, scale);     \
+  } else {                                                                  \
+    stats_pass1<E, M, false><<<grid, kThreads, smem, st>>>(s, w, scale);    \
+  }
+  if (mode == 0) {
+    HOOKPLUG_PASS1(0)
+  } else if (mode == 1) {
+    HOOKPLUG_PASS1(1)
+  } else {
+    HOOKPLUG_PASS1(2)
+  }
+#undef HOOKPLUG_PASS1
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  if (s.nbins > 0 && s.hist_mode == kHistLinear && !s.has_range) {
+    const size_t smem2 = s.nbins <= kSmemLinearBins ? sizeof(unsigned) * s.nbins : 0;
+    if (contig) {
+      linear_pass<E, true><<<grid, kThreads, smem2, st>>>(s);
+    } else {
+      linear_pass<E, false><<<grid, kThreads, smem2, st>>>(s);
+    }
+    err = cudaGetLastError();
+  }
+  return err;
+}
+
+}  // namespace
+
+size_t stats_workspace_bytes(const StatsLaunch& s) {
+  return static_cast<size_t>(grid_size(s)) * 8 * sizeof(double) + 16;
+}
+
+cudaError_t launch_tensor_stats(const StatsLaunch& s, cudaStream_t stream) {
+  const int grid = grid_size(s);
+  Work w;
+  w.part_d = static_cast<double*>(s.workspace);
+  w.part_c = reinterpret_cast<unsigned long long*>(w.part_d + 5 * static_cast<int64_t>(grid));
+  w.done = reinterpret_cast<unsigned*>(w.part_c + 3 * static_cast<int64_t>(grid));
+  cudaError_t err = cudaMemsetAsync(w.done, 0, sizeof(unsigned), stream);
+  if (err == cudaSuccess && s.nbins > 0) {
+    err = cudaMemsetAsync(s.hist_counts, 0, sizeof(int64_t) * s.nbins, stream);
+  }
+  if (err != cudaSuccess) return err;
+  switch (s.dtype) {
+    case kF32: return launch_typed<F32>(s, w, grid, stream);
+    case kF64: return launch_typed<F64>(s, w, grid, stream);
+    case kF16: return launch_typed<F16>(s, w, grid, stream);
+    case kBF16: return launch_typed<BF16>(s, w, grid, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace cuda
+}  // namespace hookplug

@@ -1,0 +1,123 @@
+// hookplug::tensor_stats: argument checks, output allocation and memory-layout analysis,
+// written once and used by the CPU and the CUDA implementations.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "stats_defs.h"
+
+namespace hookplug {
+
+using StatsOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+inline const char* torch_dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kLong: return "torch.int64";
+    case at::kInt: return "torch.int32";
+    case at::kShort: return "torch.int16";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
+    case at::kBool: return "torch.bool";
+    case at::kComplexHalf: return "torch.complex32";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
+    default: return c10::toString(t);
+  }
+}
+
+struct StatsArgs {
+  int64_t nbins;   // histogram buckets: 0 (off), kLog2Bins or bins
+  bool log2;       // log2 histogram on
+  bool linear;     // linear histogram on
+  bool has_range;  // linear with a given range
+  double lo, hi;
+};
+
+inline StatsArgs check_stats_args(const at::Tensor& x, int64_t bins, int64_t hist_mode,
+                                  std::optional<double> lo, std::optional<double> hi) {
+  TORCH_CHECK_TYPE(x.layout() == at::kStrided,
+                   "hookplug::tensor_stats: expected a dense (strided) tensor, got layout ",
+                   x.layout());
+  const auto t = x.scalar_type();
+  TORCH_CHECK_TYPE(t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16,
+                   "hookplug::tensor_stats: expected a floating tensor (float32, float64, "
+                   "float16, bfloat16), got ",
+                   torch_dtype_name(t));
+  TORCH_CHECK_VALUE(hist_mode == kHistLog2 || hist_mode == kHistLinear,
+                    "hookplug::tensor_stats: expected hist_mode 0 (log2) or 1 (linear), got ",
+                    hist_mode);
+  TORCH_CHECK_VALUE(bins >= 0,
+                    "hookplug::tensor_stats: expected bins >= 0 (0 turns the histogram off), got ",
+                    bins);
+  TORCH_CHECK_VALUE(lo.has_value() == hi.has_value(),
+                    "hookplug::tensor_stats: a range needs both lo and hi, got lo=",
+                    lo.has_value() ? std::to_string(*lo) : "None",
+                    ", hi=", hi.has_value() ? std::to_string(*hi) : "None");
+  StatsArgs a{};
+  a.has_range = lo.has_value();
+  if (a.has_range) {
+    TORCH_CHECK_VALUE(hist_mode == kHistLinear,
+                      "hookplug::tensor_stats: a range applies to the linear histogram "
+                      "(hist_mode=1) only, got hist_mode=",
+                      hist_mode, " (log2)");
+    TORCH_CHECK_VALUE(std::isfinite(*lo) && std::isfinite(*hi) && *lo < *hi,
+                      "hookplug::tensor_stats: expected a finite range with lo < hi, got (", *lo,
+                      ", ", *hi, ")");
+    a.lo = *lo;
+    a.hi = *hi;
+  }
+  a.log2 = bins > 0 && hist_mode == kHistLog2;
+  a.linear = bins > 0 && hist_mode == kHistLinear;
+  a.nbins = bins == 0 ? 0 : (a.log2 ? kLog2Bins : bins);
+  return a;
+}
+
+// counts int64[4], moments float64[5], hist_counts int64[B], hist_edges float64[B+1 or 0].
+inline StatsOutputs empty_stats_outputs(const at::Tensor& x, const StatsArgs& a) {
+  const auto i64 = x.options().dtype(at::kLong);
+  const auto f64 = x.options().dtype(at::kDouble);
+  return StatsOutputs(at::empty({kNumCounts}, i64), at::empty({kNumMoments}, f64),
+                      at::empty({a.nbins}, i64), at::empty({a.nbins ? a.nbins + 1 : 0}, f64));
+}
+
+// The tensor's elements as an iteration over memory: dimensions of size 1 dropped, the
+// rest ordered by decreasing stride and merged where they are contiguous with each other
+// (so transposed, permuted and channels-last dense tensors become one flat run).
+struct MemLayout {
+  std::vector<int64_t> sizes;    // outer -> inner
+  std::vector<int64_t> strides;  // in elements
+  bool flat() const { return sizes.empty() || (sizes.size() == 1 && strides[0] == 1); }
+};
+
+inline MemLayout mem_layout(const at::Tensor& x) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
+  for (int64_t d = 0; d < x.dim(); ++d) {
+    if (x.size(d) != 1) dims.emplace_back(x.stride(d), x.size(d));
+  }
+  std::stable_sort(dims.begin(), dims.end(),
+                   [](const auto& p, const auto& q) { return p.first > q.first; });
+  MemLayout L;
+  for (const auto& [st, sz] : dims) {
+    if (!L.sizes.empty() && L.strides.back() == st * sz) {
+      L.sizes.back() *= sz;
+      L.strides.back() = st;
+    } else {
+      L.sizes.push_back(sz);
+      L.strides.push_back(st);
+    }
+  }
+  return L;
+}
+
+}  // namespace hookplug

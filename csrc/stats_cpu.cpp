@@ -1,0 +1,325 @@
+// CPU implementation of hookplug::tensor_stats.
+//
+// The elements are visited in memory order (see mem_layout) as a sequence of fixed chunks
+// (kChunk elements) split into blocks (kBlock elements). at::parallel_for hands chunks to
+// threads; each block is read from memory once (a flat tensor in place, a strided one
+// gathered block by block into a thread-local buffer: never a full copy) and passed to
+// the ISA-specific block kernel. Chunk partials are combined in chunk order, so every
+// output is bitwise identical for any number of threads; histogram counts are integers.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "stats_checks.h"
+#include "stats_cpu_iface.h"
+#include "stats_defs.h"
+
+namespace hookplug {
+namespace cpu {
+
+namespace {
+
+std::atomic<const KernelTable*> g_table{nullptr};
+
+const KernelTable* pick_table(const std::string& isa) {
+  if (isa == "generic") return kernels_generic();
+  const KernelTable* t = kernels_avx2();
+  if (isa == "avx2") {
+    TORCH_CHECK_VALUE(t != nullptr, "hookplug: the avx2 CPU kernels are not available here");
+    return t;
+  }
+  return t ? t : kernels_generic();
+}
+
+const KernelTable* table() {
+  const KernelTable* t = g_table.load(std::memory_order_acquire);
+  if (!t) {
+    t = pick_table("auto");
+    g_table.store(t, std::memory_order_release);
+  }
+  return t;
+}
+
+DType dtype_code(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return kF32;
+    case at::kDouble: return kF64;
+    case at::kHalf: return kF16;
+    default: return kBF16;
+  }
+}
+
+// Walks a strided layout in memory order and hands out blocks of contiguous elements.
+class BlockSource {
+ public:
+  BlockSource(const char* base, int64_t elsize, const MemLayout& L)
+      : base_(base), es_(elsize), L_(L), flat_(L.flat()), idx_(L.sizes.size(), 0) {}
+
+  void seek(int64_t pos) {
+    if (flat_) {
+      pos_ = pos;
+      return;
+    }
+    off_ = 0;
+    for (int64_t d = static_cast<int64_t>(L_.sizes.size()) - 1; d >= 0; --d) {
+      idx_[d] = pos % L_.sizes[d];
+      pos /= L_.sizes[d];
+      off_ += idx_[d] * L_.strides[d];
+    }
+  }
+
+  // Pointer to the next n contiguous elements: in place when they are contiguous in
+  // memory, else gathered into buf (n * elsize bytes).
+  const char* next(int64_t n, char* buf) {
+    if (flat_) {
+      const char* p = base_ + pos_ * es_;
+      pos_ += n;
+      return p;
+    }
+    const int64_t inner = static_cast<int64_t>(L_.sizes.size()) - 1;
+    if (L_.strides[inner] == 1 && idx_[inner] + n <= L_.sizes[inner]) {
+      const char* p = base_ + off_ * es_;
+      advance(n);
+      return p;
+    }
+    char* out = buf;
+    while (n > 0) {
+      const int64_t m = std::min(n, L_.sizes[inner] - idx_[inner]);
+      const int64_t st = L_.strides[inner];
+      const char* src = base_ + off_ * es_;
+      if (st == 1) {
+        std::memcpy(out, src, m * es_);
+      } else if (es_ == 4) {
+        copy_strided<uint32_t>(src, st, m, out);
+      } else if (es_ == 8) {
+        copy_strided<uint64_t>(src, st, m, out);
+      } else {
+        copy_strided<uint16_t>(src, st, m, out);
+      }
+      out += m * es_;
+      n -= m;
+      advance(m);
+    }
+    return buf;
+  }
+
+ private:
+  template <class W>
+  static void copy_strided(const char* src, int64_t st, int64_t m, char* out) {
+    const W* s = reinterpret_cast<const W*>(src);
+    W* o = reinterpret_cast<W*>(out);
+    for (int64_t j = 0; j < m; ++j) o[j] = s[j * st];
+  }
+
+  void advance(int64_t m) {  // m never crosses the end of the current inner row
+    int64_t d = static_cast<int64_t>(L_.sizes.size()) - 1;
+    idx_[d] += m;
+    off_ += m * L_.strides[d];
+    while (d > 0 && idx_[d] == L_.sizes[d]) {
+      off_ -= idx_[d] * L_.strides[d];
+      idx_[d] = 0;
+      --d;
+      idx_[d] += 1;
+      off_ += L_.strides[d];
+    }
+  }
+
+  const char* base_;
+  int64_t es_;
+  const MemLayout& L_;
+  bool flat_;
+  int64_t pos_ = 0;
+  int64_t off_ = 0;
+  std::vector<int64_t> idx_;
+};
+
+struct Partial {  // one chunk
+  Moments m{0, 0, 0};
+  double mn = std::numeric_limits<double>::infinity();
+  double mx = -std::numeric_limits<double>::infinity();
+  int64_t zeros = 0, neg_zeros = 0, pos_inf = 0, neg_inf = 0, nan = 0;
+
+  void add(const BlockResult& r) {
+    moments_merge(m, static_cast<double>(r.n), r.mean, r.m2);
+    mn = r.mn < mn ? r.mn : mn;
+    mx = r.mx > mx ? r.mx : mx;
+    zeros += r.zeros;
+    neg_zeros += r.neg_zeros;
+    pos_inf += r.pos_inf;
+    neg_inf += r.neg_inf;
+    nan += r.nan;
+  }
+  void add(const Partial& o) {
+    moments_merge(m, o.m.n, o.m.mean, o.m.m2);
+    mn = o.mn < mn ? o.mn : mn;
+    mx = o.mx > mx ? o.mx : mx;
+    zeros += o.zeros;
+    neg_zeros += o.neg_zeros;
+    pos_inf += o.pos_inf;
+    neg_inf += o.neg_inf;
+    nan += o.nan;
+  }
+};
+
+// Maps the raw (sign, exponent field) table to the kLog2Bins buckets (stats_defs.h).
+void raw_to_log2(const std::vector<int64_t>& raw, int exp_bits, int bias, const Partial& t,
+                 int64_t* out) {
+  const int64_t half = int64_t{1} << exp_bits;
+  const int64_t emax = half - 1;  // Inf / NaN field: taken from the exact counts instead
+  for (int s = 0; s < 2; ++s) {
+    const int64_t* r = raw.data() + s * half;
+    for (int64_t ef = 1; ef < emax; ++ef) {
+      if (r[ef]) out[log2_bucket(s == 1, static_cast<int>(ef - bias))] += r[ef];
+    }
+    const int64_t zeros_s = s ? t.neg_zeros : t.zeros - t.neg_zeros;
+    out[log2_bucket(s == 1, kLog2MinExp)] += r[0] - zeros_s;  // subnormals
+    out[log2_bucket(s == 1, kLog2MaxExp)] += s ? t.neg_inf : t.pos_inf;
+  }
+  out[kLog2ZeroBin] += t.zeros;
+}
+
+StatsOutputs tensor_stats_cpu(const at::Tensor& x, int64_t bins, int64_t hist_mode,
+                              std::optional<double> lo, std::optional<double> hi) {
+  const StatsArgs a = check_stats_args(x, bins, hist_mode, lo, hi);
+  StatsOutputs outs = empty_stats_outputs(x, a);
+  const int64_t N = x.numel();
+  const KernelTable* K = table();
+  const DType dt = dtype_code(x.scalar_type());
+  const bool is_f64 = dt == kF64;
+  const int64_t es = x.element_size();
+  const MemLayout L = mem_layout(x);
+  const char* base = static_cast<const char*>(x.data_ptr());
+  const BlockFn block_fn = K->block[dt];
+  const LinearFn linear_fn = K->linear[dt];
+
+  const int raw_size = is_f64 ? kRawF64 : kRawF32;
+  const int raw_sub = is_f64 ? kRawSubF64 : kRawSubF32;
+  const int64_t nchunks = (N + kChunk - 1) / kChunk;
+  std::vector<Partial> parts(nchunks);
+  std::vector<int64_t> raw(a.log2 ? raw_size : 0, 0);
+  std::vector<int64_t> lin(a.linear ? a.nbins : 0, 0);
+  std::mutex mu;
+  const double range_scale =
+      a.has_range ? static_cast<double>(a.nbins) / (a.hi - a.lo) : 0.0;
+
+  // Pass 1: everything (log2 histogram and linear histogram with a given range included).
+  at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<uint32_t> sub(a.log2 ? static_cast<size_t>(raw_size) * raw_sub : 0, 0);
+    std::vector<int64_t> raw_local(a.log2 ? raw_size : 0, 0);
+    std::vector<int64_t> lin_local(a.has_range ? a.nbins : 0, 0);
+    std::vector<char> buf(kBlock * es);
+    BlockSource src(base, es, L);
+    int64_t since_flush = 0;
+    auto flush = [&] {
+      for (int k = 0; k < raw_sub; ++k) {
+        for (int j = 0; j < raw_size; ++j) raw_local[j] += sub[k * raw_size + j];
+      }
+      std::fill(sub.begin(), sub.end(), 0u);
+      since_flush = 0;
+    };
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t end = std::min(N, (c + 1) * kChunk);
+      src.seek(c * kChunk);
+      Partial& part = parts[c];
+      for (int64_t pos = c * kChunk; pos < end; pos += kBlock) {
+        const int64_t n = std::min(kBlock, end - pos);
+        const char* p = src.next(n, buf.data());
+        BlockResult r;
+        block_fn(p, n, &r, a.log2 ? sub.data() : nullptr);
+        part.add(r);
+        if (a.has_range) linear_fn(p, n, a.lo, a.hi, range_scale, a.nbins, lin_local.data());
+      }
+      if (a.log2) {
+        since_flush += end - c * kChunk;
+        if (since_flush > (int64_t{1} << 31)) flush();
+      }
+    }
+    if (a.log2) flush();
+    std::lock_guard<std::mutex> lock(mu);
+    for (size_t j = 0; j < raw_local.size(); ++j) raw[j] += raw_local[j];
+    for (size_t j = 0; j < lin_local.size(); ++j) lin[j] += lin_local[j];
+  });
+
+  Partial total;
+  for (const Partial& p : parts) total.add(p);
+
+  const double nan_v = std::numeric_limits<double>::quiet_NaN();
+  const double nf = total.m.n;
+  const double mn = nf > 0 ? total.mn : nan_v;
+  const double mx = nf > 0 ? total.mx : nan_v;
+
+  // Pass 2 (linear histogram without a range): the range is the finite min/max above.
+  double lin_lo = a.lo, lin_hi = a.hi;
+  if (a.linear && !a.has_range) {
+    linear_auto_range(nf, mn, mx, &lin_lo, &lin_hi);
+    const double scale = static_cast<double>(a.nbins) / (lin_hi - lin_lo);
+    at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
+      std::vector<int64_t> lin_local(a.nbins, 0);
+      std::vector<char> buf(kBlock * es);
+      BlockSource src(base, es, L);
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t end = std::min(N, (c + 1) * kChunk);
+        src.seek(c * kChunk);
+        for (int64_t pos = c * kChunk; pos < end; pos += kBlock) {
+          const int64_t n = std::min(kBlock, end - pos);
+          linear_fn(src.next(n, buf.data()), n, lin_lo, lin_hi, scale, a.nbins,
+                    lin_local.data());
+        }
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      for (int64_t j = 0; j < a.nbins; ++j) lin[j] += lin_local[j];
+    });
+  }
+
+  auto& [counts, moments, hist_counts, hist_edges] = outs;
+  int64_t* cp = counts.data_ptr<int64_t>();
+  cp[0] = N;
+  cp[1] = total.nan;
+  cp[2] = total.pos_inf + total.neg_inf;
+  cp[3] = total.zeros;
+  double* mp = moments.data_ptr<double>();
+  mp[0] = mn;
+  mp[1] = mx;
+  mp[2] = nf > 0 ? total.m.mean : nan_v;
+  mp[3] = nf > 0 ? std::sqrt(std::max(total.m.m2, 0.0) / nf) : nan_v;
+  mp[4] = nf > 0 ? std::max(std::abs(mn), std::abs(mx)) : nan_v;
+  if (a.nbins) {
+    int64_t* hp = hist_counts.data_ptr<int64_t>();
+    double* ep = hist_edges.data_ptr<double>();
+    std::fill(hp, hp + a.nbins, int64_t{0});
+    if (a.log2) {
+      raw_to_log2(raw, is_f64 ? kRawBitsF64 : kRawBitsF32, is_f64 ? kRawBiasF64 : kRawBiasF32,
+                  total, hp);
+      for (int i = 0; i <= kLog2Bins; ++i) ep[i] = log2_edge(i);
+    } else {
+      std::copy(lin.begin(), lin.end(), hp);
+      for (int64_t i = 0; i <= a.nbins; ++i) ep[i] = linear_edge(lin_lo, lin_hi, i, a.nbins);
+    }
+  }
+  return outs;
+}
+
+}  // namespace
+
+std::string cpu_isa() { return table()->isa; }
+
+void set_cpu_isa(const std::string& isa) {
+  TORCH_CHECK_VALUE(isa == "auto" || isa == "generic" || isa == "avx2",
+                    "hookplug: expected a CPU kernel ISA 'auto', 'generic' or 'avx2', got '",
+                    isa, "'");
+  g_table.store(pick_table(isa), std::memory_order_release);
+}
+
+}  // namespace cpu
+}  // namespace hookplug
+
+TORCH_LIBRARY_IMPL(hookplug, CPU, m) {
+  m.impl("tensor_stats", &hookplug::cpu::tensor_stats_cpu);
+}

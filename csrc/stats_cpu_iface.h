@@ -1,0 +1,52 @@
+// Interface between the CPU driver (stats_cpu.cpp, uses torch) and the CPU block kernels
+// (stats_cpu_kernel.h, torch-free, compiled once per ISA). Torch-free.
+#pragma once
+
+#include <stdint.h>
+
+namespace hookplug {
+namespace cpu {
+
+// Element types the kernels read natively.
+enum DType : int { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3, kNumDTypes = 4 };
+
+// Statistics of one block of at most kBlock contiguous elements.
+struct BlockResult {
+  int64_t n;        // finite values
+  double mean;      // of the finite values (0 when n == 0)
+  double m2;        // sum of squared deviations from `mean`
+  double mn, mx;    // finite min / max (+inf / -inf when n == 0)
+  int64_t zeros;    // +0 and -0
+  int64_t neg_zeros;  // -0 only (filled only when a raw histogram is requested)
+  int64_t pos_inf, neg_inf, nan;
+};
+
+constexpr int64_t kBlock = 2048;       // elements per block (L1-resident)
+constexpr int64_t kChunkBlocks = 32;   // blocks per chunk (unit of parallel work)
+constexpr int64_t kChunk = kBlock * kChunkBlocks;
+
+// Raw log2 table: one counter per (sign, biased exponent field) of the value, read from
+// the float32 bits for float32/float16/bfloat16 (exact conversion) and from the float64
+// bits for float64. kRawSub interleaved sub-tables break store-to-load dependencies.
+constexpr int kRawBitsF32 = 8, kRawBiasF32 = 127, kRawF32 = 2 << kRawBitsF32;     // 512
+constexpr int kRawBitsF64 = 11, kRawBiasF64 = 1023, kRawF64 = 2 << kRawBitsF64;  // 4096
+constexpr int kRawSubF32 = 4;
+constexpr int kRawSubF64 = 2;
+
+// hist: kRawSub sub-tables of kRaw uint32 counters each (added to), or nullptr.
+typedef void (*BlockFn)(const void* p, int64_t n, BlockResult* r, uint32_t* hist);
+// Adds the linear-histogram counts of p[0:n) to counts (see stats_defs.h linear_bucket).
+typedef void (*LinearFn)(const void* p, int64_t n, double lo, double hi, double scale,
+                         int64_t bins, int64_t* counts);
+
+struct KernelTable {
+  const char* isa;
+  BlockFn block[kNumDTypes];
+  LinearFn linear[kNumDTypes];
+};
+
+const KernelTable* kernels_generic();
+const KernelTable* kernels_avx2();  // nullptr when not built for this target
+
+}  // namespace cpu
+}  // namespace hookplug

@@ -1,0 +1,441 @@
+// CPU block kernels of hookplug::tensor_stats. Torch-free and STL-free: this header is
+// compiled once per ISA (stats_cpu_generic.cpp, stats_cpu_avx2.cpp), each time inside its
+// own namespace HOOKPLUG_KNS, with GCC/Clang vector extensions that the compiler lowers to
+// the target's SIMD (SSE2/NEON for the generic build, AVX2 for the avx2 build).
+//
+// The including file defines HOOKPLUG_KNS, HOOKPLUG_ISA_NAME, HOOKPLUG_F16C (0/1) and
+// HOOKPLUG_FMA (0/1) and includes <stdint.h>, stats_cpu_iface.h and stats_defs.h (and
+// <immintrin.h> when HOOKPLUG_F16C or HOOKPLUG_FMA) first.
+//
+// One block = at most kBlock contiguous elements (L1-resident), read from memory once:
+//   pass 1: min, max, sum and zero count in SIMD lanes (4 independent accumulators);
+//           if any lane's sum is not finite, the block holds an Inf/NaN (or overflowed)
+//           and is redone by the exact scalar path;
+//   pass 2 (from L1): sum of (x - m) and (x - m)^2 around the block mean m (corrected
+//           two-pass), and the raw log2 histogram: one counter per (sign, exponent field),
+//           the key taken straight from the bits, spread over interleaved sub-tables.
+// Block results are combined in float64 by the driver (Chan's formula).
+
+#if defined(__GNUC__) && !defined(__clang__)
+// The 32-byte vector helpers below are static inline (never cross a call boundary).
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
+namespace hookplug {
+namespace cpu {
+namespace HOOKPLUG_KNS {
+
+// HOOKPLUG_VBYTES: SIMD width in bytes (32 for AVX2, 16 for the portable build).
+constexpr int VB = HOOKPLUG_VBYTES;
+typedef float vf __attribute__((vector_size(VB)));
+typedef int32_t vi __attribute__((vector_size(VB)));
+typedef uint32_t vu __attribute__((vector_size(VB)));
+typedef double vd __attribute__((vector_size(VB)));
+typedef int64_t vl __attribute__((vector_size(VB)));
+typedef uint64_t vul __attribute__((vector_size(VB)));
+typedef uint16_t vh __attribute__((vector_size(VB / 2)));
+constexpr int WF = VB / 4;  // float lanes
+constexpr int WD = VB / 8;  // double lanes
+
+static inline float f32_from_bits(uint32_t b) {
+  float f;
+  __builtin_memcpy(&f, &b, 4);
+  return f;
+}
+static inline uint32_t key_bits(float f) {
+  uint32_t b;
+  __builtin_memcpy(&b, &f, 4);
+  return b;
+}
+static inline uint64_t key_bits(double f) {
+  uint64_t b;
+  __builtin_memcpy(&b, &f, 8);
+  return b;
+}
+
+static inline float half_to_float(uint16_t h) {
+  const uint32_t s = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t em = h & 0x7fffu;
+  uint32_t bits;
+  if (em >= 0x7c00u) {
+    bits = (em << 13) | 0x7f800000u;  // Inf / NaN
+  } else if (em >= 0x0400u) {
+    bits = (em << 13) + (112u << 23);  // normal: rebias 15 -> 127
+  } else {
+    bits = key_bits(static_cast<float>(em) * 0x1p-24f);  // subnormal or zero, exact
+  }
+  return f32_from_bits(bits | s);
+}
+
+// WF float16 values -> float32 lanes (exact).
+static inline vf halfs_to_float(const uint16_t* p) {
+#if HOOKPLUG_F16C && HOOKPLUG_VBYTES == 32
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  vh h;
+  __builtin_memcpy(&h, p, sizeof(h));
+  const vu w = __builtin_convertvector(h, vu);
+  const vu s = (w & 0x8000u) << 16;
+  const vu em = w & 0x7fffu;
+  const vu normal = (em << 13) + (112u << 23);
+  const vu special = (em << 13) | 0x7f800000u;
+  const vu sub = (vu)(__builtin_convertvector((vi)em, vf) * 0x1p-24f);
+  const vu r = em >= 0x7c00u ? special : (em >= 0x0400u ? normal : sub);
+  return (vf)(r | s);
+#endif
+}
+
+// Geometry of the raw log2 table for a compute type.
+template <class S> struct Raw;
+template <> struct Raw<float> {
+  static constexpr int kShift = 31 - kRawBitsF32;  // 23: sign + exponent field
+  static constexpr int kSize = kRawF32;
+  static constexpr int kSub = kRawSubF32;
+  static constexpr uint32_t kSign = 0x80000000u;
+};
+template <> struct Raw<double> {
+  static constexpr int kShift = 63 - kRawBitsF64;  // 52
+  static constexpr int kSize = kRawF64;
+  static constexpr int kSub = kRawSubF64;
+  static constexpr uint64_t kSign = 0x8000000000000000ull;
+};
+
+// Raw log2 histograms of a block, keys read straight from the bits in memory (several
+// keys per 64-bit load), counters spread over kSub interleaved sub-tables so that equal
+// consecutive keys do not wait on each other's store.
+#define HOOKPLUG_RESTRICT __restrict__
+
+static inline uint64_t load_u64(const void* p) {
+  uint64_t w;
+  __builtin_memcpy(&w, p, 8);
+  return w;
+}
+
+static void hist_f32(const void* pv, int64_t n, uint32_t* HOOKPLUG_RESTRICT h) {
+  const uint32_t* p = static_cast<const uint32_t*>(pv);
+  constexpr int R = kRawF32, NS = kRawSubF32;
+  static_assert(NS % 2 == 0, "two keys per 64-bit load");
+  int64_t i = 0;
+  for (; i + 2 * NS <= n; i += 2 * NS) {  // element i + e goes to sub-table e % NS
+    uint64_t w[NS];
+    for (int j = 0; j < NS; ++j) w[j] = load_u64(p + i + 2 * j);
+    for (int j = 0; j < NS; ++j) {
+      h[((2 * j) % NS) * R + (static_cast<uint32_t>(w[j]) >> 23)] += 1;
+      h[((2 * j + 1) % NS) * R + (w[j] >> 55)] += 1;
+    }
+  }
+  for (; i < n; ++i) h[p[i] >> 23] += 1;
+}
+
+static void hist_bf16(const void* pv, int64_t n, uint32_t* HOOKPLUG_RESTRICT h) {
+  const uint16_t* p = static_cast<const uint16_t*>(pv);
+  constexpr int R = kRawF32, NS = kRawSubF32;
+  static_assert(NS % 4 == 0, "four keys per 64-bit load");
+  int64_t i = 0;
+  for (; i + 2 * NS <= n; i += 2 * NS) {
+    uint64_t w[NS / 2];
+    for (int j = 0; j < NS / 2; ++j) w[j] = load_u64(p + i + 4 * j);
+    for (int j = 0; j < NS / 2; ++j) {
+      const int t = (4 * j) % NS;
+      h[t * R + ((w[j] >> 7) & 0x1ff)] += 1;
+      h[(t + 1) * R + ((w[j] >> 23) & 0x1ff)] += 1;
+      h[(t + 2) * R + ((w[j] >> 39) & 0x1ff)] += 1;
+      h[(t + 3) * R + (w[j] >> 55)] += 1;
+    }
+  }
+  for (; i < n; ++i) h[p[i] >> 7] += 1;
+}
+
+static void hist_f64(const void* pv, int64_t n, uint32_t* HOOKPLUG_RESTRICT h) {
+  const uint64_t* p = static_cast<const uint64_t*>(pv);
+  uint32_t* HOOKPLUG_RESTRICT h0 = h;
+  uint32_t* HOOKPLUG_RESTRICT h1 = h + kRawF64;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const uint64_t w0 = load_u64(p + i), w1 = load_u64(p + i + 1);
+    const uint64_t w2 = load_u64(p + i + 2), w3 = load_u64(p + i + 3);
+    h0[w0 >> 52] += 1;
+    h1[w1 >> 52] += 1;
+    h0[w2 >> 52] += 1;
+    h1[w3 >> 52] += 1;
+  }
+  for (; i < n; ++i) h0[p[i] >> 52] += 1;
+}
+
+
+// float16: the key comes from the exact float32 conversion (fp16 subnormals are float32
+// normals), converted 8 at a time into a small key buffer.
+static void hist_f16(const void* pv, int64_t n, uint32_t* HOOKPLUG_RESTRICT h) {
+  const uint16_t* p = static_cast<const uint16_t*>(pv);
+  constexpr int R = kRawF32, NS = kRawSubF32;
+  int64_t i = 0;
+  for (; i + WF <= n; i += WF) {
+    uint32_t k[WF];
+    const vu kv = (vu)halfs_to_float(p + i) >> 23;
+    __builtin_memcpy(k, &kv, sizeof(k));
+    for (int l = 0; l < WF; ++l) h[((l + i) % NS) * R + k[l]] += 1;
+  }
+  for (; i < n; ++i) h[key_bits(half_to_float(p[i])) >> 23] += 1;
+}
+
+// Element traits: storage type -> compute lanes.
+struct TF32 {
+  typedef float S;
+  typedef vf V;
+  typedef vu U;
+  typedef vi I;
+  static constexpr int W = WF;
+  static inline V load(const void* p, int64_t i) {
+    V v;
+    __builtin_memcpy(&v, static_cast<const float*>(p) + i, sizeof(V));
+    return v;
+  }
+  static inline S load1(const void* p, int64_t i) { return static_cast<const float*>(p)[i]; }
+  static inline void hist(const void* p, int64_t n, uint32_t* h) { hist_f32(p, n, h); }
+};
+
+struct TF64 {
+  typedef double S;
+  typedef vd V;
+  typedef vul U;
+  typedef vl I;
+  static constexpr int W = WD;
+  static inline V load(const void* p, int64_t i) {
+    V v;
+    __builtin_memcpy(&v, static_cast<const double*>(p) + i, sizeof(V));
+    return v;
+  }
+  static inline S load1(const void* p, int64_t i) { return static_cast<const double*>(p)[i]; }
+  static inline void hist(const void* p, int64_t n, uint32_t* h) { hist_f64(p, n, h); }
+};
+
+struct TBF16 {
+  typedef float S;
+  typedef vf V;
+  typedef vu U;
+  typedef vi I;
+  static constexpr int W = WF;
+  static inline V load(const void* p, int64_t i) {
+    vh h;
+    __builtin_memcpy(&h, static_cast<const uint16_t*>(p) + i, sizeof(vh));
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+  }
+  static inline S load1(const void* p, int64_t i) {
+    return f32_from_bits(static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16);
+  }
+  static inline void hist(const void* p, int64_t n, uint32_t* h) { hist_bf16(p, n, h); }
+};
+
+struct TF16 {
+  typedef float S;
+  typedef vf V;
+  typedef vu U;
+  typedef vi I;
+  static constexpr int W = WF;
+  static inline V load(const void* p, int64_t i) {
+    return halfs_to_float(static_cast<const uint16_t*>(p) + i);
+  }
+  static inline S load1(const void* p, int64_t i) {
+    return half_to_float(static_cast<const uint16_t*>(p)[i]);
+  }
+  static inline void hist(const void* p, int64_t n, uint32_t* h) { hist_f16(p, n, h); }
+};
+
+static inline vf vfma(vf a, vf b, vf c) {
+#if HOOKPLUG_FMA && HOOKPLUG_VBYTES == 32
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+static inline vd vfma(vd a, vd b, vd c) {
+#if HOOKPLUG_FMA && HOOKPLUG_VBYTES == 32
+  return (vd)_mm256_fmadd_pd((__m256d)a, (__m256d)b, (__m256d)c);
+#else
+  return a * b + c;
+#endif
+}
+
+static inline bool is_finite(double x) { return x - x == 0; }
+
+// Exact scalar path for a block that holds Inf/NaN (or whose float sum overflowed).
+template <class T, bool HIST>
+static void block_slow(const void* p, int64_t n, BlockResult* r, uint32_t* hist) {
+  typedef typename T::S S;
+  typedef Raw<S> RW;
+  int64_t nf = 0, zeros = 0, nzeros = 0, pinf = 0, ninf = 0, nan = 0;
+  double sum = 0;
+  S mn = __builtin_inf(), mx = -__builtin_inf();
+  for (int64_t i = 0; i < n; ++i) {
+    const S a = T::load1(p, i);
+    if (HIST) hist[(i % RW::kSub) * RW::kSize + (key_bits(a) >> RW::kShift)] += 1;
+    if (a != a) {
+      ++nan;
+    } else if (a == static_cast<S>(__builtin_inf())) {
+      ++pinf;
+    } else if (a == -static_cast<S>(__builtin_inf())) {
+      ++ninf;
+    } else {
+      ++nf;
+      sum += a;
+      mn = a < mn ? a : mn;
+      mx = a > mx ? a : mx;
+      if (a == 0) {
+        ++zeros;
+        nzeros += (key_bits(a) & RW::kSign) != 0;
+      }
+    }
+  }
+  double mean = nf ? sum / static_cast<double>(nf) : 0.0, c = 0, m2 = 0;
+  if (nf) {
+    for (int64_t i = 0; i < n; ++i) {
+      const double a = static_cast<double>(T::load1(p, i));
+      if (is_finite(a)) {
+        const double d = a - mean;
+        c += d;
+        m2 += d * d;
+      }
+    }
+    m2 -= c * c / static_cast<double>(nf);
+    mean += c / static_cast<double>(nf);
+  }
+  r->n = nf;
+  r->mean = mean;
+  r->m2 = m2 > 0 ? m2 : 0;
+  r->mn = mn;
+  r->mx = mx;
+  r->zeros = zeros;
+  r->neg_zeros = nzeros;
+  r->pos_inf = pinf;
+  r->neg_inf = ninf;
+  r->nan = nan;
+}
+
+template <class T, bool HIST>
+static void block_stats(const void* p, int64_t n, BlockResult* r, uint32_t* hist) {
+  typedef typename T::S S;
+  typedef typename T::V V;
+  typedef typename T::U U;
+  typedef typename T::I I;
+  typedef Raw<S> RW;
+  constexpr int W = T::W;
+  const S inf = __builtin_inf();
+
+  // ---- pass 1: min, max, sum (two accumulators each: no register spills on AVX2) -----
+  V mn0 = V{} + inf, mn1 = mn0;
+  V mx0 = V{} - inf, mx1 = mx0;
+  V s0 = V{}, s1 = V{};
+  int64_t i = 0;
+  for (; i + 2 * W <= n; i += 2 * W) {
+    const V a0 = T::load(p, i), a1 = T::load(p, i + W);
+    mn0 = a0 < mn0 ? a0 : mn0;
+    mn1 = a1 < mn1 ? a1 : mn1;
+    mx0 = a0 > mx0 ? a0 : mx0;
+    mx1 = a1 > mx1 ? a1 : mx1;
+    s0 += a0;
+    s1 += a1;
+  }
+  const int64_t nv = i;  // elements covered by the vector loops
+  S tmn = inf, tmx = -inf, ts = 0;
+  for (; i < n; ++i) {
+    const S a = T::load1(p, i);
+    tmn = a < tmn ? a : tmn;
+    tmx = a > tmx ? a : tmx;
+    ts += a;
+  }
+  mn0 = mn0 < mn1 ? mn0 : mn1;
+  mx0 = mx0 > mx1 ? mx0 : mx1;
+  double sum = ts;
+  bool finite = is_finite(ts);
+  for (int l = 0; l < W; ++l) {
+    const double a = s0[l], b = s1[l];
+    finite = finite && is_finite(a) && is_finite(b);
+    sum += a + b;
+    tmn = mn0[l] < tmn ? mn0[l] : tmn;
+    tmx = mx0[l] > tmx ? mx0[l] : tmx;
+  }
+  if (!finite) {  // an Inf or NaN in the block (or a float overflow of the sum)
+    block_slow<T, HIST>(p, n, r, hist);
+    return;
+  }
+
+  // ---- pass 2 (from L1): deviations around the block mean, zeros ---------------------
+  const S m = static_cast<S>(sum / static_cast<double>(n));
+  const V mv = V{} + m;
+  V t10 = V{}, t11 = V{}, t20 = V{}, t21 = V{};
+  I z0 = I{}, z1 = I{}, nz0 = I{}, nz1 = I{};
+  const U signu = U{} + RW::kSign;
+  for (i = 0; i < nv; i += 2 * W) {
+    const V a0 = T::load(p, i), a1 = T::load(p, i + W);
+    const V d0 = a0 - mv, d1 = a1 - mv;
+    t10 += d0;
+    t11 += d1;
+    t20 = vfma(d0, d0, t20);
+    t21 = vfma(d1, d1, t21);
+    z0 -= (a0 == V{});
+    z1 -= (a1 == V{});
+    if (HIST) {  // -0.0 (the raw table's exponent-0 slot of the negative sign holds them)
+      nz0 -= ((U)a0 == signu);
+      nz1 -= ((U)a1 == signu);
+    }
+  }
+  double c1 = 0, c2 = 0;
+  int64_t zeros = 0, nzeros = 0;
+  for (; i < n; ++i) {
+    const S a = T::load1(p, i);
+    const double d = static_cast<double>(a - m);
+    c1 += d;
+    c2 += d * d;
+    zeros += (a == 0);
+    if (HIST) nzeros += (key_bits(a) == RW::kSign);
+  }
+  for (int l = 0; l < W; ++l) {
+    c1 += static_cast<double>(t10[l]) + static_cast<double>(t11[l]);
+    c2 += static_cast<double>(t20[l]) + static_cast<double>(t21[l]);
+    zeros += z0[l] + z1[l];
+    if (HIST) nzeros += nz0[l] + nz1[l];
+  }
+  if (!is_finite(c2)) {  // (x - m)^2 overflowed the float lanes: redo exactly
+    block_slow<T, HIST>(p, n, r, hist);
+    return;
+  }
+  const double nd = static_cast<double>(n);
+  const double m2 = c2 - c1 * c1 / nd;
+  r->n = n;
+  r->mean = static_cast<double>(m) + c1 / nd;
+  r->m2 = m2 > 0 ? m2 : 0;
+  r->mn = tmn;
+  r->mx = tmx;
+  r->zeros = zeros;
+  r->neg_zeros = nzeros;
+  r->pos_inf = r->neg_inf = r->nan = 0;
+  if (HIST) T::hist(p, n, hist);  // ---- pass 3 (from L1): raw log2 histogram ---------
+}
+
+template <class T>
+static void block_entry(const void* p, int64_t n, BlockResult* r, uint32_t* hist) {
+  if (hist) {
+    block_stats<T, true>(p, n, r, hist);
+  } else {
+    block_stats<T, false>(p, n, r, hist);
+  }
+}
+
+template <class T>
+static void linear_entry(const void* p, int64_t n, double lo, double hi, double scale,
+                         int64_t bins, int64_t* counts) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t b = linear_bucket(static_cast<double>(T::load1(p, i)), lo, hi, scale, bins);
+    if (b >= 0) counts[b] += 1;
+  }
+}
+
+static const KernelTable kTable = {
+    HOOKPLUG_ISA_NAME,
+    {&block_entry<TF32>, &block_entry<TF64>, &block_entry<TF16>, &block_entry<TBF16>},
+    {&linear_entry<TF32>, &linear_entry<TF64>, &linear_entry<TF16>, &linear_entry<TBF16>},
+};
+
+}  // namespace HOOKPLUG_KNS
+}  // namespace cpu
+}  // namespace hookplug

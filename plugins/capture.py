@@ -1,0 +1,336 @@
+"""``capture``: keep module activations (and optionally inputs and output gradients).
+
+    with hookplug.attach(model, "Conv2d", plugins="capture") as s:
+        model(x)
+    fmap = s["capture"].features["layer1.0.conv1"]      # detached, same structure as the output
+    s["capture"].save("features.safetensors")           # hookplug.load_capture(path) reads it back
+
+Options (keyword-only):
+
+- ``keep="last"|"all"|N``: the last call of each module (the value itself), every call
+  (a list, oldest first), or the last ``N`` calls (a list of at most ``N``).
+- ``to=None|"cpu"``: keep on the tensor's device, or copy to the host; from CUDA the copy is
+  non-blocking into pinned memory (``features`` waits for it when read).
+- ``clone=True``: copy what is captured, so a later in-place op (``ReLU(inplace=True)``,
+  ``x += ...``) cannot change it. ``clone=False`` keeps detached views (no copy, no memory,
+  but a later in-place op shows through). With ``to="cpu"`` there is always a copy.
+- ``max_bytes=None``: a bound on the bytes held. A call whose tensors would go over it is not
+  captured (and counted in ``skipped``); the first time, the plugin warns. It never allocates
+  past the bound.
+- ``grads=False``: also keep the gradient of each output in ``grads[name]``, in the output's
+  structure (``None`` where no gradient arrived), for the same calls as ``features``.
+- ``inputs=False``: also keep the positional arguments in ``inputs[name]`` (a tuple), read
+  before ``forward`` runs.
+
+``results()`` is ``features``. ``save(path)`` writes a safetensors file (never pickle): keys
+``"<module>/output"``, ``"<module>/output[1]"``, ``"<module>/3/output"`` (call 3 of a list),
+``"<module>/grad"``, ``"<module>/input[0]"``, plus JSON metadata from which
+``hookplug.load_capture(path)`` rebuilds the same dicts (dataclasses come back as dicts).
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Union
+
+import torch
+
+import hookplug
+from hookplug import hookimpl
+from hookplug.structures import iter_tensors
+
+__all__ = ["CapturePlugin"]
+
+_KINDS = ("features", "grads", "inputs")
+
+
+class _Slot:
+    """A placeholder for one tensor of an output structure, named by its path."""
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __repr__(self) -> str:
+        return f"_Slot({self.path!r})"
+
+
+def _map_with_path(fn: Callable[[str, Any], Any], obj: Any, path: str, leaf=torch.Tensor) -> Any:
+    """``structures.map_tensors`` that also passes each leaf's path (as ``iter_tensors`` names it)."""
+    if isinstance(obj, leaf):
+        return fn(path, obj)
+    if isinstance(obj, dict):
+        items = [(k, _map_with_path(fn, v, f"{path}.{k}" if isinstance(k, str) else f"{path}[{k!r}]", leaf))
+                 for k, v in obj.items()]
+        try:
+            return type(obj)(items)
+        except Exception:  # noqa: BLE001 - dict subclasses with odd constructors
+            return dict(items)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_map_with_path(fn, v, f"{path}[{i}]", leaf) for i, v in enumerate(obj)))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_with_path(fn, v, f"{path}[{i}]", leaf) for i, v in enumerate(obj))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: _map_with_path(fn, getattr(obj, f.name), f"{path}.{f.name}", leaf)
+                   for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
+    return obj
+
+
+def _nbytes(obj: Any) -> int:
+    return sum(t.numel() * t.element_size() for _, t in iter_tensors(obj))
+
+
+class CapturePlugin(hookplug.Plugin):
+    """Detached copies of module outputs (and optionally inputs and output gradients).
+    See the module docstring for the options."""
+
+    name = "capture"
+
+    def __init__(
+        self,
+        *,
+        keep: Union[str, int] = "last",
+        to: Optional[str] = None,
+        clone: bool = True,
+        max_bytes: Optional[int] = None,
+        grads: bool = False,
+        inputs: bool = False,
+    ):
+        if isinstance(keep, bool) or not (keep in ("last", "all") or (isinstance(keep, int) and keep >= 1)):
+            raise ValueError(f"capture: keep must be 'last', 'all' or an int >= 1, got {keep!r}")
+        if to not in (None, "cpu"):
+            raise ValueError(f"capture: to must be None or 'cpu', got {to!r}")
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
+            raise ValueError(f"capture: max_bytes must be None or an int >= 0, got {max_bytes!r}")
+        for opt, v in (("clone", clone), ("grads", grads), ("inputs", inputs)):
+            if not isinstance(v, bool):
+                raise ValueError(f"capture: {opt} must be True or False, got {v!r}")
+        self.keep = keep
+        self.to = to
+        self.clone = clone
+        self.max_bytes = max_bytes
+        self.keep_grads = grads
+        self.keep_inputs = inputs
+        if not grads:
+            self.hookplug_output_grad = None
+        if not inputs:
+            self.hookplug_forward_input = None
+        self.reset()
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Drop everything captured."""
+        self._store: Dict[str, Dict[str, Any]] = {k: {} for k in _KINDS}
+        self._calls: Dict[str, Dict[str, Any]] = {k: {} for k in _KINDS}  # call index(es) per module
+        self._skeletons: Dict[tuple, Any] = {}  # (module, call) -> output structure of _Slots (grads)
+        self._grad_parts: Dict[tuple, Dict[str, torch.Tensor]] = {}
+        self._events: List[Any] = []
+        self.nbytes = 0
+        self.skipped = 0
+        self._warned = False
+
+    def _wait(self) -> None:
+        events, self._events = self._events, []
+        for ev in events:
+            ev.synchronize()
+
+    @property
+    def features(self) -> Dict[str, Any]:
+        """``{module: output}`` (``keep="last"``) or ``{module: [output, ...]}``, detached."""
+        if self._events:
+            self._wait()
+        return self._store["features"]
+
+    @property
+    def grads(self) -> Dict[str, Any]:
+        """``{module: gradient of the output}`` in the output's structure (``grads=True``)."""
+        if self._events:
+            self._wait()
+        return self._store["grads"]
+
+    @property
+    def inputs(self) -> Dict[str, Any]:
+        """``{module: args tuple}`` read before ``forward`` (``inputs=True``)."""
+        if self._events:
+            self._wait()
+        return self._store["inputs"]
+
+    # -- copying ---------------------------------------------------------------------------------
+
+    def _copy(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if self.to == "cpu" and t.device.type != "cpu":
+            pin = t.device.type == "cuda"
+            try:
+                dst = torch.empty_like(t, device="cpu", pin_memory=pin)
+            except RuntimeError:  # layouts empty_like cannot pin (sparse, ...)
+                return t.to("cpu")
+            dst.copy_(t, non_blocking=pin)
+            return dst
+        return t.clone() if self.clone or self.to == "cpu" else t
+
+    def _after_copy(self, src_device: torch.device) -> None:
+        if self.to == "cpu" and src_device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(src_device))
+            self._events.append(ev)
+
+    # -- keeping -----------------------------------------------------------------------------------
+
+    def _room(self, kind: str, name: str, call: int, new_bytes: int) -> bool:
+        """Whether ``new_bytes`` fit under ``max_bytes`` once what this call replaces is freed."""
+        if self.max_bytes is None:
+            return True
+        freed = 0
+        store, calls = self._store[kind], self._calls[kind]
+        if self.keep == "last":
+            prev = calls.get(name)
+            if prev is not None and prev <= call:
+                freed = _nbytes(store.get(name))
+        else:
+            cl = calls.get(name, [])
+            i = bisect.bisect_left(cl, call)
+            if i < len(cl) and cl[i] == call:
+                freed = _nbytes(store[name][i])
+            elif isinstance(self.keep, int) and len(cl) >= self.keep and i > 0:
+                freed = _nbytes(store[name][0])
+        if self.nbytes - freed + new_bytes <= self.max_bytes:
+            return True
+        self.skipped += 1
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"hookplug plugin 'capture': max_bytes={self.max_bytes} reached at {kind} of {name!r} "
+                f"(call {call}, {new_bytes} bytes more, {self.nbytes} held); calls that do not fit are "
+                "not captured (see .skipped)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return False
+
+    def _put(self, kind: str, name: str, call: int, value: Any) -> None:
+        store, calls = self._store[kind], self._calls[kind]
+        if self.keep == "last":
+            prev = calls.get(name)
+            if prev is not None and call < prev:  # an older call's late gradient
+                return
+            if name in store:
+                self.nbytes -= _nbytes(store[name])
+            store[name] = value
+            calls[name] = call
+        else:
+            lst = store.setdefault(name, [])
+            cl = calls.setdefault(name, [])
+            i = bisect.bisect_left(cl, call)
+            if i < len(cl) and cl[i] == call:
+                self.nbytes -= _nbytes(lst[i])
+                lst[i] = value
+            else:
+                if isinstance(self.keep, int) and len(cl) >= self.keep and i == 0:
+                    return  # older than every kept call
+                lst.insert(i, value)
+                cl.insert(i, call)
+                if isinstance(self.keep, int) and len(cl) > self.keep:
+                    self.nbytes -= _nbytes(lst.pop(0))
+                    cl.pop(0)
+        self.nbytes += _nbytes(value)
+
+    def _capture(self, kind: str, name: str, call: int, obj: Any, prefix: str) -> bool:
+        tensors = list(iter_tensors(obj, prefix))
+        if not self._room(kind, name, call, sum(t.numel() * t.element_size() for _, t in tensors)):
+            return False
+        value = _map_with_path(lambda _p, t: self._copy(t), obj, prefix)
+        if tensors:
+            self._after_copy(tensors[0][1].device)
+        self._put(kind, name, call, value)
+        return True
+
+    # -- hooks (hot path) ------------------------------------------------------------------------
+
+    @hookimpl
+    def hookplug_forward_input(self, ctx, args):
+        self._capture("inputs", ctx.name, ctx.call_index, tuple(args), "input")
+
+    @hookimpl
+    def hookplug_forward_output(self, ctx, output):
+        ok = self._capture("features", ctx.name, ctx.call_index, output, "output")
+        if ok and self.keep_grads and not isinstance(output, torch.Tensor):
+            skel = _map_with_path(lambda p, _t: _Slot(p), output, "output")
+            self._skeletons[(ctx.name, ctx.call_index)] = skel
+            if len(self._skeletons) > 4096:  # gradients that never came: forget the oldest
+                for k in list(self._skeletons)[:1024]:
+                    self._skeletons.pop(k, None)
+                    self._grad_parts.pop(k, None)
+
+    @hookimpl
+    def hookplug_output_grad(self, ctx, grad, path):
+        key = (ctx.name, ctx.call_index)
+        skel = self._skeletons.get(key)
+        if skel is None:
+            if path != "output":
+                return None  # the forward call was not captured
+            if not self._room("grads", ctx.name, ctx.call_index, grad.numel() * grad.element_size()):
+                return None
+            value = self._copy(grad)
+            self._after_copy(grad.device)
+            self._put("grads", ctx.name, ctx.call_index, value)
+            return None
+        g = grad.numel() * grad.element_size()
+        # the structure so far (earlier parts) is freed by _put and counted again, so only g is new
+        if not self._room("grads", ctx.name, ctx.call_index, g + self._parts_bytes(key)):
+            return None
+        parts = self._grad_parts.setdefault(key, {})
+        parts[path] = self._copy(grad)
+        self._after_copy(grad.device)
+        value = _map_with_path(lambda _p, s: parts.get(s.path), skel, "output", leaf=_Slot)
+        self._put("grads", ctx.name, ctx.call_index, value)
+        return None
+
+    def _parts_bytes(self, key) -> int:
+        parts = self._grad_parts.get(key)
+        return sum(t.numel() * t.element_size() for t in parts.values()) if parts else 0
+
+    # -- results ---------------------------------------------------------------------------------
+
+    def results(self) -> Dict[str, Any]:
+        """``features``."""
+        return self.features
+
+    def save(self, path) -> None:
+        """Write what was captured to a safetensors file (no pickle); see ``hookplug.load_capture``."""
+        from hookplug._capture_io import save_capture
+
+        if self._events:
+            self._wait()
+        save_capture(path, {k: v for k, v in self._store.items() if v}, keep=self.keep)
+
+    def report(self) -> str:
+        rows = []
+        for kind in _KINDS:
+            for name, value in self._store[kind].items():
+                entries = value if isinstance(value, list) else [value]
+                last = entries[-1] if entries else None
+                shapes = ", ".join(f"{tuple(t.shape)}" for _, t in iter_tensors(last)) or "-"
+                dtypes = ", ".join(sorted({str(t.dtype).replace("torch.", "") for _, t in iter_tensors(last)})) or "-"
+                label = name or "<root>"
+                if kind != "features":
+                    label += f" [{kind[:-1]}]"
+                if isinstance(value, list):
+                    label += f" x{len(entries)}"
+                rows.append((label, shapes, dtypes, str(sum(_nbytes(e) for e in entries))))
+        if not rows:
+            return ""
+        header = ("module", "shape", "dtype", "bytes")
+        table = [header, *rows]
+        widths = [max(len(r[i]) for r in table) for i in range(4)]
+        lines = []
+        for j, r in enumerate(table):
+            lines.append("  ".join(c.rjust(w) if i == 3 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+            if j == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        lines.append(f"total {self.nbytes} bytes" + (f", {self.skipped} call(s) skipped (max_bytes)" if self.skipped else ""))
+        return "\n".join(lines)

@@ -1,0 +1,206 @@
+"""``gradclamp``: steer the gradients flowing back through modules and into parameters.
+
+    # clamp the gradient of every conv output to >= 0
+    hookplug.attach(model, "Conv2d", plugins=("gradclamp", {"min": 0}))
+    # zero every fc bias gradient (the params' owners must be selected: "*" selects all)
+    hookplug.attach(model, "*", plugins=("gradclamp", {"min": 0, "max": 0, "params": "fc*.bias"}))
+
+Options (keyword-only):
+
+- ``min``, ``max``: clamp every element of the gradient to ``[min, max]``.
+- ``max_norm``: scale each gradient tensor down so its L2 norm is at most ``max_norm``
+  (per tensor, like ``clip_grad_norm_`` on that tensor alone; a tensor whose norm is not
+  finite is left as it is).
+- ``nan="keep"|"zero"|"raise"``: what to do with NaN elements, before clamping. ``"raise"``
+  raises a ``FloatingPointError`` naming the module (or parameter); it is the only option
+  that synchronizes with the device (once per gradient, to know whether to raise).
+- ``params=None|"glob"|["glob", ...]``: also transform the gradients of the parameters whose
+  qualified name (``"layer1.0.conv1.weight"``) matches an ``fnmatch`` glob. Only parameters
+  of the *selected* modules get a hook, so select their owners (or ``"*"``); a glob that
+  matches none of them warns at attach time.
+- ``outputs=None|True|False``: transform the gradients of the selected modules' outputs.
+  ``None`` (default) means yes unless ``params`` is given, so
+  ``{"min": 0, "max": 0, "params": "fc*.bias"}`` touches only those parameters (the seeds'
+  "zero every fc bias gradient"); pass ``outputs=True`` to do both.
+
+Order: NaN handling, then ``min``/``max``, then ``max_norm``. The plugin counts how many
+elements it changed in an int64 device counter per module output (keyed by module name)
+and per parameter (keyed by parameter name), without a host sync; ``results()`` reads them:
+``{name: {"changed": int}}``.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+import warnings
+from typing import Any, Dict, Optional, Sequence, Union
+
+import torch
+
+import hookplug
+from hookplug import hookimpl
+
+__all__ = ["GradClampPlugin"]
+
+_NAN = ("keep", "zero", "raise")
+
+
+def _number(name: str, v):
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"gradclamp: {name} must be a number or None, got {v!r}")
+    if math.isnan(v):
+        raise ValueError(f"gradclamp: {name} must not be NaN")
+    return v
+
+
+class GradClampPlugin(hookplug.Plugin):
+    """Clamp / clip / NaN-guard gradients of module outputs and (with ``params=``) of
+    parameters. See the module docstring for the options."""
+
+    name = "gradclamp"
+
+    def __init__(
+        self,
+        *,
+        min: Optional[float] = None,  # noqa: A002 - torch.clamp's names
+        max: Optional[float] = None,  # noqa: A002
+        max_norm: Optional[float] = None,
+        nan: str = "keep",
+        params: Union[None, str, Sequence[str]] = None,
+        outputs: Optional[bool] = None,
+    ):
+        self.min = _number("min", min)
+        self.max = _number("max", max)
+        self.max_norm = _number("max_norm", max_norm)
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"gradclamp: min must be <= max, got min={min!r}, max={max!r}")
+        if self.max_norm is not None and not (self.max_norm > 0 and math.isfinite(self.max_norm)):
+            raise ValueError(f"gradclamp: max_norm must be a finite number > 0, got {max_norm!r}")
+        if nan not in _NAN:
+            raise ValueError(f"gradclamp: nan must be one of {_NAN}, got {nan!r}")
+        self.nan = nan
+        if params is None:
+            globs = ()
+        elif isinstance(params, str):
+            globs = (params,)
+        else:
+            try:
+                globs = tuple(params)
+            except TypeError:
+                globs = (None,)
+            if not globs or not all(isinstance(g, str) for g in globs):
+                raise ValueError(f"gradclamp: params must be None, a glob string or a list of them, got {params!r}")
+        self.params = globs
+        if outputs is not None and not isinstance(outputs, bool):
+            raise ValueError(f"gradclamp: outputs must be None, True or False, got {outputs!r}")
+        self.outputs = (not globs) if outputs is None else outputs
+        if self.min is None and self.max is None and self.max_norm is None and nan == "keep":
+            raise ValueError("gradclamp: nothing to do; give min, max, max_norm or nan='zero'|'raise'")
+        if not self.outputs and not globs:
+            raise ValueError("gradclamp: outputs=False and no params glob: nothing to transform")
+        # Hooks not needed are switched off so the core registers no torch hook for them.
+        if not self.outputs:
+            self.hookplug_output_grad = None
+        if not globs:
+            self.hookplug_param_grad = None
+        self._match: Dict[str, bool] = {}
+        self.reset()
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Zero the changed-element counters."""
+        self._changed: Dict[str, torch.Tensor] = {}
+
+    def _matches(self, pname: str) -> bool:
+        hit = self._match.get(pname)
+        if hit is None:
+            hit = self._match[pname] = any(fnmatch.fnmatchcase(pname, g) for g in self.params)
+        return hit
+
+    # -- the transform ---------------------------------------------------------------------------
+
+    def _apply(self, key: str, what: str, grad: torch.Tensor) -> torch.Tensor:
+        if not grad.is_floating_point():
+            return None
+        g = grad
+        if self.nan == "raise":
+            if bool(torch.isnan(g).any()):  # the one deliberate sync
+                raise FloatingPointError(f"gradclamp: NaN in the gradient of {what}")
+        elif self.nan == "zero":
+            g = torch.nan_to_num(g, nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+        if self.min is not None or self.max is not None:
+            g = torch.clamp(g, min=self.min, max=self.max)
+        if self.max_norm is not None:
+            low = g.dtype in (torch.float16, torch.bfloat16)
+            norm = torch.linalg.vector_norm(g, dtype=torch.float32 if low else None)
+            scale = self.max_norm / (norm + 1e-6)
+            scale = torch.where(torch.isfinite(norm) & (norm > self.max_norm), scale, torch.ones_like(scale))
+            g = g * scale.to(g.dtype)
+        if g is grad:
+            return None
+        diff = g != grad
+        if self.nan == "keep":  # NaN stays NaN: not a change
+            diff &= g == g
+        n = diff.sum()
+        counter = self._changed.get(key)
+        if counter is None or counter.device != n.device:
+            self._changed[key] = n if counter is None else counter.to(n.device) + n
+        else:
+            counter.add_(n)
+        return g
+
+    # -- hooks -----------------------------------------------------------------------------------
+
+    @hookimpl
+    def hookplug_session_start(self, session):
+        if not self.params:
+            return
+        model = session.model
+        names = set()
+        if model is not None:
+            ids = {id(p) for m in session.modules_of(self).values() for p in m.parameters()}
+            names = {n for n, p in model.named_parameters() if id(p) in ids}
+        if not any(self._matches(n) for n in names):
+            warnings.warn(
+                f"hookplug plugin 'gradclamp': params={list(self.params)!r} matches no parameter of the "
+                f"{len(session.modules_of(self))} selected module(s); parameter hooks exist only for "
+                "parameters of selected modules, so select their owners (e.g. '*' or 'Linear')",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    @hookimpl
+    def hookplug_output_grad(self, ctx, grad, path):
+        return self._apply(ctx.name, f"module {ctx.name!r} ({path}, call {ctx.call_index}, step {ctx.step})", grad)
+
+    @hookimpl
+    def hookplug_param_grad(self, name, grad):
+        if not self._matches(name):
+            return None
+        return self._apply(name, f"parameter {name!r}", grad)
+
+    # -- results ---------------------------------------------------------------------------------
+
+    def results(self) -> Dict[str, Dict[str, Any]]:
+        """``{module or parameter name: {"changed": int}}`` (reads the device counters)."""
+        if not self._changed:
+            return {}
+        keys = list(self._changed)
+        vals = [c.to("cpu") for c in self._changed.values()]
+        return {k: {"changed": int(v)} for k, v in zip(keys, vals)}
+
+    def report(self) -> str:
+        res = self.results()
+        if not res:
+            return ""
+        opts = ", ".join(f"{k}={v!r}" for k, v in (("min", self.min), ("max", self.max),
+                                                     ("max_norm", self.max_norm), ("nan", self.nan))
+                         if v is not None and not (k == "nan" and v == "keep"))
+        width = max(len(k) for k in res) if res else 4
+        lines = [f"({opts}{', params=' + repr(list(self.params)) if self.params else ''})",
+                 f"{'name'.ljust(width)}  changed", f"{'-' * width}  -------"]
+        lines += [f"{(k or '<root>').ljust(width)}  {v['changed']:>7}" for k, v in res.items()]
+        return "\n".join(lines)

@@ -1,0 +1,195 @@
+"""``prometheus`` sink: telemetry served as Prometheus metrics over HTTP.
+
+    s = hookplug.attach(model, "Linear", plugins="stats", sink=("prometheus", {"port": 0}))
+    s["prometheus"].port        # the port it listens on (0 picks a free one)
+
+Serves ``prometheus_client``'s exposition from its own ``CollectorRegistry`` with
+``start_http_server(port, addr, registry=...)`` on ``addr`` (``127.0.0.1`` by default: pass
+``addr="0.0.0.0"`` to let another host scrape it). With ``all_ranks=True`` every rank
+serves, rank *r* on ``port + r`` (unless ``port=0``). ``port=None`` serves nothing; ``path``,
+when given, also writes the exposition to that file after every flush (node_exporter's
+textfile collector: give it a ``.prom`` file). The server stops at the end of the session.
+
+Metrics, labelled ``module``, ``site`` and ``rank`` (``<namespace>`` = ``hookplug``):
+
+- ``<namespace>_tensor_<stat>`` gauges, ``stat`` in ``numel, nan_count, inf_count,
+  zero_count, min, max, mean, std, absmax``: the statistics of the latest step flushed;
+- ``<namespace>_tensor_nonfinite_total`` counter (NaN + Inf values over the whole run);
+- ``<namespace>_tensor_values`` histogram: the histogram buckets summed over every step
+  flushed, bucket ``le`` = the right edge of each bucket (the log2 layout: ..., -1, -0.5,
+  ..., 0.5, 1, ...), the ``+Inf`` bucket counting every value seen. With negative buckets,
+  as the log2 layout has, ``_sum`` and ``_count`` are left out (``prometheus_client``'s rule
+  for histograms that can see negative values). It restarts (a counter reset) for a
+  (module, site) whose bucket edges change;
+- ``<namespace>_step`` gauge: the latest step flushed.
+
+Needs ``prometheus_client`` (0.17 or later): ``pip install hookplug[prometheus]``.
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+from typing import Any, Dict, List, Optional, Tuple
+
+import hookplug
+
+__all__ = ["PrometheusSink"]
+
+STATS = ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "mean", "std", "absmax")
+
+
+def _client():
+    try:
+        import prometheus_client
+        from prometheus_client import core
+    except ImportError as exc:
+        raise ImportError(
+            "the hookplug 'prometheus' sink needs the prometheus_client package: "
+            f"pip install hookplug[prometheus] (or pip install prometheus_client) [{exc}]"
+        ) from exc
+    return prometheus_client, core
+
+
+class _Collector:
+    """Builds the metric families from the sink's latest snapshot at scrape time."""
+
+    def __init__(self, sink: "PrometheusSink"):
+        self.sink = sink
+
+    def collect(self):
+        _, core = _client()
+        sink = self.sink
+        ns = sink.namespace
+        labels = ["module", "site", "rank"]
+        with sink._lock:
+            latest = dict(sink._latest)
+            hists = {k: (list(v[0]), list(v[1]), v[2]) for k, v in sink._hists.items()}
+            nonfinite = dict(sink._nonfinite)
+            step = sink._step
+        for stat in STATS:
+            g = core.GaugeMetricFamily(f"{ns}_tensor_{stat}",
+                                       f"{stat} of the latest step flushed, per module and site",
+                                       labels=labels)
+            for key, rec in latest.items():
+                g.add_metric(list(key), float(rec[stat]))
+            yield g
+        c = core.CounterMetricFamily(f"{ns}_tensor_nonfinite",
+                                     "NaN and Inf values seen since the session started",
+                                     labels=labels)
+        for key, n in nonfinite.items():
+            c.add_metric(list(key), float(n))
+        yield c
+        h = core.HistogramMetricFamily(f"{ns}_tensor_values",
+                                       "value histogram summed over every step flushed",
+                                       labels=labels)
+        for key, (edges, counts, total) in hists.items():
+            buckets: List[Tuple[str, float]] = []
+            running = 0
+            for right, n in zip(edges[1:-1], counts[:-1]):
+                running += n
+                buckets.append((repr(float(right)), running))
+            buckets.append(("+Inf", running + counts[-1]))
+            h.add_metric(list(key), buckets, total)
+        yield h
+        if step is not None:
+            yield core.GaugeMetricFamily(f"{ns}_step", "the latest step flushed", value=step)
+
+
+class PrometheusSink:
+    """Serve telemetry records as Prometheus metrics (see the module docstring)."""
+
+    name = "prometheus"
+
+    def __init__(self, port: Optional[int] = 9464, *, addr: str = "127.0.0.1",
+                 path: Optional[str] = None, all_ranks: bool = False, namespace: str = "hookplug"):
+        self._prom, _ = _client()
+        if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 <= port < 65536):
+            raise ValueError(f"prometheus sink: port must be None or an int in [0, 65535], got {port!r}")
+        self.requested_port = port
+        self.addr = addr
+        self.path = None if path is None else os.fspath(path)
+        self.all_ranks = bool(all_ranks)
+        self.namespace = namespace
+        self.port: Optional[int] = None
+        self.registry = self._prom.CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(self))
+        self._server = None
+        self._thread = None
+        self._lock = threading.Lock()
+        self._latest: Dict[Tuple[str, str, str], Dict[str, Any]] = {}
+        self._hists: Dict[Tuple[str, str, str], Tuple[list, list, float]] = {}
+        self._nonfinite: Dict[Tuple[str, str, str], int] = {}
+        self._step: Optional[int] = None
+
+    # -- serving -------------------------------------------------------------------------------
+
+    def _rank(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    @hookplug.hookimpl
+    def hookplug_session_start(self, session) -> None:
+        if self.requested_port is None or self._server is not None:
+            return
+        rank = self._rank()
+        if rank != 0 and not self.all_ranks:
+            return
+        port = self.requested_port + rank if self.requested_port else 0
+        started = self._prom.start_http_server(port, addr=self.addr, registry=self.registry)
+        if started is None:  # prometheus_client < 0.17 gives no handle to stop or query it
+            raise RuntimeError("the hookplug 'prometheus' sink needs prometheus_client >= 0.17: "
+                               "pip install -U prometheus_client")
+        self._server, self._thread = started
+        self.port = self._server.server_address[1]
+
+    @property
+    def url(self) -> Optional[str]:
+        """Where to scrape, e.g. ``http://127.0.0.1:9464/metrics``."""
+        return None if self.port is None else f"http://{self.addr}:{self.port}/metrics"
+
+    # -- records ---------------------------------------------------------------------------------
+
+    @hookplug.hookimpl
+    def hookplug_flush(self, session, records: List[Dict[str, Any]]) -> None:
+        with self._lock:
+            for rec in records:
+                key = (rec["module"], rec["site"], str(rec.get("rank", 0)))
+                prev = self._latest.get(key)
+                if prev is None or rec["step"] >= prev["step"]:
+                    self._latest[key] = rec
+                self._nonfinite[key] = self._nonfinite.get(key, 0) + rec["nan_count"] + rec["inf_count"]
+                counts, edges = rec.get("hist"), rec.get("hist_edges")
+                if counts and edges:
+                    n_finite = rec["numel"] - rec["nan_count"] - rec["inf_count"]
+                    part = rec["mean"] * n_finite if n_finite > 0 and math.isfinite(rec["mean"]) else 0.0
+                    old = self._hists.get(key)
+                    if old is None or old[0] != edges:
+                        self._hists[key] = (list(edges), list(counts), part)
+                    else:
+                        self._hists[key] = (old[0], [a + b for a, b in zip(old[1], counts)], old[2] + part)
+                self._step = rec["step"] if self._step is None else max(self._step, rec["step"])
+        if self.path:
+            parent = os.path.dirname(self.path)
+            if parent:
+                os.makedirs(parent, exist_ok=True)
+            self._prom.write_to_textfile(self.path, self.registry)
+
+    def exposition(self) -> str:
+        """The metrics in the Prometheus text format, as a scrape would return them."""
+        return self._prom.generate_latest(self.registry).decode("utf-8")
+
+    @hookplug.hookimpl
+    def hookplug_session_end(self, session) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._thread.join(timeout=5)
+            self._server = self._thread = None
+
+    def __repr__(self) -> str:
+        return f"<PrometheusSink {self.url or 'not serving'}>"

@@ -1,0 +1,112 @@
+"""``tensorboard`` sink: telemetry as TensorBoard event files.
+
+    hookplug.attach(model, "Linear", plugins="stats", sink=("tensorboard", {"path": "runs/exp1"}))
+
+Writes through ``torch.utils.tensorboard.SummaryWriter`` into ``path`` (the log dir;
+unset: ``runs/<run-id>``; ``{rank}``/``{run_id}`` are filled in): one ``add_scalar`` per
+statistic under the tag ``<module>/<site>/<stat>`` (``stats=`` picks which; all of ``numel,
+nan_count, inf_count, zero_count, min, max, mean, std, absmax`` by default) and, when the
+record has a histogram, one ``add_histogram_raw`` under ``<module>/<site>/hist`` built from
+its buckets (``bucket_limits`` = the right edges; ``sum``/``sum_squares`` from the finite
+mean and std). ``global_step`` is the record's step and ``walltime`` its time. The writer is
+flushed after every telemetry flush, so TensorBoard sees the data while the run goes on.
+
+Needs the ``tensorboard`` package: ``pip install hookplug[tensorboard]``.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Dict, List, Optional, Sequence
+
+import hookplug
+
+__all__ = ["TensorBoardSink"]
+
+STATS = ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "mean", "std", "absmax")
+
+
+def _summary_writer():
+    try:
+        import tensorboard  # noqa: F401  (SummaryWriter needs it and says so less clearly)
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        raise ImportError(
+            "the hookplug 'tensorboard' sink needs the tensorboard package: "
+            f"pip install hookplug[tensorboard] (or pip install tensorboard) [{exc}]"
+        ) from exc
+    return SummaryWriter
+
+
+class TensorBoardSink:
+    """Write telemetry records as TensorBoard scalars and histograms."""
+
+    name = "tensorboard"
+
+    def __init__(self, path: Optional[str] = None, *, stats: Sequence[str] = STATS,
+                 histogram: bool = True, all_ranks: bool = False, flush_secs: int = 30):
+        unknown = [s for s in stats if s not in STATS]
+        if unknown:
+            raise ValueError(f"tensorboard sink: unknown stats {unknown}; choose from {list(STATS)}")
+        self._writer_cls = _summary_writer()  # fail at attach time, not at the first flush
+        self.path_option = None if path is None else os.fspath(path)
+        self.stats = tuple(stats)
+        self.histogram = bool(histogram)
+        self.all_ranks = bool(all_ranks)
+        self.flush_secs = flush_secs
+        self.path: Optional[str] = None
+        self.writer = None
+
+    def _open(self, session, rank: int):
+        if self.writer is None:
+            from hookplug._telemetry import default_run_dir
+
+            if self.path_option is None:
+                self.path = default_run_dir(session)
+            else:
+                self.path = self.path_option.format(rank=rank, run_id=getattr(session, "run_id", "run"))
+            self.writer = self._writer_cls(log_dir=self.path, flush_secs=self.flush_secs)
+        return self.writer
+
+    @hookplug.hookimpl
+    def hookplug_flush(self, session, records: List[Dict[str, Any]]) -> None:
+        if not records:
+            return
+        w = self._open(session, records[0].get("rank", 0))
+        for rec in records:
+            prefix = f"{rec['module'] or '<root>'}/{rec['site']}"
+            step, walltime = rec["step"], rec.get("time")
+            for stat in self.stats:
+                w.add_scalar(f"{prefix}/{stat}", rec[stat], global_step=step, walltime=walltime)
+            counts = rec.get("hist")
+            edges = rec.get("hist_edges")
+            if self.histogram and counts and edges:
+                self._histogram(w, f"{prefix}/hist", rec, counts, edges, step, walltime)
+        w.flush()
+
+    @staticmethod
+    def _histogram(w, tag, rec, counts, edges, step, walltime) -> None:
+        n_finite = rec["numel"] - rec["nan_count"] - rec["inf_count"]
+        mean, std = rec["mean"], rec["std"]
+        if n_finite > 0 and math.isfinite(mean) and math.isfinite(std):
+            total = mean * n_finite
+            sum_squares = n_finite * (std * std + mean * mean)
+        else:
+            total = sum_squares = 0.0
+        lo = rec["min"] if math.isfinite(rec["min"]) else edges[0]
+        hi = rec["max"] if math.isfinite(rec["max"]) else edges[-1]
+        w.add_histogram_raw(tag, min=lo, max=hi, num=int(sum(counts)), sum=total,
+                            sum_squares=sum_squares, bucket_limits=list(edges[1:]),
+                            bucket_counts=list(counts), global_step=step, walltime=walltime)
+
+    @hookplug.hookimpl
+    def hookplug_session_end(self, session) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+    def __repr__(self) -> str:
+        return f"<TensorBoardSink {self.path or self.path_option or '(runs/<run-id>)'}>"

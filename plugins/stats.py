@@ -1,0 +1,278 @@
+"""``stats``: fused tensor statistics of module inputs, outputs and output gradients.
+
+    with hookplug.attach(model, "Conv2d|Linear", plugins=("stats", {"sites": ("output", "grad")})) as s:
+        model(x).sum().backward()
+    st = s["stats"].results()["layer1.0.conv1"]["output"]     # a hookplug.TensorStats
+    st.max, st.std, st.hist_counts                             # device tensors
+
+Options (keyword-only):
+
+- ``sites=("output",)``: any of ``"input"`` (the positional and keyword arguments, before
+  ``forward``), ``"output"``, ``"grad"`` (the gradient of each output tensor, seen in
+  backward). A single string is accepted.
+- ``bins``: histogram buckets passed to :func:`hookplug.ops.tensor_stats` (``None``: the
+  op's default; ``0``: no histogram).
+- ``hist="log2"|"linear"`` and ``range=(lo, hi)``: the histogram kind and, for ``"linear"``,
+  its fixed range. A linear histogram is merged over calls, so it needs a fixed ``range``.
+- ``max_pending_steps=1024``: how many steps of per-step stats wait for telemetry
+  (``hookplug_collect``); older steps are folded into ``results()`` only.
+
+Every floating tensor of the structure is measured and keyed by its path: ``"output"``,
+``"output[1]"``, ``"output.logits"``; ``"input[0]"``, ``"input.mask"`` (keyword argument
+``mask``); ``"grad"``, ``"grad[1]"`` (the gradient of ``output``, ``output[1]``). Integer,
+bool and complex tensors are skipped.
+
+``results()`` is ``{module: {path: TensorStats}}`` merged exactly over every call and step
+(the merge runs lazily, at ``results()`` time, on the device). The hooks never synchronize
+with the device: each call appends the op's device-side result; at ``session.step()`` (and
+every 16 calls of one module within a step) those are merged on the device into one
+``TensorStats`` per ``(step, module, path)``, which ``hookplug_collect`` hands to telemetry.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import hookplug
+from hookplug import hookimpl
+from hookplug.structures import iter_tensors
+
+__all__ = ["StatsPlugin"]
+
+_SITES = ("input", "output", "grad")
+_HISTS = ("log2", "linear")
+_COMPACT_AT = 16  # per-call stats of one (step, module, path) merged on device at this length
+
+
+def _merge_all(items: Sequence[Any]):
+    if len(items) == 1:
+        return items[0]
+    return type(items[0]).merge_all(items)
+
+
+class StatsPlugin(hookplug.Plugin):
+    """Per module and site, a :class:`hookplug.TensorStats` of every floating tensor, merged
+    over calls and steps. See the module docstring for the options."""
+
+    name = "stats"
+
+    def __init__(
+        self,
+        *,
+        sites: Sequence[str] = ("output",),
+        bins: Optional[int] = None,
+        hist: str = "log2",
+        range: Optional[Tuple[float, float]] = None,  # noqa: A002 - the op's own name
+        max_pending_steps: int = 1024,
+    ):
+        if isinstance(sites, str):
+            sites = (sites,)
+        try:
+            sites = tuple(sites)
+        except TypeError:
+            raise ValueError(f"stats: sites must be a string or a sequence of {_SITES}, got {sites!r}") from None
+        bad = [s for s in sites if s not in _SITES]
+        if bad or not sites:
+            raise ValueError(f"stats: sites must be a non-empty subset of {_SITES}, got {sites!r}")
+        if bins is not None and (not isinstance(bins, int) or isinstance(bins, bool) or bins < 0):
+            raise ValueError(f"stats: bins must be None or an int >= 0, got {bins!r}")
+        if hist not in _HISTS:
+            raise ValueError(f"stats: hist must be one of {_HISTS}, got {hist!r}")
+        if range is not None:
+            try:
+                lo, hi = (float(v) for v in range)
+            except (TypeError, ValueError):
+                raise ValueError(f"stats: range must be None or (lo, hi), got {range!r}") from None
+            if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+                raise ValueError(f"stats: range must be finite with lo < hi, got {range!r}")
+            range = (lo, hi)
+        if hist == "linear" and range is None and bins != 0:
+            raise ValueError(
+                "stats: hist='linear' needs range=(lo, hi): per-call linear histograms are merged "
+                "over calls and steps, which needs the same bucket edges every time "
+                "(or use hist='log2', which needs no range)"
+            )
+        if not isinstance(max_pending_steps, int) or isinstance(max_pending_steps, bool) or max_pending_steps < 1:
+            raise ValueError(f"stats: max_pending_steps must be an int >= 1, got {max_pending_steps!r}")
+        self.sites = sites
+        self.bins = bins
+        self.hist = hist
+        self.range = range
+        self.max_pending_steps = max_pending_steps
+        kw: Dict[str, Any] = {"hist": hist}
+        if bins is not None:
+            kw["bins"] = bins
+        if range is not None:
+            kw["range"] = range
+        self._op_kwargs = kw
+        self._op = None
+        # Switch off the hooks of sites not asked for, so the core registers no torch hook
+        # for them (pluggy ignores an instance attribute that is not a function).
+        if "input" not in sites:
+            self.hookplug_forward_input = None
+        if "output" not in sites:  # "grad" alone: the core still hooks outputs for their grads
+            self.hookplug_forward_output = None
+        if "grad" not in sites:
+            self.hookplug_output_grad = None
+        self._module_order: Dict[str, int] = {}
+        self.reset()
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget every stat gathered so far (pending telemetry included)."""
+        # (step, module, path) -> per-call TensorStats not yet collected by telemetry
+        self._pending: Dict[Tuple[int, str, str], List[Any]] = {}
+        # (module, path) -> TensorStats already handed to telemetry, merged
+        self._totals: Dict[Tuple[str, str], Any] = {}
+        self._seen: Dict[Tuple[str, str], int] = {}  # first-seen order of (module, path)
+        self._folded_steps = 0
+        self._warned_fold = False
+
+    def _stats_op(self):
+        op = self._op
+        if op is None:
+            from hookplug import ops
+
+            op = self._op = ops.tensor_stats
+        return op
+
+    def _record(self, ctx, path: str, t) -> None:
+        if not t.is_floating_point():
+            return
+        st = (self._op or self._stats_op())(t.detach(), **self._op_kwargs)
+        key = (ctx.step, ctx.name, path)
+        lst = self._pending.get(key)
+        if lst is None:
+            self._pending[key] = [st]
+            seen = (ctx.name, path)
+            if seen not in self._seen:
+                self._seen[seen] = len(self._seen)
+        else:
+            lst.append(st)
+            if len(lst) >= _COMPACT_AT:
+                self._pending[key] = [_merge_all(lst)]
+
+    # -- hooks (hot path) ------------------------------------------------------------------------
+
+    @hookimpl
+    def hookplug_forward_input(self, ctx, args, kwargs):
+        for path, t in iter_tensors(args, "input"):
+            self._record(ctx, path, t)
+        if kwargs:
+            for path, t in iter_tensors(kwargs, "input"):
+                self._record(ctx, path, t)
+
+    @hookimpl
+    def hookplug_forward_output(self, ctx, output):
+        for path, t in iter_tensors(output):
+            self._record(ctx, path, t)
+
+    @hookimpl
+    def hookplug_output_grad(self, ctx, grad, path):
+        self._record(ctx, "grad" + path[6:] if path.startswith("output") else f"grad.{path}", grad)
+
+    # -- session and telemetry -------------------------------------------------------------------
+
+    @hookimpl
+    def hookplug_session_start(self, session):
+        self._module_order = {n: i for i, n in enumerate(session.modules_of(self))}
+
+    @hookimpl
+    def hookplug_step(self, session, step):
+        """Merge the ended step's per-call stats on the device (no sync) and bound what waits."""
+        pending = self._pending
+        for key, lst in pending.items():
+            if len(lst) > 1 and key[0] <= step:
+                pending[key] = [_merge_all(lst)]
+        steps = sorted({k[0] for k in pending})
+        if len(steps) > self.max_pending_steps:
+            old = set(steps[: len(steps) - self.max_pending_steps])
+            for key in [k for k in pending if k[0] in old]:
+                self._add_total(key[1], key[2], _merge_all(pending.pop(key)))
+            self._folded_steps += len(old)
+            if not self._warned_fold:
+                self._warned_fold = True
+                warnings.warn(
+                    f"hookplug plugin 'stats': more than {self.max_pending_steps} steps of stats were "
+                    "not collected by telemetry (no session.flush()); older steps are kept in "
+                    "results() only. Set flush_every= or call session.flush().",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+
+    @hookimpl
+    def hookplug_collect(self, session, step):
+        """Per ``(step, module, path)`` stats gathered since the last collection, each merged
+        on the device: ``[({"step", "module", "site"}, TensorStats), ...]``."""
+        pending, self._pending = self._pending, {}
+        out = []
+        for (st_step, mod, site), lst in pending.items():
+            st = _merge_all(lst)
+            out.append(({"step": st_step, "module": mod, "site": site}, st))
+            self._add_total(mod, site, st)
+        return out or None
+
+    def _add_total(self, mod: str, site: str, st) -> None:
+        key = (mod, site)
+        prev = self._totals.get(key)
+        self._totals[key] = st if prev is None else prev.merge(st)
+
+    # -- results ----------------------------------------------------------------------------------
+
+    def _merged(self) -> Dict[Tuple[str, str], Any]:
+        groups: Dict[Tuple[str, str], List[Any]] = {k: [v] for k, v in self._totals.items()}
+        for (_, mod, site), lst in self._pending.items():
+            groups.setdefault((mod, site), []).extend(lst)
+        order = self._module_order
+        big = len(order)
+        seen = self._seen
+        keys = sorted(groups, key=lambda k: (order.get(k[0], big), _site_rank(k[1]), seen.get(k, 0)))
+        return {k: _merge_all(groups[k]) for k in keys}
+
+    def results(self) -> Dict[str, Dict[str, Any]]:
+        """``{module: {path: TensorStats}}`` merged over every call and step (device tensors)."""
+        out: Dict[str, Dict[str, Any]] = {}
+        for (mod, site), st in self._merged().items():
+            out.setdefault(mod, {})[site] = st
+        return out
+
+    def report(self) -> str:
+        merged = self._merged()
+        if not merged:
+            return ""
+        import torch
+
+        rows = list(merged.items())
+        cols = ("numel", "nan_count", "inf_count", "min", "max", "mean", "std")
+        vals = torch.stack([
+            torch.stack([getattr(st, c).detach().to(device="cpu", dtype=torch.float64).reshape(()) for c in cols])
+            for _, st in rows
+        ]).tolist()  # one host transfer per stat; report() is not on the hot path
+        header = ("module", "site", "numel", "nan", "inf", "min", "max", "mean", "std")
+        table = [header]
+        for ((mod, site), _), v in zip(rows, vals):
+            table.append((mod or "<root>", site, f"{int(v[0])}", f"{int(v[1])}", f"{int(v[2])}",
+                          *(_fmt(x) for x in v[3:])))
+        widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+        lines = []
+        for j, r in enumerate(table):
+            lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+            if j == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+def _site_rank(site: str) -> int:
+    for i, s in enumerate(_SITES):
+        if site.startswith(s):
+            return i
+    return len(_SITES)
+
+
+def _fmt(x: float) -> str:
+    if math.isnan(x):
+        return "nan"
+    return f"{x:.4g}"
+

@@ -1,0 +1,342 @@
+"""The ``hookplug`` command, run as a user runs it: a subprocess on the installed console
+script (or ``python -m hookplug`` when the script is not installed)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+import hookplug
+from hookplug.models import DEMO_MODELS
+
+_SCRIPT = shutil.which("hookplug", path=str(Path(sys.executable).parent)) or shutil.which("hookplug")
+COMMAND = [_SCRIPT] if _SCRIPT else [sys.executable, "-m", "hookplug"]
+ENV = {**os.environ, "HOOKPLUG_PLAIN": "", "PYTHONWARNINGS": "ignore", "COLUMNS": "200"}
+ENV.pop("HOOKPLUG_DEBUG", None)
+
+
+def run(*args, cwd=None, env=None, timeout=120):
+    return subprocess.run([*COMMAND, *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                          env={**ENV, **(env or {})}, timeout=timeout)
+
+
+class _Result:
+    def __init__(self, returncode, stdout, stderr):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+@pytest.fixture
+def call(capsys, monkeypatch):
+    """``main(argv)`` in this process (same code path, no interpreter start-up): for the
+    cases beyond the one subprocess run per subcommand and per kind of user error."""
+    from hookplug.__main__ import main
+
+    def _call(*args, cwd=None):
+        if cwd is not None:
+            monkeypatch.chdir(cwd)
+        capsys.readouterr()
+        rc = main([str(a) for a in args])
+        out, err = capsys.readouterr()
+        return _Result(rc, out, err)
+
+    return _call
+
+
+def ok(proc):
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc
+
+
+def _expected_modules(model_name, selector):
+    factory = DEMO_MODELS[model_name][0]
+    return [n for n, _ in hookplug.select(factory(), selector)]
+
+
+# -- the entry points ---------------------------------------------------------------------
+
+def test_python_m_and_version(call):
+    proc = subprocess.run([sys.executable, "-m", "hookplug", "--help"], capture_output=True, text=True, env=ENV)
+    assert proc.returncode == 0 and "profile" in proc.stdout and "select" in proc.stdout
+    assert call("--version").returncode == 0
+
+
+# -- plugins --------------------------------------------------------------------------------
+
+def test_plugins_lists_first_party_with_status(call):
+    proc = ok(run("plugins", "--plain"))
+    lines = {line.split()[0]: line for line in proc.stdout.splitlines()[2:] if line.strip()}
+    for name in ("stats", "flops", "capture", "gradclamp"):
+        assert name in lines, proc.stdout
+        assert "first-party" in lines[name] and " ok " in lines[name] + " "
+    rows = json.loads(ok(call("plugins", "--json")).stdout)
+    by_name = {r["name"]: r for r in rows}
+    assert {"name", "origin", "status", "entry_point", "description"} <= set(rows[0])
+    assert by_name["stats"]["origin"] == "first-party" and by_name["stats"]["status"] == "ok"
+
+
+# -- select ---------------------------------------------------------------------------------
+
+def test_select_prints_a_tree_with_classes_and_params(call):
+    proc = ok(run("select", "cnn", "Conv2d:layer1.*, Linear", "--plain"))
+    out = proc.stdout
+    assert out.splitlines()[0].startswith("ResNetLike (cnn)")
+    # ancestors are shown for context, matched modules with their class and parameter count
+    assert re.search(r"layer1\s+\(Sequential\)", out), out
+    assert re.search(r"conv1\s+Conv2d\s+2,304", out), out
+    assert re.search(r"fc\s+Linear\s+1,290", out), out
+    assert "3 of 44 modules match 'Conv2d:layer1.*, Linear'" in out
+    names = ok(call("select", "cnn", "Conv2d:layer1.*, Linear", "--names")).stdout.split()
+    assert names == _expected_modules("cnn", "Conv2d:layer1.*, Linear")
+
+
+def test_select_a_factory_from_a_file_and_from_a_module(tmp_path, call):
+    (tmp_path / "mymodel.py").write_text(
+        "import torch.nn as nn\n"
+        "def make(hidden=8):\n"
+        "    return nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 3))\n"
+    )
+    out = ok(run("select", "mymodel.py:make(hidden=16)", "Linear", "--plain", cwd=tmp_path)).stdout
+    assert re.search(r"0\s+Linear\s+80\b", out) and re.search(r"2\s+Linear\s+51\b", out), out
+    names = ok(call("select", "hookplug.models:tiny_cnn", "Linear", "--names")).stdout.split()
+    assert names == ["fc"]
+
+
+# -- profile ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cnn_run(tmp_path_factory):
+    """The README's demo, `hookplug profile cnn`, writing the JSON and HTML reports too."""
+    d = tmp_path_factory.mktemp("reports")
+    proc = ok(run("profile", "cnn", "--plain", "--json", d / "out" / "r.json", "--html", d / "r.html"))
+    assert f"wrote {d / 'out' / 'r.json'}" in proc.stderr and f"wrote {d / 'r.html'}" in proc.stderr
+    return {"stdout": proc.stdout, "json": json.loads((d / "out" / "r.json").read_text()),
+            "html": (d / "r.html").read_text(), "names": _expected_modules("cnn", "Conv2d|Linear")}
+
+
+def test_profile_demo_prints_the_per_module_table(cnn_run):
+    out = cnn_run["stdout"].splitlines()
+    assert out[0].startswith("hookplug profile: ResNetLike (cnn) · input 8x3x64x64 float32 · cpu")
+    header = next(line for line in out if line.startswith("module"))
+    assert header.split() == ["module", "class", "output", "params", "FLOPs", "min", "max", "mean", "std",
+                              "NaN", "Inf"]
+    names = cnn_run["names"]
+    rows = [line for line in out if line.split() and line.split()[0] in names]
+    assert [r.split()[0] for r in rows] == names
+    conv1 = rows[0].split()
+    assert conv1[1:5] == ["Conv2d", "8x16x32x32", "2,352", "38.5M"]
+    assert conv1[-2:] == ["0", "0"]
+    total = next(line for line in out if line.startswith("total (13 modules)"))
+    assert "309,306" in total and "101M" in total
+    assert any(line.startswith("model: 310,746 parameters") for line in out)
+
+
+def _no_nan(const):
+    raise AssertionError(f"non-standard JSON constant {const}")
+
+
+STAT_KEYS = {"numel", "nan_count", "inf_count", "zero_count", "min", "max", "mean", "std", "absmax",
+             "hist_counts", "hist_edges"}
+
+
+def test_profile_json_schema(cnn_run):
+    doc, names = cnn_run["json"], cnn_run["names"]
+    assert {"hookplug_version", "model", "input", "selector", "plugins", "plugins_active", "device", "seed",
+            "steps", "backward", "step_seconds", "modules", "totals", "disabled", "extra"} <= set(doc)
+    assert doc["model"]["class"] == "ResNetLike" and doc["model"]["params"] == 310746
+    assert doc["input"]["shape"] == [8, 3, 64, 64] and doc["input"]["dtype"] == "float32"
+    assert doc["steps"] == 1 and doc["backward"] is False and len(doc["step_seconds"]) == 1
+    assert doc["selector"] == "Conv2d|Linear" and doc["plugins_active"] == ["stats", "flops"]
+    assert list(doc["modules"]) == names
+    for name, m in doc["modules"].items():
+        assert {"class", "params", "calls", "output_shape", "outputs", "flops", "stats"} <= set(m), name
+        assert set(m["flops"]) >= {"flops", "macs", "params", "backward_flops"}
+        assert m["flops"]["flops"] > 0 and m["flops"]["backward_flops"] == 0, name
+        assert m["calls"] == 1
+        assert list(m["stats"]) == ["output"]
+        out = m["stats"]["output"]
+        assert STAT_KEYS <= set(out)
+        assert sum(out["hist_counts"]) == out["numel"] - out["nan_count"]
+        assert out["min"] <= out["mean"] <= out["max"]
+    conv1 = doc["modules"]["conv1"]
+    assert conv1["class"] == "Conv2d" and conv1["params"] == 2352
+    assert conv1["output_shape"] == [8, 16, 32, 32] and conv1["stats"]["output"]["numel"] == 8 * 16 * 32 * 32
+    t = doc["totals"]
+    assert {"modules", "params", "flops", "macs", "backward_flops", "model_flops", "numel", "nan_count",
+            "inf_count"} <= set(t)
+    assert t["modules"] == len(names)
+    assert t["params"] == sum(m["params"] for m in doc["modules"].values())
+    assert t["flops"] == sum(m["flops"]["flops"] for m in doc["modules"].values())
+    assert t["nan_count"] == 0 and t["inf_count"] == 0
+
+
+def test_profile_backward_steps_and_a_module_called_twice_in_rich(tmp_path):
+    pytest.importorskip("rich")
+    proc = ok(run("profile", "mlp", "--select", "*", "--steps", "3", "--backward", "--json", tmp_path / "m.json"))
+    assert "fc2 (x2)" in proc.stdout
+    assert "statistics over all 3 steps" in proc.stdout
+    assert "forward+backward · 3 steps" in proc.stdout
+    doc = json.loads((tmp_path / "m.json").read_text(), parse_constant=_no_nan)
+    assert doc["steps"] == 3 and doc["backward"] is True and len(doc["step_seconds"]) == 3
+    fc2 = doc["modules"]["fc2"]
+    assert fc2["calls"] == 2
+    assert fc2["flops"]["flops"] == 2 * (2 * 16 * 64 * 64)  # per step: two calls of a 64x64 Linear
+    assert fc2["flops"]["backward_flops"] > 0
+    assert set(fc2["stats"]) == {"output", "grad"}  # with --backward the gradients are measured too
+    assert fc2["stats"]["output"]["numel"] == 3 * 2 * 16 * 64  # three steps, two calls each
+    assert STAT_KEYS <= set(fc2["stats"]["grad"])
+
+
+class _Page(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.stack, self.rows, self.hists, self.charts, self.urls, self.scripts = [], [], [], 0, [], []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        for key in ("src", "href", "xlink:href", "action", "data"):
+            if a.get(key):
+                self.urls.append(a[key])
+        if tag == "script":
+            self.scripts.append(a)
+        if tag == "tr" and "tbody" in self.stack and "data-module" in a:
+            self.rows.append(a["data-module"])
+        if tag == "svg" and "hist" in (a.get("class") or "").split():
+            self.hists.append(a.get("data-module"))
+        if tag == "svg" and "flops-chart" in (a.get("class") or "").split():
+            self.charts += 1
+        self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        while self.stack:
+            if self.stack.pop() == tag:
+                break
+
+
+def test_profile_html_is_self_contained_with_a_row_and_a_histogram_per_module(cnn_run):
+    page = _Page()
+    page.feed(cnn_run["html"])
+    names = cnn_run["names"]
+    assert page.rows == names
+    assert page.hists == names
+    assert page.charts == 1
+    assert not [u for u in page.urls if re.match(r"\s*(https?:)?//", u)], page.urls
+    assert all("src" not in s for s in page.scripts)
+    assert "<link" not in cnn_run["html"] and "@import" not in cnn_run["html"]
+
+
+def test_profile_transformer_takes_int64_tokens_and_json_to_stdout(call):
+    proc = ok(call("profile", "transformer", "--select", "Linear:head", "--json", "-"))
+    doc = json.loads(proc.stdout, parse_constant=_no_nan)
+    assert doc["input"]["dtype"] == "int64" and doc["input"]["shape"] == list(DEMO_MODELS["transformer"][1])
+    assert list(doc["modules"]) == ["head"]
+
+
+def test_profile_plugin_options(call):
+    doc = json.loads(ok(call("profile", "mlp", "--plugins", "stats(bins=0), flops", "--json", "-")).stdout)
+    assert doc["plugins_active"] == ["stats", "flops"]
+    assert doc["modules"]["fc1"]["stats"]["output"]["hist_counts"] == []
+
+
+def test_profile_degrades_without_stats_and_flops(tmp_path, call):
+    (tmp_path / "m.py").write_text("import torch.nn as nn\nmodel = nn.Sequential(nn.Linear(4, 3), nn.Tanh())\n")
+    proc = ok(call("profile", "m.py:model", "--input", "2x4", "--plugins", "capture", "--select", "*",
+                  "--plain", cwd=tmp_path))
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("module"))
+    assert header.split() == ["module", "class", "output", "params"]
+    assert re.search(r"^0\s+Linear\s+2x3\s+15$", proc.stdout, re.M), proc.stdout
+
+
+def test_profile_input_file(tmp_path, call):
+    torch = pytest.importorskip("torch")
+    st = pytest.importorskip("safetensors.torch")
+    st.save_file({"x": torch.randn(3, 32)}, str(tmp_path / "x.safetensors"))
+    proc = ok(call("profile", "mlp", "--input-file", tmp_path / "x.safetensors", "--json", "-"))
+    doc = json.loads(proc.stdout)
+    assert doc["input"]["source"].endswith("x.safetensors")
+    assert doc["modules"]["fc1"]["output_shape"] == [3, 64]
+
+
+def test_profile_tensorboard(tmp_path, call):
+    proc = call("profile", "mlp", "--steps", "2", "--tensorboard", tmp_path / "tb", "--plain")
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        assert proc.returncode == 2 and "pip install tensorboard" in proc.stderr
+        return
+    ok(proc)
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+# -- user errors: one line on stderr, exit status 2, no traceback ---------------------------------
+
+# one subprocess per kind of user error the issue names: model spec, selector, shape,
+# plugin name, missing file; the variations of each run in this process through main()
+ERRORS = {
+    "unknown demo": (["profile", "cnnn"], "Did you mean 'cnn'"),
+    "no such module": (["profile", "no_such_pkg_hp.models:make"], "cannot import module"),
+    "no such model file": (["profile", "missing_file.py:make"], "no such file"),
+    "bad shape": (["profile", "cnn", "--input", "8xfoo"], "expected a shape"),
+    "shape the model rejects": (["profile", "mlp", "--input", "4x7"], "failed on input 4x7"),
+    "selector syntax": (["profile", "cnn", "--select", "Conv2d|"], "bad selector"),
+    "selector matches nothing": (["select", "cnn", "Conv2x"], "Conv2d"),
+    "unknown plugin": (["profile", "mlp", "--plugins", "stats,nope"], "unknown hookplug plugin 'nope'"),
+    "missing input file": (["profile", "mlp", "--input-file", "nowhere.safetensors"], "no such file"),
+}
+
+MORE_ERRORS = {
+    "no such factory": (["profile", "hookplug.models:no_such_factory"], "has no attribute"),
+    "factory is not a model": (["select", "os:getcwd", "Linear"], "not a torch.nn.Module"),
+    "factory arguments": (["select", "cnn(width=)", "Linear"], "cannot read the arguments"),
+    "factory raises": (["select", "cnn(depth=3)", "Linear"], "calling the factory failed"),
+    "input required": (["profile", "hookplug.models:tiny_cnn"], "--input SHAPE is required"),
+    "zero in shape": (["profile", "mlp", "--input", "0x32"], "expected a shape"),
+    "profile matches nothing": (["profile", "cnn", "--select", "Conv2d:nothing.*"], "matched no module"),
+    "select selector syntax": (["select", "cnn", "Conv2d:re:("], "bad selector"),
+    "empty plugin list": (["profile", "mlp", "--plugins", ","], "--plugins"),
+    "unknown plugin option": (["profile", "mlp", "--plugins", "stats(bins_=0)"], "unknown option 'bins_'"),
+    "bad plugin option": (["profile", "mlp", "--plugins", "stats(bins=-1)"], "rejected its options"),
+    "bad device": (["profile", "mlp", "--device", "tpu"], "--device"),
+    "bad dtype": (["profile", "mlp", "--dtype", "int8"], "--dtype"),
+    "bad steps": (["profile", "mlp", "--steps", "0"], "--steps"),
+    "bad input file": (["profile", "mlp", "--input-file", "x.txt"], "--input-file"),
+    "missing argument": (["select", "cnn"], "required"),
+    "unknown command": (["frobnicate"], "invalid choice"),
+}
+
+
+@pytest.fixture(scope="module")
+def error_runs():
+    """Run every error case at once (each is a fresh interpreter: mostly torch's import time)."""
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        futures = {key: pool.submit(run, *args) for key, (args, _) in ERRORS.items()}
+        return {key: f.result() for key, f in futures.items()}
+
+
+def _check_error(proc, expected):
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("hookplug: error: ") and expected in lines[0], lines[0]
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("case", list(ERRORS))
+def test_user_error_is_one_line_and_exit_status_2(case, error_runs):
+    _check_error(error_runs[case], ERRORS[case][1])
+
+
+@pytest.mark.parametrize("case", list(MORE_ERRORS))
+def test_more_user_errors_in_process(case, call, tmp_path):
+    (tmp_path / "x.txt").write_text("not tensors")
+    args, expected = MORE_ERRORS[case]
+    _check_error(call(*args, cwd=tmp_path), expected)

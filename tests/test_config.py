@@ -1,0 +1,133 @@
+"""Telemetry config files: ``hookplug.load_config`` and ``attach(model, config=...)``."""
+import textwrap
+
+import pytest
+import torch
+
+import hookplug
+from hookplug._config import ConfigError
+from hookplug.models import MLP
+
+
+def write(tmp_path, text, name="telemetry.toml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+FULL = """
+    select = "Linear"
+    every = 2
+    flush_every = 3
+    on_error = "warn"
+    strict = true
+
+    [plugins.stats]
+    bins = 0
+    sites = ["output", "grad"]
+
+    [plugins.capture]
+    select = "*:fc3"
+
+    [sinks.jsonl]
+    path = "{out}"
+"""
+
+
+def test_load_config_maps_onto_attach(tmp_path):
+    cfg = hookplug.load_config(write(tmp_path, FULL.format(out=tmp_path / "exp1")))
+    assert cfg == {
+        "every": 2, "flush_every": 3, "on_error": "warn", "strict": True,
+        "selector": {"Linear": {"stats": {"bins": 0, "sites": ["output", "grad"]}},
+                     "*:fc3": {"capture": {}}},
+        "sink": {"jsonl": {"path": str(tmp_path / "exp1")}},
+    }
+
+
+def test_attach_with_config_runs_the_described_session(tmp_path):
+    path = write(tmp_path, FULL.format(out=tmp_path / "exp1"))
+    m = MLP()
+    with hookplug.attach(m, config=path) as s:
+        assert (s.every, s.flush_every, s.on_error) == (2, 3, "warn")
+        assert list(s.plugins) == ["stats", "capture"] and list(s.sinks) == ["jsonl"]
+        assert list(s.modules_of("stats")) == ["fc1", "fc2", "fc3"] and list(s.modules_of("capture")) == ["fc3"]
+        assert s["stats"].bins == 0 and s["stats"].sites == ("output", "grad")
+        for _ in range(6):
+            m(torch.randn(4, 32)).sum().backward()
+            s.step()
+    lines = (tmp_path / "exp1" / "telemetry.jsonl").read_text().splitlines()
+    assert len(lines) == 3 * 2 * 3  # steps 0, 2, 4 (every=2) x fc1..fc3 x output and grad
+
+
+def test_attach_arguments_win_over_the_file(tmp_path):
+    path = write(tmp_path, FULL.format(out=tmp_path / "exp1"))
+    sink = []
+
+    class Keep:
+        name = "keep"
+
+        @hookplug.hookimpl
+        def hookplug_flush(self, records):
+            sink.extend(records)
+
+    m = MLP()
+    with hookplug.attach(m, config=path, every=1, flush_every=1, sink=Keep()) as s:
+        assert (s.every, s.flush_every, list(s.sinks)) == (1, 1, ["keep"])
+        m(torch.randn(4, 32))
+        s.step()
+    assert len(sink) == 3
+    with pytest.raises(ConfigError, match="plugins come from config="):
+        hookplug.attach(m, "Linear", plugins="stats", config=path)
+
+
+def test_flush_every_without_sinks_uses_the_jsonl_default(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = write(tmp_path, """
+        flush_every = 1
+        plugins = ["stats"]
+    """)
+    m = MLP()
+    with hookplug.attach(m, config=path) as s:
+        assert list(s.sinks) == ["jsonl"]
+        m(torch.randn(1, 32))
+        s.step()
+    assert len((tmp_path / "runs" / s.run_id / "telemetry.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_dict_config_works_like_a_file():
+    m = MLP()
+    with hookplug.attach(m, config={"plugins": {"stats": {"bins": 0}}, "every": 4}) as s:
+        assert s.every == 4 and s["stats"].bins == 0 and list(s.modules) == ["fc1", "fc2", "fc3"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[plugins.stats]\nbins = "x"\n', 'telemetry.toml: [plugins.stats] bins: expected an int, got "x"'),
+    ('[plugins.stats]\nbinz = 3\n', "telemetry.toml: [plugins.stats] binz: unknown option (did you mean 'bins'?)"),
+    ('[plugins.stats]\nsites = "output"\nhist = 2\n', "telemetry.toml: [plugins.stats] hist: expected a string, got 2"),
+    ('[plugins.statz]\n', "telemetry.toml: [plugins.statz]: unknown plugin 'statz'. Did you mean 'stats'?"),
+    ('[sinks.jsonl]\nall_ranks = 1\n', "telemetry.toml: [sinks.jsonl] all_ranks: expected a boolean, got 1"),
+    ('[sinks.prometheus]\nport = "http"\n', 'telemetry.toml: [sinks.prometheus] port: expected an int, got "http"'),
+    ('flush_every = 0\n', "telemetry.toml: flush_every: expected an int >= 1, got 0"),
+    ('every = 1.5\n', "telemetry.toml: every: expected an int, got 1.5"),
+    ('on_error = "ignore"\n', 'telemetry.toml: on_error: expected "raise" or "warn", got "ignore"'),
+    ('flush_evry = 2\n', "telemetry.toml: flush_evry: unknown key (did you mean 'flush_every'?)"),
+    ('select = 3\n', "telemetry.toml: select: expected a string, got 3"),
+    ('[plugins.stats]\nselect = ["Linear"]\n', "telemetry.toml: [plugins.stats] select: expected a string, got an array"),
+    ('plugins = [1]\n', "telemetry.toml: plugins[0]: expected a string, got 1"),
+    ('plugins = 3\n', "telemetry.toml: plugins: expected a table [plugins.NAME] or an array of names, got 3"),
+    ('sinks = "jsonl"\n', 'telemetry.toml: sinks: expected a table [sinks.NAME], got "jsonl"'),
+    ('[plugins]\nstats = 3\n', "telemetry.toml: [plugins.stats]: expected a table of options, got 3"),
+    ('every = \n', "telemetry.toml: invalid TOML: "),
+])
+def test_errors_name_the_file_the_key_and_what_was_expected(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        hookplug.load_config(path)
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"nope\.toml: cannot read the config file"):
+        hookplug.load_config(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="cannot read"):
+        hookplug.attach(MLP(), config=tmp_path / "nope.toml")

@@ -1,0 +1,195 @@
+"""Telemetry under torch.distributed: two CPU processes (gloo), each feeding half of every
+batch through a DDP-wrapped model; rank 0's records must be the statistics of the whole
+batch, obtained by reducing the packed partial stats (never by gathering activations)."""
+import json
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import hookplug
+from hookplug.models import MLP
+
+WORLD = 2
+STEPS = 3
+BATCH = 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def batches():
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randn(BATCH, 32, generator=g) * (1 + i) for i in range(STEPS)]
+
+
+def make_model():
+    torch.manual_seed(0)
+    m = MLP()
+    with torch.no_grad():
+        m.fc1.bias += 100.0  # fc1's outputs: |mean|/std ~ 100, a test of the M2 recombination
+    return m
+
+
+class DumpSink:
+    """Keeps every record on every rank and dumps them as JSON at the end."""
+
+    name = "dump"
+    all_ranks = True
+
+    def __init__(self, path):
+        self.path, self.records = path, []
+
+    @hookplug.hookimpl
+    def hookplug_flush(self, records):
+        self.records.extend(records)
+
+    @hookplug.hookimpl
+    def hookplug_session_end(self):
+        with open(self.path, "w") as f:
+            json.dump(self.records, f)
+
+
+def worker(rank, port, out):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        torch.set_num_threads(1)
+        model = make_model()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+        # the activations this rank computed, seen by plain torch hooks (the test's ground truth)
+        seen, state = {}, {"step": 0}
+        for name, mod in ddp.named_modules():
+            if isinstance(mod, torch.nn.Linear):
+                mod.register_forward_hook(lambda m, i, o, name=name: seen.setdefault(
+                    f"{state['step']}|{name}", []).append(o.detach().reshape(-1).tolist()))
+        sinks = [("jsonl", {"path": os.path.join(out, "r{rank}")}), DumpSink(os.path.join(out, f"dump{rank}.json"))]
+        with hookplug.attach(ddp, "Linear", plugins="stats", sink=sinks, flush_every=2) as s:
+            for step, x in enumerate(batches()):
+                state["step"] = step
+                ddp(x.chunk(WORLD)[rank]).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                s.step()  # flushes (and all_reduces) at step 2; remove() flushes step 2
+        with open(os.path.join(out, f"seen{rank}.json"), "w") as f:
+            json.dump(seen, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def ref_stats(x):
+    x = x.double()
+    return {"numel": x.numel(), "nan_count": 0, "inf_count": 0, "zero_count": int((x == 0).sum()),
+            "min": float(x.min()), "max": float(x.max()), "mean": float(x.mean()),
+            "std": float(x.std(correction=0)), "absmax": float(x.abs().max())}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_two_gloo_ranks_reduce_to_the_whole_batch_stats(tmp_path):
+    mp.spawn(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+
+    recs = [json.load(open(tmp_path / f"dump{r}.json")) for r in range(WORLD)]
+    seen = [json.load(open(tmp_path / f"seen{r}.json")) for r in range(WORLD)]
+    assert len(recs[0]) == STEPS * 3  # fc1, fc2, fc3 each step
+    assert {r["rank"] for r in recs[0]} == {0} and {r["rank"] for r in recs[1]} == {1}
+    # only rank 0 writes, unless a sink asks for all ranks
+    assert (tmp_path / "r0" / "telemetry.jsonl").exists() and not (tmp_path / "r1").exists()
+    assert len((tmp_path / "r0" / "telemetry.jsonl").read_text().splitlines()) == STEPS * 3
+
+    # 1. exactly the statistics of everything both ranks computed, in one process
+    for rec, rec1 in zip(recs[0], recs[1]):
+        key = f"{rec['step']}|{rec['module']}"
+        whole = torch.tensor([v for r in range(WORLD) for call in seen[r][key] for v in call])
+        want = ref_stats(whole)
+        for k in ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "absmax"):
+            assert rec[k] == want[k], (key, k, rec[k], want[k])
+        for k in ("mean", "std"):
+            assert math.isclose(rec[k], want[k], rel_tol=1e-6), (key, k, rec[k], want[k])
+        # the histogram of the whole batch: bucket counts add up across ranks
+        edges = torch.tensor(rec["hist_edges"], dtype=torch.float64)
+        assert rec["hist"] == torch.histogram(whole.double(), bins=edges)[0].long().tolist()
+        # every rank holds the same reduced values
+        assert {k: v for k, v in rec1.items() if k not in ("rank", "time")} == \
+               {k: v for k, v in rec.items() if k not in ("rank", "time")}
+
+    # 2. the same model trained on the whole batch in one process gives the same stats
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    outs = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            mod.register_forward_hook(lambda m, i, o, name=name: outs.setdefault(name, []).append(o.detach()))
+    by_key = {(r["step"], r["module"]): r for r in recs[0]}
+    for step, x in enumerate(batches()):
+        outs.clear()
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        for name, calls in outs.items():
+            rec = by_key[(step, "module." + name)]
+            want = ref_stats(torch.cat([c.reshape(-1) for c in calls]))
+            assert rec["numel"] == want["numel"]
+            for k in ("min", "max", "mean", "std"):
+                assert math.isclose(rec[k], want[k], rel_tol=1e-5, abs_tol=1e-5), (step, name, k)
+
+
+class FakeDist:
+    """Two ranks holding identical data, in one process: SUM doubles, MAX keeps."""
+
+    class ReduceOp:
+        SUM, MAX = "sum", "max"
+
+    class Work:
+        def wait(self):
+            return True
+
+    def get_world_size(self):
+        return 2
+
+    def get_rank(self):
+        return 0
+
+    def all_reduce(self, t, op, async_op=False):
+        if op == "sum":
+            t.mul_(2)
+        return self.Work()
+
+
+def test_reduction_recombines_mean_and_std_about_a_shared_shift(monkeypatch):
+    """|mean|/std = 1e6: the M2 recombination is about the previous flush's global mean, so
+    from the second flush on it is exact to float64 rounding (the first uses 0)."""
+    from hookplug import _telemetry
+
+    monkeypatch.setattr(_telemetry, "_dist", lambda: FakeDist())
+    g = torch.Generator().manual_seed(0)
+    data = [1e6 + torch.randn(4096, dtype=torch.float64, generator=g) * (1 + i) for i in range(3)]
+
+    class Producer:
+        name = "producer"
+
+        @hookplug.hookimpl
+        def hookplug_collect(self, step):
+            return [({"step": step, "module": "m", "site": "output"}, hookplug.ops.tensor_stats(data[step]))]
+
+    model = MLP()
+    recs = []
+    with hookplug.attach(model, "Linear", plugins=Producer()) as s:
+        for _ in range(3):
+            recs += s.flush()
+            s.step()
+    assert [r["step"] for r in recs] == [0, 1, 2]
+    for rec, x in zip(recs, data):
+        both = torch.cat([x, x])
+        assert rec["numel"] == 8192 and rec["min"] == float(x.min()) and rec["max"] == float(x.max())
+        assert sum(rec["hist"]) == 8192
+        assert math.isclose(rec["mean"], float(both.mean()), rel_tol=1e-12)
+        tol = 1e-3 if rec["step"] == 0 else 1e-9
+        assert math.isclose(rec["std"], float(both.std(correction=0)), rel_tol=tol), (rec["step"], rec["std"])

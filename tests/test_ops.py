@@ -1,0 +1,580 @@
+"""hookplug.ops.tensor_stats (the compiled op) against an independent float64 numpy
+reference, on fresh random data (seed: $HOOKPLUG_TEST_SEED, else random; printed on failure).
+
+Run with HOOKPLUG_REQUIRE_EXT=1 to make sure the compiled backend is the one tested."""
+import contextlib
+import math
+import os
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from hookplug import ops
+from hookplug._stats import TensorStats
+
+SEED = int(os.environ.get("HOOKPLUG_TEST_SEED", random.SystemRandom().randrange(2**31)))
+REQUIRE_EXT = os.environ.get("HOOKPLUG_REQUIRE_EXT", "0") == "1"
+NB = ops.LOG2_BINS
+ZERO_BIN = ops.LOG2_MAX_EXP - ops.LOG2_MIN_EXP + 1
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+COMPILED = ops.backend() != "reference"
+needs_ext = pytest.mark.skipif(not COMPILED, reason="the compiled op is not available")
+
+
+def gen(salt=0) -> torch.Generator:
+    return torch.Generator().manual_seed(SEED * 7919 + salt)
+
+
+def isas():
+    if not COMPILED:
+        return [None]
+    out = ["generic"]
+    try:
+        ops._C.set_cpu_isa("avx2")
+        out.append("avx2")
+    except (ValueError, RuntimeError):
+        pass
+    finally:
+        ops._C.set_cpu_isa("auto")
+    return out
+
+
+@contextlib.contextmanager
+def cpu_isa(isa):
+    if isa is None:
+        yield
+        return
+    ops._C.set_cpu_isa(isa)
+    try:
+        yield
+    finally:
+        ops._C.set_cpu_isa("auto")
+
+
+# -- the independent numpy reference ------------------------------------------------------------------
+
+def np_log2_index(a: np.ndarray) -> np.ndarray:
+    """Log2 bucket of every non-NaN float64 value (the rule documented in stats_defs.h)."""
+    with np.errstate(all="ignore"):
+        _, e = np.frexp(a)  # a = m * 2**e with 0.5 <= |m| < 1: binary exponent e - 1
+    e = np.clip(e.astype(np.int64) - 1, ops.LOG2_MIN_EXP, ops.LOG2_MAX_EXP)
+    idx = np.where(a < 0, ops.LOG2_MAX_EXP - e, ZERO_BIN + 1 + (e - ops.LOG2_MIN_EXP))
+    idx = np.where(a == 0, ZERO_BIN, idx)
+    idx = np.where(np.isposinf(a), NB - 1, idx)
+    return np.where(np.isneginf(a), 0, idx)
+
+
+def np_stats(x: torch.Tensor, bins=None, hist="log2", range=None) -> dict:
+    a = x.detach().cpu().to(torch.float64).numpy().ravel()
+    nan, inf = np.isnan(a), np.isinf(a)
+    fin = a[~nan & ~inf]
+    r = {"numel": a.size, "nan_count": int(nan.sum()), "inf_count": int(inf.sum()),
+         "zero_count": int((a == 0).sum())}
+    if fin.size:
+        total = math.fsum if fin.size < 100_000 else np.sum  # exact, or pairwise in float64
+        mean = float(total(fin)) / fin.size
+        r.update(min=float(fin.min()), max=float(fin.max()), mean=mean,
+                 std=math.sqrt(float(total((fin - mean) ** 2)) / fin.size),
+                 absmax=float(np.abs(fin).max()))
+    else:
+        r.update({k: math.nan for k in ("min", "max", "mean", "std", "absmax")})
+    if bins == 0:
+        r["hist_counts"], r["hist_edges"] = np.zeros(0, np.int64), np.zeros(0)
+    elif hist == "log2":
+        r["hist_counts"] = np.bincount(np_log2_index(a[~nan]), minlength=NB)
+        neg = [-(2.0 ** e) for e in np.arange(ops.LOG2_MAX_EXP + 1, ops.LOG2_MIN_EXP - 1, -1)]
+        pos = [2.0 ** e for e in np.arange(ops.LOG2_MIN_EXP, ops.LOG2_MAX_EXP + 2)]
+        r["hist_edges"] = np.array(neg + pos)
+    else:
+        nb = 100 if bins is None else bins
+        if range is not None:
+            lo, hi = map(float, range)
+        else:
+            lo, hi = (r["min"], r["max"]) if fin.size else (0.0, 0.0)
+            if lo == hi:
+                lo, hi = lo - 1, hi + 1
+        inside = (a >= lo) & (a <= hi)
+        idx = np.clip(((a[inside] - lo) * (nb / (hi - lo))).astype(np.int64), 0, nb - 1)
+        r["hist_counts"] = np.bincount(idx, minlength=nb)
+        edges = lo + ((hi - lo) * np.arange(nb + 1, dtype=np.float64)) / nb
+        edges[nb] = hi
+        r["hist_edges"] = edges
+    return r
+
+
+def assert_matches(st: TensorStats, x: torch.Tensor, *, bins=None, hist="log2", range=None, msg=""):
+    ref = np_stats(x, bins, hist, range)
+    ctx = f"seed={SEED} shape={tuple(x.shape)} dtype={x.dtype} {msg}"
+    got = st.to_dict()
+    for f in ("numel", "nan_count", "inf_count", "zero_count"):
+        assert got[f] == ref[f], (f, got[f], ref[f], ctx)
+    for f in ("min", "max", "absmax"):  # values of x: exact
+        assert got[f] == ref[f] or (math.isnan(got[f]) and math.isnan(ref[f])), (f, got[f], ref[f], ctx)
+    if math.isnan(ref["mean"]):
+        assert math.isnan(got["mean"]) and math.isnan(got["std"]), (got, ctx)
+    else:
+        f64 = x.dtype == torch.float64
+        scale = ref["std"] + (1e-3 if not f64 else 1e-9) * abs(ref["mean"]) + 1e-300
+        tol = 1e-12 if f64 else 2e-6
+        assert abs(got["mean"] - ref["mean"]) <= tol * scale, ("mean", got["mean"], ref["mean"], ctx)
+        assert abs(got["std"] - ref["std"]) <= 10 * tol * ref["std"] + 1e-300, ("std", got["std"], ref["std"], ctx)
+    np.testing.assert_array_equal(np.array(got["hist_counts"], dtype=np.int64), ref["hist_counts"], err_msg=ctx)
+    np.testing.assert_array_equal(np.array(got["hist_edges"]), ref["hist_edges"], err_msg=ctx)
+    assert st.hist_counts.dtype == torch.int64 and st.numel.dtype == torch.int64
+    assert st.mean.dtype == torch.float64 and st.hist_edges.dtype == torch.float64
+    assert st.mean.device == x.device and st.hist_counts.device == x.device
+
+
+def planted(n: int, dtype, g, *, offset=0.0) -> torch.Tensor:
+    """randn * spread scales + offset, with NaN, +-Inf, +-0 and huge/tiny values planted."""
+    x = torch.randn(n, generator=g, dtype=torch.float64) * torch.exp2(torch.randint(-8, 8, (n,), generator=g))
+    x = (x + offset).to(dtype)
+    if n >= 16:
+        idx = torch.randperm(n, generator=g)[:10]
+        fmax = torch.finfo(dtype).max if dtype != torch.float64 else 1e150  # squares stay finite
+        tiny = torch.finfo(dtype).tiny
+        vals = [math.nan, math.inf, -math.inf, 0.0, -0.0, fmax, -fmax, tiny / 4 if dtype != torch.bfloat16
+                else tiny, 1e-30 if dtype in (torch.float32, torch.float64, torch.bfloat16) else 1e-7, 3e4]
+        x[idx] = torch.tensor(vals, dtype=torch.float64).to(dtype)
+    return x
+
+
+# -- backend ------------------------------------------------------------------------------------------
+
+def test_backend_is_compiled_when_required():
+    b = ops.backend()
+    assert b in ("compiled", "jit", "reference")
+    if REQUIRE_EXT:
+        assert b == "compiled", f"HOOKPLUG_REQUIRE_EXT=1 but backend() is {b!r}"
+
+
+def test_fallback_warns_once_and_require_ext_raises(monkeypatch):
+    import sys
+
+    import hookplug
+
+    monkeypatch.delattr(hookplug, "_C", raising=False)
+    monkeypatch.setattr(ops, "_backend", None)
+    monkeypatch.setattr(ops, "_C", None)
+    monkeypatch.setitem(sys.modules, "hookplug._C", None)  # import hookplug._C fails
+
+    def no_build():
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(ops, "_jit_build", no_build)
+    monkeypatch.setenv("HOOKPLUG_REQUIRE_EXT", "1")
+    with pytest.raises(ImportError, match="no compiler here"):
+        ops.backend()
+    monkeypatch.setenv("HOOKPLUG_REQUIRE_EXT", "0")
+    with pytest.warns(RuntimeWarning, match="reference") as rec:
+        assert ops.backend() == "reference"
+    assert len(rec) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        st = ops.tensor_stats(torch.tensor([1.0, -2.0, math.nan]))  # no second warning
+    assert st.to_dict()["nan_count"] == 1
+
+
+# -- values against the numpy reference ---------------------------------------------------------------
+
+SHAPES = [(), (0,), (3, 0, 2), (1,), (7,), (31,), (2047,), (2049,), (3, 5, 7), (65537,), (2, 65536 + 3)]
+
+
+@needs_ext
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dtypes_and_shapes(dtype, isa):
+    g = gen(DTYPES.index(dtype))
+    with cpu_isa(isa):
+        for shape in SHAPES:
+            n = math.prod(shape)
+            x = planted(n, dtype, g, offset=float(torch.randn(1, generator=g)) * 3).reshape(shape)
+            assert_matches(ops.tensor_stats(x), x, msg=f"isa={isa}")
+            assert_matches(ops.tensor_stats(x, bins=0), x, bins=0, msg=f"isa={isa}")
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_clean_data_takes_fast_path_and_matches(dtype):
+    g = gen(11)
+    for offset in (0.0, 100.0):
+        x = (torch.randn(100_003, generator=g, dtype=torch.float64) + offset).to(dtype)
+        x[::97] = 0
+        x[1::101] = -0.0
+        assert_matches(ops.tensor_stats(x), x)
+
+
+def test_reference_backend_matches_numpy():
+    g = gen(12)
+    for dtype in DTYPES:
+        x = planted(5000, dtype, g).reshape(50, 100)
+        assert_matches(ops.reference_tensor_stats(x), x)
+        assert_matches(ops.reference_tensor_stats(x, hist="linear", bins=17), x, hist="linear", bins=17)
+        assert_matches(ops.reference_tensor_stats(x, hist="linear", bins=9, range=(-1, 2)), x,
+                       hist="linear", bins=9, range=(-1, 2))
+    assert_matches(ops.reference_tensor_stats(torch.empty(0)), torch.empty(0))
+
+
+@needs_ext
+def test_large_float32_mean_and_std_need_float64_accumulation():
+    n = (1 << 24) + 3
+    x = torch.randn(n, generator=gen(13)) + 1000.0  # float32 sums would lose the mean and std
+    st = ops.tensor_stats(x)
+    assert_matches(st, x)
+    assert float(st.std) == pytest.approx(float(x.double().std(correction=0)), rel=1e-6)
+    assert int(st.hist_counts.sum()) == n
+
+
+@needs_ext
+def test_float_overflow_of_partial_sums():
+    x = torch.full((10_000,), 3e38)  # finite values whose float32 sum overflows
+    x[::3] = 2e38
+    assert_matches(ops.tensor_stats(x), x)
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_non_contiguous_layouts(dtype):
+    g = gen(14)
+    base = planted(2 * 3 * 41 * 67, dtype, g).reshape(2, 3, 41, 67)
+    views = {
+        "transposed": base[0, 0].t(),
+        "step-sliced": base[:, :, ::2, 1::3],
+        "channels-last": base.contiguous(memory_format=torch.channels_last),
+        "permuted-sliced": base.permute(3, 1, 0, 2)[5:50:4],
+        "expanded": base[0, 0, 0].reshape(1, 67).expand(5, 67),
+        "row-sliced": base.reshape(6 * 41, 67)[:, 3:60],
+        "long-rows-sliced": planted(3 * 5000, dtype, g).reshape(3, 5000)[:, 1:4990],
+        "ten-dims": planted(3 ** 10, dtype, g).reshape([3] * 10)[(slice(None, None, 2),) * 10],
+    }
+    for name, v in views.items():
+        assert_matches(ops.tensor_stats(v), v, msg=name)
+        assert_matches(ops.tensor_stats(v, hist="linear", bins=13), v, hist="linear", bins=13, msg=name)
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_all_nan_all_inf_and_specials(dtype):
+    for vals in ([math.nan] * 5000, [math.inf, -math.inf, math.nan] * 700, [0.0, -0.0] * 3000, [-0.0]):
+        x = torch.tensor(vals, dtype=dtype)
+        st = ops.tensor_stats(x)
+        assert_matches(st, x)
+        d = st.to_dict()
+        assert sum(d["hist_counts"]) == d["numel"] - d["nan_count"]
+        assert_matches(ops.tensor_stats(x, hist="linear", bins=4), x, hist="linear", bins=4)
+
+
+# -- histograms -----------------------------------------------------------------------------------------
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_log2_bucket_counts_are_exact(dtype):
+    g = gen(15)
+    n = 70_001
+    info = torch.finfo(dtype)
+    lo_e = max(math.log2(info.tiny) - 12, -70) if dtype != torch.bfloat16 else -70
+    hi_e = min(math.log2(info.max) - 1, 70)
+    mag = torch.exp2(torch.rand(n, generator=g, dtype=torch.float64) * (hi_e - lo_e) + lo_e)
+    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()
+    x = (mag * sign).to(dtype)
+    x[:: 1000] = math.nan
+    x[1::1000] = math.inf
+    x[2::1000] = -math.inf
+    x[3::1000] = 0
+    st = ops.tensor_stats(x)
+    assert_matches(st, x)
+    d = st.to_dict()
+    assert sum(d["hist_counts"]) == d["numel"] - d["nan_count"]
+    # every in-window value lies within its bucket's edges
+    a = x.double().numpy()
+    ok = np.isfinite(a) & (a != 0) & (np.abs(a) >= 2.0 ** ops.LOG2_MIN_EXP) & (np.abs(a) < 2.0 ** (ops.LOG2_MAX_EXP + 1))
+    idx = np_log2_index(a[ok])
+    e = np.array(d["hist_edges"])
+    assert np.all((e[idx] <= a[ok]) & (a[ok] <= e[idx + 1]))
+    assert np.all(np.diff(e) > 0) and np.all(np.isfinite(e))
+
+
+@needs_ext
+def test_log2_edges_feed_tensorboard_add_histogram_raw():
+    st = ops.tensor_stats(torch.randn(1000, generator=gen(16)))
+    e = st.hist_edges
+    assert e.shape == (NB + 1,) and torch.equal(e, ops.log2_edges())
+    assert bool((e[1:] > e[:-1]).all())
+    limits, counts = e[1:], st.hist_counts  # add_histogram_raw(bucket_limits=..., bucket_counts=...)
+    assert limits.numel() == counts.numel()
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_linear_histogram_with_and_without_range(dtype):
+    g = gen(17)
+    x = planted(30_011, dtype, g)
+    for bins, rng in ((10, None), (64, None), (7, (-2.0, 3.5)), (1, (0.0, 1.0)), (1000, (-100.0, 100.0))):
+        st = ops.tensor_stats(x, hist="linear", bins=bins, range=rng)
+        assert_matches(st, x, hist="linear", bins=bins, range=rng)
+        d = st.to_dict()
+        if rng is None:  # every finite value is inside the automatic range
+            assert sum(d["hist_counts"]) == d["numel"] - d["nan_count"] - d["inf_count"]
+    assert ops.tensor_stats(x, hist="linear").hist_counts.numel() == 100
+    c = torch.full((100,), 2.5, dtype=dtype)  # constant: range widened to (c - 1, c + 1)
+    st = ops.tensor_stats(c, hist="linear", bins=4)
+    assert st.to_dict()["hist_edges"] == [1.5, 2.0, 2.5, 3.0, 3.5]
+    assert st.to_dict()["hist_counts"] == [0, 0, 100, 0]
+
+
+@needs_ext
+def test_linear_histogram_agrees_with_torch_histc():
+    g = gen(18)
+    bins, lo, hi = 37, -3.0, 5.0
+    centers = lo + (torch.randint(0, bins, (20_000,), generator=g).double() + 0.5) * (hi - lo) / bins
+    for dtype in (torch.float32, torch.float64):
+        x = centers.to(dtype)
+        ours = ops.tensor_stats(x, hist="linear", bins=bins, range=(lo, hi)).hist_counts
+        assert torch.equal(ours, torch.histc(x, bins=bins, min=lo, max=hi).long())
+        ours_auto = ops.tensor_stats(x, hist="linear", bins=bins)
+        ref = torch.histc(x, bins=bins, min=float(x.min()), max=float(x.max())).long()
+        assert (ours_auto.hist_counts - ref).abs().sum() <= 2  # bucket-boundary rounding only
+
+
+def test_bins_zero_turns_histogram_off():
+    x = torch.randn(100, generator=gen(19))
+    for kw in ({}, {"hist": "linear"}):
+        st = ops.tensor_stats(x, bins=0, **kw)
+        assert st.hist_counts.shape == (0,) and st.hist_edges.shape == (0,)
+        assert st.to_dict()["hist_counts"] == []
+
+
+# -- merging, packing -------------------------------------------------------------------------------------
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_merge_of_split_tensor_equals_whole(dtype):
+    g = gen(20)
+    x = planted(40_000, dtype, g, offset=5.0)
+    x[100:300] = math.nan
+    pieces = [x[:0], x[:100], x[100:300], x[300:12_345], x[12_345:12_346], x[12_346:]]
+    for kw in ({}, {"bins": 0}, {"hist": "linear", "bins": 20, "range": (-10.0, 10.0)}):
+        whole = ops.tensor_stats(x, **kw)
+        parts = [ops.tensor_stats(p, **kw) for p in pieces]
+        pair = parts[0]
+        for p in parts[1:]:
+            pair = pair.merge(p)
+        for merged in (pair, TensorStats.merge_all(parts), parts[3] + parts[5] + parts[1] + parts[2] + parts[0] + parts[4]):
+            a, b = merged.to_dict(), whole.to_dict()
+            for f in ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "absmax", "hist_counts", "hist_edges"):
+                assert a[f] == b[f], (f, kw)
+            tol = 1e-9 if dtype == torch.float64 else 2e-6  # float32 lanes inside blocks
+            assert a["mean"] == pytest.approx(b["mean"], rel=tol, abs=tol * b["std"])
+            assert a["std"] == pytest.approx(b["std"], rel=tol)
+            assert_matches(merged, x, **kw)
+
+
+def test_merge_empty_and_all_nan_parts():
+    e = ops.tensor_stats(torch.empty(0))
+    n = ops.tensor_stats(torch.full((4,), math.nan))
+    assert math.isnan(e.merge(n).to_dict()["mean"])
+    x = torch.tensor([1.0, 2.0, 4.0])
+    m = e.merge(ops.tensor_stats(x)).merge(n).to_dict()
+    assert m["mean"] == pytest.approx(7 / 3) and m["numel"] == 7 and m["nan_count"] == 4
+    assert m["min"] == 1.0 and m["max"] == 4.0
+
+
+def test_merge_refuses_different_histograms():
+    x = torch.randn(100, generator=gen(21))
+    y = x * 3
+    with pytest.raises(ValueError, match="different bucket edges"):
+        ops.tensor_stats(x, hist="linear", bins=8).merge(ops.tensor_stats(y, hist="linear", bins=8))
+    with pytest.raises(ValueError, match="buckets"):
+        ops.tensor_stats(x).merge(ops.tensor_stats(x, bins=0))
+    with pytest.raises(ValueError, match="different bucket edges"):
+        ops.tensor_stats(x, hist="linear", bins=NB).merge(ops.tensor_stats(x))
+    with pytest.raises(ValueError, match="different bucket edges"):
+        TensorStats.merge_all([ops.tensor_stats(x, hist="linear", bins=8, range=(0, 1)),
+                               ops.tensor_stats(x, hist="linear", bins=8, range=(0, 1)),
+                               ops.tensor_stats(x, hist="linear", bins=8, range=(0, 2))])
+    same = ops.tensor_stats(x, hist="linear", bins=8).merge(ops.tensor_stats(x.flip(0), hist="linear", bins=8))
+    assert same.to_dict()["numel"] == 200  # equal automatic ranges do merge
+    with pytest.raises(ValueError, match="at least one"):
+        TensorStats.merge_all([])
+
+
+def same(a, b) -> bool:
+    """Equal, NaN equal to NaN (dicts, lists, numbers)."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same(u, v) for u, v in zip(a, b))
+    return a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b))
+
+
+def test_pack_unpack_round_trip():
+    x = planted(1000, torch.float32, gen(22))
+    for kw in ({}, {"bins": 0}, {"hist": "linear", "bins": 5}):
+        st = ops.tensor_stats(x, **kw)
+        p = st.pack()
+        b = st.hist_counts.numel()
+        assert p.dtype == torch.float64 and p.dim() == 1 and p.numel() == TensorStats.packed_size(b)
+        back = TensorStats.unpack(p)
+        assert same(back.to_dict(), st.to_dict())
+        assert back.numel.dtype == torch.int64 and back.hist_counts.dtype == torch.int64
+    many = [ops.tensor_stats(x[i:], **kw) for i, kw in enumerate(({}, {"bins": 0}, {"hist": "linear", "bins": 3}))]
+    buf = torch.cat([s.pack() for s in many])  # one device-to-host copy for all of them
+    sizes = [TensorStats.packed_size(s.hist_counts.numel()) for s in many]
+    for s, chunk in zip(many, buf.split(sizes)):
+        assert same(TensorStats.unpack(chunk).to_dict(), s.to_dict())
+    with pytest.raises(ValueError, match="length"):
+        TensorStats.unpack(torch.zeros(11, dtype=torch.float64))
+
+
+# -- determinism, threads ----------------------------------------------------------------------------------
+
+def _bits(st: TensorStats) -> torch.Tensor:
+    return st.pack().view(torch.int64)
+
+
+@needs_ext
+def test_deterministic_across_runs_and_thread_counts():
+    x = planted(3 * 65536 + 12_345, torch.float32, gen(23), offset=1.0)
+    xs = x[::3]
+    old = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 1, 2):
+            torch.set_num_threads(threads)
+            for v in (x, xs):
+                for kw in ({}, {"bins": 0}, {"hist": "linear", "bins": 33}):
+                    results.append((threads, _bits(ops.tensor_stats(v, **kw))))
+        ref = results[:6]
+        for i, (t, b) in enumerate(results):
+            assert torch.equal(b, ref[i % 6][1]), f"run {i} with {t} threads differs"
+    finally:
+        torch.set_num_threads(old)
+
+
+@needs_ext
+def test_isa_variants_agree():
+    variants = isas()
+    if len(variants) < 2:
+        pytest.skip("only one CPU kernel variant on this machine")
+    x = planted(100_000, torch.float32, gen(24))
+    out = {}
+    for isa in variants:
+        with cpu_isa(isa):
+            out[isa] = ops.tensor_stats(x).to_dict()
+    a, b = out.values()
+    for f in ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "absmax", "hist_counts"):
+        assert a[f] == b[f], f
+    assert a["mean"] == pytest.approx(b["mean"], rel=1e-9, abs=1e-9)
+
+
+# -- errors -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool, torch.complex64],
+                         ids=str)
+def test_non_floating_inputs_raise_naming_the_dtype(dtype):
+    x = torch.zeros(4, dtype=dtype)
+    msg = f"expected a floating tensor \\(float32, float64, float16, bfloat16\\), got {dtype}"
+    with pytest.raises(TypeError, match=msg):
+        ops.tensor_stats(x)
+    with pytest.raises(TypeError, match=msg):
+        ops.reference_tensor_stats(x)
+    if COMPILED:
+        with pytest.raises(TypeError, match=msg):
+            torch.ops.hookplug.tensor_stats(x, 1, 0)
+
+
+def test_bad_arguments():
+    x = torch.randn(10)
+    with pytest.raises(ValueError, match="hist='log2' or 'linear'"):
+        ops.tensor_stats(x, hist="log")
+    with pytest.raises(ValueError, match="bins"):
+        ops.tensor_stats(x, bins=-1)
+    with pytest.raises(ValueError, match="range applies to hist='linear'"):
+        ops.tensor_stats(x, range=(0, 1))
+    with pytest.raises(ValueError, match="lo < hi"):
+        ops.tensor_stats(x, hist="linear", range=(1, 1))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        ops.tensor_stats([1.0, 2.0])
+    if COMPILED:
+        with pytest.raises(ValueError, match="lo < hi"):
+            torch.ops.hookplug.tensor_stats(x, 4, 1, 2.0, 1.0)
+        with pytest.raises(ValueError, match="hist_mode"):
+            torch.ops.hookplug.tensor_stats(x, 4, 7)
+
+
+# -- integration with torch: no sync, autograd, opcheck, compile, meta ------------------------------
+
+@contextlib.contextmanager
+def no_host_sync(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("host sync in tensor_stats")
+
+    with monkeypatch.context() as mp:
+        for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__"):
+            mp.setattr(torch.Tensor, name, boom)
+        yield
+
+
+def test_no_host_sync_in_the_call_or_merge(monkeypatch):
+    x = planted(5000, torch.float32, gen(25))
+    for fn in (ops.tensor_stats, ops.reference_tensor_stats):
+        with no_host_sync(monkeypatch):
+            sts = [fn(x), fn(x, bins=0), fn(x, hist="linear"), fn(x, hist="linear", bins=5, range=(0, 1))]
+            sts[0].merge(fn(x[:10]))
+            TensorStats.merge_all([fn(x[:3]), fn(x[3:9]), fn(x[9:])])
+            TensorStats.unpack(sts[0].pack())
+
+
+@needs_ext
+def test_requires_grad_input_gives_plain_outputs():
+    x = torch.randn(64, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        st = ops.tensor_stats(x * 2)
+        out = torch.ops.hookplug.tensor_stats(x * 2, 1, 0)
+    assert not st.mean.requires_grad and not any(t.requires_grad for t in out)
+
+
+@needs_ext
+def test_meta_tensors_give_shapes():
+    st = ops.tensor_stats(torch.empty(3, 4, device="meta"), hist="linear", bins=9)
+    assert st.hist_counts.shape == (9,) and st.hist_edges.shape == (10,) and st.mean.shape == ()
+    assert ops.tensor_stats(torch.empty(2, device="meta")).hist_counts.shape == (NB,)
+
+
+@needs_ext
+@pytest.mark.skipif(not hasattr(torch.library, "opcheck"), reason="torch.library.opcheck needs torch >= 2.4")
+def test_opcheck():
+    g = gen(26)
+    op = torch.ops.hookplug.tensor_stats.default
+    samples = [
+        (torch.randn(33, 5, generator=g), 1, 0, None, None),
+        (torch.randn(17, generator=g).double(), 0, 0, None, None),
+        (torch.randn(4, 6, generator=g).t(), 12, 1, None, None),
+        (torch.randn(40, generator=g).half(), 6, 1, -1.0, 1.0),
+        (torch.randn(2, 3, 4, 5, generator=g).bfloat16().contiguous(memory_format=torch.channels_last), 1, 0, None, None),
+        (torch.randn(8, generator=g, requires_grad=True), 1, 0, None, None),
+        (torch.tensor([1.0, math.inf, 0.0, -2.0]), 5, 1, None, None),
+    ]  # (no empty or all-NaN sample: opcheck compares outputs with NaN != NaN)
+    for args in samples:
+        torch.library.opcheck(op, args)
+
+
+@needs_ext
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph_matches_eager(backend):
+    torch._dynamo.reset()
+
+    def f(x):
+        st = ops.tensor_stats(x * 2)
+        lin = ops.tensor_stats(x, hist="linear", bins=8)
+        return st.mean, st.std, st.hist_counts, lin.hist_counts, lin.hist_edges, st.min + lin.max
+
+    x = planted(3000, torch.float32, gen(27))
+    eager = f(x)
+    compiled = torch.compile(f, fullgraph=True, backend=backend)(x)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b) or (a.isnan().all() and b.isnan().all())

@@ -1,0 +1,210 @@
+"""hookplug.ops.tensor_stats on CUDA: the checks of test_ops.py on the GPU kernels, plus
+stream, no-sync and CPU-agreement checks. Skipped without a GPU.
+
+HOOKPLUG_TEST_SANITIZER=1 also runs a small workload under compute-sanitizer (memcheck,
+racecheck) when the tool is on PATH."""
+import math
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+from hookplug import ops  # noqa: E402
+from hookplug._stats import TensorStats  # noqa: E402
+
+from test_ops import DTYPES, REQUIRE_EXT, SHAPES, _bits, assert_matches, gen, planted  # noqa: E402
+
+DEV = "cuda"
+
+
+def cuda_kernels() -> bool:
+    return ops.backend() != "reference" and ops._has_cuda
+
+
+needs_kernels = pytest.mark.skipif(not torch.cuda.is_available() or not cuda_kernels(),
+                                   reason="hookplug was built without its CUDA kernels")
+
+
+def test_cuda_kernels_built_when_required():
+    if REQUIRE_EXT:
+        assert ops.backend() == "compiled"
+        assert ops._has_cuda, "HOOKPLUG_REQUIRE_EXT=1: the extension has no CUDA kernels (CUDA_HOME unset at build?)"
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dtypes_and_shapes(dtype):
+    g = gen(100 + DTYPES.index(dtype))
+    for shape in SHAPES + [(1 << 20) + 7]:
+        shape = shape if isinstance(shape, tuple) else (shape,)
+        n = math.prod(shape)
+        x = planted(n, dtype, g, offset=3.0).reshape(shape).to(DEV)
+        for kw in ({}, {"bins": 0}, {"hist": "linear", "bins": 37}, {"hist": "linear", "bins": 9, "range": (-2, 2)}):
+            assert_matches(ops.tensor_stats(x, **kw), x, **kw)
+
+
+@needs_kernels
+def test_large_float32():
+    n = (1 << 24) + 5
+    x = (torch.randn(n, generator=gen(110)) + 1000.0).to(DEV)
+    st = ops.tensor_stats(x)
+    assert_matches(st, x)
+    assert int(st.hist_counts.sum()) == n
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_non_contiguous_layouts(dtype):
+    g = gen(111)
+    base = planted(2 * 3 * 41 * 67, dtype, g).reshape(2, 3, 41, 67).to(DEV)
+    views = {
+        "transposed": base[0, 0].t(),
+        "step-sliced": base[:, :, ::2, 1::3],
+        "channels-last": base.contiguous(memory_format=torch.channels_last),
+        "permuted-sliced": base.permute(3, 1, 0, 2)[5:50:4],
+        "expanded": base[0, 0, 0].reshape(1, 67).expand(5, 67),
+        "storage-offset": base.reshape(-1)[3:],  # not 16-byte aligned: scalar head
+        "ten-dims": planted(3 ** 10, dtype, g).reshape([3] * 10).to(DEV)[(slice(None, None, 2),) * 10],
+    }
+    for name, v in views.items():
+        assert_matches(ops.tensor_stats(v), v, msg=name)
+        assert_matches(ops.tensor_stats(v, hist="linear", bins=13), v, hist="linear", bins=13, msg=name)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_all_nan_and_specials(dtype):
+    for vals in ([math.nan] * 5000, [math.inf, -math.inf, math.nan] * 700, [0.0, -0.0] * 3000, [-0.0], []):
+        x = torch.tensor(vals, dtype=dtype, device=DEV)
+        st = ops.tensor_stats(x)
+        assert_matches(st, x)
+        d = st.to_dict()
+        assert sum(d["hist_counts"]) == d["numel"] - d["nan_count"]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_log2_exact_and_same_as_cpu(dtype):
+    g = gen(112)
+    n = 300_001
+    mag = torch.exp2(torch.rand(n, generator=g, dtype=torch.float64) * 100 - 50)
+    x = (mag * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()).to(dtype)
+    x[::997] = math.nan
+    x[1::991] = -math.inf
+    x[2::983] = 0
+    st = ops.tensor_stats(x.to(DEV))
+    assert_matches(st, x.to(DEV))
+    cpu = ops.tensor_stats(x)
+    assert torch.equal(st.hist_counts.cpu(), cpu.hist_counts)
+    for f in ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "absmax"):
+        assert torch.equal(getattr(st, f).cpu(), getattr(cpu, f)), f
+
+
+@needs_kernels
+def test_linear_histogram_many_bins_uses_global_atomics():
+    x = planted(200_000, torch.float32, gen(113)).to(DEV)
+    for kw in ({"bins": 20_000}, {"bins": 9000, "range": (-3.0, 3.0)}):
+        st = ops.tensor_stats(x, hist="linear", **kw)
+        assert_matches(st, x, hist="linear", **kw)
+
+
+@needs_kernels
+def test_merge_of_split_tensor_equals_whole():
+    x = planted(50_000, torch.float32, gen(114), offset=2.0).to(DEV)
+    pieces = [x[:0], x[:1000], x[1000:1001], x[1001:]]
+    for kw in ({}, {"bins": 0}):
+        merged = TensorStats.merge_all([ops.tensor_stats(p, **kw) for p in pieces])
+        assert_matches(merged, x, **kw)
+
+
+@needs_kernels
+def test_deterministic_and_on_the_current_stream():
+    x = planted(3_000_000, torch.float32, gen(115)).to(DEV)
+    ref = [_bits(ops.tensor_stats(x, **kw)) for kw in ({}, {"bins": 0}, {"hist": "linear", "bins": 50})]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            got = [_bits(ops.tensor_stats(x, **kw)) for kw in ({}, {"bins": 0}, {"hist": "linear", "bins": 50})]
+    side.synchronize()
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+
+
+@needs_kernels
+def test_no_host_sync():
+    x = planted(100_000, torch.float32, gen(116)).to(DEV)
+    torch.cuda.synchronize()
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sts = [ops.tensor_stats(x), ops.tensor_stats(x, bins=0), ops.tensor_stats(x, hist="linear"),
+               ops.tensor_stats(x, hist="linear", bins=8, range=(0, 1)), ops.tensor_stats(x[::3])]
+        TensorStats.merge_all([sts[0], ops.tensor_stats(x[:10]), ops.tensor_stats(x[10:])])
+        TensorStats.unpack(sts[0].pack())
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+
+
+@needs_kernels
+def test_errors_name_the_dtype():
+    for dtype in (torch.int64, torch.bool, torch.complex64):
+        with pytest.raises(TypeError, match=f"got {dtype}"):
+            torch.ops.hookplug.tensor_stats(torch.zeros(3, dtype=dtype, device=DEV), 1, 0)
+
+
+@needs_kernels
+@pytest.mark.skipif(not hasattr(torch.library, "opcheck"), reason="needs torch >= 2.4")
+def test_opcheck():
+    g = gen(117)
+    op = torch.ops.hookplug.tensor_stats.default
+    for args in [
+        (torch.randn(33, 5, generator=g).to(DEV), 1, 0, None, None),
+        (torch.randn(4, 6, generator=g).double().to(DEV).t(), 12, 1, None, None),
+        (torch.randn(40, generator=g).half().to(DEV), 6, 1, -1.0, 1.0),
+        (torch.randn(2, 3, 4, 5, generator=g).bfloat16().to(DEV).contiguous(memory_format=torch.channels_last), 0, 0, None, None),
+    ]:
+        torch.library.opcheck(op, args)
+
+
+@needs_kernels
+def test_torch_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+
+    def f(x):
+        st = ops.tensor_stats(x * 2)
+        return st.mean, st.hist_counts, ops.tensor_stats(x, hist="linear", bins=8).hist_counts
+
+    x = planted(3000, torch.float32, gen(118)).to(DEV)
+    for a, b in zip(f(x), torch.compile(f, fullgraph=True, backend="aot_eager")(x)):
+        assert torch.equal(a, b)
+
+
+@needs_kernels
+@pytest.mark.skipif(os.environ.get("HOOKPLUG_TEST_SANITIZER") != "1" or not shutil.which("compute-sanitizer"),
+                    reason="set HOOKPLUG_TEST_SANITIZER=1 with compute-sanitizer on PATH")
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_compute_sanitizer(tool, tmp_path):
+    script = tmp_path / "work.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from hookplug import ops
+        x = torch.randn(100_003, device="cuda")
+        x[::7] = float("nan")
+        for v in (x, x[1:], x[::3], x[:0], x.half(), x.double(), x.bfloat16()):
+            for kw in ({}, {"bins": 0}, {"hist": "linear"}, {"hist": "linear", "bins": 20_000, "range": (-1, 1)}):
+                ops.tensor_stats(v, **kw)
+        torch.cuda.synchronize()
+        print("done")
+    """))
+    out = subprocess.run(["compute-sanitizer", "--tool", tool, "--error-exitcode", "3", sys.executable, str(script)],
+                         capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0 and "done" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]

@@ -1,0 +1,354 @@
+"""The ``capture`` plugin against values computed without hookplug (layers re-run by hand,
+plain torch hooks), plus its options, save/load and memory bound."""
+import dataclasses
+import json
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hookplug
+from hookplug import PluginError
+from hookplug.models import MLP, resnet34_like
+
+
+def conv_inputs_by_hand(model, x):
+    """Every Conv2d's input (cloned), via a plain forward pre-hook, and the model output."""
+    inputs, handles = {}, []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Conv2d):
+            handles.append(m.register_forward_pre_hook(
+                lambda mod, args, name=name: inputs.__setitem__(name, args[0].detach().clone())))
+    try:
+        with torch.no_grad():
+            out = model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return inputs, out
+
+
+def test_every_conv_of_resnet34_equals_layers_run_by_hand():
+    model = resnet34_like()
+    x = torch.randn(2, 3, 32, 32)
+    inputs, out_plain = conv_inputs_by_hand(model, x)
+    with hookplug.attach(model, "Conv2d", plugins="capture") as s:
+        with torch.no_grad():
+            out = model(x)
+    feats = s["capture"].features
+    convs = {n: m for n, m in model.named_modules() if isinstance(m, nn.Conv2d)}
+    assert len(feats) == 36 and list(feats) == list(inputs)  # call order, like the seeds' list
+    assert set(feats) == set(convs)
+    for name, conv in convs.items():
+        by_hand = F.conv2d(inputs[name], conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation,
+                           conv.groups)
+        assert torch.equal(feats[name], by_hand), name
+        assert not feats[name].requires_grad
+    assert torch.equal(out, out_plain)  # capturing changes nothing
+
+
+def test_capture_in_training_mode_does_not_change_outputs_or_grads():
+    model = resnet34_like()
+    x = torch.randn(2, 3, 32, 32)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        out = model(x)
+        out.square().mean().backward()
+        return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+    out0, g0 = step()
+    with hookplug.attach(model, "Conv2d|BatchNorm2d|ReLU", plugins=("capture", {"grads": True, "keep": "all"})):
+        out1, g1 = step()
+    assert torch.equal(out0, out1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
+
+
+class InplaceNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        return self.act(self.lin(x))
+
+
+@pytest.mark.parametrize("clone", [True, False])
+def test_clone_protects_against_later_inplace_ops(clone):
+    net = InplaceNet()
+    x = torch.randn(16, 8)
+    with torch.no_grad():
+        before = net.lin(x)
+    assert (before < 0).any()
+    with hookplug.attach(net, "Linear", plugins=("capture", {"clone": clone})) as s:
+        with torch.no_grad():
+            net(x)
+    got = s["capture"].features["lin"]
+    if clone:
+        assert torch.equal(got, before)
+    else:  # a detached view: the in-place ReLU shows through (why clone=True is the default)
+        assert torch.equal(got, before.relu())
+
+
+def test_inputs_are_read_before_forward():
+    net = InplaceNet()
+    x = torch.randn(4, 8)
+    with hookplug.attach(net, "ReLU", plugins=("capture", {"inputs": True})) as s:
+        with torch.no_grad():
+            net(x)
+    inp = s["capture"].inputs["act"]
+    with torch.no_grad():
+        pre = net.lin(x)
+    assert isinstance(inp, tuple) and len(inp) == 1
+    assert torch.equal(inp[0], pre)  # not the in-place-modified tensor
+    assert torch.equal(s["capture"].features["act"], pre.relu())
+
+
+def hand_outputs(model, cls=nn.Linear):
+    seen, handles = {}, []
+    for name, m in model.named_modules():
+        if isinstance(m, cls):
+            handles.append(m.register_forward_hook(
+                lambda mod, inp, out, name=name: seen.setdefault(name, []).append(out.detach().clone())))
+    return seen, handles
+
+
+@pytest.mark.parametrize("keep", ["last", "all", 4, 1])
+def test_keep_modes(keep):
+    model = MLP()  # fc2 runs twice per forward
+    xs = [torch.randn(3, 32) for _ in range(3)]
+    seen, handles = hand_outputs(model)
+    with hookplug.attach(model, "Linear", plugins=("capture", {"keep": keep})) as s:
+        for x in xs:
+            model(x)
+    for h in handles:
+        h.remove()
+    feats = s["capture"].features
+    for name, outs in seen.items():
+        if keep == "last":
+            assert torch.equal(feats[name], outs[-1])
+        else:
+            want = outs if keep == "all" else outs[-keep:]
+            assert isinstance(feats[name], list) and len(feats[name]) == len(want)
+            assert all(torch.equal(a, b) for a, b in zip(feats[name], want))
+    assert s["capture"].nbytes == sum(
+        t.numel() * t.element_size()
+        for v in feats.values() for t in (v if isinstance(v, list) else [v]))
+
+
+def test_to_cpu_copies_on_cpu():
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    out_ref = []
+    h = lin.register_forward_hook(lambda m, i, o: out_ref.append(o))
+    with hookplug.attach(lin, "*:", plugins=("capture", {"to": "cpu", "clone": False})) as s:
+        lin(x)
+    h.remove()
+    got = s["capture"].features[""]
+    assert torch.equal(got, out_ref[0]) and got.data_ptr() != out_ref[0].data_ptr()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_to_cpu_from_cuda_is_pinned_and_correct():
+    model = resnet34_like().cuda()
+    x = torch.randn(2, 3, 32, 32, device="cuda")
+    inputs, _ = conv_inputs_by_hand(model, x)
+    with hookplug.attach(model, "Conv2d", plugins=("capture", {"to": "cpu"})) as s:
+        with torch.no_grad():
+            model(x)
+    feats = s["capture"].features  # waits for the copies
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Conv2d):
+            assert feats[name].device.type == "cpu" and feats[name].is_pinned()
+            assert torch.equal(feats[name], m(inputs[name]).cpu())
+
+
+def test_max_bytes_bounds_memory_and_warns_once():
+    model = resnet34_like()
+    x = torch.randn(2, 3, 32, 32)
+    full, _ = conv_inputs_by_hand(model, x)
+    with hookplug.attach(model, "Conv2d", plugins="capture") as s:
+        with torch.no_grad():
+            model(x)
+    total = s["capture"].nbytes
+    budget = total // 3
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with hookplug.attach(model, "Conv2d", plugins=("capture", {"max_bytes": budget, "keep": "all"})) as s2:
+            with torch.no_grad():
+                for _ in range(2):
+                    model(x)
+    cap = s2["capture"]
+    assert [str(x.message).count("max_bytes") for x in w if "capture" in str(x.message)] == [1]
+    assert 0 < cap.nbytes <= budget and cap.skipped > 0
+    for name, lst in cap.features.items():  # what was kept is right
+        for t in lst:
+            assert torch.equal(t, s["capture"].features[name])
+
+
+def test_grads_equal_true_output_gradients():
+    model = MLP()
+    x = torch.randn(5, 32)
+    true = {}
+
+    def fwd(name):
+        def hook(mod, inp, out):
+            out.register_hook(lambda g: true.setdefault(name, []).append(g.clone()))
+        return hook
+
+    handles = [m.register_forward_hook(fwd(n)) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    with hookplug.attach(model, "Linear", plugins=("capture", {"grads": True, "keep": "all"})) as s:
+        model(x).pow(2).sum().backward()
+    for h in handles:
+        h.remove()
+    grads = s["capture"].grads
+    assert set(grads) == {"fc1", "fc2", "fc3"}
+    # backward sees fc2's second call first; the list is in forward-call order
+    assert len(grads["fc2"]) == 2
+    assert torch.equal(grads["fc2"][0], true["fc2"][1]) and torch.equal(grads["fc2"][1], true["fc2"][0])
+    assert torch.equal(grads["fc1"][0], true["fc1"][0]) and torch.equal(grads["fc3"][0], true["fc3"][0])
+    for name in grads:  # same shape as the activation, for Linear and Conv alike
+        assert all(g.shape == f.shape for g, f in zip(grads[name], s["capture"].features[name]))
+
+    true.clear()
+    handles = [m.register_forward_hook(fwd(n)) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    with hookplug.attach(model, "Linear", plugins=("capture", {"grads": True})) as s:
+        model(x).pow(2).sum().backward()
+    for h in handles:
+        h.remove()
+    last = s["capture"].grads  # keep="last": the gradient of the last call, like features
+    assert torch.equal(last["fc2"], true["fc2"][0]) and not torch.equal(last["fc2"], true["fc2"][1])
+    assert torch.equal(last["fc1"], true["fc1"][0])
+
+
+@dataclasses.dataclass
+class Out:
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    note: str = "n"
+
+
+class Structured(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        a = self.lin(x)
+        b = a.tanh()
+        if self.kind == "tuple":
+            return a, (b, a.argmax(-1))
+        if self.kind == "dict":
+            return {"logits": a, "extra": {"b": b}}
+        return Out(a, b)
+
+
+@pytest.mark.parametrize("kind", ["tuple", "dict", "dataclass"])
+def test_structured_outputs_mirrored_and_grads(kind):
+    m = nn.Sequential(Structured(kind))
+    x = torch.randn(3, 6)
+    with hookplug.attach(m, "Structured", plugins=("capture", {"grads": True})) as s:
+        out = m(x)
+        a = out[0] if kind == "tuple" else (out["logits"] if kind == "dict" else out.logits)
+        a.sum().backward()  # only the first output gets a gradient
+    feat = s["capture"].features["0"]
+    grad = s["capture"].grads["0"]
+    assert type(feat) is type(out)
+    leaves_out = list(hookplug.structures.iter_tensors(out))
+    leaves_feat = list(hookplug.structures.iter_tensors(feat))
+    assert [p for p, _ in leaves_feat] == [p for p, _ in leaves_out]
+    assert all(torch.equal(t, u) for (_, t), (_, u) in zip(leaves_feat, leaves_out))
+    assert type(grad) is type(out)
+    g_leaves = [t for _, t in hookplug.structures.iter_tensors(grad)]
+    assert len(g_leaves) == 1 and torch.equal(g_leaves[0], torch.ones_like(a))
+    if kind == "tuple":
+        assert grad[1][0] is None and grad[1][1] is None
+    elif kind == "dataclass":
+        assert grad.hidden is None and grad.note == "n"
+
+
+def test_save_and_load_roundtrip(tmp_path):
+    model = MLP()
+    xs = [torch.randn(2, 32) for _ in range(2)]
+    m2 = nn.Sequential(Structured("dict"), Structured("dataclass"))
+    with hookplug.attach(model, "Linear", plugins=("capture", {"keep": "all", "grads": True, "inputs": True})) as s:
+        for x in xs:
+            model(x).sum().backward()
+    with hookplug.attach(m2, "Structured", plugins="capture") as s2:
+        m2[1](m2[0](torch.randn(2, 6))["logits"])
+    p1, p2 = tmp_path / "mlp.safetensors", tmp_path / "structured.safetensors"
+    s["capture"].save(p1)
+    s2["capture"].save(p2)
+
+    from safetensors import safe_open
+    with safe_open(str(p1), framework="pt") as f:
+        keys = set(f.keys())
+        meta = json.loads(f.metadata()["hookplug.capture"])
+    assert {"fc1/0/output", "fc2/3/output", "fc1/1/grad", "fc3/0/input[0]"} <= keys
+    assert meta["format"] == "hookplug.capture" and meta["keep"] == "all"
+    assert b"pickle" not in p1.read_bytes()[:64]
+
+    everything = hookplug.load_capture(p1, what="all")
+    for kind in ("features", "grads", "inputs"):
+        orig = getattr(s["capture"], kind)
+        back = everything[kind]
+        assert back.keys() == orig.keys()
+        for name in orig:
+            assert len(back[name]) == len(orig[name])
+            for a, b in zip(back[name], orig[name]):
+                la, lb = list(hookplug.structures.iter_tensors(a)), list(hookplug.structures.iter_tensors(b))
+                assert [p for p, _ in la] == [p for p, _ in lb]
+                assert all(torch.equal(t, u) for (_, t), (_, u) in zip(la, lb))
+    assert isinstance(everything["inputs"]["fc1"][0], tuple)
+
+    back2 = hookplug.load_capture(p2)
+    assert set(back2["0"]) == {"logits", "extra"} and torch.equal(back2["0"]["extra"]["b"],
+                                                                  s2["capture"].features["0"]["extra"]["b"])
+    assert isinstance(back2["1"], dict) and back2["1"]["note"] == "n"  # dataclass -> dict
+    assert torch.equal(back2["1"]["hidden"], s2["capture"].features["1"].hidden)
+
+
+def test_save_single_key_names_and_shared_storage(tmp_path):
+    model = resnet34_like()
+    with hookplug.attach(model, "Conv2d", plugins=("capture", {"clone": False})) as s:
+        with torch.no_grad():
+            model(torch.randn(2, 3, 32, 32))
+    p = tmp_path / "c.safetensors"
+    s["capture"].save(p)
+    back = hookplug.load_capture(p)
+    assert "layer1.0.conv1" in back and len(back) == 36
+    assert all(torch.equal(back[k], v) for k, v in s["capture"].features.items())
+
+
+def test_load_rejects_other_files(tmp_path):
+    from safetensors.torch import save_file
+    p = tmp_path / "plain.safetensors"
+    save_file({"a": torch.zeros(2)}, str(p))
+    with pytest.raises(ValueError, match="not a hookplug capture"):
+        hookplug.load_capture(p)
+    with pytest.raises(ValueError, match="what"):
+        hookplug.load_capture(p, what="weights")
+
+
+@pytest.mark.parametrize("opts,match", [
+    ({"keep": 0}, "keep"), ({"keep": "first"}, "keep"), ({"to": "cuda"}, "to"),
+    ({"max_bytes": -1}, "max_bytes"), ({"clone": "yes"}, "clone"),
+])
+def test_bad_options(opts, match):
+    with pytest.raises(PluginError, match=match):
+        hookplug.attach(MLP(), "Linear", plugins=("capture", opts))
+
+
+def test_report_reset_results():
+    model = MLP()
+    with hookplug.attach(model, "Linear", plugins=("capture", {"keep": 2})) as s:
+        model(torch.randn(2, 32))
+    text = s.report()
+    assert "== capture ==" in text and "fc2 x2" in text and "(2, 64)" in text and "float32" in text
+    assert s["capture"].results() is s["capture"].features
+    s["capture"].reset()
+    assert s["capture"].features == {} and s["capture"].nbytes == 0

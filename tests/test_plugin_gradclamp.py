@@ -1,0 +1,246 @@
+"""The ``gradclamp`` plugin against hand-written ``register_hook`` versions."""
+import contextlib
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import hookplug
+from hookplug import PluginError
+from hookplug.models import MLP, tiny_cnn
+
+
+def grads_of(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def run(model, x, loss=lambda out: out.square().mean()):
+    model.zero_grad(set_to_none=True)
+    out = model(x)
+    loss(out).backward()
+    return grads_of(model)
+
+
+def assert_grads_equal(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@contextlib.contextmanager
+def hand_output_hooks(model, names, fn):
+    """Apply ``fn`` to the gradient of each named module's output with plain torch hooks."""
+    mods = dict(model.named_modules())
+
+    def fwd(m, i, o):
+        o.register_hook(fn)
+
+    handles = [mods[n].register_forward_hook(fwd) for n in names]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def test_clamp_min_on_every_conv_output_matches_register_hook():
+    model = tiny_cnn(width=8)
+    x = torch.randn(2, 3, 32, 32)
+    convs = [n for n, m in model.named_modules() if isinstance(m, nn.Conv2d)]
+    plain = run(model, x)
+    with hand_output_hooks(model, convs, lambda g: torch.clamp(g, min=0)):
+        want = run(model, x)
+    with hookplug.attach(model, "Conv2d", plugins=("gradclamp", {"min": 0})) as s:
+        got = run(model, x)
+    assert_grads_equal(got, want)
+    assert any(not torch.equal(plain[k], want[k]) for k in plain)  # the clamp does something
+    assert run(model, x).keys() == plain.keys()
+    assert_grads_equal(run(model, x), plain)  # removed: back to plain
+
+
+def test_changed_counter_equals_hand_count():
+    model = MLP()
+    x = torch.randn(7, 32)
+    seen = {}
+
+    def count(name):
+        def hook(m, i, o):
+            o.register_hook(lambda g: seen.setdefault(name, []).append(int((g > 0.002).sum())))
+        return hook
+
+    handles = [m.register_forward_hook(count(n)) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    with hookplug.attach(model, "Linear", plugins=("gradclamp", {"max": 0.002})) as s:
+        run(model, x, lambda out: (out * torch.linspace(-3, 3, 10)).sum())
+        counters = dict(s["gradclamp"]._changed)
+        res = s["gradclamp"].results()
+    for h in handles:
+        h.remove()
+    assert all(isinstance(c, torch.Tensor) and c.dtype == torch.int64 for c in counters.values())
+    # the hand hooks run first on the same output tensors, so they see what hookplug clamps
+    assert set(res) == {"fc1", "fc2", "fc3"} and len(seen["fc2"]) == 2
+    assert {n: v["changed"] for n, v in res.items()} == {n: sum(c) for n, c in seen.items()}
+    assert all(v["changed"] > 0 for v in res.values())
+
+
+def test_changed_counter_is_exact_and_sync_free(monkeypatch):
+    lin = nn.Linear(5, 5)
+    x = torch.randn(4, 5)
+    g_out = torch.randn(4, 5)
+    with hookplug.attach(lin, "*:", plugins=("gradclamp", {"max": 0.25})) as s:
+        with monkeypatch.context() as mp:
+            for name in ("item", "tolist", "cpu", "__bool__", "__float__", "__int__", "__index__"):
+                mp.setattr(torch.Tensor, name, lambda *a, **k: (_ for _ in ()).throw(AssertionError("sync")))
+            for _ in range(2):
+                lin(x).backward(g_out)
+        assert s["gradclamp"].results() == {"": {"changed": 2 * int((g_out > 0.25).sum())}}
+        s["gradclamp"].reset()
+        assert s["gradclamp"].results() == {}
+
+
+def test_max_norm_per_tensor():
+    model = MLP()
+    x = torch.randn(6, 32)
+
+    def clip(g, max_norm=0.05):
+        norm = torch.linalg.vector_norm(g)
+        return g * (max_norm / (norm + 1e-6)) if norm > max_norm else g
+
+    names = ["fc1", "fc2", "fc3"]
+    with hand_output_hooks(model, names, clip):
+        want = run(model, x, lambda out: out.sum() * 10)
+    norms = []
+    with hookplug.attach(model, "Linear", plugins=("gradclamp", {"max_norm": 0.05})):
+        with hand_output_hooks(model, ["fc3"], lambda g: norms.append(float(torch.linalg.vector_norm(g)))):
+            got = run(model, x, lambda out: out.sum() * 10)
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7)
+    assert norms and norms[0] > 0.05  # it did clip
+
+
+class PoisonGrad(torch.autograd.Function):
+    """Identity forward; backward puts NaN where ``mask`` is set."""
+
+    @staticmethod
+    def forward(ctx, x, mask):
+        ctx.save_for_backward(mask)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (mask,) = ctx.saved_tensors
+        return g.masked_fill(mask, float("nan")), None
+
+
+class NanNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+        self.head = nn.Linear(6, 1)
+        self.mask = torch.zeros(3, 6, dtype=torch.bool)
+        self.mask[0, 1] = self.mask[2, 4] = True
+
+    def forward(self, x):
+        return self.head(PoisonGrad.apply(self.lin(x), self.mask))
+
+
+def test_nan_zero_matches_hand_hook_and_counts():
+    net = NanNet()
+    x = torch.randn(3, 4)
+    with hand_output_hooks(net, ["lin"], lambda g: torch.nan_to_num(g, nan=0.0).clamp(min=-0.5)):
+        want = run(net, x, lambda out: out.sum())
+    with hookplug.attach(net, "*:lin", plugins=("gradclamp", {"nan": "zero", "min": -0.5})) as s:
+        got = run(net, x, lambda out: out.sum())
+    assert_grads_equal(got, want)
+    assert all(torch.isfinite(g).all() for g in got.values())
+    with hand_output_hooks(net, ["lin"], lambda g: g.clamp(min=-0.5)):
+        raw = []
+        with hand_output_hooks(net, ["lin"], lambda g: raw.append(g.clone())):
+            run(net, x, lambda out: out.sum())
+    expected = int(torch.isnan(raw[0]).sum()) + int((raw[0] < -0.5).sum())
+    assert s["gradclamp"].results()["lin"]["changed"] == expected >= 2
+
+
+def test_nan_keep_does_not_count_nans():
+    net = NanNet()
+    x = torch.randn(3, 4)
+    with hookplug.attach(net, "*:lin", plugins=("gradclamp", {"max": 1e9})) as s:
+        got = run(net, x, lambda out: out.sum())
+    assert torch.isnan(got["lin.weight"]).any()
+    assert s["gradclamp"].results()["lin"]["changed"] == 0
+
+
+def test_nan_raise_names_the_module():
+    net = NanNet()
+    with hookplug.attach(net, "*:lin", plugins=("gradclamp", {"nan": "raise"})):
+        with pytest.raises(FloatingPointError, match="'lin'"):
+            run(net, torch.randn(3, 4), lambda out: out.sum())
+
+
+def test_params_glob_zero_fc_bias_like_the_seeds():
+    model = MLP()
+    x = torch.randn(4, 32)
+    handles = [p.register_hook(lambda g: torch.zeros_like(g))
+               for n, p in model.named_parameters() if "fc" in n and "bias" in n]
+    want = run(model, x)
+    for h in handles:
+        h.remove()
+    plain = run(model, x)
+    with hookplug.attach(model, "*", plugins=("gradclamp", {"min": 0, "max": 0, "params": "fc*.bias"})) as s:
+        got = run(model, x)
+    assert_grads_equal(got, want)
+    for n in got:  # only the biases changed; weights as without hooks
+        assert torch.equal(got[n], want[n])
+        if n.endswith("weight"):
+            assert torch.equal(got[n], plain[n])
+        else:
+            assert not got[n].any()
+    res = s["gradclamp"].results()
+    assert set(res) == {"fc1.bias", "fc2.bias", "fc3.bias"}
+    assert res["fc1.bias"]["changed"] == int((plain["fc1.bias"] != 0).sum())
+
+
+def test_params_and_outputs_together():
+    model = MLP()
+    x = torch.randn(4, 32)
+    with hand_output_hooks(model, ["fc3"], lambda g: g.clamp(max=0.0)):
+        hs = [model.fc3.weight.register_hook(lambda g: g.clamp(max=0.0))]
+        want = run(model, x)
+        for h in hs:
+            h.remove()
+    with hookplug.attach(model, "Linear:fc3", plugins=("gradclamp", {"max": 0.0, "params": "*.weight",
+                                                                    "outputs": True})):
+        got = run(model, x)
+    assert_grads_equal(got, want)
+
+
+def test_params_glob_matching_nothing_warns():
+    with pytest.warns(RuntimeWarning, match="matches no parameter"):
+        hookplug.attach(MLP(), "Linear:fc1", plugins=("gradclamp", {"max": 1, "params": "fc3.*"})).remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hookplug.attach(MLP(), "Linear:fc3", plugins=("gradclamp", {"max": 1, "params": "fc3.*"})).remove()
+
+
+def test_report():
+    model = MLP()
+    with hookplug.attach(model, "Linear", plugins=("gradclamp", {"min": 0})) as s:
+        run(model, torch.randn(3, 32))
+    text = s.report()
+    assert "== gradclamp ==" in text and "fc2" in text and "changed" in text and "min=0" in text
+
+
+@pytest.mark.parametrize("opts,match", [
+    ({}, "nothing to do"),
+    ({"min": 1, "max": 0}, "min must be <= max"),
+    ({"max_norm": 0}, "max_norm"),
+    ({"max_norm": float("inf")}, "max_norm"),
+    ({"nan": "ignore"}, "nan"),
+    ({"min": "0"}, "min"),
+    ({"min": 0, "params": 3}, "params"),
+    ({"min": 0, "outputs": False}, "outputs=False"),
+])
+def test_bad_options(opts, match):
+    with pytest.raises(PluginError, match=match):
+        hookplug.attach(MLP(), "Linear", plugins=("gradclamp", opts))

@@ -1,0 +1,419 @@
+"""The ``stats`` plugin against references computed without hookplug (plain torch hooks,
+float64 torch reductions and ``hookplug.ops.reference_tensor_stats``)."""
+import contextlib
+import dataclasses
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import hookplug
+from hookplug import PluginError
+from hookplug.models import MLP, resnet34_like, tiny_transformer
+
+
+# -- references ----------------------------------------------------------------------------------
+
+def ref64(x):
+    """Statistics of ``x`` in float64 by plain torch calls (finite values only for extremes)."""
+    x = x.detach().double().reshape(-1)
+    fin = x[torch.isfinite(x)]
+    out = {
+        "numel": x.numel(),
+        "nan_count": int(torch.isnan(x).sum()),
+        "inf_count": int(torch.isinf(x).sum()),
+        "zero_count": int((x == 0).sum()),
+    }
+    if fin.numel():
+        out.update(min=float(fin.min()), max=float(fin.max()), mean=float(fin.mean()),
+                   std=float(fin.std(correction=0)), absmax=float(fin.abs().max()))
+    else:
+        out.update(min=math.nan, max=math.nan, mean=math.nan, std=math.nan, absmax=math.nan)
+    return out
+
+
+def _close(a, b, scale):
+    if math.isnan(b):
+        return math.isnan(a)
+    return math.isclose(a, b, rel_tol=2e-5, abs_tol=1e-6 * max(scale, 1e-30))
+
+
+def assert_stats_match(st, x, *, bins=None, hist="log2", range=None):
+    """``st`` (a TensorStats) describes exactly the values of ``x``."""
+    r = ref64(x)
+    for f in ("numel", "nan_count", "inf_count", "zero_count"):
+        assert int(getattr(st, f)) == r[f], (f, int(getattr(st, f)), r[f])
+    for f in ("min", "max", "absmax"):  # extremes are values of x: exact
+        a = float(getattr(st, f))
+        assert (math.isnan(a) and math.isnan(r[f])) or a == r[f], (f, a, r[f])
+    scale = r["absmax"] if not math.isnan(r["absmax"]) else 1.0
+    for f in ("mean", "std"):
+        assert _close(float(getattr(st, f)), r[f], scale), (f, float(getattr(st, f)), r[f])
+    kw = {"hist": hist}
+    if bins is not None:
+        kw["bins"] = bins
+    if range is not None:
+        kw["range"] = range
+    ref = hookplug.ops.reference_tensor_stats(x.detach(), **kw)
+    assert torch.equal(st.hist_counts.cpu(), ref.hist_counts.cpu())
+    assert torch.equal(st.hist_edges.cpu().double(), ref.hist_edges.cpu().double())
+
+
+def plain_capture(model, cls=(nn.Conv2d, nn.Linear)):
+    """Outputs of every module of the given classes, via plain torch forward hooks."""
+    seen = {}
+    handles = []
+    for name, m in model.named_modules():
+        if isinstance(m, cls):
+            handles.append(m.register_forward_hook(
+                lambda mod, inp, out, name=name: seen.setdefault(name, []).append(out.detach().clone())))
+    return seen, handles
+
+
+@contextlib.contextmanager
+def no_host_sync(monkeypatch):
+    """Any Python-level device->host read (item, tolist, bool(), cpu(), ...) fails."""
+    def boom(*args, **kwargs):
+        raise AssertionError("host sync inside a hook")
+
+    with monkeypatch.context() as mp:
+        for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__"):
+            mp.setattr(torch.Tensor, name, boom)
+        yield
+
+
+# -- results against references ----------------------------------------------------------------------
+
+def test_every_conv_and_linear_matches_reference():
+    model = resnet34_like()
+    x = torch.randn(2, 3, 32, 32)
+    seen, handles = plain_capture(model)
+    with hookplug.attach(model, "Conv2d|Linear", plugins="stats") as s:
+        model(x)
+    for h in handles:
+        h.remove()
+    res = s["stats"].results()
+    order = [n for n, m in model.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    assert list(res) == order and len(res) == 37 and set(seen) == set(order)  # 36 convs + fc, model order
+    for name, outs in seen.items():
+        assert list(res[name]) == ["output"]
+        assert_stats_match(res[name]["output"], outs[0])
+
+
+@pytest.mark.parametrize("opts", [{"bins": 0}, {"bins": 16, "hist": "linear", "range": (-2.0, 2.0)},
+                                  {"bins": 32}])
+def test_histogram_options(opts):
+    model = MLP()
+    x = torch.randn(8, 32)
+    seen, handles = plain_capture(model)
+    with hookplug.attach(model, "Linear:fc1", plugins=("stats", opts)) as s:
+        model(x)
+    for h in handles:
+        h.remove()
+    st = s["stats"].results()["fc1"]["output"]
+    assert_stats_match(st, seen["fc1"][0], **opts)
+    if opts.get("bins") == 0:
+        assert st.hist_counts.numel() == 0
+
+
+def test_merge_over_calls_equals_concatenation():
+    model = MLP()  # fc2 runs twice per forward
+    xs = [torch.randn(5, 32) for _ in range(3)]
+    seen, handles = plain_capture(model)
+    with hookplug.attach(model, "Linear", plugins="stats") as s:
+        for i, x in enumerate(xs):
+            model(x)
+            if i == 1:
+                s.step()  # merges across steps too
+    for h in handles:
+        h.remove()
+    res = s["stats"].results()
+    assert [len(v) for v in seen.values()] == [3, 6, 3]
+    for name, outs in seen.items():
+        assert_stats_match(res[name]["output"], torch.cat([o.reshape(-1) for o in outs]))
+
+
+def test_many_calls_compact_and_stay_exact():
+    lin = nn.Linear(4, 4)
+    xs = [torch.randn(3, 4) * (i + 1) for i in range(40)]
+    with hookplug.attach(lin, "*:", plugins="stats") as s:
+        for x in xs:
+            lin(x)
+        pending = s["stats"]._pending
+        assert all(len(v) < 16 for v in pending.values())  # merged on the fly, bounded
+        st = s["stats"].results()[""]["output"]
+    with torch.no_grad():
+        assert_stats_match(st, torch.cat([lin(x) for x in xs]))
+
+
+def test_nan_inf_and_integer_outputs():
+    class Odd(nn.Module):
+        def forward(self, x):
+            y = x.clone()
+            y[0, 0] = float("nan")
+            y[0, 1] = float("inf")
+            y[1, 0] = 0.0
+            return y, y.argmax(dim=1), (y > 0)
+
+    m = nn.Sequential(Odd())
+    x = torch.randn(4, 5)
+    with hookplug.attach(m, "Odd", plugins="stats") as s:
+        y = m(x)
+    res = s["stats"].results()["0"]
+    assert list(res) == ["output[0]"]  # the int64 and bool outputs are skipped, not errors
+    assert_stats_match(res["output[0]"], y[0])
+    assert int(res["output[0]"].nan_count) == 1 and int(res["output[0]"].inf_count) == 1
+
+
+# -- structures and sites ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Out:
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    label: str = "x"
+
+
+class Structured(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x, *, scale=None):
+        a = self.lin(x)
+        b = a.relu() * (scale if scale is not None else 1.0)
+        if self.kind == "tuple":
+            return a, (b, a.argmax(-1))
+        if self.kind == "dict":
+            return {"logits": a, "extra": {"b": b}}
+        return Out(a, b)
+
+
+@pytest.mark.parametrize("kind,paths", [
+    ("tuple", ["output[0]", "output[1][0]"]),
+    ("dict", ["output.logits", "output.extra.b"]),
+    ("dataclass", ["output.logits", "output.hidden"]),
+])
+def test_structured_outputs_keyed_by_path(kind, paths):
+    m = nn.Sequential(Structured(kind))
+    x = torch.randn(3, 6)
+    with hookplug.attach(m, "Structured", plugins=("stats", {"sites": ("output", "grad")})) as s:
+        out = m(x)
+    res = s["stats"].results()["0"]
+    assert [p for p in res if p.startswith("output")] == paths
+    leaves = dict(hookplug.structures.iter_tensors(out))
+    for p in paths:
+        assert_stats_match(res[p], leaves[p])
+
+
+def test_grad_site_equals_true_output_gradient():
+    model = MLP()
+    x = torch.randn(6, 32)
+    true = {}
+
+    def keep(name):
+        def fwd(mod, inp, out):
+            out.register_hook(lambda g: true.setdefault(name, []).append(g.clone()))
+        return fwd
+
+    handles = [m.register_forward_hook(keep(n)) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    with hookplug.attach(model, "Linear", plugins=("stats", {"sites": "grad"})) as s:
+        model(x).pow(2).sum().backward()
+    for h in handles:
+        h.remove()
+    res = s["stats"].results()
+    assert set(res) == {"fc1", "fc2", "fc3"}
+    for name, grads in true.items():
+        assert list(res[name]) == ["grad"]
+        assert_stats_match(res[name]["grad"], torch.cat([g.reshape(-1) for g in grads]))
+
+
+def test_grad_site_of_tuple_output():
+    m = nn.Sequential(Structured("tuple"))
+    x = torch.randn(3, 6)
+    true = {}
+
+    def fwd(mod, inp, out):
+        out[0].register_hook(lambda g: true.setdefault("a", g.clone()))
+        out[1][0].register_hook(lambda g: true.setdefault("b", g.clone()))
+
+    h = m[0].register_forward_hook(fwd)
+    with hookplug.attach(m, "Structured", plugins=("stats", {"sites": "grad"})) as s:
+        a, (b, _) = m(x)
+        ga, gb = torch.randn_like(a), torch.randn_like(b)
+        torch.autograd.backward([a, b], [ga, gb])
+    h.remove()
+    res = s["stats"].results()["0"]
+    assert sorted(res) == ["grad[0]", "grad[1][0]"]
+    assert torch.equal(true["b"], gb) and not torch.equal(true["a"], ga)  # a also feeds b
+    assert_stats_match(res["grad[1][0]"], true["b"])
+    assert_stats_match(res["grad[0]"], true["a"])
+
+
+def test_input_site_positional_and_keyword():
+    m = nn.Sequential(Structured("tuple"))
+    x = torch.randn(3, 6)
+    scale = torch.rand(3, 6)
+    with hookplug.attach(m, "Linear", plugins=("stats", {"sites": ("input",)})) as s:
+        m(x)
+    assert list(s["stats"].results()["0.lin"]) == ["input[0]"]
+    assert_stats_match(s["stats"].results()["0.lin"]["input[0]"], x)
+    with hookplug.attach(m, "Structured", plugins=("stats", {"sites": ("input", "output")})) as s:
+        m[0](x, scale=scale)
+    res = s["stats"].results()["0"]
+    assert list(res) == ["input[0]", "input.scale", "output[0]", "output[1][0]"]
+    assert_stats_match(res["input.scale"], scale)
+
+
+def test_only_requested_sites_get_torch_hooks():
+    model = MLP()
+    with hookplug.attach(model, "Linear", plugins=("stats", {"sites": "output"})):
+        assert all(not m._forward_pre_hooks for m in model.modules())
+    plugin = hookplug._manager.create_plugin("stats", {"sites": ("grad",)})
+    assert plugin.hookplug_forward_output is None and plugin.hookplug_forward_input is None
+
+
+# -- observe only, no sync ---------------------------------------------------------------------------------
+
+def _train_step(model, x):
+    model.zero_grad(set_to_none=True)
+    out = model(x)
+    out.float().square().mean().backward()
+    return out.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("factory,x", [
+    (resnet34_like, lambda: torch.randn(2, 3, 32, 32)),
+    (tiny_transformer, lambda: torch.randint(0, 1000, (2, 8))),
+])
+def test_observe_only_outputs_and_grads_bitwise_identical(factory, x):
+    model = factory()
+    inp = x()
+    out0, g0 = _train_step(model, inp)
+    with hookplug.attach(model, "*", plugins=[("stats", {"sites": ("input", "output", "grad")}),
+                                              ("capture", {"grads": True, "inputs": True})]):
+        out1, g1 = _train_step(model, inp)
+    out2, g2 = _train_step(model, inp)
+    for out, g in ((out1, g1), (out2, g2)):
+        assert torch.equal(out, out0)
+        assert g.keys() == g0.keys() and all(torch.equal(g[k], g0[k]) for k in g0)
+
+
+def test_hooks_never_read_device_values(monkeypatch):
+    model = MLP()
+    x = torch.randn(4, 32)
+    with hookplug.attach(model, "Linear", plugins=("stats", {"sites": ("input", "output", "grad")})) as s:
+        with no_host_sync(monkeypatch):
+            for _ in range(3):
+                model(x).sum().backward()
+                s.step()
+            for _ in range(20):  # past the in-step compaction threshold
+                model(x)
+            out = s["stats"].hookplug_collect(session=s, step=s.step_index)  # collect stays on device too
+        assert out
+        assert isinstance(s["stats"].results()["fc1"]["output"].max, torch.Tensor)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_training_step_has_no_sync():
+    model = resnet34_like().cuda()
+    x = torch.randn(2, 3, 32, 32, device="cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with hookplug.attach(model, "Conv2d|Linear", plugins=("stats", {"sites": ("output", "grad")})) as s:
+        model(x).sum().backward()  # warm-up (lazy init may sync)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(2):
+                opt.zero_grad()
+                model(x).sum().backward()
+                opt.step()
+                s.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    res = s["stats"].results()
+    assert res["conv1"]["output"].max.device.type == "cuda"
+
+
+# -- telemetry collection ------------------------------------------------------------------------------------
+
+def test_collect_per_step_then_results_cover_everything():
+    model = MLP()
+    xs = [torch.randn(4, 32) for _ in range(3)]
+    seen, handles = plain_capture(model)
+    with hookplug.attach(model, "Linear:fc[13]", plugins="stats") as s:
+        plugin = s["stats"]
+        model(xs[0])
+        s.step()
+        model(xs[1])
+        model(xs[2])
+        s.step()
+        got = plugin.hookplug_collect(session=s, step=s.step_index)
+        assert plugin.hookplug_collect(session=s, step=s.step_index) is None  # nothing new
+    for h in handles:
+        h.remove()
+    metas = [m for m, _ in got]
+    assert metas == [
+        {"step": 0, "module": "fc1", "site": "output"}, {"step": 0, "module": "fc3", "site": "output"},
+        {"step": 1, "module": "fc1", "site": "output"}, {"step": 1, "module": "fc3", "site": "output"},
+    ]
+    by = {(m["step"], m["module"]): st for m, st in got}
+    assert_stats_match(by[(0, "fc1")], seen["fc1"][0])
+    assert_stats_match(by[(1, "fc1")], torch.cat([seen["fc1"][1], seen["fc1"][2]]))
+    res = plugin.results()  # totals survive the collection
+    assert_stats_match(res["fc3"]["output"], torch.cat(seen["fc3"]))
+
+
+def test_pending_steps_bounded_without_flush():
+    lin = nn.Linear(3, 3)
+    xs = [torch.randn(2, 3) for _ in range(6)]
+    with hookplug.attach(lin, "*:", plugins=("stats", {"max_pending_steps": 2})) as s:
+        with pytest.warns(RuntimeWarning, match="not collected"):
+            for x in xs:
+                lin(x)
+                s.step()
+        assert len({k[0] for k in s["stats"]._pending}) <= 2
+        st = s["stats"].results()[""]["output"]
+    with torch.no_grad():
+        assert_stats_match(st, torch.cat([lin(x) for x in xs]))
+
+
+# -- options, reset, report -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("opts,match", [
+    ({"sites": ("outputs",)}, "sites"),
+    ({"sites": ()}, "sites"),
+    ({"hist": "log10"}, "hist"),
+    ({"bins": -1}, "bins"),
+    ({"hist": "linear"}, "range"),
+    ({"range": (1.0, 0.0), "hist": "linear"}, "range"),
+    ({"max_pending_steps": 0}, "max_pending_steps"),
+])
+def test_bad_options(opts, match):
+    with pytest.raises(PluginError, match=match):
+        hookplug.attach(MLP(), "Linear", plugins=("stats", opts))
+
+
+def test_unknown_option_names_close_match():
+    with pytest.raises(PluginError, match="site"):
+        hookplug.attach(MLP(), "Linear", plugins=("stats", {"site": "grad"}))
+
+
+def test_reset_and_report():
+    model = MLP()
+    with hookplug.attach(model, "Linear", plugins="stats") as s:
+        model(torch.randn(2, 32))
+        text = s.report()
+        assert "== stats ==" in text
+        for word in ("module", "site", "numel", "nan", "inf", "min", "max", "mean", "std", "fc1", "fc3"):
+            assert word in text
+        s["stats"].reset()
+        assert s["stats"].results() == {} and s["stats"].report() == ""
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model(torch.randn(2, 32))
+        assert int(s["stats"].results()["fc2"]["output"].numel) == 2 * 64 * 2

@@ -1,0 +1,258 @@
+"""Telemetry sinks: jsonl (appends whole lines), tensorboard (read back with TensorBoard's own
+event reader), prometheus (scraped over 127.0.0.1), third-party sinks by instance and by
+entry point, and the optional-dependency errors."""
+import json
+import math
+import sys
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+import hookplug
+from hookplug import _manager
+from hookplug.models import MLP
+
+STATS = ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "mean", "std", "absmax")
+
+
+class ListSink:
+    name = "listsink"
+
+    def __init__(self):
+        self.records = []
+
+    @hookplug.hookimpl
+    def hookplug_flush(self, records):
+        self.records.extend(records)
+
+
+def run_steps(sink, steps=3, flush_every=1, **kw):
+    """MLP with stats on its Linear layers for a few steps; returns the records a ListSink saw
+    beside ``sink`` (the truth the sink under test must reproduce) and the session."""
+    m = MLP()
+    ref = ListSink()
+    s = hookplug.attach(m, "Linear", plugins="stats", sink=[sink, ref], flush_every=flush_every, **kw)
+    for step in range(steps):
+        x = torch.randn(8, 32) * (step + 1)
+        x[0, 0] = math.nan if step == 1 else x[0, 0]
+        m(x)
+        s.step()
+    return ref.records, s, m
+
+
+def same(a, b):
+    return (isinstance(a, float) and math.isnan(a) and isinstance(b, float) and math.isnan(b)) or a == b
+
+
+# -- jsonl --------------------------------------------------------------------------------------------
+
+def test_jsonl_lines_are_readable_during_the_run_and_read_back(tmp_path):
+    from hookplug_plugins.sinks.jsonl import read_jsonl
+
+    sink = _manager.create_plugin("jsonl", {"path": str(tmp_path / "exp1")})
+    truth, s, m = run_steps(sink, steps=3)
+    path = tmp_path / "exp1" / "telemetry.jsonl"
+    lines = path.read_text().splitlines()  # session still attached: the file is already complete
+    assert len(lines) == len(truth) == 9
+    raw = [json.loads(line) for line in lines]
+    # edges once per (module, site), the lines otherwise self-contained
+    assert [("hist_edges" in r) for r in raw] == [True] * 3 + [False] * 6
+    m(torch.randn(8, 32))
+    s.remove()  # flushes the running step
+    back = read_jsonl(str(tmp_path / "exp1"))
+    assert len(back) == 12
+    for got, want in zip(back, truth):
+        for k in ("step", "rank", "module", "site", "time", "hist", "hist_edges") + STATS:
+            assert same(got[k], want[k]), (k, got[k], want[k])
+    # step 1 fed a NaN, which propagates through its row
+    assert {(r["step"], r["module"]) for r in back if r["nan_count"]} == {(1, "fc1"), (1, "fc2"), (1, "fc3")}
+    assert "NaN" not in path.read_text() and "Infinity" not in path.read_text()
+
+
+def test_jsonl_writes_nonfinite_as_null(tmp_path):
+    from hookplug_plugins.sinks.jsonl import JsonlSink, read_jsonl
+
+    sink = JsonlSink(str(tmp_path / "t.jsonl"))
+    rec = {"step": 0, "time": 1.0, "rank": 0, "module": "m", "site": "output", "numel": 2,
+           "nan_count": 2, "inf_count": 0, "zero_count": 0, "min": math.nan, "max": math.nan,
+           "mean": math.nan, "std": math.nan, "absmax": math.nan, "hist": [], "hist_edges": []}
+    sink.hookplug_flush(session=None, records=[rec])
+    sink.close()
+    line = (tmp_path / "t.jsonl").read_text()
+    assert json.loads(line)["min"] is None
+    assert math.isnan(read_jsonl(str(tmp_path / "t.jsonl"))[0]["mean"])
+
+
+def test_jsonl_concurrent_writers_never_tear_a_line(tmp_path):
+    """Two sinks (two O_APPEND descriptors, as two ranks with all_ranks=True would have)
+    appending big records at once: every line is one whole record."""
+    from hookplug_plugins.sinks.jsonl import JsonlSink
+
+    path = tmp_path / "shared.jsonl"
+    sinks = [JsonlSink(str(path)) for _ in range(2)]
+
+    def write(i, sink):
+        for k in range(40):
+            recs = [{"step": k, "rank": i, "module": f"w{i}." + "x" * 3000, "site": "output",
+                     "hist": list(range(131)), "n": j} for j in range(50)]
+            sink.hookplug_flush(session=None, records=recs)
+
+    threads = [threading.Thread(target=write, args=(i, s)) for i, s in enumerate(sinks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for s in sinks:
+        s.close()
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2 * 40 * 50
+    seen = {(r["rank"], r["step"], r["n"]) for r in map(json.loads, lines)}
+    assert len(seen) == len(lines)
+
+
+def test_jsonl_path_forms(tmp_path):
+    from hookplug_plugins.sinks.jsonl import JsonlSink
+
+    s = hookplug.attach(MLP(), "Linear", plugins="stats")
+    for given, expect in [(str(tmp_path / "d"), tmp_path / "d" / "telemetry.jsonl"),
+                          (str(tmp_path / "f.jsonl"), tmp_path / "f.jsonl"),
+                          (str(tmp_path / "r{rank}" / "{run_id}.ndjson"),
+                           tmp_path / "r0" / f"{s.run_id}.ndjson")]:
+        sink = JsonlSink(given)
+        sink.hookplug_flush(session=s, records=[{"step": 0, "rank": 0}])
+        sink.close()
+        assert sink.path == str(expect) and expect.exists()
+    s.remove()
+
+
+# -- tensorboard ------------------------------------------------------------------------------------
+
+def test_tensorboard_event_files_read_back(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sink = _manager.create_plugin("tensorboard", {"path": str(tmp_path / "tb")})
+    truth, s, _ = run_steps(sink, steps=2)
+    s.remove()
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0, "histograms": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    assert len(tags["scalars"]) == 3 * len(STATS) and len(tags["histograms"]) == 3
+    for rec in truth:
+        prefix = f"{rec['module']}/{rec['site']}"
+        for stat in STATS:
+            events = {e.step: e.value for e in acc.Scalars(f"{prefix}/{stat}")}
+            want = float(rec[stat])
+            assert math.isclose(events[rec["step"]], want, rel_tol=1e-6, abs_tol=1e-30), (prefix, stat)
+        hist = {e.step: e.histogram_value for e in acc.Histograms(f"{prefix}/hist")}[rec["step"]]
+        assert list(hist.bucket) == rec["hist"]
+        assert list(hist.bucket_limit) == rec["hist_edges"][1:]
+        assert hist.num == rec["numel"] - rec["nan_count"]
+        assert hist.min == rec["min"] and hist.max == rec["max"]
+        n = rec["numel"] - rec["nan_count"] - rec["inf_count"]
+        assert math.isclose(hist.sum, rec["mean"] * n, rel_tol=1e-9, abs_tol=1e-9)
+
+
+# -- prometheus --------------------------------------------------------------------------------------
+
+def scrape(url):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def test_prometheus_endpoint_scraped_over_loopback():
+    pytest.importorskip("prometheus_client")
+    sink = _manager.create_plugin("prometheus", {"port": 0})
+    truth, s, _ = run_steps(sink, steps=3)
+    assert sink.port and sink.url == f"http://127.0.0.1:{sink.port}/metrics"
+    fams = scrape(sink.url)
+    last = {r["module"]: r for r in truth if r["step"] == 2}
+    for stat in STATS:
+        samples = {smp.labels["module"]: smp for smp in fams[f"hookplug_tensor_{stat}"].samples}
+        assert set(samples) == {"fc1", "fc2", "fc3"}
+        for mod, smp in samples.items():
+            assert smp.labels == {"module": mod, "site": "output", "rank": "0"}
+            assert same(smp.value, float(last[mod][stat])), (stat, mod, smp.value, last[mod][stat])
+    assert fams["hookplug_step"].samples[0].value == 2
+    # the histogram sums every step's buckets; Prometheus buckets are cumulative
+    hist = [smp for smp in fams["hookplug_tensor_values"].samples if smp.labels.get("module") == "fc1"]
+    fc1 = [r for r in truth if r["module"] == "fc1"]
+    buckets = [(float(smp.labels["le"]), smp.value) for smp in hist if smp.name.endswith("_bucket")]
+    assert buckets[-1] == (math.inf, sum(sum(r["hist"]) for r in fc1))  # +Inf: every value
+    want = [sum(r["hist"][i] for r in fc1) for i in range(131)]
+    cum = [sum(want[: i + 1]) for i in range(131)]
+    assert [v for _, v in buckets] == cum
+    assert [le for le, _ in buckets[:-1]] == fc1[0]["hist_edges"][1:-1]
+    nonfinite = {smp.labels["module"]: smp.value for smp in fams["hookplug_tensor_nonfinite"].samples
+                 if smp.name.endswith("_total")}
+    assert nonfinite["fc1"] == sum(r["nan_count"] + r["inf_count"] for r in fc1)
+    url = sink.url
+    s.remove()
+    with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+        urllib.request.urlopen(url, timeout=2)
+
+
+def test_prometheus_textfile_and_no_server(tmp_path):
+    pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    prom = tmp_path / "node" / "hookplug.prom"
+    sink = _manager.create_plugin("prometheus", {"port": None, "path": str(prom)})
+    truth, s, _ = run_steps(sink, steps=1)
+    s.remove()
+    assert sink.port is None
+    fams = {f.name: f for f in text_string_to_metric_families(prom.read_text())}
+    means = {smp.labels["module"]: smp.value for smp in fams["hookplug_tensor_mean"].samples}
+    assert means == {r["module"]: r["mean"] for r in truth}
+
+
+# -- optional dependencies -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, module, extra", [("prometheus", "prometheus_client", "prometheus"),
+                                                 ("tensorboard", "tensorboard", "tensorboard")])
+def test_missing_optional_dependency_names_the_extra(monkeypatch, name, module, extra):
+    monkeypatch.setitem(sys.modules, module, None)
+    cls = {"prometheus": "hookplug_plugins.sinks.prometheus:PrometheusSink",
+           "tensorboard": "hookplug_plugins.sinks.tensorboard:TensorBoardSink"}[name]
+    mod_name, attr = cls.split(":")
+    factory = getattr(__import__(mod_name, fromlist=[attr]), attr)
+    with pytest.raises(ImportError, match=rf"pip install hookplug\[{extra}\]"):
+        factory()
+    # through attach: the core warns, names the sink and goes on without it
+    with pytest.warns(RuntimeWarning, match=rf"{name}.*hookplug\[{extra}\]"):
+        s = hookplug.attach(MLP(), "Linear", plugins="stats", sink=name)
+    assert name not in s.sinks
+    s.remove()
+
+
+# -- third-party sinks ---------------------------------------------------------------------------------
+
+class FakeDist:
+    metadata = {"Name": "hookplug-parquet"}
+    version = "0.3"
+
+
+class FakeEntryPoint:
+    name, value, dist = "parquet", "hookplug_parquet:Sink", FakeDist()
+
+    def load(self):
+        return ListSink
+
+
+def test_third_party_sink_through_the_entry_point(monkeypatch, fresh_discovery):
+    real = _manager._entry_points()
+    monkeypatch.setattr(_manager, "_entry_points", lambda: real + [FakeEntryPoint()])
+    assert hookplug.plugin_names()["parquet"] == "hookplug-parquet 0.3"
+    m = MLP()
+    with hookplug.attach(m, "Linear", plugins="stats", sink="parquet", flush_every=1) as s:
+        m(torch.randn(2, 32))
+        s.step()
+        got = s["parquet"].records
+    assert {r["module"] for r in got} == {"fc1", "fc2", "fc3"} and len(got) == 3
+    assert all(set(STATS) <= set(r) for r in got)
