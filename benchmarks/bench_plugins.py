@@ -16,6 +16,7 @@ against "no hooks" from the same run.
     python benchmarks/bench_plugins.py                 # CPU
     python benchmarks/bench_plugins.py --device cuda   # GPU
 """
+
 from __future__ import annotations
 
 import argparse
@@ -107,8 +108,20 @@ def make_workloads(device, quick: bool):
         y_cnn = torch.randint(0, 10, (128,), device=device)
         x_tr = torch.randint(0, 1000, (128, 128), device=device)
         y_tr = torch.randint(0, 10, (128,), device=device)
-    return [("ResNet-style CNN (tiny_cnn w16, %s)" % "x".join(map(str, x_cnn.shape)), cnn, x_cnn, y_cnn),
-            ("transformer (2 encoder layers d128, %s tokens)" % "x".join(map(str, x_tr.shape)), tr, x_tr, y_tr)]
+    return [
+        (
+            "ResNet-style CNN (tiny_cnn w16, %s)" % "x".join(map(str, x_cnn.shape)),
+            cnn,
+            x_cnn,
+            y_cnn,
+        ),
+        (
+            "transformer (2 encoder layers d128, %s tokens)" % "x".join(map(str, x_tr.shape)),
+            tr,
+            x_tr,
+            y_tr,
+        ),
+    ]
 
 
 def train_step(model, opt, x, y, sync):
@@ -127,7 +140,7 @@ def bench(name, model, x, y, cfgs, rounds, steps, device):
     times = {label: [] for label, _ in cfgs}
     n_hooked = sum(isinstance(m, (nn.Conv2d, nn.Linear)) for m in model.modules())
     for r in range(rounds):
-        order = cfgs[r % len(cfgs):] + cfgs[: r % len(cfgs)]
+        order = cfgs[r % len(cfgs) :] + cfgs[: r % len(cfgs)]
         for label, spec in order:
             session = attach(model, spec)
             try:
@@ -140,31 +153,45 @@ def bench(name, model, x, y, cfgs, rounds, steps, device):
                 if session is not None:
                     session.remove()
     base = statistics.median(times["no hooks"])
-    print(f"\n{name}: {n_hooked} Conv2d/Linear hooked, {rounds} rounds x {steps} steps, "
-          f"device {device}, {torch.get_num_threads()} threads")
+    print(
+        f"\n{name}: {n_hooked} Conv2d/Linear hooked, {rounds} rounds x {steps} steps, "
+        f"device {device}, {torch.get_num_threads()} threads"
+    )
     best0 = min(times["no hooks"])
-    print(f"{'configuration':<20} {'median ms':>10} {'ratio':>7} {'overhead ms':>12} {'best ms':>9} {'ratio':>7}")
+    print(
+        f"{'configuration':<20} {'median ms':>10} {'ratio':>7} {'overhead ms':>12} "
+        f"{'best ms':>9} {'ratio':>7}"
+    )
     rows = {}
     for label, _ in cfgs:
         med, best = statistics.median(times[label]), min(times[label])
         rows[label] = med
-        print(f"{label:<20} {med * 1e3:>10.2f} {med / base:>7.3f} {(med - base) * 1e3:>12.2f} "
-              f"{best * 1e3:>9.2f} {best / best0:>7.3f}")
+        print(
+            f"{label:<20} {med * 1e3:>10.2f} {med / base:>7.3f} {(med - base) * 1e3:>12.2f} "
+            f"{best * 1e3:>9.2f} {best / best0:>7.3f}"
+        )
     bests = {label: min(times[label]) for label, _ in cfgs}
     for what, vals, ref in (("median", rows, base), ("best", bests, best0)):
         ov_stats, ov_seeds = vals["stats"] - ref, vals["seeds-style hook"] - ref
         if ov_stats > 0:
-            print(f"[{what}] stats overhead {ov_stats * 1e3:.2f} ms ({ov_stats / ref:.1%}); seeds-style hook "
-                  f"overhead {ov_seeds * 1e3:.2f} ms ({ov_seeds / ref:.1%}) = {ov_seeds / ov_stats:.1f}x the "
-                  "stats overhead")
+            print(
+                f"[{what}] stats overhead {ov_stats * 1e3:.2f} ms ({ov_stats / ref:.1%}); "
+                f"seeds-style hook overhead {ov_seeds * 1e3:.2f} ms ({ov_seeds / ref:.1%}) = "
+                f"{ov_seeds / ov_stats:.1f}x the "
+                "stats overhead"
+            )
         else:
-            print(f"[{what}] stats overhead below noise ({ov_stats * 1e3:+.2f} ms); seeds-style hook overhead "
-                  f"{ov_seeds * 1e3:.2f} ms ({ov_seeds / ref:.1%})")
+            print(
+                f"[{what}] stats overhead below noise ({ov_stats * 1e3:+.2f} ms); "
+                f"seeds-style hook overhead {ov_seeds * 1e3:.2f} ms ({ov_seeds / ref:.1%})"
+            )
     return rows
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per configuration per round")

@@ -214,7 +214,7 @@ StatsOutputs tensor_stats_cpu(const at::Tensor& x, int64_t bins, int64_t hist_mo
     std::vector<uint32_t> sub(a.log2 ? static_cast<size_t>(raw_size) * raw_sub : 0, 0);
     std::vector<int64_t> raw_local(a.log2 ? raw_size : 0, 0);
     std::vector<int64_t> lin_local(a.has_range ? a.nbins : 0, 0);
-    std::vector<char> buf(kBlock * es);
+    std::vector<char> buf(L.flat() ? 0 : kBlock * es);  // gather buffer (strided only)
     BlockSource src(base, es, L);
     int64_t since_flush = 0;
     auto flush = [&] {
@@ -262,7 +262,7 @@ StatsOutputs tensor_stats_cpu(const at::Tensor& x, int64_t bins, int64_t hist_mo
     const double scale = static_cast<double>(a.nbins) / (lin_hi - lin_lo);
     at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
       std::vector<int64_t> lin_local(a.nbins, 0);
-      std::vector<char> buf(kBlock * es);
+      std::vector<char> buf(L.flat() ? 0 : kBlock * es);
       BlockSource src(base, es, L);
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t end = std::min(N, (c + 1) * kChunk);
@@ -297,7 +297,12 @@ StatsOutputs tensor_stats_cpu(const at::Tensor& x, int64_t bins, int64_t hist_mo
     if (a.log2) {
       raw_to_log2(raw, is_f64 ? kRawBitsF64 : kRawBitsF32, is_f64 ? kRawBiasF64 : kRawBiasF32,
                   total, hp);
-      for (int i = 0; i <= kLog2Bins; ++i) ep[i] = log2_edge(i);
+      static const std::vector<double> edges = [] {
+        std::vector<double> e(kLog2Bins + 1);
+        for (int i = 0; i <= kLog2Bins; ++i) e[i] = log2_edge(i);
+        return e;
+      }();
+      std::copy(edges.begin(), edges.end(), ep);
     } else {
       std::copy(lin.begin(), lin.end(), hp);
       for (int64_t i = 0; i <= a.nbins; ++i) ep[i] = linear_edge(lin_lo, lin_hi, i, a.nbins);

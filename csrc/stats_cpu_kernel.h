@@ -191,6 +191,11 @@ struct TF32 {
     return v;
   }
   static inline S load1(const void* p, int64_t i) { return static_cast<const float*>(p)[i]; }
+  // 2 * W elements into two vectors (the lane order is free: every use is order-blind).
+  static inline void load2(const void* p, int64_t i, V& a0, V& a1) {
+    a0 = load(p, i);
+    a1 = load(p, i + W);
+  }
   static inline void hist(const void* p, int64_t n, uint32_t* h) { hist_f32(p, n, h); }
 };
 
@@ -206,6 +211,11 @@ struct TF64 {
     return v;
   }
   static inline S load1(const void* p, int64_t i) { return static_cast<const double*>(p)[i]; }
+  // 2 * W elements into two vectors (the lane order is free: every use is order-blind).
+  static inline void load2(const void* p, int64_t i, V& a0, V& a1) {
+    a0 = load(p, i);
+    a1 = load(p, i + W);
+  }
   static inline void hist(const void* p, int64_t n, uint32_t* h) { hist_f64(p, n, h); }
 };
 
@@ -223,6 +233,21 @@ struct TBF16 {
   static inline S load1(const void* p, int64_t i) {
     return f32_from_bits(static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16);
   }
+  // One full-width load, interleaved with zeros: each bfloat16 lands in the high half of
+  // a 32-bit lane, which is its float32 value (unpack lo/hi: no shifts, no widening loads).
+  static inline void load2(const void* p, int64_t i, V& a0, V& a1) {
+    typedef uint16_t vw __attribute__((vector_size(VB)));
+    vw h;
+    __builtin_memcpy(&h, static_cast<const uint16_t*>(p) + i, sizeof(vw));
+    const vw z = {};
+#if HOOKPLUG_VBYTES == 32
+    a0 = (V)__builtin_shufflevector(z, h, 0, 16, 1, 17, 2, 18, 3, 19, 8, 24, 9, 25, 10, 26, 11, 27);
+    a1 = (V)__builtin_shufflevector(z, h, 4, 20, 5, 21, 6, 22, 7, 23, 12, 28, 13, 29, 14, 30, 15, 31);
+#else
+    a0 = (V)__builtin_shufflevector(z, h, 0, 8, 1, 9, 2, 10, 3, 11);
+    a1 = (V)__builtin_shufflevector(z, h, 4, 12, 5, 13, 6, 14, 7, 15);
+#endif
+  }
   static inline void hist(const void* p, int64_t n, uint32_t* h) { hist_bf16(p, n, h); }
 };
 
@@ -237,6 +262,10 @@ struct TF16 {
   }
   static inline S load1(const void* p, int64_t i) {
     return half_to_float(static_cast<const uint16_t*>(p)[i]);
+  }
+  static inline void load2(const void* p, int64_t i, V& a0, V& a1) {
+    a0 = load(p, i);
+    a1 = load(p, i + W);
   }
   static inline void hist(const void* p, int64_t n, uint32_t* h) { hist_f16(p, n, h); }
 };
@@ -327,7 +356,8 @@ static void block_stats(const void* p, int64_t n, BlockResult* r, uint32_t* hist
   V s0 = V{}, s1 = V{};
   int64_t i = 0;
   for (; i + 2 * W <= n; i += 2 * W) {
-    const V a0 = T::load(p, i), a1 = T::load(p, i + W);
+    V a0, a1;
+    T::load2(p, i, a0, a1);
     mn0 = a0 < mn0 ? a0 : mn0;
     mn1 = a1 < mn1 ? a1 : mn1;
     mx0 = a0 > mx0 ? a0 : mx0;
@@ -366,7 +396,8 @@ static void block_stats(const void* p, int64_t n, BlockResult* r, uint32_t* hist
   I z0 = I{}, z1 = I{}, nz0 = I{}, nz1 = I{};
   const U signu = U{} + RW::kSign;
   for (i = 0; i < nv; i += 2 * W) {
-    const V a0 = T::load(p, i), a1 = T::load(p, i + W);
+    V a0, a1;
+    T::load2(p, i, a0, a1);
     const V d0 = a0 - mv, d1 = a1 - mv;
     t10 += d0;
     t11 += d1;

@@ -6,6 +6,7 @@ The file holds one tensor per captured leaf, keyed ``"<module>/<path>"`` (``keep
 JSON description of every structure (tuples, lists, dicts; dataclasses and ``ModelOutput``\\ s
 are written as dicts) from which :func:`load_capture` rebuilds the dicts of the plugin.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,6 +15,8 @@ import os
 from typing import Any, Dict, Union
 
 import torch
+
+from ._optional import optional_import
 
 __all__ = ["load_capture", "save_capture"]
 
@@ -24,12 +27,8 @@ _PREFIX = {"features": "output", "grads": "grad", "inputs": "input"}
 
 
 def _require_safetensors():
-    try:
-        import safetensors.torch as st
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "hookplug capture files need the 'safetensors' package: pip install 'hookplug[capture]'"
-        ) from exc
+    (st,) = optional_import("safetensors.torch", feature="hookplug capture files",
+                            extra="capture", package="safetensors")
     return st
 
 
@@ -40,7 +39,7 @@ def _json_key(k: Any):
 
 
 def _encode(obj: Any, key: str, tensors: Dict[str, torch.Tensor]) -> Any:
-    """A JSON-able description of ``obj``; its tensors go into ``tensors`` under keys from ``key``."""
+    """A JSON-able description of ``obj``; its tensors go into ``tensors``, keyed from ``key``."""
     if isinstance(obj, torch.Tensor):
         tensors[key] = obj
         return {"t": key}
@@ -56,8 +55,12 @@ def _encode(obj: Any, key: str, tensors: Dict[str, torch.Tensor]) -> Any:
         kind = "list" if isinstance(obj, list) else "tuple"
         return {kind: [_encode(v, f"{key}[{i}]", tensors) for i, v in enumerate(obj)]}
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {"dict": [[f.name, _encode(getattr(obj, f.name), f"{key}.{f.name}", tensors)]
-                         for f in dataclasses.fields(obj)]}
+        return {
+            "dict": [
+                [f.name, _encode(getattr(obj, f.name), f"{key}.{f.name}", tensors)]
+                for f in dataclasses.fields(obj)
+            ]
+        }
     if isinstance(obj, (str, int, float, bool)):
         return {"value": obj}
     return {"value": None, "repr": repr(obj)[:200]}
@@ -79,7 +82,9 @@ def _decode(desc: Any, tensors: Dict[str, torch.Tensor]) -> Any:
     raise ValueError(f"hookplug capture file: unknown structure entry {desc!r}")
 
 
-def save_capture(path: Union[str, os.PathLike], stores: Dict[str, Dict[str, Any]], *, keep: Any = "last") -> None:
+def save_capture(
+    path: Union[str, os.PathLike], stores: Dict[str, Dict[str, Any]], *, keep: Any = "last"
+) -> None:
     """Write ``{"features"|"grads"|"inputs": {module: value or [values]}}`` to ``path``."""
     st = _require_safetensors()
     tensors: Dict[str, torch.Tensor] = {}
@@ -91,7 +96,11 @@ def save_capture(path: Union[str, os.PathLike], stores: Dict[str, Dict[str, Any]
         layout[what] = {}
         for name, value in store.items():
             if isinstance(value, list):
-                layout[what][name] = {"list": [_encode(v, f"{name}/{i}/{prefix}", tensors) for i, v in enumerate(value)]}
+                layout[what][name] = {
+                    "list": [
+                        _encode(v, f"{name}/{i}/{prefix}", tensors) for i, v in enumerate(value)
+                    ]
+                }
             else:
                 layout[what][name] = {"one": _encode(value, f"{name}/{prefix}", tensors)}
     out: Dict[str, torch.Tensor] = {}
@@ -106,12 +115,21 @@ def save_capture(path: Union[str, os.PathLike], stores: Dict[str, Dict[str, Any]
         elif t.numel():
             seen_storage.add(ptr)
         out[k] = t
-    meta = {"format": "hookplug.capture", "version": FORMAT_VERSION,
-            "keep": keep if isinstance(keep, (str, int)) else str(keep), "layout": layout}
+    meta = {
+        "format": "hookplug.capture",
+        "version": FORMAT_VERSION,
+        "keep": keep if isinstance(keep, (str, int)) else str(keep),
+        "layout": layout,
+    }
     st.save_file(out, os.fspath(path), metadata={META_KEY: json.dumps(meta)})
 
 
-def load_capture(path: Union[str, os.PathLike], *, what: str = "features", device: Union[str, torch.device] = "cpu"):
+def load_capture(
+    path: Union[str, os.PathLike],
+    *,
+    what: str = "features",
+    device: Union[str, torch.device] = "cpu",
+):
     """Read a file written by ``CapturePlugin.save`` back into the plugin's dict shape.
 
     ``what="features"`` (default) returns ``{module: output}`` (or ``{module: [outputs]}`` for
@@ -127,13 +145,17 @@ def load_capture(path: Union[str, os.PathLike], *, what: str = "features", devic
     with safe_open(os.fspath(path), framework="pt", device=str(device)) as f:
         meta_raw = (f.metadata() or {}).get(META_KEY)
         if meta_raw is None:
-            raise ValueError(f"load_capture: {os.fspath(path)!r} is not a hookplug capture file "
-                             f"(no {META_KEY!r} metadata)")
+            raise ValueError(
+                f"load_capture: {os.fspath(path)!r} is not a hookplug capture file "
+                f"(no {META_KEY!r} metadata)"
+            )
         meta = json.loads(meta_raw)
         if meta.get("version", 0) > FORMAT_VERSION:
-            raise ValueError(f"load_capture: {os.fspath(path)!r} has format version {meta.get('version')}, "
-                             f"this hookplug reads up to {FORMAT_VERSION}")
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+            raise ValueError(
+                f"load_capture: {os.fspath(path)!r} has format version {meta.get('version')}, "
+                f"this hookplug reads up to {FORMAT_VERSION}"
+            )
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a dict
     del st
     result = {}
     for kind in _WHAT:

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ._optional import optional_import
 from .structures import iter_tensors
 
 __all__ = ["plot_features"]
@@ -20,14 +21,9 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 
 def _matplotlib():
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise ImportError(
-            "hookplug.plot_features needs matplotlib: pip install 'hookplug[plot]' (or pip install matplotlib)"
-        ) from None
-    return Figure, FigureCanvasAgg
+    figure, agg = optional_import("matplotlib.figure", "matplotlib.backends.backend_agg",
+                                  feature="hookplug.plot_features", extra="plot", package="matplotlib")
+    return figure.Figure, agg.FigureCanvasAgg
 
 
 def _features_of(source: Any) -> Optional[Dict[str, Any]]:

@@ -16,6 +16,8 @@ import math
 import sys
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from ._optional import optional_import
+
 __all__ = [
     "Collector",
     "build_document",
@@ -1099,11 +1101,10 @@ class TensorBoardWriter:
     written with ``torch.utils.tensorboard.SummaryWriter``."""
 
     def __init__(self, logdir: str):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except Exception:  # noqa: BLE001 - torch raises ImportError (or worse) without tensorboard
-            raise ImportError("writing TensorBoard events needs the tensorboard package "
-                              "(pip install tensorboard)") from None
+        _, tb = optional_import("tensorboard", "torch.utils.tensorboard",
+                                feature="hookplug profile --tensorboard", extra="tensorboard",
+                                package="tensorboard")
+        SummaryWriter = tb.SummaryWriter
         self.logdir = logdir
         self.writer = SummaryWriter(log_dir=logdir)
 

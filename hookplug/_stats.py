@@ -61,8 +61,7 @@ class TensorStats:
     def _from_outputs(cls, counts: torch.Tensor, moments: torch.Tensor, hist_counts: torch.Tensor,
                       hist_edges: torch.Tensor, hist_kind: Any = None) -> "TensorStats":
         """From the op's four outputs (views, no copy)."""
-        st = cls(counts[0], counts[1], counts[2], counts[3], moments[0], moments[1], moments[2],
-                 moments[3], moments[4], hist_counts, hist_edges)
+        st = cls(*counts.unbind(0), *moments.unbind(0), hist_counts, hist_edges)
         st._hist_kind = hist_kind
         return st
 

@@ -67,12 +67,15 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch
 
+from . import _stats
+
 __all__ = ["Telemetry", "new_run_id", "default_run_dir", "RECORD_FIELDS"]
 
 RECORD_FIELDS = ("step", "time", "rank", "module", "site", "numel", "nan_count", "inf_count",
                  "zero_count", "min", "max", "mean", "std", "absmax", "hist", "hist_edges")
-_COUNT_FIELDS = ("numel", "nan_count", "inf_count", "zero_count")
-_MOMENT_FIELDS = ("min", "max", "mean", "std", "absmax")
+_COUNT_FIELDS = _stats._COUNTS
+_MOMENT_FIELDS = _stats._MOMENTS
+STAT_FIELDS = _COUNT_FIELDS + _MOMENT_FIELDS  # what a record holds per (step, module, site)
 _HEAD = len(_COUNT_FIELDS) + len(_MOMENT_FIELDS)  # 9
 _MAX_STEP_TIMES = 4096
 _run_counter = itertools.count()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import glob
 import math
 import os
+import sys
 import threading
 import warnings
 from typing import Optional, Sequence, Tuple
@@ -60,8 +61,10 @@ def _jit_build():
     if src is None:
         raise RuntimeError("the C++ sources (csrc/*.cpp) are not installed beside hookplug")
     sources = sorted(glob.glob(os.path.join(src, "*.cpp")))
-    cflags = ["-O3", "-std=c++17"]
-    kw = {}
+    # at::parallel_for is inline OpenMP in torch's headers: without -fopenmp it is serial.
+    omp = ["-fopenmp"] if sys.platform.startswith("linux") else []
+    cflags = ["-O3", "-std=c++17"] + omp
+    kw = {"extra_ldflags": omp}
     if (torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
             and os.environ.get("HOOKPLUG_NO_CUDA", "0") != "1"):
         sources += sorted(glob.glob(os.path.join(src, "cuda", "*.cpp")))
@@ -201,7 +204,7 @@ def tensor_stats(x: torch.Tensor, *, bins: Optional[int] = None, hist: str = "lo
     dev = x.device.type
     if be == "reference" or not (dev in ("cpu", "meta") or (dev == "cuda" and _has_cuda)):
         return reference_tensor_stats(x, bins=bins, hist=hist, range=range)
-    out = torch.ops.hookplug.tensor_stats(x.detach(), bins, _HIST_MODES[hist], lo, hi)
+    out = torch.ops.hookplug.tensor_stats(x, bins, _HIST_MODES[hist], lo, hi)  # no autograd (C++)
     return TensorStats._from_outputs(*out, hist_kind=_kind(_num_buckets(bins, hist), hist, lo, hi))
 
 

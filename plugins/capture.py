@@ -18,7 +18,7 @@ Options (keyword-only):
   captured (and counted in ``skipped``); the first time, the plugin warns. It never allocates
   past the bound.
 - ``grads=False``: also keep the gradient of each output in ``grads[name]``, in the output's
-  structure (``None`` where no gradient arrived), for the same calls as ``features``.
+  structure (``None`` where no gradient arrived); with ``keep="last"`` that of the last call.
 - ``inputs=False``: also keep the positional arguments in ``inputs[name]`` (a tuple), read
   before ``forward`` runs.
 
@@ -27,6 +27,7 @@ Options (keyword-only):
 ``"<module>/grad"``, ``"<module>/input[0]"``, plus JSON metadata from which
 ``hookplug.load_capture(path)`` rebuilds the same dicts (dataclasses come back as dicts).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -58,12 +59,19 @@ class _Slot:
 
 
 def _map_with_path(fn: Callable[[str, Any], Any], obj: Any, path: str, leaf=torch.Tensor) -> Any:
-    """``structures.map_tensors`` that also passes each leaf's path (as ``iter_tensors`` names it)."""
+    """``structures.map_tensors`` that also passes each leaf's ``iter_tensors`` path to ``fn``."""
     if isinstance(obj, leaf):
         return fn(path, obj)
     if isinstance(obj, dict):
-        items = [(k, _map_with_path(fn, v, f"{path}.{k}" if isinstance(k, str) else f"{path}[{k!r}]", leaf))
-                 for k, v in obj.items()]
+        items = [
+            (
+                k,
+                _map_with_path(
+                    fn, v, f"{path}.{k}" if isinstance(k, str) else f"{path}[{k!r}]", leaf
+                ),
+            )
+            for k, v in obj.items()
+        ]
         try:
             return type(obj)(items)
         except Exception:  # noqa: BLE001 - dict subclasses with odd constructors
@@ -73,8 +81,11 @@ def _map_with_path(fn: Callable[[str, Any], Any], obj: Any, path: str, leaf=torc
     if isinstance(obj, (list, tuple)):
         return type(obj)(_map_with_path(fn, v, f"{path}[{i}]", leaf) for i, v in enumerate(obj))
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: _map_with_path(fn, getattr(obj, f.name), f"{path}.{f.name}", leaf)
-                   for f in dataclasses.fields(obj) if f.init}
+        changes = {
+            f.name: _map_with_path(fn, getattr(obj, f.name), f"{path}.{f.name}", leaf)
+            for f in dataclasses.fields(obj)
+            if f.init
+        }
         return dataclasses.replace(obj, **changes)
     return obj
 
@@ -99,11 +110,15 @@ class CapturePlugin(hookplug.Plugin):
         grads: bool = False,
         inputs: bool = False,
     ):
-        if isinstance(keep, bool) or not (keep in ("last", "all") or (isinstance(keep, int) and keep >= 1)):
+        if isinstance(keep, bool) or not (
+            keep in ("last", "all") or (isinstance(keep, int) and keep >= 1)
+        ):
             raise ValueError(f"capture: keep must be 'last', 'all' or an int >= 1, got {keep!r}")
         if to not in (None, "cpu"):
             raise ValueError(f"capture: to must be None or 'cpu', got {to!r}")
-        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
+        if max_bytes is not None and (
+            isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0
+        ):
             raise ValueError(f"capture: max_bytes must be None or an int >= 0, got {max_bytes!r}")
         for opt, v in (("clone", clone), ("grads", grads), ("inputs", inputs)):
             if not isinstance(v, bool):
@@ -125,11 +140,15 @@ class CapturePlugin(hookplug.Plugin):
     def reset(self) -> None:
         """Drop everything captured."""
         self._store: Dict[str, Dict[str, Any]] = {k: {} for k in _KINDS}
-        self._calls: Dict[str, Dict[str, Any]] = {k: {} for k in _KINDS}  # call index(es) per module
-        self._skeletons: Dict[tuple, Any] = {}  # (module, call) -> output structure of _Slots (grads)
+        self._calls: Dict[str, Dict[str, Any]] = {
+            k: {} for k in _KINDS
+        }  # call index(es) per module
+        self._skeletons: Dict[
+            tuple, Any
+        ] = {}  # (module, call) -> output structure of _Slots (grads)
         self._grad_parts: Dict[tuple, Dict[str, torch.Tensor]] = {}
         self._events: List[Any] = []
-        self.nbytes = 0
+        self.nbytes = 0  # bytes held (what max_bytes bounds)
         self.skipped = 0
         self._warned = False
 
@@ -174,10 +193,14 @@ class CapturePlugin(hookplug.Plugin):
         return t.clone() if self.clone or self.to == "cpu" else t
 
     def _after_copy(self, src_device: torch.device) -> None:
+        """With ``to="cpu"`` from CUDA: an event behind the non-blocking copies, waited for
+        when ``features``/``grads``/``inputs`` are read."""
         if self.to == "cpu" and src_device.type == "cuda":
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(src_device))
             self._events.append(ev)
+            if len(self._events) > 256:  # nobody reads: forget the copies already done
+                self._events = [e for e in self._events if not e.query()]
 
     # -- keeping -----------------------------------------------------------------------------------
 
@@ -204,9 +227,9 @@ class CapturePlugin(hookplug.Plugin):
         if not self._warned:
             self._warned = True
             warnings.warn(
-                f"hookplug plugin 'capture': max_bytes={self.max_bytes} reached at {kind} of {name!r} "
-                f"(call {call}, {new_bytes} bytes more, {self.nbytes} held); calls that do not fit are "
-                "not captured (see .skipped)",
+                f"hookplug plugin 'capture': max_bytes={self.max_bytes} reached at {kind} of "
+                f"{name!r} (call {call}, {new_bytes} bytes more, {self.nbytes} held); "
+                "calls that do not fit are not captured (see .skipped)",
                 RuntimeWarning,
                 stacklevel=4,
             )
@@ -245,7 +268,8 @@ class CapturePlugin(hookplug.Plugin):
             return False
         value = _map_with_path(lambda _p, t: self._copy(t), obj, prefix)
         if tensors:
-            self._after_copy(tensors[0][1].device)
+            for dev in {t.device for _, t in tensors if t.device.type == "cuda"}:
+                self._after_copy(dev)
         self._put(kind, name, call, value)
         return True
 
@@ -272,23 +296,25 @@ class CapturePlugin(hookplug.Plugin):
         skel = self._skeletons.get(key)
         if skel is None:
             if path != "output":
-                return None  # the forward call was not captured
-            if not self._room("grads", ctx.name, ctx.call_index, grad.numel() * grad.element_size()):
-                return None
+                return  # the forward call was not captured
+            if not self._room(
+                "grads", ctx.name, ctx.call_index, grad.numel() * grad.element_size()
+            ):
+                return
             value = self._copy(grad)
             self._after_copy(grad.device)
             self._put("grads", ctx.name, ctx.call_index, value)
-            return None
+            return
         g = grad.numel() * grad.element_size()
         # the structure so far (earlier parts) is freed by _put and counted again, so only g is new
         if not self._room("grads", ctx.name, ctx.call_index, g + self._parts_bytes(key)):
-            return None
+            return
         parts = self._grad_parts.setdefault(key, {})
         parts[path] = self._copy(grad)
         self._after_copy(grad.device)
         value = _map_with_path(lambda _p, s: parts.get(s.path), skel, "output", leaf=_Slot)
         self._put("grads", ctx.name, ctx.call_index, value)
-        return None
+        return
 
     def _parts_bytes(self, key) -> int:
         parts = self._grad_parts.get(key)
@@ -301,7 +327,8 @@ class CapturePlugin(hookplug.Plugin):
         return self.features
 
     def save(self, path) -> None:
-        """Write what was captured to a safetensors file (no pickle); see ``hookplug.load_capture``."""
+        """Write what was captured to a safetensors file (no pickle); read it back with
+        ``hookplug.load_capture``."""
         from hookplug._capture_io import save_capture
 
         if self._events:
@@ -315,7 +342,12 @@ class CapturePlugin(hookplug.Plugin):
                 entries = value if isinstance(value, list) else [value]
                 last = entries[-1] if entries else None
                 shapes = ", ".join(f"{tuple(t.shape)}" for _, t in iter_tensors(last)) or "-"
-                dtypes = ", ".join(sorted({str(t.dtype).replace("torch.", "") for _, t in iter_tensors(last)})) or "-"
+                dtypes = (
+                    ", ".join(
+                        sorted({str(t.dtype).replace("torch.", "") for _, t in iter_tensors(last)})
+                    )
+                    or "-"
+                )
                 label = name or "<root>"
                 if kind != "features":
                     label += f" [{kind[:-1]}]"
@@ -329,8 +361,15 @@ class CapturePlugin(hookplug.Plugin):
         widths = [max(len(r[i]) for r in table) for i in range(4)]
         lines = []
         for j, r in enumerate(table):
-            lines.append("  ".join(c.rjust(w) if i == 3 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+            lines.append(
+                "  ".join(
+                    c.rjust(w) if i == 3 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
+                ).rstrip()
+            )
             if j == 0:
                 lines.append("  ".join("-" * w for w in widths))
-        lines.append(f"total {self.nbytes} bytes" + (f", {self.skipped} call(s) skipped (max_bytes)" if self.skipped else ""))
+        lines.append(
+            f"total {self.nbytes} bytes"
+            + (f", {self.skipped} call(s) skipped (max_bytes)" if self.skipped else "")
+        )
         return "\n".join(lines)

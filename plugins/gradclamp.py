@@ -28,6 +28,7 @@ elements it changed in an int64 device counter per module output (keyed by modul
 and per parameter (keyed by parameter name), without a host sync; ``results()`` reads them:
 ``{name: {"changed": int}}``.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -91,13 +92,18 @@ class GradClampPlugin(hookplug.Plugin):
             except TypeError:
                 globs = (None,)
             if not globs or not all(isinstance(g, str) for g in globs):
-                raise ValueError(f"gradclamp: params must be None, a glob string or a list of them, got {params!r}")
+                raise ValueError(
+                    "gradclamp: params must be None, a glob string or a list of them, "
+                    f"got {params!r}"
+                )
         self.params = globs
         if outputs is not None and not isinstance(outputs, bool):
             raise ValueError(f"gradclamp: outputs must be None, True or False, got {outputs!r}")
         self.outputs = (not globs) if outputs is None else outputs
         if self.min is None and self.max is None and self.max_norm is None and nan == "keep":
-            raise ValueError("gradclamp: nothing to do; give min, max, max_norm or nan='zero'|'raise'")
+            raise ValueError(
+                "gradclamp: nothing to do; give min, max, max_norm or nan='zero'|'raise'"
+            )
         if not self.outputs and not globs:
             raise ValueError("gradclamp: outputs=False and no params glob: nothing to transform")
         # Hooks not needed are switched off so the core registers no torch hook for them.
@@ -137,14 +143,24 @@ class GradClampPlugin(hookplug.Plugin):
             low = g.dtype in (torch.float16, torch.bfloat16)
             norm = torch.linalg.vector_norm(g, dtype=torch.float32 if low else None)
             scale = self.max_norm / (norm + 1e-6)
-            scale = torch.where(torch.isfinite(norm) & (norm > self.max_norm), scale, torch.ones_like(scale))
+            scale = torch.where(
+                torch.isfinite(norm) & (norm > self.max_norm), scale, torch.ones_like(scale)
+            )
             g = g * scale.to(g.dtype)
         if g is grad:
             return None
-        diff = g != grad
-        if self.nan == "keep":  # NaN stays NaN: not a change
-            diff &= g == g
-        n = diff.sum()
+        lo, hi = self.min, self.max
+        if self.max_norm is None and self.nan != "zero":
+            # only the clamp changed anything: count what it moved (NaN compares false, stays NaN)
+            if lo is not None and hi is not None:
+                n = torch.logical_or(grad < lo, grad > hi).sum()
+            else:
+                n = (grad < lo if lo is not None else grad > hi).sum()
+        else:
+            diff = g != grad
+            if self.nan == "keep":  # NaN stays NaN: not a change
+                diff &= g == g  # noqa: PLR0124 - False exactly at NaN
+            n = diff.sum()
         counter = self._changed.get(key)
         if counter is None or counter.device != n.device:
             self._changed[key] = n if counter is None else counter.to(n.device) + n
@@ -165,16 +181,19 @@ class GradClampPlugin(hookplug.Plugin):
             names = {n for n, p in model.named_parameters() if id(p) in ids}
         if not any(self._matches(n) for n in names):
             warnings.warn(
-                f"hookplug plugin 'gradclamp': params={list(self.params)!r} matches no parameter of the "
-                f"{len(session.modules_of(self))} selected module(s); parameter hooks exist only for "
-                "parameters of selected modules, so select their owners (e.g. '*' or 'Linear')",
+                f"hookplug plugin 'gradclamp': params={list(self.params)!r} matches no parameter "
+                f"of the {len(session.modules_of(self))} selected module(s); parameter hooks exist "
+                "only for parameters of selected modules, so select their owners "
+                "(e.g. '*' or 'Linear')",
                 RuntimeWarning,
                 stacklevel=2,
             )
 
     @hookimpl
     def hookplug_output_grad(self, ctx, grad, path):
-        return self._apply(ctx.name, f"module {ctx.name!r} ({path}, call {ctx.call_index}, step {ctx.step})", grad)
+        return self._apply(
+            ctx.name, f"module {ctx.name!r} ({path}, call {ctx.call_index}, step {ctx.step})", grad
+        )
 
     @hookimpl
     def hookplug_param_grad(self, name, grad):
@@ -196,11 +215,21 @@ class GradClampPlugin(hookplug.Plugin):
         res = self.results()
         if not res:
             return ""
-        opts = ", ".join(f"{k}={v!r}" for k, v in (("min", self.min), ("max", self.max),
-                                                     ("max_norm", self.max_norm), ("nan", self.nan))
-                         if v is not None and not (k == "nan" and v == "keep"))
+        opts = ", ".join(
+            f"{k}={v!r}"
+            for k, v in (
+                ("min", self.min),
+                ("max", self.max),
+                ("max_norm", self.max_norm),
+                ("nan", self.nan),
+            )
+            if v is not None and not (k == "nan" and v == "keep")
+        )
         width = max(len(k) for k in res) if res else 4
-        lines = [f"({opts}{', params=' + repr(list(self.params)) if self.params else ''})",
-                 f"{'name'.ljust(width)}  changed", f"{'-' * width}  -------"]
+        lines = [
+            f"({opts}{', params=' + repr(list(self.params)) if self.params else ''})",
+            f"{'name'.ljust(width)}  changed",
+            f"{'-' * width}  -------",
+        ]
         lines += [f"{(k or '<root>').ljust(width)}  {v['changed']:>7}" for k, v in res.items()]
         return "\n".join(lines)

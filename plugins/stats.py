@@ -1,6 +1,7 @@
 """``stats``: fused tensor statistics of module inputs, outputs and output gradients.
 
-    with hookplug.attach(model, "Conv2d|Linear", plugins=("stats", {"sites": ("output", "grad")})) as s:
+    opts = {"sites": ("output", "grad")}
+    with hookplug.attach(model, "Conv2d|Linear", plugins=("stats", opts)) as s:
         model(x).sum().backward()
     st = s["stats"].results()["layer1.0.conv1"]["output"]     # a hookplug.TensorStats
     st.max, st.std, st.hist_counts                             # device tensors
@@ -10,8 +11,9 @@ Options (keyword-only):
 - ``sites=("output",)``: any of ``"input"`` (the positional and keyword arguments, before
   ``forward``), ``"output"``, ``"grad"`` (the gradient of each output tensor, seen in
   backward). A single string is accepted.
-- ``bins``: histogram buckets passed to :func:`hookplug.ops.tensor_stats` (``None``: the
-  op's default; ``0``: no histogram).
+- ``bins``: passed to :func:`hookplug.ops.tensor_stats`: ``0`` turns the histogram off;
+  for ``hist="linear"`` the number of buckets (``None``: the op's default, 100). The log2
+  histogram always has its fixed sign/exponent buckets.
 - ``hist="log2"|"linear"`` and ``range=(lo, hi)``: the histogram kind and, for ``"linear"``,
   its fixed range. A linear histogram is merged over calls, so it needs a fixed ``range``.
 - ``max_pending_steps=1024``: how many steps of per-step stats wait for telemetry
@@ -28,6 +30,7 @@ with the device: each call appends the op's device-side result; at ``session.ste
 every 16 calls of one module within a step) those are merged on the device into one
 ``TensorStats`` per ``(step, module, path)``, which ``hookplug_collect`` hands to telemetry.
 """
+
 from __future__ import annotations
 
 import math
@@ -71,7 +74,9 @@ class StatsPlugin(hookplug.Plugin):
         try:
             sites = tuple(sites)
         except TypeError:
-            raise ValueError(f"stats: sites must be a string or a sequence of {_SITES}, got {sites!r}") from None
+            raise ValueError(
+                f"stats: sites must be a string or a sequence of {_SITES}, got {sites!r}"
+            ) from None
         bad = [s for s in sites if s not in _SITES]
         if bad or not sites:
             raise ValueError(f"stats: sites must be a non-empty subset of {_SITES}, got {sites!r}")
@@ -93,8 +98,14 @@ class StatsPlugin(hookplug.Plugin):
                 "over calls and steps, which needs the same bucket edges every time "
                 "(or use hist='log2', which needs no range)"
             )
-        if not isinstance(max_pending_steps, int) or isinstance(max_pending_steps, bool) or max_pending_steps < 1:
-            raise ValueError(f"stats: max_pending_steps must be an int >= 1, got {max_pending_steps!r}")
+        if (
+            not isinstance(max_pending_steps, int)
+            or isinstance(max_pending_steps, bool)
+            or max_pending_steps < 1
+        ):
+            raise ValueError(
+                f"stats: max_pending_steps must be an int >= 1, got {max_pending_steps!r}"
+            )
         self.sites = sites
         self.bins = bins
         self.hist = hist
@@ -122,10 +133,10 @@ class StatsPlugin(hookplug.Plugin):
 
     def reset(self) -> None:
         """Forget every stat gathered so far (pending telemetry included)."""
-        # (step, module, path) -> per-call TensorStats not yet collected by telemetry
-        self._pending: Dict[Tuple[int, str, str], List[Any]] = {}
-        # (module, path) -> TensorStats already handed to telemetry, merged
-        self._totals: Dict[Tuple[str, str], Any] = {}
+        # step -> {(module, path): [per-call TensorStats]} not yet collected by telemetry
+        self._pending: Dict[int, Dict[Tuple[str, str], List[Any]]] = {}
+        # (module, path) -> stats already collected (or folded), merged on device now and then
+        self._done: Dict[Tuple[str, str], List[Any]] = {}
         self._seen: Dict[Tuple[str, str], int] = {}  # first-seen order of (module, path)
         self._folded_steps = 0
         self._warned_fold = False
@@ -142,17 +153,19 @@ class StatsPlugin(hookplug.Plugin):
         if not t.is_floating_point():
             return
         st = (self._op or self._stats_op())(t.detach(), **self._op_kwargs)
-        key = (ctx.step, ctx.name, path)
-        lst = self._pending.get(key)
+        bucket = self._pending.get(ctx.step)
+        if bucket is None:
+            bucket = self._pending[ctx.step] = {}
+        key = (ctx.name, path)
+        lst = bucket.get(key)
         if lst is None:
-            self._pending[key] = [st]
-            seen = (ctx.name, path)
-            if seen not in self._seen:
-                self._seen[seen] = len(self._seen)
+            bucket[key] = [st]
+            if key not in self._seen:
+                self._seen[key] = len(self._seen)
         else:
             lst.append(st)
             if len(lst) >= _COMPACT_AT:
-                self._pending[key] = [_merge_all(lst)]
+                bucket[key] = [_merge_all(lst)]
 
     # -- hooks (hot path) ------------------------------------------------------------------------
 
@@ -182,25 +195,38 @@ class StatsPlugin(hookplug.Plugin):
     @hookimpl
     def hookplug_step(self, session, step):
         """Merge the ended step's per-call stats on the device (no sync) and bound what waits."""
-        pending = self._pending
-        for key, lst in pending.items():
-            if len(lst) > 1 and key[0] <= step:
-                pending[key] = [_merge_all(lst)]
-        steps = sorted({k[0] for k in pending})
-        if len(steps) > self.max_pending_steps:
-            old = set(steps[: len(steps) - self.max_pending_steps])
-            for key in [k for k in pending if k[0] in old]:
-                self._add_total(key[1], key[2], _merge_all(pending.pop(key)))
-            self._folded_steps += len(old)
-            if not self._warned_fold:
-                self._warned_fold = True
-                warnings.warn(
-                    f"hookplug plugin 'stats': more than {self.max_pending_steps} steps of stats were "
-                    "not collected by telemetry (no session.flush()); older steps are kept in "
-                    "results() only. Set flush_every= or call session.flush().",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+        bucket = self._pending.get(step)
+        if bucket:
+            for key, lst in bucket.items():
+                if len(lst) > 1:
+                    bucket[key] = [_merge_all(lst)]
+        if len(self._pending) > self.max_pending_steps:
+            self._fold_oldest()
+
+    def _fold_oldest(self) -> None:
+        """No telemetry collected for too long: move the oldest half of the pending steps
+        into the totals (kept for ``results()``, no longer emitted)."""
+        steps = sorted(self._pending)
+        old = steps[: max(len(steps) - self.max_pending_steps, len(steps) // 2)]
+        touched = set()
+        for step in old:
+            for key, lst in self._pending.pop(step).items():
+                self._done.setdefault(key, []).extend(lst)
+                touched.add(key)
+        for key in touched:
+            lst = self._done[key]
+            if len(lst) > 1:
+                self._done[key] = [_merge_all(lst)]
+        self._folded_steps += len(old)
+        if not self._warned_fold:
+            self._warned_fold = True
+            warnings.warn(
+                f"hookplug plugin 'stats': more than {self.max_pending_steps} steps of stats were "
+                "not collected by telemetry (no session.flush()); older steps are kept in "
+                "results() only. Set flush_every= or call session.flush().",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     @hookimpl
     def hookplug_collect(self, session, step):
@@ -208,27 +234,33 @@ class StatsPlugin(hookplug.Plugin):
         on the device: ``[({"step", "module", "site"}, TensorStats), ...]``."""
         pending, self._pending = self._pending, {}
         out = []
-        for (st_step, mod, site), lst in pending.items():
-            st = _merge_all(lst)
-            out.append(({"step": st_step, "module": mod, "site": site}, st))
-            self._add_total(mod, site, st)
+        done = self._done
+        for st_step in sorted(pending):
+            for (mod, site), lst in pending[st_step].items():
+                st = _merge_all(lst)
+                out.append(({"step": st_step, "module": mod, "site": site}, st))
+                acc = done.get((mod, site))
+                if acc is None:
+                    done[(mod, site)] = [st]
+                else:
+                    acc.append(st)
+                    if len(acc) >= 4 * _COMPACT_AT:  # merge_all: a fixed number of device ops
+                        done[(mod, site)] = [_merge_all(acc)]
         return out or None
-
-    def _add_total(self, mod: str, site: str, st) -> None:
-        key = (mod, site)
-        prev = self._totals.get(key)
-        self._totals[key] = st if prev is None else prev.merge(st)
 
     # -- results ----------------------------------------------------------------------------------
 
     def _merged(self) -> Dict[Tuple[str, str], Any]:
-        groups: Dict[Tuple[str, str], List[Any]] = {k: [v] for k, v in self._totals.items()}
-        for (_, mod, site), lst in self._pending.items():
-            groups.setdefault((mod, site), []).extend(lst)
+        groups: Dict[Tuple[str, str], List[Any]] = {k: list(v) for k, v in self._done.items()}
+        for bucket in self._pending.values():
+            for key, lst in bucket.items():
+                groups.setdefault(key, []).extend(lst)
         order = self._module_order
         big = len(order)
         seen = self._seen
-        keys = sorted(groups, key=lambda k: (order.get(k[0], big), _site_rank(k[1]), seen.get(k, 0)))
+        keys = sorted(
+            groups, key=lambda k: (order.get(k[0], big), _site_rank(k[1]), seen.get(k, 0))
+        )
         return {k: _merge_all(groups[k]) for k in keys}
 
     def results(self) -> Dict[str, Dict[str, Any]]:
@@ -246,19 +278,38 @@ class StatsPlugin(hookplug.Plugin):
 
         rows = list(merged.items())
         cols = ("numel", "nan_count", "inf_count", "min", "max", "mean", "std")
-        vals = torch.stack([
-            torch.stack([getattr(st, c).detach().to(device="cpu", dtype=torch.float64).reshape(()) for c in cols])
-            for _, st in rows
-        ]).tolist()  # one host transfer per stat; report() is not on the hot path
+        vals = torch.stack(
+            [
+                torch.stack(
+                    [
+                        getattr(st, c).detach().to(device="cpu", dtype=torch.float64).reshape(())
+                        for c in cols
+                    ]
+                )
+                for _, st in rows
+            ]
+        ).tolist()  # one host transfer per stat; report() is not on the hot path
         header = ("module", "site", "numel", "nan", "inf", "min", "max", "mean", "std")
         table = [header]
         for ((mod, site), _), v in zip(rows, vals):
-            table.append((mod or "<root>", site, f"{int(v[0])}", f"{int(v[1])}", f"{int(v[2])}",
-                          *(_fmt(x) for x in v[3:])))
+            table.append(
+                (
+                    mod or "<root>",
+                    site,
+                    f"{int(v[0])}",
+                    f"{int(v[1])}",
+                    f"{int(v[2])}",
+                    *(_fmt(x) for x in v[3:]),
+                )
+            )
         widths = [max(len(r[i]) for r in table) for i in range(len(header))]
         lines = []
         for j, r in enumerate(table):
-            lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+            lines.append(
+                "  ".join(
+                    c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
+                ).rstrip()
+            )
             if j == 0:
                 lines.append("  ".join("-" * w for w in widths))
         return "\n".join(lines)
@@ -275,4 +326,3 @@ def _fmt(x: float) -> str:
     if math.isnan(x):
         return "nan"
     return f"{x:.4g}"
-

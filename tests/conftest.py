@@ -27,3 +27,26 @@ def pytest_report_header(config):
         backend = f"unavailable ({exc})"
     return [f"torch {torch.__version__}, hookplug ops backend: {backend}, "
             f"HOOKPLUG_REQUIRE_EXT={os.environ.get('HOOKPLUG_REQUIRE_EXT', '')}"]
+
+
+@pytest.fixture
+def true_output_grads():
+    """The reference for gradient tests: ``grads = true_output_grads(model, nn.Linear)``
+    records, with plain torch hooks, ``{name: [output grad per call, in backward order]}``."""
+    handles = []
+
+    def record(model, cls=torch.nn.Linear):
+        grads = {}
+
+        def keep(name):
+            def fwd(mod, inp, out):
+                out.register_hook(lambda g: grads.setdefault(name, []).append(g.clone()))
+
+            return fwd
+
+        handles.extend(m.register_forward_hook(keep(n)) for n, m in model.named_modules() if isinstance(m, cls))
+        return grads
+
+    yield record
+    for h in handles:
+        h.remove()

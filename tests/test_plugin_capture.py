@@ -1,5 +1,6 @@
 """The ``capture`` plugin against values computed without hookplug (layers re-run by hand,
 plain torch hooks), plus its options, save/load and memory bound."""
+
 import dataclasses
 import json
 import warnings
@@ -19,8 +20,11 @@ def conv_inputs_by_hand(model, x):
     inputs, handles = {}, []
     for name, m in model.named_modules():
         if isinstance(m, nn.Conv2d):
-            handles.append(m.register_forward_pre_hook(
-                lambda mod, args, name=name: inputs.__setitem__(name, args[0].detach().clone())))
+            handles.append(
+                m.register_forward_pre_hook(
+                    lambda mod, args, name=name: inputs.__setitem__(name, args[0].detach().clone())
+                )
+            )
     try:
         with torch.no_grad():
             out = model(x)
@@ -42,8 +46,15 @@ def test_every_conv_of_resnet34_equals_layers_run_by_hand():
     assert len(feats) == 36 and list(feats) == list(inputs)  # call order, like the seeds' list
     assert set(feats) == set(convs)
     for name, conv in convs.items():
-        by_hand = F.conv2d(inputs[name], conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation,
-                           conv.groups)
+        by_hand = F.conv2d(
+            inputs[name],
+            conv.weight,
+            conv.bias,
+            conv.stride,
+            conv.padding,
+            conv.dilation,
+            conv.groups,
+        )
         assert torch.equal(feats[name], by_hand), name
         assert not feats[name].requires_grad
     assert torch.equal(out, out_plain)  # capturing changes nothing
@@ -60,7 +71,9 @@ def test_capture_in_training_mode_does_not_change_outputs_or_grads():
         return out.detach(), [p.grad.clone() for p in model.parameters()]
 
     out0, g0 = step()
-    with hookplug.attach(model, "Conv2d|BatchNorm2d|ReLU", plugins=("capture", {"grads": True, "keep": "all"})):
+    with hookplug.attach(
+        model, "Conv2d|BatchNorm2d|ReLU", plugins=("capture", {"grads": True, "keep": "all"})
+    ):
         out1, g1 = step()
     assert torch.equal(out0, out1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
 
@@ -110,8 +123,13 @@ def hand_outputs(model, cls=nn.Linear):
     seen, handles = {}, []
     for name, m in model.named_modules():
         if isinstance(m, cls):
-            handles.append(m.register_forward_hook(
-                lambda mod, inp, out, name=name: seen.setdefault(name, []).append(out.detach().clone())))
+            handles.append(
+                m.register_forward_hook(
+                    lambda mod, inp, out, name=name: seen.setdefault(name, []).append(
+                        out.detach().clone()
+                    )
+                )
+            )
     return seen, handles
 
 
@@ -135,7 +153,9 @@ def test_keep_modes(keep):
             assert all(torch.equal(a, b) for a, b in zip(feats[name], want))
     assert s["capture"].nbytes == sum(
         t.numel() * t.element_size()
-        for v in feats.values() for t in (v if isinstance(v, list) else [v]))
+        for v in feats.values()
+        for t in (v if isinstance(v, list) else [v])
+    )
 
 
 def test_to_cpu_copies_on_cpu():
@@ -169,7 +189,6 @@ def test_to_cpu_from_cuda_is_pinned_and_correct():
 def test_max_bytes_bounds_memory_and_warns_once():
     model = resnet34_like()
     x = torch.randn(2, 3, 32, 32)
-    full, _ = conv_inputs_by_hand(model, x)
     with hookplug.attach(model, "Conv2d", plugins="capture") as s:
         with torch.no_grad():
             model(x)
@@ -177,7 +196,9 @@ def test_max_bytes_bounds_memory_and_warns_once():
     budget = total // 3
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        with hookplug.attach(model, "Conv2d", plugins=("capture", {"max_bytes": budget, "keep": "all"})) as s2:
+        with hookplug.attach(
+            model, "Conv2d", plugins=("capture", {"max_bytes": budget, "keep": "all"})
+        ) as s2:
             with torch.no_grad():
                 for _ in range(2):
                     model(x)
@@ -189,36 +210,28 @@ def test_max_bytes_bounds_memory_and_warns_once():
             assert torch.equal(t, s["capture"].features[name])
 
 
-def test_grads_equal_true_output_gradients():
+def test_grads_equal_true_output_gradients(true_output_grads):
     model = MLP()
     x = torch.randn(5, 32)
-    true = {}
-
-    def fwd(name):
-        def hook(mod, inp, out):
-            out.register_hook(lambda g: true.setdefault(name, []).append(g.clone()))
-        return hook
-
-    handles = [m.register_forward_hook(fwd(n)) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    true = true_output_grads(model, nn.Linear)
     with hookplug.attach(model, "Linear", plugins=("capture", {"grads": True, "keep": "all"})) as s:
         model(x).pow(2).sum().backward()
-    for h in handles:
-        h.remove()
     grads = s["capture"].grads
     assert set(grads) == {"fc1", "fc2", "fc3"}
     # backward sees fc2's second call first; the list is in forward-call order
     assert len(grads["fc2"]) == 2
-    assert torch.equal(grads["fc2"][0], true["fc2"][1]) and torch.equal(grads["fc2"][1], true["fc2"][0])
-    assert torch.equal(grads["fc1"][0], true["fc1"][0]) and torch.equal(grads["fc3"][0], true["fc3"][0])
+    assert torch.equal(grads["fc2"][0], true["fc2"][1]) and torch.equal(
+        grads["fc2"][1], true["fc2"][0]
+    )
+    assert torch.equal(grads["fc1"][0], true["fc1"][0]) and torch.equal(
+        grads["fc3"][0], true["fc3"][0]
+    )
     for name in grads:  # same shape as the activation, for Linear and Conv alike
         assert all(g.shape == f.shape for g, f in zip(grads[name], s["capture"].features[name]))
 
     true.clear()
-    handles = [m.register_forward_hook(fwd(n)) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     with hookplug.attach(model, "Linear", plugins=("capture", {"grads": True})) as s:
         model(x).pow(2).sum().backward()
-    for h in handles:
-        h.remove()
     last = s["capture"].grads  # keep="last": the gradient of the last call, like features
     assert torch.equal(last["fc2"], true["fc2"][0]) and not torch.equal(last["fc2"], true["fc2"][1])
     assert torch.equal(last["fc1"], true["fc1"][0])
@@ -275,7 +288,9 @@ def test_save_and_load_roundtrip(tmp_path):
     model = MLP()
     xs = [torch.randn(2, 32) for _ in range(2)]
     m2 = nn.Sequential(Structured("dict"), Structured("dataclass"))
-    with hookplug.attach(model, "Linear", plugins=("capture", {"keep": "all", "grads": True, "inputs": True})) as s:
+    with hookplug.attach(
+        model, "Linear", plugins=("capture", {"keep": "all", "grads": True, "inputs": True})
+    ) as s:
         for x in xs:
             model(x).sum().backward()
     with hookplug.attach(m2, "Structured", plugins="capture") as s2:
@@ -285,6 +300,7 @@ def test_save_and_load_roundtrip(tmp_path):
     s2["capture"].save(p2)
 
     from safetensors import safe_open
+
     with safe_open(str(p1), framework="pt") as f:
         keys = set(f.keys())
         meta = json.loads(f.metadata()["hookplug.capture"])
@@ -300,14 +316,18 @@ def test_save_and_load_roundtrip(tmp_path):
         for name in orig:
             assert len(back[name]) == len(orig[name])
             for a, b in zip(back[name], orig[name]):
-                la, lb = list(hookplug.structures.iter_tensors(a)), list(hookplug.structures.iter_tensors(b))
+                la, lb = (
+                    list(hookplug.structures.iter_tensors(a)),
+                    list(hookplug.structures.iter_tensors(b)),
+                )
                 assert [p for p, _ in la] == [p for p, _ in lb]
                 assert all(torch.equal(t, u) for (_, t), (_, u) in zip(la, lb))
     assert isinstance(everything["inputs"]["fc1"][0], tuple)
 
     back2 = hookplug.load_capture(p2)
-    assert set(back2["0"]) == {"logits", "extra"} and torch.equal(back2["0"]["extra"]["b"],
-                                                                  s2["capture"].features["0"]["extra"]["b"])
+    assert set(back2["0"]) == {"logits", "extra"} and torch.equal(
+        back2["0"]["extra"]["b"], s2["capture"].features["0"]["extra"]["b"]
+    )
     assert isinstance(back2["1"], dict) and back2["1"]["note"] == "n"  # dataclass -> dict
     assert torch.equal(back2["1"]["hidden"], s2["capture"].features["1"].hidden)
 
@@ -326,6 +346,7 @@ def test_save_single_key_names_and_shared_storage(tmp_path):
 
 def test_load_rejects_other_files(tmp_path):
     from safetensors.torch import save_file
+
     p = tmp_path / "plain.safetensors"
     save_file({"a": torch.zeros(2)}, str(p))
     with pytest.raises(ValueError, match="not a hookplug capture"):
@@ -334,10 +355,16 @@ def test_load_rejects_other_files(tmp_path):
         hookplug.load_capture(p, what="weights")
 
 
-@pytest.mark.parametrize("opts,match", [
-    ({"keep": 0}, "keep"), ({"keep": "first"}, "keep"), ({"to": "cuda"}, "to"),
-    ({"max_bytes": -1}, "max_bytes"), ({"clone": "yes"}, "clone"),
-])
+@pytest.mark.parametrize(
+    "opts,match",
+    [
+        ({"keep": 0}, "keep"),
+        ({"keep": "first"}, "keep"),
+        ({"to": "cuda"}, "to"),
+        ({"max_bytes": -1}, "max_bytes"),
+        ({"clone": "yes"}, "clone"),
+    ],
+)
 def test_bad_options(opts, match):
     with pytest.raises(PluginError, match=match):
         hookplug.attach(MLP(), "Linear", plugins=("capture", opts))

@@ -1,4 +1,5 @@
 """The ``gradclamp`` plugin against hand-written ``register_hook`` versions."""
+
 import contextlib
 import warnings
 
@@ -51,7 +52,7 @@ def test_clamp_min_on_every_conv_output_matches_register_hook():
     plain = run(model, x)
     with hand_output_hooks(model, convs, lambda g: torch.clamp(g, min=0)):
         want = run(model, x)
-    with hookplug.attach(model, "Conv2d", plugins=("gradclamp", {"min": 0})) as s:
+    with hookplug.attach(model, "Conv2d", plugins=("gradclamp", {"min": 0})):
         got = run(model, x)
     assert_grads_equal(got, want)
     assert any(not torch.equal(plain[k], want[k]) for k in plain)  # the clamp does something
@@ -67,9 +68,14 @@ def test_changed_counter_equals_hand_count():
     def count(name):
         def hook(m, i, o):
             o.register_hook(lambda g: seen.setdefault(name, []).append(int((g > 0.002).sum())))
+
         return hook
 
-    handles = [m.register_forward_hook(count(n)) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    handles = [
+        m.register_forward_hook(count(n))
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+    ]
     with hookplug.attach(model, "Linear", plugins=("gradclamp", {"max": 0.002})) as s:
         run(model, x, lambda out: (out * torch.linspace(-3, 3, 10)).sum())
         counters = dict(s["gradclamp"]._changed)
@@ -90,7 +96,11 @@ def test_changed_counter_is_exact_and_sync_free(monkeypatch):
     with hookplug.attach(lin, "*:", plugins=("gradclamp", {"max": 0.25})) as s:
         with monkeypatch.context() as mp:
             for name in ("item", "tolist", "cpu", "__bool__", "__float__", "__int__", "__index__"):
-                mp.setattr(torch.Tensor, name, lambda *a, **k: (_ for _ in ()).throw(AssertionError("sync")))
+                mp.setattr(
+                    torch.Tensor,
+                    name,
+                    lambda *a, **k: (_ for _ in ()).throw(AssertionError("sync")),
+                )
             for _ in range(2):
                 lin(x).backward(g_out)
         assert s["gradclamp"].results() == {"": {"changed": 2 * int((g_out > 0.25).sum())}}
@@ -111,7 +121,9 @@ def test_max_norm_per_tensor():
         want = run(model, x, lambda out: out.sum() * 10)
     norms = []
     with hookplug.attach(model, "Linear", plugins=("gradclamp", {"max_norm": 0.05})):
-        with hand_output_hooks(model, ["fc3"], lambda g: norms.append(float(torch.linalg.vector_norm(g)))):
+        with hand_output_hooks(
+            model, ["fc3"], lambda g: norms.append(float(torch.linalg.vector_norm(g)))
+        ):
             got = run(model, x, lambda out: out.sum() * 10)
     assert got.keys() == want.keys()
     for k in want:
@@ -181,13 +193,18 @@ def test_nan_raise_names_the_module():
 def test_params_glob_zero_fc_bias_like_the_seeds():
     model = MLP()
     x = torch.randn(4, 32)
-    handles = [p.register_hook(lambda g: torch.zeros_like(g))
-               for n, p in model.named_parameters() if "fc" in n and "bias" in n]
+    handles = [
+        p.register_hook(lambda g: torch.zeros_like(g))
+        for n, p in model.named_parameters()
+        if "fc" in n and "bias" in n
+    ]
     want = run(model, x)
     for h in handles:
         h.remove()
     plain = run(model, x)
-    with hookplug.attach(model, "*", plugins=("gradclamp", {"min": 0, "max": 0, "params": "fc*.bias"})) as s:
+    with hookplug.attach(
+        model, "*", plugins=("gradclamp", {"min": 0, "max": 0, "params": "fc*.bias"})
+    ) as s:
         got = run(model, x)
     assert_grads_equal(got, want)
     for n in got:  # only the biases changed; weights as without hooks
@@ -209,18 +226,25 @@ def test_params_and_outputs_together():
         want = run(model, x)
         for h in hs:
             h.remove()
-    with hookplug.attach(model, "Linear:fc3", plugins=("gradclamp", {"max": 0.0, "params": "*.weight",
-                                                                    "outputs": True})):
+    with hookplug.attach(
+        model,
+        "Linear:fc3",
+        plugins=("gradclamp", {"max": 0.0, "params": "*.weight", "outputs": True}),
+    ):
         got = run(model, x)
     assert_grads_equal(got, want)
 
 
 def test_params_glob_matching_nothing_warns():
     with pytest.warns(RuntimeWarning, match="matches no parameter"):
-        hookplug.attach(MLP(), "Linear:fc1", plugins=("gradclamp", {"max": 1, "params": "fc3.*"})).remove()
+        hookplug.attach(
+            MLP(), "Linear:fc1", plugins=("gradclamp", {"max": 1, "params": "fc3.*"})
+        ).remove()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        hookplug.attach(MLP(), "Linear:fc3", plugins=("gradclamp", {"max": 1, "params": "fc3.*"})).remove()
+        hookplug.attach(
+            MLP(), "Linear:fc3", plugins=("gradclamp", {"max": 1, "params": "fc3.*"})
+        ).remove()
 
 
 def test_report():
@@ -231,16 +255,19 @@ def test_report():
     assert "== gradclamp ==" in text and "fc2" in text and "changed" in text and "min=0" in text
 
 
-@pytest.mark.parametrize("opts,match", [
-    ({}, "nothing to do"),
-    ({"min": 1, "max": 0}, "min must be <= max"),
-    ({"max_norm": 0}, "max_norm"),
-    ({"max_norm": float("inf")}, "max_norm"),
-    ({"nan": "ignore"}, "nan"),
-    ({"min": "0"}, "min"),
-    ({"min": 0, "params": 3}, "params"),
-    ({"min": 0, "outputs": False}, "outputs=False"),
-])
+@pytest.mark.parametrize(
+    "opts,match",
+    [
+        ({}, "nothing to do"),
+        ({"min": 1, "max": 0}, "min must be <= max"),
+        ({"max_norm": 0}, "max_norm"),
+        ({"max_norm": float("inf")}, "max_norm"),
+        ({"nan": "ignore"}, "nan"),
+        ({"min": "0"}, "min"),
+        ({"min": 0, "params": 3}, "params"),
+        ({"min": 0, "outputs": False}, "outputs=False"),
+    ],
+)
 def test_bad_options(opts, match):
     with pytest.raises(PluginError, match=match):
         hookplug.attach(MLP(), "Linear", plugins=("gradclamp", opts))

@@ -1,15 +1,16 @@
 """The seed articles' examples (/shared/seeds), done through hookplug and checked against the
 hand-written hooks the articles use."""
+
 import pytest
 import torch
 import torch.nn as nn
+from hookplug_plugins.gradclamp import GradClampPlugin
 
 import hookplug
 from hookplug.models import MLP, resnet34_like
-from hookplug_plugins.gradclamp import GradClampPlugin
 
+# -- 002: "pytorch hook" --------------------------------------------------------------------------
 
-# -- 002: "pytorch hook" -------------------------------------------------------------------------
 
 class myNet(nn.Module):  # noqa: N801 - the seed's name; its model without the hooks inside forward
     def __init__(self):
@@ -47,20 +48,28 @@ def test_seed_002_clamp_conv_output_and_zero_fc_bias():
             param.register_hook(lambda grad: torch.zeros(grad.shape))
     x = torch.randn(1, 3, 8, 8)
     (1 - seed(x)).mean().backward()
-    assert log == [False]                       # "Gradients less than zero: False"
-    assert torch.equal(seed.fc1.bias.grad, torch.zeros(5))  # "The biases are tensor([0., 0., 0., 0., 0.])"
+    assert log == [False]  # "Gradients less than zero: False"
+    assert torch.equal(
+        seed.fc1.bias.grad, torch.zeros(5)
+    )  # "The biases are tensor([0., 0., 0., 0., 0.])"
 
     net = myNet()
     net.load_state_dict({k: v for k, v in seed.state_dict().items()})
     zero_fc_bias = GradClampPlugin(min=0, max=0, params="fc*.bias")
     zero_fc_bias.name = "zero_fc_bias"
-    with hookplug.attach(net, {
-        "ReLU": [("gradclamp", {"min": 0}), ("stats", {"sites": "grad"})],  # stats sees the clamped grad
-        "*": zero_fc_bias,
-    }) as s:
+    with hookplug.attach(
+        net,
+        {
+            "ReLU": [
+                ("gradclamp", {"min": 0}),
+                ("stats", {"sites": "grad"}),
+            ],  # stats sees the clamped grad
+            "*": zero_fc_bias,
+        },
+    ) as s:
         (1 - net(x)).mean().backward()
         grad_stats = s["stats"].results()["relu"]["grad"]
-    assert not float(grad_stats.min) < 0           # "Gradients less than zero: False"
+    assert not float(grad_stats.min) < 0  # "Gradients less than zero: False"
     assert torch.equal(net.fc1.bias.grad, torch.zeros(5))
     for (n, p), (_, q) in zip(net.named_parameters(), seed.named_parameters()):
         assert torch.equal(p.grad, q.grad), n
@@ -92,7 +101,7 @@ def test_seed_002_activations_of_all_layers_but_sequentials():
 
     def get_all_layers(net):
         handles = []
-        for name, layer in net._modules.items():
+        for name, layer in net._modules.items():  # noqa: PERF102 - as the seed wrote it
             if isinstance(layer, nn.Sequential):
                 handles += get_all_layers(layer)
             else:
@@ -157,7 +166,8 @@ def test_seed_002_resnet34_conv_feature_maps():
         assert images.shape[0] == 1 and images.ndim == 4
 
 
-# -- 000: "Hook mechanism in Pytorch" --------------------------------------------------------------
+# -- 000: "Hook mechanism in Pytorch" -------------------------------------------------------------
+
 
 class Model(nn.Module):  # the model the article's module-hook examples use
     def __init__(self):
@@ -169,7 +179,11 @@ class Model(nn.Module):  # the model the article's module-hook examples use
 
     def initialize(self):
         with torch.no_grad():
-            self.fc1.weight = nn.Parameter(torch.Tensor([[1., 2., 3.], [-4., -5., -6.], [7., 8., 9.], [-10., -11., -12.]]))
+            self.fc1.weight = nn.Parameter(
+                torch.Tensor(
+                    [[1.0, 2.0, 3.0], [-4.0, -5.0, -6.0], [7.0, 8.0, 9.0], [-10.0, -11.0, -12.0]]
+                )
+            )
             self.fc1.bias = nn.Parameter(torch.Tensor([1.0, 2.0, 3.0, 4.0]))
             self.fc2.weight = nn.Parameter(torch.Tensor([[1.0, 2.0, 3.0, 4.0]]))
             self.fc2.bias = nn.Parameter(torch.Tensor([1.0]))
@@ -225,9 +239,14 @@ def test_seed_000_grad_stats_of_intermediates_without_retain_grad():
         def hook(mod, inp, out):
             out.retain_grad()  # what the article says costs memory; hookplug does not need it
             retained.setdefault(name, []).append(out)
+
         return hook
 
-    handles = [m.register_forward_hook(keep(n)) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    handles = [
+        m.register_forward_hook(keep(n))
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+    ]
     model(x).square().mean().backward()
     for h in handles:
         h.remove()
@@ -246,19 +265,24 @@ def test_seed_000_grad_stats_of_intermediates_without_retain_grad():
     assert "grad" in s.report() and "fc2" in s.report()
 
 
-# -- 003: "gradient clipper": clamp every parameter's gradient through a hook -------------------------
+# -- 003: "gradient clipper": clamp every parameter's gradient through a hook ---------------------
+
 
 @pytest.mark.parametrize("clip", [0.01])
 def test_seed_003_gradient_clipper_on_every_parameter(clip):
     model = MLP()
     x = torch.randn(8, 32)
-    handles = [p.register_hook(lambda grad: torch.clamp(grad, -clip, clip)) for p in model.parameters()]
+    handles = [
+        p.register_hook(lambda grad: torch.clamp(grad, -clip, clip)) for p in model.parameters()
+    ]
     model(x).square().mean().backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     for h in handles:
         h.remove()
     model.zero_grad(set_to_none=True)
-    with hookplug.attach(model, "*", plugins=("gradclamp", {"min": -clip, "max": clip, "params": "*"})) as s:
+    with hookplug.attach(
+        model, "*", plugins=("gradclamp", {"min": -clip, "max": clip, "params": "*"})
+    ) as s:
         model(x).square().mean().backward()
     for n, p in model.named_parameters():
         assert torch.equal(p.grad, want[n]), n

@@ -141,6 +141,34 @@ def test_session_flush_forces_and_returns_records():
         assert_record_matches(r, torch.cat([o.reshape(-1) for o in seen[(r["step"], r["module"])]]))
 
 
+def test_flushes_in_flight_are_polled_never_awaited_by_step(monkeypatch):
+    """The CUDA discipline, on the CPU: a flush whose copy is not done stays in flight;
+    step() only polls; flush() (wait=True) waits; records come out in flush order."""
+    from hookplug import _telemetry
+
+    gate, waited = {"open": False}, []
+    monkeypatch.setattr(_telemetry._Flight, "ready", lambda self: gate["open"])
+    monkeypatch.setattr(_telemetry._Flight, "wait", lambda self: waited.append(gate["open"]))
+    m, sink = MLP(), ListSink()
+    in_flight = None
+    with hookplug.attach(m, "Linear", plugins=("stats", {"bins": 0}), sink=sink, flush_every=1) as s:
+        in_flight = s._telemetry.in_flight
+        for _ in range(2):
+            m(torch.randn(2, 32))
+            s.step()
+        assert sink.records == [] and len(in_flight) == 2 and waited == []
+        gate["open"] = True
+        m(torch.randn(2, 32))
+        s.step()  # both earlier flushes are done: emitted first, then this step's
+        assert [r["step"] for r in sink.records] == [0] * 3 + [1] * 3 + [2] * 3 and not in_flight
+        gate["open"] = False
+        m(torch.randn(2, 32))
+        s.step()
+        assert len(in_flight) == 1 and len(sink.records) == 9
+        assert [r["step"] for r in s.flush()] == [3] * 3  # wait=True: the one sync point
+        assert waited[-1] is False and not in_flight
+
+
 def test_every_n_records_only_sampled_steps():
     m = MLP()
     sink = ListSink()

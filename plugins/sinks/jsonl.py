@@ -32,8 +32,7 @@ __all__ = ["JsonlSink", "read_jsonl"]
 
 _SUFFIXES = (".jsonl", ".json", ".ndjson")
 _CHUNK = 1 << 20  # bytes per os.write (whole lines)
-
-
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 _FLOATS = ("min", "max", "mean", "std", "absmax", "time")
 
 
@@ -96,9 +95,9 @@ class JsonlSink:
             if v is not None and not math.isfinite(v):
                 out[k] = None
         try:
-            text = json.dumps(out, separators=(",", ":"), allow_nan=False)
+            text = _ENCODER.encode(out)
         except ValueError:  # a non-finite float elsewhere (a producer's own meta)
-            text = json.dumps(_clean(out), separators=(",", ":"), allow_nan=False)
+            text = _ENCODER.encode(_clean(out))
         return text + "\n"
 
     @hookplug.hookimpl

@@ -33,22 +33,18 @@ import threading
 from typing import Any, Dict, List, Optional, Tuple
 
 import hookplug
+from hookplug._optional import optional_import
+from hookplug._telemetry import STAT_FIELDS
 
 __all__ = ["PrometheusSink"]
 
-STATS = ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "mean", "std", "absmax")
+STATS = STAT_FIELDS
 
 
 def _client():
-    try:
-        import prometheus_client
-        from prometheus_client import core
-    except ImportError as exc:
-        raise ImportError(
-            "the hookplug 'prometheus' sink needs the prometheus_client package: "
-            f"pip install hookplug[prometheus] (or pip install prometheus_client) [{exc}]"
-        ) from exc
-    return prometheus_client, core
+    return optional_import("prometheus_client", "prometheus_client.core",
+                           feature="the hookplug 'prometheus' sink", extra="prometheus",
+                           package="prometheus_client")
 
 
 class _Collector:

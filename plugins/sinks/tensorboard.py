@@ -20,22 +20,20 @@ import os
 from typing import Any, Dict, List, Optional, Sequence
 
 import hookplug
+from hookplug._optional import optional_import
+from hookplug._telemetry import STAT_FIELDS
 
 __all__ = ["TensorBoardSink"]
 
-STATS = ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "mean", "std", "absmax")
+STATS = STAT_FIELDS
 
 
 def _summary_writer():
-    try:
-        import tensorboard  # noqa: F401  (SummaryWriter needs it and says so less clearly)
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as exc:
-        raise ImportError(
-            "the hookplug 'tensorboard' sink needs the tensorboard package: "
-            f"pip install hookplug[tensorboard] (or pip install tensorboard) [{exc}]"
-        ) from exc
-    return SummaryWriter
+    # SummaryWriter needs tensorboard and says so less clearly: import it first
+    _, tb = optional_import("tensorboard", "torch.utils.tensorboard",
+                            feature="the hookplug 'tensorboard' sink", extra="tensorboard",
+                            package="tensorboard")
+    return tb.SummaryWriter
 
 
 class TensorBoardSink:
