@@ -14,6 +14,9 @@ class Plugin:
     """Base class: subclasses set ``name`` and implement hooks from ``hookplug.hookspecs``."""
 
     name: str = ""
+    #: ``attach(..., every=N)`` calls the plugin on sampled steps only; a plugin that must
+    #: act on every step (gradient steering) sets this to False.
+    sampled: bool = True
 
     def results(self) -> Dict[str, Any]:
         """Results keyed by qualified module name."""

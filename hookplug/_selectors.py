@@ -8,8 +8,9 @@ Grammar (see DESIGN.md)::
     names    := glob | "re:" regex | ""          fnmatch glob ("." literal), full-match regex,
                                                  or empty: the root module only
 
-A regex runs to the next comma outside brackets, braces and parentheses (write ``\\,`` for a
-literal comma at the top level).
+A regex runs to the next comma outside character classes, braces and parentheses (write
+``\\,`` for a literal comma at the top level). Wrappers (``torch.compile``, DataParallel,
+DDP) are looked through: names are those of the wrapped model.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from typing import Callable, List, Sequence, Tuple
 
 import torch.nn as nn
 
-__all__ = ["SelectorError", "select", "parse_selector"]
+__all__ = ["SelectorError", "select", "parse_selector", "unwrap_model"]
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 
@@ -62,24 +63,40 @@ class _Term:
 
 
 def _split_terms(selector: str) -> List[Tuple[int, str]]:
-    """Split on top-level commas; inside a ``re:`` part, brackets and escapes protect commas."""
-    parts, start, depth, i, in_regex = [], 0, 0, 0, False
+    """Split on top-level commas; inside a ``re:`` part, escapes, character classes and
+    brackets protect commas."""
+    parts, start, depth, i, in_regex, seen_colon = [], 0, 0, 0, False, False
     while i < len(selector):
         ch = selector[i]
         if in_regex and ch == "\\":
             i += 2
             continue
-        if not in_regex and selector.startswith("re:", i) and i > 0 and selector[i - 1] == ":":
-            in_regex = True
-            i += 3
+        if in_regex and ch == "[":  # a character class: brackets inside it are literal
+            j = i + 1
+            if j < len(selector) and selector[j] == "^":
+                j += 1
+            if j < len(selector) and selector[j] == "]":
+                j += 1
+            while j < len(selector) and selector[j] != "]":
+                j += 2 if selector[j] == "\\" else 1
+            i = j + 1
             continue
-        if in_regex and ch in "([{":
+        if not in_regex and ch == ":" and not seen_colon:
+            seen_colon = True
+            k = i + 1
+            while k < len(selector) and selector[k] == " ":
+                k += 1
+            if selector.startswith("re:", k):
+                in_regex = True
+                i = k + 3
+                continue
+        elif in_regex and ch in "({":
             depth += 1
-        elif in_regex and ch in ")]}":
+        elif in_regex and ch in ")}":
             depth = max(0, depth - 1)
         elif ch == "," and depth == 0:
             parts.append((start, selector[start:i]))
-            start, in_regex = i + 1, False
+            start, in_regex, seen_colon = i + 1, False, False
         i += 1
     parts.append((start, selector[start:]))
     return parts
@@ -122,13 +139,15 @@ def _parse_term(selector: str, offset: int, text: str) -> _Term:
         kind, pattern = "glob", "*"
     elif name_part.strip() == "":
         kind, pattern = "root", ""
-    elif name_part.startswith("re:"):
-        kind, pattern = "regex", name_part[3:]
+    elif name_part.lstrip().startswith("re:"):
+        lead_spaces = len(name_part) - len(name_part.lstrip())
+        kind, pattern = "regex", name_part.lstrip()[3:].rstrip()
         try:
             re.compile(pattern)
         except re.error as exc:
             raise SelectorError(
-                selector, name_col + 3 + (exc.pos or 0), f"invalid regular expression: {exc.msg}"
+                selector, name_col + lead_spaces + 3 + (exc.pos or 0),
+                f"invalid regular expression: {exc.msg}",
             ) from None
     else:
         kind, pattern = "glob", name_part.strip()
@@ -184,6 +203,19 @@ def _name_matcher(term: _Term) -> Callable[[str], bool]:
     return lambda n: n != "" and fnmatch.fnmatchcase(n, pat)
 
 
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's model inside ``torch.compile``'s ``OptimizedModule`` and
+    ``DataParallel``/``DistributedDataParallel``, so names do not depend on the wrapper."""
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        if isinstance(inner, nn.Module):
+            model = inner
+        elif isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            model = model.module
+        else:
+            return model
+
+
 def select(
     model: nn.Module, selector: str, *, strict: bool = False
 ) -> List[Tuple[str, nn.Module]]:
@@ -194,6 +226,7 @@ def select(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"select() expects a torch.nn.Module, got {type(model).__name__}")
+    model = unwrap_model(model)
     terms = parse_selector(selector)
     named = list(model.named_modules())
     known = list({k for _, m in named for k in type(m).__mro__})

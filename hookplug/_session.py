@@ -7,6 +7,7 @@ hook only where that tuple is non-empty. The torch hooks then loop over plain tu
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -16,7 +17,7 @@ import torch.nn as nn
 
 from . import hookspecs
 from ._manager import PluginError, create_plugin, new_plugin_manager
-from ._selectors import select
+from ._selectors import select, unwrap_model
 from .structures import iter_tensors
 
 __all__ = ["attach", "Session", "HookContext"]
@@ -32,6 +33,11 @@ _SPEC_ARGS = {
     for name in _PER_CALL_HOOKS
 }
 _ON_ERROR = ("raise", "warn")
+# always_call (torch >= 2.1): the post hook also runs when forward raises, so per-call
+# state (ours and the plugins') unwinds.
+_POST_HOOK_KWARGS = {"with_kwargs": True}
+if "always_call" in inspect.signature(nn.Module.register_forward_hook).parameters:
+    _POST_HOOK_KWARGS["always_call"] = True
 
 
 class HookContext:
@@ -109,9 +115,14 @@ def _adapt(impl, hook_name: str) -> Callable:
 
 
 class _ModuleBinding:
-    """The torch hooks of one module: tuples of ``(plugin, fn)`` per hook kind."""
+    """The torch hooks of one module: tuples of ``(plugin, fn)`` per hook kind.
 
-    __slots__ = ("name", "session", "fwd_in", "fwd_out", "out_grad", "calls", "_pending", "__weakref__")
+    ``variants[sampling]`` holds the tuples for sampled and unsampled steps (plugins with
+    ``sampled = False`` run on both); ``Session._apply_sampling`` swaps them in.
+    """
+
+    __slots__ = ("name", "session", "fwd_in", "fwd_out", "out_grad", "calls", "has_pre",
+                 "has_post", "variants", "_pending", "__weakref__")
 
     def __init__(self, name: str, session: "Session"):
         self.name = name
@@ -119,22 +130,26 @@ class _ModuleBinding:
         self.fwd_in: Tuple = ()
         self.fwd_out: Tuple = ()
         self.out_grad: Tuple = ()
-        self.calls = 0
-        self._pending: List[HookContext] = []
-
-    def _new_ctx(self) -> HookContext:
-        ctx = HookContext(self.name, self.calls, self.session._step, self.session)
-        self.calls += 1
-        return ctx
+        self.calls = 0  # every call, sampled or not
+        self.has_pre = False
+        self.has_post = False
+        self.variants: Dict[bool, Tuple[Tuple, Tuple, Tuple]] = {}
+        self._pending: List[HookContext] = []  # pushed by pre_hook, popped by post_hook
 
     def pre_hook(self, module, args, kwargs):
-        s = self.session
-        if not s._sampling:
+        index = self.calls
+        self.calls = index + 1
+        impls = self.fwd_in
+        if not impls and not self.has_post:
             return None
-        ctx = self._new_ctx()
-        self._pending.append(ctx)
+        s = self.session
+        ctx = HookContext(self.name, index, s._step, s)
+        if self.has_post:  # the same ctx reaches forward_output for this call
+            self._pending.append(ctx)
+        if not impls:
+            return None
         changed = False
-        for plugin, fn in self.fwd_in:
+        for plugin, fn in impls:
             try:
                 res = fn(ctx, module, args, kwargs)
             except Exception as exc:  # noqa: BLE001
@@ -152,12 +167,23 @@ class _ModuleBinding:
         return (args, kwargs) if changed else None
 
     def post_hook(self, module, args, kwargs, output):
+        """Also runs (``always_call``) when ``forward`` raised; ``output`` is None then."""
+        if self.has_pre and self._pending:
+            ctx = self._pending.pop()
+            fwd_out, out_grad = self.fwd_out, self.out_grad
+            if not fwd_out and not out_grad:
+                return None
+        else:
+            index = self.calls
+            self.calls = index + 1
+            fwd_out, out_grad = self.fwd_out, self.out_grad
+            if not fwd_out and not out_grad:
+                return None
+            s = self.session
+            ctx = HookContext(self.name, index, s._step, s)
         s = self.session
-        if not s._sampling:
-            return None
-        ctx = self._pending.pop() if self.fwd_in and self._pending else self._new_ctx()
         changed = False
-        for plugin, fn in self.fwd_out:
+        for plugin, fn in fwd_out:
             try:
                 res = fn(ctx, module, args, kwargs, output)
             except Exception as exc:  # noqa: BLE001
@@ -166,9 +192,10 @@ class _ModuleBinding:
             if res is not None:
                 output = res
                 changed = True
-        if self.out_grad and torch.is_grad_enabled():
+        if out_grad and torch.is_grad_enabled():
             for path, t in iter_tensors(output):
-                if t.requires_grad:
+                # a leaf (a Parameter returned as is) would keep a tensor hook for good
+                if t.requires_grad and t.grad_fn is not None:
                     t.register_hook(functools.partial(self.grad_hook, ctx, module, path))
         return output if changed else None
 
@@ -192,18 +219,19 @@ class _ModuleBinding:
 class _ParamBinding:
     """The tensor hook on one parameter's gradient."""
 
-    __slots__ = ("name", "param_ref", "session", "impls", "calls")
+    __slots__ = ("name", "param_ref", "session", "impls", "calls", "variants")
 
     def __init__(self, name: str, param: torch.Tensor, session: "Session"):
         self.name = name
         self.param_ref = weakref.ref(param)
         self.session = session
         self.impls: Tuple = ()
+        self.variants: Dict[bool, Tuple] = {}
         self.calls = 0
 
     def __call__(self, grad):
         s = self.session
-        if s._removed or not s._sampling:
+        if s._removed or not self.impls:
             return None
         ctx = HookContext(self.name, self.calls, s._step, s)
         self.calls += 1
@@ -255,7 +283,7 @@ class Session:
         self._bindings: Dict[str, _ModuleBinding] = {}
         self._param_bindings: Dict[str, _ParamBinding] = {}
         self._handles: List[Any] = []
-        self._pm = new_plugin_manager()
+        self._impls: Dict[Tuple[str, int], Any] = {}  # (hook name, id(plugin)) -> pluggy HookImpl
         self._call_order: Dict[str, List[Any]] = {}
         self._key_of: Dict[int, str] = {}
         from ._telemetry import Telemetry, new_run_id
@@ -345,7 +373,10 @@ class Session:
         Also usable as ``with session.step(): ...`` (the body runs in the new step)."""
         ended = self._step
         self._step += 1
-        self._sampling = (self._step % self.every) == 0 and not self._removed
+        sampling = (self._step % self.every) == 0 and not self._removed
+        if sampling != self._sampling:
+            self._sampling = sampling
+            self._apply_sampling()
         self._call_session_hook("hookplug_step", session=self, step=ended)
         self._telemetry.on_step(self, ended)  # polls flushes in flight; never waits
         return _StepScope(self)
@@ -366,6 +397,10 @@ class Session:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        # the bindings point back at the session: drop them so `del session` frees plugins'
+        # data without waiting for the cycle collector
+        self._bindings.clear()
+        self._param_bindings.clear()
         try:
             if self._telemetry.has_consumers(self):
                 self.flush(wait=True)
@@ -416,10 +451,7 @@ class Session:
         return results
 
     def _impl_of(self, plugin, hook_name: str):
-        for impl in getattr(self._pm.hook, hook_name).get_hookimpls():
-            if impl.plugin is plugin:
-                return impl
-        raise KeyError(hook_name)
+        return self._impls[(hook_name, id(plugin))]
 
     # -- binding -----------------------------------------------------------------------------
 
@@ -433,19 +465,7 @@ class Session:
         self._plugin_modules[name] = list(module_names)
 
     def _bind(self, model: nn.Module) -> None:
-        order = list(self._plugins.values()) + list(self._sinks.values())
-        for plugin in reversed(order):  # pluggy calls the last registered first
-            self._pm.register(plugin, name=f"{self._key_of[id(plugin)]}-{id(plugin)}")
-        self._pm.check_pending()
-        for hook_name in hookspecs.__dict__:
-            if hook_name.startswith("hookplug_"):
-                impls = getattr(self._pm.hook, hook_name).get_hookimpls()
-                self._call_order[hook_name] = [i.plugin for i in reversed(impls)]
-        self._adapted = {
-            (id(impl.plugin), h): _adapt(impl, h)
-            for h in _PER_CALL_HOOKS
-            for impl in getattr(self._pm.hook, h).get_hookimpls()
-        }
+        self._resolve_hooks()
         mods = dict(model.named_modules())
         for name in self._module_refs:
             self._bindings[name] = _ModuleBinding(name, self)
@@ -467,16 +487,42 @@ class Session:
         self._rebind()
         for name, binding in self._bindings.items():
             mod = mods[name]
-            if binding.fwd_in:
+            fwd_in, fwd_out, out_grad = binding.variants[True]
+            binding.has_pre, binding.has_post = bool(fwd_in), bool(fwd_out or out_grad)
+            if binding.has_pre:
                 self._handles.append(mod.register_forward_pre_hook(binding.pre_hook, with_kwargs=True))
-            if binding.fwd_out or binding.out_grad:
-                self._handles.append(mod.register_forward_hook(binding.post_hook, with_kwargs=True))
+            if binding.has_post:
+                self._handles.append(mod.register_forward_hook(binding.post_hook, **_POST_HOOK_KWARGS))
         for pname, pb in self._param_bindings.items():
-            if pb.impls:
+            if pb.variants[True]:
                 self._handles.append(wanted_params[pname].register_hook(pb))
 
+    def _resolve_hooks(self) -> None:
+        """Ask pluggy, once, which plugin implements which hook and in what order; keep the
+        answer and let the manager go (it is a reference cycle that would hold every plugin
+        until the cycle collector runs)."""
+        pm = new_plugin_manager()
+        order = list(self._plugins.values()) + list(self._sinks.values())
+        try:
+            for plugin in reversed(order):  # pluggy calls the last registered first
+                pm.register(plugin, name=f"{self._key_of[id(plugin)]}-{id(plugin)}")
+            pm.check_pending()
+            for hook_name in hookspecs.__dict__:
+                if hook_name.startswith("hookplug_"):
+                    impls = list(reversed(getattr(pm.hook, hook_name).get_hookimpls()))
+                    self._call_order[hook_name] = [i.plugin for i in impls]
+                    self._impls.update({(hook_name, id(i.plugin)): i for i in impls})
+        finally:
+            for plugin in order:
+                if pm.is_registered(plugin):
+                    pm.unregister(plugin)
+        self._adapted = {
+            (key[1], key[0]): _adapt(impl, key[0]) for key, impl in self._impls.items() if key[0] in _PER_CALL_HOOKS
+        }
+
     def _rebind(self) -> None:
-        """(Re)build the per-module tuples, leaving out disabled plugins."""
+        """(Re)build the per-module tuples, leaving out disabled plugins; one set for
+        sampled steps and one (plugins with ``sampled = False`` only) for the others."""
         by_module: Dict[str, List[Any]] = {n: [] for n in self._bindings}
         for pl_name, mod_names in self._plugin_modules.items():
             if pl_name in self._disabled or pl_name not in self._plugins:
@@ -484,8 +530,8 @@ class Session:
             for mn in mod_names:
                 by_module[mn].append(self._plugins[pl_name])
 
-        def impls_for(hook_name: str, allowed) -> Tuple:
-            allowed_ids = {id(p) for p in allowed}
+        def impls_for(hook_name: str, allowed, sampling: bool) -> Tuple:
+            allowed_ids = {id(p) for p in allowed if sampling or not getattr(p, "sampled", True)}
             return tuple(
                 (p, self._adapted[(id(p), hook_name)])
                 for p in self._call_order[hook_name]
@@ -494,13 +540,24 @@ class Session:
 
         for name, binding in self._bindings.items():
             allowed = by_module[name]
-            binding.fwd_in = impls_for("hookplug_forward_input", allowed)
-            binding.fwd_out = impls_for("hookplug_forward_output", allowed)
-            binding.out_grad = impls_for("hookplug_output_grad", allowed)
+            binding.variants = {
+                sampling: tuple(impls_for(h, allowed, sampling) for h in _PER_CALL_HOOKS[:3])
+                for sampling in (True, False)
+            }
         live = [p for n, p in self._plugins.items() if n not in self._disabled]
         for pb in self._param_bindings.values():
             covering = [p for p in live if pb.name in self._params_of(p)]
-            pb.impls = impls_for("hookplug_param_grad", covering)
+            pb.variants = {sampling: impls_for("hookplug_param_grad", covering, sampling)
+                           for sampling in (True, False)}
+        self._apply_sampling()
+
+    def _apply_sampling(self) -> None:
+        """Swap in the tuples for this step: unsampled steps run only unsampled plugins."""
+        sampling = self._sampling
+        for binding in self._bindings.values():
+            binding.fwd_in, binding.fwd_out, binding.out_grad = binding.variants[sampling]
+        for pb in self._param_bindings.values():
+            pb.impls = pb.variants[sampling]
 
     def _params_of(self, plugin) -> set:
         cache = self.__dict__.setdefault("_param_cache", {})
@@ -572,6 +629,8 @@ def attach(
     selector, plugins, every, sink, on_error, strict, flush_every = attach_options(
         config, selector, plugins, every=every, sink=sink, on_error=on_error, strict=strict,
         flush_every=flush_every)
+    if isinstance(model, nn.Module):
+        model = unwrap_model(model)  # hooks on the wrapped modules serve the wrapper too
     session = Session(model, every=every, on_error=on_error, flush_every=flush_every)
     if isinstance(selector, dict):
         if plugins is not None:

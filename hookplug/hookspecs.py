@@ -11,7 +11,13 @@ unchanged (observe only).
 
 ``ctx`` is a :class:`hookplug.HookContext` with ``name`` (the module's qualified name),
 ``call_index`` (how many times this module has been called in this session, from 0),
-``step`` (the session's step counter) and ``session``.
+``step`` (the session's step counter) and ``session``; ``forward_input`` and
+``forward_output`` of one call receive the same ``ctx`` object, and so do the gradient hooks
+of that call's outputs. ``output`` is None in ``forward_output`` when ``forward`` raised
+(the hook still runs so plugins can unwind per-call state; torch >= 2.1).
+
+Sampling (``attach(..., every=N)``): on unsampled steps only plugins whose class sets
+``sampled = False`` are called (plugins that steer gradients must run on every step).
 """
 import pluggy
 

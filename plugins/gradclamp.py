@@ -61,6 +61,7 @@ class GradClampPlugin(hookplug.Plugin):
     parameters. See the module docstring for the options."""
 
     name = "gradclamp"
+    sampled = False  # steering gradients must not stop on the steps `every=N` skips
 
     def __init__(
         self,

@@ -2,6 +2,7 @@ import re
 import warnings
 
 import pytest
+import torch
 import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -172,3 +173,15 @@ def test_fuzz_arbitrary_unicode(sel):
             hookplug.select(model, sel)
         except SelectorError:
             pass
+
+
+def test_regex_character_class_and_space_before_re():
+    m = nn.ModuleDict({"fc1": nn.Linear(1, 1), "fc(1": nn.Linear(1, 1), "head": nn.Linear(1, 1)})
+    assert names(m, "Linear:re:fc[(,]1, *:head") == ["fc(1", "head"]
+    assert names(m, "Linear: re:fc1 , *:head") == ["fc1", "head"]
+
+
+def test_wrappers_are_looked_through():
+    m = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    assert names(torch.compile(m), "Linear") == ["0", "2"]
+    assert names(nn.DataParallel(m), "*:0") == ["0"]

@@ -473,3 +473,115 @@ def test_transformer_model_with_kwargs_hooks():
         out = model(tokens)
     assert torch.equal(out, ref)
     assert [c[0] for c in rec.calls] == ["layers.0.out", "layers.0", "layers.1.out", "layers.1"]
+
+
+# -- regressions found in review --------------------------------------------------------------------
+
+class ParamOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.zeros(4))
+
+    def forward(self):
+        return self.pos
+
+
+def test_leaf_output_gets_no_lingering_tensor_hook():
+    m = nn.Sequential()
+    m.add_module("pos", ParamOut())
+    rec = Recorder()
+    with hookplug.attach(m, "ParamOut", plugins=rec):
+        for _ in range(3):
+            m.pos().sum().backward()
+        assert not m.pos.pos._backward_hooks
+    assert len(rec.calls) == 3
+
+
+def test_forward_that_raises_unwinds_per_call_state():
+    class Stack(Recorder):
+        def __init__(self):
+            super().__init__("stack")
+            self.open = []
+
+        @hookimpl
+        def hookplug_forward_input(self, ctx):
+            self.open.append(ctx)
+
+        @hookimpl
+        def hookplug_forward_output(self, ctx, output):
+            assert self.open.pop() is ctx
+
+    m = MLP()
+    st = Stack()
+    with hookplug.attach(m, "Linear", plugins=st) as s:
+        with pytest.raises(RuntimeError):
+            m(torch.randn(2, 5))  # wrong width: fc1 raises
+        m(torch.randn(2, 32))
+        assert st.open == []
+        assert all(not b._pending for b in s._bindings.values())
+
+
+def test_input_only_plugin_keeps_no_pending_contexts():
+    class InputOnly(hookplug.Plugin):
+        name = "in"
+
+        @hookimpl
+        def hookplug_forward_input(self, ctx):
+            return None
+
+    m = MLP()
+    with hookplug.attach(m, "Linear", plugins=InputOnly()) as s:
+        for _ in range(5):
+            m(torch.randn(2, 32))
+        assert all(not b._pending and not b.has_post for b in s._bindings.values())
+
+
+def test_unsampled_steps_still_run_plugins_that_opt_out_of_sampling():
+    class Always(Recorder):
+        sampled = False
+
+    m = MLP()
+    always, sampled = Always("always"), Recorder("sampled")
+    with hookplug.attach(m, "*:fc1", plugins=[always, sampled], every=3) as s:
+        for _ in range(6):
+            m(torch.randn(2, 32)).sum().backward()
+            s.step()
+    assert [c[2] for c in always.calls] == [0, 1, 2, 3, 4, 5]
+    assert [c[2] for c in sampled.calls] == [0, 3]
+    # call_index counts every call, sampled or not
+    assert [c[1] for c in sampled.calls] == [0, 3]
+    assert len(always.grads) == 6 and len(sampled.grads) == 2
+
+
+def test_gradclamp_acts_on_unsampled_steps():
+    m = MLP()
+    x = torch.randn(4, 32)
+    with hookplug.attach(m, "*", plugins=("gradclamp", {"min": 0, "max": 0, "params": "fc3.bias"}), every=4) as s:
+        for _ in range(3):
+            m.zero_grad()
+            m(x).sum().backward()
+            assert torch.count_nonzero(m.fc3.bias.grad) == 0
+            s.step()
+
+
+def test_del_session_frees_plugin_data_without_gc():
+    m = MLP()
+    s = hookplug.attach(m, "Linear", plugins="capture")
+    m(torch.randn(2, 32))
+    ref = weakref.ref(s["capture"].features["fc1"])
+    s.remove()
+    gc.disable()
+    try:
+        del s
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
+def test_attach_to_a_compiled_wrapper_uses_plain_names():
+    m = MLP()
+    rec = Recorder()
+    with hookplug.attach(torch.compile(m, backend="eager"), "Linear", plugins=rec) as s:
+        assert list(s.modules) == ["fc1", "fc2", "fc3"]
+        m(torch.randn(2, 32))
+    assert [c[0] for c in rec.calls] == ["fc1", "fc2", "fc2", "fc3"]
