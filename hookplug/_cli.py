@@ -60,14 +60,24 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 # -- arguments ---------------------------------------------------------------------------
 
+_MAX_NUMEL = 2**63 - 1  # torch sizes are int64
+
+
 def parse_shape(text: str) -> Tuple[int, ...]:
     """``"8x3x64x64"`` (or ``8,3,64,64``) -> ``(8, 3, 64, 64)``."""
     parts = [p.strip() for p in re.split(r"[x×X,*]", str(text).strip())]
-    if not parts or any(not p.isdigit() or int(p) <= 0 for p in parts):
+    if not parts or any(not p.isascii() or not p.isdigit() or int(p) <= 0 for p in parts):
         raise UsageError(
             f"--input {text!r}: expected a shape such as 8x3x64x64 (positive integers joined by 'x')"
         )
-    return tuple(int(p) for p in parts)
+    shape = tuple(int(p) for p in parts)
+    numel = 1
+    for n in shape:
+        numel *= n
+    if numel > _MAX_NUMEL:
+        raise UsageError(f"--input {text!r}: the shape is too large ({numel} elements, a tensor holds "
+                         f"at most 2**63-1)")
+    return shape
 
 
 def _parse_dtype(text: str) -> torch.dtype:
@@ -123,11 +133,21 @@ def _parse_plugins(text: str) -> List[Tuple[str, Dict[str, Any]]]:
         args, kwargs = _parse_call_args(part, argstr, what="--plugins")
         if args:
             raise UsageError(f"--plugins {part!r}: give options by name, e.g. {name}(bins=0)")
-        if name not in [n for n, _ in out]:
-            out.append((name, kwargs))
+        if name in [n for n, _ in out]:
+            raise UsageError(f"--plugins {text!r}: plugin {name!r} is given twice; name each plugin "
+                             f"once, with all its options, e.g. {name}(bins=0)")
+        out.append((name, kwargs))
     if not out:
         raise UsageError(f"--plugins {text!r}: expected plugin names separated by commas, e.g. stats,flops")
     return out
+
+
+def _output_dir(option: str, value: str) -> None:
+    """Check early that ``value`` can be a folder (one that does not exist yet is created by
+    the writer, whose OSError the caller turns into a UsageError)."""
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{option} {value}: is a file, expected a folder")
 
 
 def _output_path(option: str, value: Optional[str]) -> Optional[Path]:
@@ -484,6 +504,8 @@ def cmd_profile(args) -> int:
     plugin_names = [n for n, _ in plugin_options]
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps}: expected a number >= 1")
+    if not -(2**63) <= args.seed < 2**64:  # what torch.manual_seed takes
+        raise UsageError(f"--seed {args.seed}: expected an integer that fits in 64 bits")
     shape = parse_shape(args.input) if args.input is not None else None
     dtype = _parse_dtype(args.dtype) if args.dtype is not None else None
     device = _parse_device(args.device)
@@ -491,10 +513,14 @@ def cmd_profile(args) -> int:
     html_path = _output_path("--html", args.html)
     tb_writer = None
     if args.tensorboard is not None:
+        _output_dir("--tensorboard", args.tensorboard)
         try:
             tb_writer = _report.TensorBoardWriter(args.tensorboard)
         except ImportError as exc:
             raise UsageError(f"--tensorboard: {exc}") from None
+        except OSError as exc:  # a folder that cannot be created or written
+            raise UsageError(f"--tensorboard {args.tensorboard}: cannot create or write the folder: "
+                             f"{exc.strerror or exc}") from None
     file_tensors = _read_input_file(args.input_file) if args.input_file else None
 
     torch.manual_seed(args.seed)
@@ -528,8 +554,9 @@ def cmd_profile(args) -> int:
                     x = torch.randn(shape, generator=gen).to(dtype)
                 else:
                     x = torch.randint(0, vocab, shape, generator=gen, dtype=dtype)
-            except RuntimeError as exc:
-                raise UsageError(f"--input {args.input}: cannot create the input: {exc}") from None
+            except (RuntimeError, TypeError, ValueError, OverflowError, MemoryError) as exc:
+                msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise UsageError(f"--input {args.input}: cannot create the input: {msg}") from None
             call_args, call_kwargs = (x,), {}
         return (tuple(t.to(device) for t in call_args), {k: t.to(device) for k, t in call_kwargs.items()})
 

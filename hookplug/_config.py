@@ -26,6 +26,15 @@
 tables. The result maps onto ``attach``: ``selector`` is ``{selector: {plugin: options}}``
 (plugins that share a selector share an entry), ``sink`` is ``{sink: options}``.
 
+Precedence (``attach(model, config=..., **arguments)``): an argument given to ``attach``
+wins over the file, key by key (``every``, ``flush_every``, ``sink``, ``on_error``,
+``strict``); what neither gives takes attach's default (``every=1``, ``on_error="raise"``,
+``strict=False``). Plugins come from the file or from ``plugins=``, not both (a
+:class:`ConfigError` says so). A file without plugins but with a top-level ``select``
+supplies the selector for the ``plugins=`` given to ``attach``, unless ``attach`` is given
+a selector of its own (anything but the default ``"*"``), which wins; ``load_config`` then
+returns that ``select`` as the string ``selector``.
+
 Checks happen here, before anything is attached: unknown top-level keys, wrong types,
 unknown plugin or sink names, and, for plugins whose factory can be inspected, unknown
 options and options whose type differs from the factory's default or annotation. Every
@@ -243,6 +252,8 @@ def parse_config(data: Dict[str, Any], path: str = "<config>") -> Dict[str, Any]
         groups.setdefault(sel, {})[name] = opts
     if groups:
         out["selector"] = groups
+    elif "select" in data:  # no plugins here: the selector for attach's own plugins=
+        out["selector"] = default_sel
     sinks = _plugin_tables(ctx, "sinks", data.get("sinks", {}))
     for name, opts in sinks.items():
         _check_options(ctx, "sinks", name, opts)
@@ -254,8 +265,9 @@ def parse_config(data: Dict[str, Any], path: str = "<config>") -> Dict[str, Any]
 def load_config(path: "str | os.PathLike[str]") -> Dict[str, Any]:
     """Read a telemetry TOML file (schema in this module's docstring) and return the
     ``hookplug.attach`` keyword arguments it describes: some of ``selector`` (a
-    ``{selector: {plugin: options}}`` dict), ``sink`` (``{sink: options}``), ``every``,
-    ``flush_every``, ``on_error``, ``strict``. Raises :class:`ConfigError`."""
+    ``{selector: {plugin: options}}`` dict, or the top-level ``select`` string when the file
+    names no plugins), ``sink`` (``{sink: options}``), ``every``, ``flush_every``,
+    ``on_error``, ``strict``. Raises :class:`ConfigError`."""
     path = os.fspath(path)
     try:
         with open(path, "rb") as f:
@@ -274,30 +286,37 @@ def load_config(path: "str | os.PathLike[str]") -> Dict[str, Any]:
 
 def attach_options(config, selector, plugins, *, every, sink, on_error, strict, flush_every):
     """How ``attach()`` combines ``config=`` (a path or an already loaded dict) with its own
-    arguments: an argument given to ``attach`` wins over the file; plugins come from one or
-    the other, not both. Then the defaults: ``every=1``; with ``flush_every`` set and no
-    sink anywhere, the embedded ``jsonl`` sink (``runs/<run-id>/telemetry.jsonl``).
+    arguments (the precedence rule of this module's docstring): an argument given to
+    ``attach`` (not None; for ``selector``, not the default ``"*"``) wins over the file;
+    plugins come from one or the other, not both. Then the defaults: ``every=1``,
+    ``on_error="raise"``, ``strict=False``; with ``flush_every`` set and no sink anywhere,
+    the embedded ``jsonl`` sink (``runs/<run-id>/telemetry.jsonl``).
     Returns ``(selector, plugins, every, sink, on_error, strict, flush_every)``."""
     if config is not None:
         if isinstance(config, dict):
             cfg = parse_config(config)
         else:
             cfg = load_config(config)
-        if "selector" in cfg:
+        cfg_selector = cfg.get("selector")
+        if isinstance(cfg_selector, dict):
             if plugins is not None or isinstance(selector, dict) or selector != "*":
                 raise ConfigError(
                     f"attach(): plugins come from config={config!r}; leave selector= and plugins= "
                     "unset, or remove the plugins from the file")
-            selector = cfg["selector"]
+            selector = cfg_selector
+        elif cfg_selector is not None and not isinstance(selector, dict) and selector == "*":
+            selector = cfg_selector  # the file's select, for attach's own plugins=
         every = cfg.get("every", 1) if every is None else every
         flush_every = cfg.get("flush_every") if flush_every is None else flush_every
         sink = cfg.get("sink") if sink is None else sink
-        if on_error == "raise":
-            on_error = cfg.get("on_error", on_error)
-        if strict is False:
-            strict = cfg.get("strict", strict)
+        on_error = cfg.get("on_error") if on_error is None else on_error
+        strict = cfg.get("strict") if strict is None else strict
     if every is None:
         every = 1
+    if on_error is None:
+        on_error = "raise"
+    if strict is None:
+        strict = False
     if sink is None and flush_every is not None:
         sink = "jsonl"
     return selector, plugins, every, sink, on_error, strict, flush_every

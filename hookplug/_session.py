@@ -608,8 +608,8 @@ def attach(
     *,
     every: Optional[int] = None,
     sink: PluginSpec = None,
-    on_error: str = "raise",
-    strict: bool = False,
+    on_error: Optional[str] = None,
+    strict: Optional[bool] = None,
     flush_every: Optional[int] = None,
     config: Union[str, "os.PathLike[str]", Dict[str, Any], None] = None,
 ) -> Session:

@@ -26,6 +26,14 @@ Options (keyword-only):
 ``"<module>/output"``, ``"<module>/output[1]"``, ``"<module>/3/output"`` (call 3 of a list),
 ``"<module>/grad"``, ``"<module>/input[0]"``, plus JSON metadata from which
 ``hookplug.load_capture(path)`` rebuilds the same dicts (dataclasses come back as dicts).
+safetensors holds dense strided tensors only: nested tensors (``torch.nested``, e.g. inside
+``nn.TransformerEncoder``'s fast path) and sparse ones are captured like any other, but
+``save`` leaves them out with one warning naming them (they load back as ``None``).
+
+A call whose ``forward`` raised (``output`` is None) captures nothing and leaves the last
+capture in place. With ``grads=True``, the gradient copies of a call that the kept calls
+have moved past (``keep="last"``/``N``) are dropped; every gradient held is counted in
+``nbytes`` and bounded by ``max_bytes``.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from hookplug.structures import iter_tensors
 __all__ = ["CapturePlugin"]
 
 _KINDS = ("features", "grads", "inputs")
+_PREFIX = {"features": "output", "grads": "grad", "inputs": "input"}
 
 
 class _Slot:
@@ -92,6 +101,15 @@ def _map_with_path(fn: Callable[[str, Any], Any], obj: Any, path: str, leaf=torc
 
 def _nbytes(obj: Any) -> int:
     return sum(t.numel() * t.element_size() for _, t in iter_tensors(obj))
+
+
+def _unsavable(t: torch.Tensor) -> Optional[str]:
+    """Why safetensors cannot store ``t`` (None if it can)."""
+    if t.is_nested:
+        return "nested"
+    if t.layout is not torch.strided:
+        return str(t.layout).replace("torch.", "")
+    return None
 
 
 class CapturePlugin(hookplug.Plugin):
@@ -147,6 +165,8 @@ class CapturePlugin(hookplug.Plugin):
             tuple, Any
         ] = {}  # (module, call) -> output structure of _Slots (grads)
         self._grad_parts: Dict[tuple, Dict[str, torch.Tensor]] = {}
+        # module -> {call: None}, the calls with a skeleton, oldest first (an ordered set)
+        self._skel_calls: Dict[str, Dict[int, None]] = {}
         self._events: List[Any] = []
         self.nbytes = 0  # bytes held (what max_bytes bounds)
         self.skipped = 0
@@ -183,6 +203,8 @@ class CapturePlugin(hookplug.Plugin):
     def _copy(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
         if self.to == "cpu" and t.device.type != "cpu":
+            if t.is_nested or t.layout is not torch.strided:
+                return t.to("cpu")
             pin = t.device.type == "cuda"
             try:
                 dst = torch.empty_like(t, device="cpu", pin_memory=pin)
@@ -235,6 +257,31 @@ class CapturePlugin(hookplug.Plugin):
             )
         return False
 
+    def _floor(self, kind: str, name: str) -> Optional[int]:
+        """The oldest call of ``name`` that ``_put`` still accepts for ``kind`` (None: any)."""
+        calls = self._calls[kind].get(name)
+        if calls is None:
+            return None
+        if self.keep == "last":
+            return calls
+        if isinstance(self.keep, int) and calls and len(calls) >= self.keep:
+            return calls[0]
+        return None
+
+    def _drop_grad_calls(self, name: str, floor: Optional[int]) -> None:
+        """Forget the skeletons and gradient parts of the calls of ``name`` before ``floor``:
+        their gradients can no longer be kept."""
+        if floor is None:
+            return
+        calls = self._skel_calls.get(name)
+        while calls:
+            c = next(iter(calls))
+            if c >= floor:
+                break
+            del calls[c]
+            self._skeletons.pop((name, c), None)
+            self._grad_parts.pop((name, c), None)
+
     def _put(self, kind: str, name: str, call: int, value: Any) -> None:
         store, calls = self._store[kind], self._calls[kind]
         if self.keep == "last":
@@ -281,40 +328,55 @@ class CapturePlugin(hookplug.Plugin):
 
     @hookimpl
     def hookplug_forward_output(self, ctx, output):
+        if output is None:  # forward raised: nothing to capture, keep the last capture
+            return
         ok = self._capture("features", ctx.name, ctx.call_index, output, "output")
-        if ok and self.keep_grads and not isinstance(output, torch.Tensor):
+        if (
+            ok
+            and self.keep_grads
+            and not isinstance(output, torch.Tensor)
+            and any(t.requires_grad for _, t in iter_tensors(output))
+        ):
+            name, call = ctx.name, ctx.call_index
             skel = _map_with_path(lambda p, _t: _Slot(p), output, "output")
-            self._skeletons[(ctx.name, ctx.call_index)] = skel
+            self._skeletons[(name, call)] = skel
+            self._skel_calls.setdefault(name, {})[call] = None
             if len(self._skeletons) > 4096:  # gradients that never came: forget the oldest
                 for k in list(self._skeletons)[:1024]:
                     self._skeletons.pop(k, None)
                     self._grad_parts.pop(k, None)
+                    self._skel_calls.get(k[0], {}).pop(k[1], None)
 
     @hookimpl
     def hookplug_output_grad(self, ctx, grad, path):
-        key = (ctx.name, ctx.call_index)
+        name, call = ctx.name, ctx.call_index
+        floor = self._floor("grads", name)
+        if floor is not None and call < floor:  # older than what is kept: never stored
+            self._drop_grad_calls(name, floor)
+            return
+        key = (name, call)
         skel = self._skeletons.get(key)
         if skel is None:
             if path != "output":
                 return  # the forward call was not captured
-            if not self._room(
-                "grads", ctx.name, ctx.call_index, grad.numel() * grad.element_size()
-            ):
+            if not self._room("grads", name, call, grad.numel() * grad.element_size()):
                 return
             value = self._copy(grad)
             self._after_copy(grad.device)
-            self._put("grads", ctx.name, ctx.call_index, value)
+            self._put("grads", name, call, value)
             return
         g = grad.numel() * grad.element_size()
         # the structure so far (earlier parts) is freed by _put and counted again, so only g is new
-        if not self._room("grads", ctx.name, ctx.call_index, g + self._parts_bytes(key)):
+        if not self._room("grads", name, call, g + self._parts_bytes(key)):
             return
         parts = self._grad_parts.setdefault(key, {})
         parts[path] = self._copy(grad)
         self._after_copy(grad.device)
         value = _map_with_path(lambda _p, s: parts.get(s.path), skel, "output", leaf=_Slot)
-        self._put("grads", ctx.name, ctx.call_index, value)
-        return
+        self._put("grads", name, call, value)
+        # the parts of calls this one replaced (keep="last"/N) are no longer held by the
+        # store: drop them, so every part held is one counted in nbytes
+        self._drop_grad_calls(name, self._floor("grads", name))
 
     def _parts_bytes(self, key) -> int:
         parts = self._grad_parts.get(key)
@@ -333,7 +395,46 @@ class CapturePlugin(hookplug.Plugin):
 
         if self._events:
             self._wait()
-        save_capture(path, {k: v for k, v in self._store.items() if v}, keep=self.keep)
+        stores = {k: v for k, v in self._store.items() if v}
+        left_out: List[str] = []
+        for kind, store in stores.items():
+            prefix = _PREFIX[kind]
+            if not any(
+                _unsavable(t)
+                for value in store.values()
+                for entry in (value if isinstance(value, list) else [value])
+                for _, t in iter_tensors(entry)
+            ):
+                continue
+
+            def keep_or_none(p, t, name):
+                why = _unsavable(t)
+                if why is None:
+                    return t
+                left_out.append(f"{name or '<root>'}/{p} ({why})")
+                return None
+
+            out = {}
+            for name, value in store.items():
+
+                def fn(p, t, name=name):
+                    return keep_or_none(p, t, name)
+
+                if isinstance(value, list):
+                    out[name] = [_map_with_path(fn, v, prefix) for v in value]
+                else:
+                    out[name] = _map_with_path(fn, value, prefix)
+            stores[kind] = out
+        if left_out:
+            shown = ", ".join(left_out[:5]) + (f" and {len(left_out) - 5} more" if len(left_out) > 5 else "")
+            warnings.warn(
+                f"hookplug plugin 'capture': save({str(path)!r}) left out {len(left_out)} tensor(s) "
+                f"that safetensors cannot store (dense strided tensors only): {shown}; they load "
+                "back as None",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        save_capture(path, stores, keep=self.keep)
 
     def report(self) -> str:
         rows = []

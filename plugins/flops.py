@@ -59,6 +59,14 @@ Options (keyword-only):
 ``results()``: ``{module name: {"flops", "macs", "params", "backward_flops"}}`` (ints;
 ``params`` counts the module's parameters including its children's). ``total()``: the same
 keys for the whole session (``params``: the model's). ``reset()`` forgets the counts.
+
+Limitations. The dispatch mode sees every aten op the session's thread (and its autograd
+engine) runs, including the ops that *other plugins' hooks* run inside the session, e.g.
+``gradclamp``'s clamp (and norm) of a gradient in backward, or a third-party plugin's
+arithmetic. Those without a formula show up in ``uncounted()``; a matmul or convolution run
+by another plugin is counted like the model's own (in ``total()``, and in the module it is
+attributed to by the rules above). Only the ``hookplug`` namespace (the ``stats`` op) is
+left out. For an exact count of the model alone, run ``flops`` in a session of its own.
 """
 from __future__ import annotations
 

@@ -17,7 +17,11 @@ Options (keyword-only):
 - ``hist="log2"|"linear"`` and ``range=(lo, hi)``: the histogram kind and, for ``"linear"``,
   its fixed range. A linear histogram is merged over calls, so it needs a fixed ``range``.
 - ``max_pending_steps=1024``: how many steps of per-step stats wait for telemetry
-  (``hookplug_collect``); older steps are folded into ``results()`` only.
+  (``hookplug_collect``) when the session has a sink that is never flushed; older steps are
+  folded into ``results()`` only, with one warning. With no telemetry consumer (no sink, and
+  ``session.flush()`` never called) nothing piles up: at each ``session.step()`` the steps
+  before the one that just ended are folded into the totals on the device (no sync, no
+  warning), so ``session.flush()`` right after ``step()`` still returns that step's records.
 
 Every floating tensor of the structure is measured and keyed by its path: ``"output"``,
 ``"output[1]"``, ``"output.logits"``; ``"input[0]"``, ``"input.mask"`` (keyword argument
@@ -37,6 +41,8 @@ import math
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import torch
+
 import hookplug
 from hookplug import hookimpl
 from hookplug.structures import iter_tensors
@@ -45,6 +51,7 @@ __all__ = ["StatsPlugin"]
 
 _SITES = ("input", "output", "grad")
 _HISTS = ("log2", "linear")
+_STRIDED = torch.strided
 _COMPACT_AT = 16  # per-call stats of one (step, module, path) merged on device at this length
 
 
@@ -140,6 +147,8 @@ class StatsPlugin(hookplug.Plugin):
         self._seen: Dict[Tuple[str, str], int] = {}  # first-seen order of (module, path)
         self._folded_steps = 0
         self._warned_fold = False
+        self._collected = False  # hookplug_collect was called: someone consumes per-step stats
+        self._warned_layout = False
 
     def _stats_op(self):
         op = self._op
@@ -152,6 +161,10 @@ class StatsPlugin(hookplug.Plugin):
     def _record(self, ctx, path: str, t) -> None:
         if not t.is_floating_point():
             return
+        if t.is_nested or t.layout is not _STRIDED:
+            t = self._strided(ctx, path, t)
+            if t is None:
+                return
         st = (self._op or self._stats_op())(t.detach(), **self._op_kwargs)
         bucket = self._pending.get(ctx.step)
         if bucket is None:
@@ -167,6 +180,29 @@ class StatsPlugin(hookplug.Plugin):
             if len(lst) >= _COMPACT_AT:
                 bucket[key] = [_merge_all(lst)]
 
+    def _strided(self, ctx, path: str, t):
+        """What the op measures of a tensor that is not a plain strided one: a nested
+        tensor's elements (no padding), or None (skipped, one warning) for other layouts."""
+        if t.is_nested:
+            t = t.detach()
+            try:
+                if t.is_contiguous():
+                    return t.values().reshape(-1)
+                return torch.cat([u.reshape(-1) for u in t.unbind()])
+            except (RuntimeError, NotImplementedError, TypeError) as exc:
+                why = f"a nested tensor whose elements cannot be read ({type(exc).__name__}: {exc})"
+        else:
+            why = f"layout {t.layout}"
+        if not self._warned_layout:
+            self._warned_layout = True
+            warnings.warn(
+                f"hookplug plugin 'stats': {path} of {ctx.name or '<root>'!r} has {why}; "
+                "the stats op reads strided tensors only, such tensors are skipped",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return None
+
     # -- hooks (hot path) ------------------------------------------------------------------------
 
     @hookimpl
@@ -179,6 +215,7 @@ class StatsPlugin(hookplug.Plugin):
 
     @hookimpl
     def hookplug_forward_output(self, ctx, output):
+        # output is None when forward raised: iter_tensors yields nothing
         for path, t in iter_tensors(output):
             self._record(ctx, path, t)
 
@@ -200,24 +237,35 @@ class StatsPlugin(hookplug.Plugin):
             for key, lst in bucket.items():
                 if len(lst) > 1:
                     bucket[key] = [_merge_all(lst)]
-        if len(self._pending) > self.max_pending_steps:
+        if not self._collected and not _has_consumer(session):
+            # nobody reads per-step stats: keep only the step that just ended (for a
+            # session.flush() right after step()), fold the older ones into the totals
+            old = [s for s in self._pending if s < step]
+            if old:
+                self._fold(old)
+        elif len(self._pending) > self.max_pending_steps:
             self._fold_oldest()
 
-    def _fold_oldest(self) -> None:
-        """No telemetry collected for too long: move the oldest half of the pending steps
-        into the totals (kept for ``results()``, no longer emitted)."""
-        steps = sorted(self._pending)
-        old = steps[: max(len(steps) - self.max_pending_steps, len(steps) // 2)]
-        touched = set()
-        for step in old:
+    def _fold(self, steps) -> None:
+        """Move the pending ``steps`` into the totals (device ops only, no sync)."""
+        done = self._done
+        for step in steps:
             for key, lst in self._pending.pop(step).items():
-                self._done.setdefault(key, []).extend(lst)
-                touched.add(key)
-        for key in touched:
-            lst = self._done[key]
-            if len(lst) > 1:
-                self._done[key] = [_merge_all(lst)]
-        self._folded_steps += len(old)
+                st = _merge_all(lst)
+                acc = done.get(key)
+                if acc is None:
+                    done[key] = [st]
+                else:
+                    acc.append(st)
+                    if len(acc) >= 4 * _COMPACT_AT:  # merge_all: a fixed number of device ops
+                        done[key] = [_merge_all(acc)]
+        self._folded_steps += len(steps)
+
+    def _fold_oldest(self) -> None:
+        """A sink exists but no telemetry was collected for too long: move the oldest half of
+        the pending steps into the totals (kept for ``results()``, no longer emitted)."""
+        steps = sorted(self._pending)
+        self._fold(steps[: max(len(steps) - self.max_pending_steps, len(steps) // 2)])
         if not self._warned_fold:
             self._warned_fold = True
             warnings.warn(
@@ -232,6 +280,7 @@ class StatsPlugin(hookplug.Plugin):
     def hookplug_collect(self, session, step):
         """Per ``(step, module, path)`` stats gathered since the last collection, each merged
         on the device: ``[({"step", "module", "site"}, TensorStats), ...]``."""
+        self._collected = True
         pending, self._pending = self._pending, {}
         out = []
         done = self._done
@@ -274,8 +323,6 @@ class StatsPlugin(hookplug.Plugin):
         merged = self._merged()
         if not merged:
             return ""
-        import torch
-
         rows = list(merged.items())
         cols = ("numel", "nan_count", "inf_count", "min", "max", "mean", "std")
         vals = torch.stack(
@@ -313,6 +360,14 @@ class StatsPlugin(hookplug.Plugin):
             if j == 0:
                 lines.append("  ".join("-" * w for w in widths))
         return "\n".join(lines)
+
+
+def _has_consumer(session) -> bool:
+    """Whether the session's telemetry has a sink (``hookplug_flush``) to hand records to."""
+    tel = getattr(session, "_telemetry", None)
+    if tel is None:  # not a hookplug.Session: assume someone collects
+        return True
+    return bool(tel.has_consumers(session))
 
 
 def _site_rank(site: str) -> int:

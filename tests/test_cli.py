@@ -310,6 +310,11 @@ MORE_ERRORS = {
     "bad input file": (["profile", "mlp", "--input-file", "x.txt"], "--input-file"),
     "missing argument": (["select", "cnn"], "required"),
     "unknown command": (["frobnicate"], "invalid choice"),
+    "shape past int64": (["profile", "cnn", "--input", "99999999999999999999x3"], "the shape is too large"),
+    "numel past int64": (["profile", "mlp", "--input", "4611686018427387904x4"], "the shape is too large"),
+    "tensorboard is a file": (["profile", "mlp", "--tensorboard", "x.txt"], "is a file, expected a folder"),
+    "plugin given twice": (["profile", "mlp", "--plugins", "stats,stats(bins=0)"], "plugin 'stats' is given twice"),
+    "seed past 64 bits": (["profile", "mlp", "--seed", "99999999999999999999999"], "--seed"),
 }
 
 
@@ -340,3 +345,21 @@ def test_more_user_errors_in_process(case, call, tmp_path):
     (tmp_path / "x.txt").write_text("not tensors")
     args, expected = MORE_ERRORS[case]
     _check_error(call(*args, cwd=tmp_path), expected)
+
+
+@pytest.mark.parametrize("where", ["x.txt/sub", "/proc/hookplug-no-such-dir"])
+def test_tensorboard_folder_that_cannot_be_created(where, call, tmp_path):
+    pytest.importorskip("tensorboard")
+    if where.startswith("/proc") and not os.path.isdir("/proc/self"):
+        pytest.skip("needs Linux /proc, where no folder can be created")
+    (tmp_path / "x.txt").write_text("a file")
+    _check_error(call("profile", "mlp", "--tensorboard", where, cwd=tmp_path),
+                 "cannot create or write the folder")
+
+
+def test_parse_plugins_keeps_distinct_plugins_in_order():
+    from hookplug._cli import UsageError, _parse_plugins
+
+    assert _parse_plugins("stats(bins=0),flops") == [("stats", {"bins": 0}), ("flops", {})]
+    with pytest.raises(UsageError, match="given twice"):
+        _parse_plugins("stats,flops,stats")

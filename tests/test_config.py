@@ -131,3 +131,41 @@ def test_missing_file_is_named(tmp_path):
         hookplug.load_config(tmp_path / "nope.toml")
     with pytest.raises(ConfigError, match="cannot read"):
         hookplug.attach(MLP(), config=tmp_path / "nope.toml")
+
+
+def test_explicit_on_error_and_strict_win_over_the_file_even_at_their_defaults():
+    """attach()'s own on_error="raise"/strict=False used to lose to the file because they
+    could not be told from the defaults."""
+    m = MLP()
+    cfg = {"on_error": "warn", "strict": True, "plugins": ["stats"]}
+    with hookplug.attach(m, config=cfg, on_error="raise") as s:
+        assert s.on_error == "raise"
+    with hookplug.attach(m, config=cfg) as s:  # not passed: the file's
+        assert s.on_error == "warn"
+    with pytest.warns(UserWarning, match="matched no module"):
+        s = hookplug.attach(m, config={"strict": True, "select": "Conv2d"}, plugins="stats",
+                            strict=False)
+    s.remove()
+    with pytest.raises(hookplug.SelectorError, match="matched no module"):
+        hookplug.attach(m, config={"strict": True, "select": "Conv2d"}, plugins="stats")
+    with hookplug.attach(m, "Linear", plugins="stats") as s:  # no config: the defaults
+        assert s.on_error == "raise"
+
+
+def test_top_level_select_applies_to_attach_plugins(tmp_path):
+    """A file's top-level select used to be ignored when plugins= came from attach()."""
+    m = MLP()
+    with hookplug.attach(m, plugins="stats", config={"select": "Linear:fc1"}) as s:
+        assert list(s.modules) == ["fc1"]
+    path = write(tmp_path, 'select = "Linear:fc[12]"\nevery = 2\n')
+    assert hookplug.load_config(path) == {"selector": "Linear:fc[12]", "every": 2}
+    with hookplug.attach(m, plugins="stats", config=path) as s:
+        assert list(s.modules) == ["fc1", "fc2"] and s.every == 2
+    with hookplug.attach(m, **hookplug.load_config(path), plugins="stats") as s:
+        assert list(s.modules) == ["fc1", "fc2"]
+    # a selector given to attach wins over the file, like every other argument
+    with hookplug.attach(m, "Linear:fc3", plugins="stats", config=path) as s:
+        assert list(s.modules) == ["fc3"]
+    # with [plugins.*] tables the select is their default selector, as before
+    cfg = hookplug.load_config(write(tmp_path, 'select = "Linear:fc2"\nplugins = ["stats"]\n', "b.toml"))
+    assert cfg == {"selector": {"Linear:fc2": {"stats": {}}}}

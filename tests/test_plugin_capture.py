@@ -379,3 +379,134 @@ def test_report_reset_results():
     assert s["capture"].results() is s["capture"].features
     s["capture"].reset()
     assert s["capture"].features == {} and s["capture"].nbytes == 0
+
+
+# -- gradient parts of structured outputs are bounded -----------------------------------------
+
+
+class TwoOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y, y * 2
+
+
+def _held_part_bytes(cap):
+    return sum(t.numel() * t.element_size() for parts in cap._grad_parts.values() for t in parts.values())
+
+
+@pytest.mark.parametrize("keep", ["last", 3])
+def test_grads_of_tuple_outputs_do_not_pile_up(keep):
+    """Every call's gradient copies used to stay in _grad_parts after a newer call replaced
+    them (26 MB held for a 10 MB max_bytes); now what is held is what nbytes counts."""
+    m = nn.Sequential(TwoOut())
+    xs = [torch.randn(8, 16) for _ in range(50)]
+    opts = {"grads": True, "keep": keep, "max_bytes": 10_000_000}
+    with hookplug.attach(m, "TwoOut", plugins=("capture", opts)) as s:
+        for x in xs:
+            a, b = m(x)
+            (a.sum() + 3 * b.sum()).backward()
+        cap = s["capture"]
+        n = 1 if keep == "last" else keep
+        assert len(cap._grad_parts) == n and len(cap._skeletons) == n
+        assert _held_part_bytes(cap) == 2 * n * 8 * 16 * 4
+        assert cap.nbytes == 2 * (2 * n * 8 * 16 * 4)  # features + grads, parts counted once
+    grads = cap.grads["0"]
+    last = grads if keep == "last" else grads[-1]
+    # the hook on output[0] (y) sees all of y's gradient: 1 + 3 * 2
+    assert torch.equal(last[0], torch.full((8, 16), 7.0))
+    assert torch.equal(last[1], torch.full((8, 16), 3.0))
+
+
+def test_late_gradient_of_an_older_call_leaves_nothing_behind():
+    m = TwoOut()
+    with hookplug.attach(m, "*:", plugins=("capture", {"grads": True})) as s:
+        a0, b0 = m(torch.randn(2, 16))
+        a1, b1 = m(torch.randn(2, 16))
+        (a1.sum() + b1.sum()).backward()  # call 1 first
+        (a0.sum() + b0.sum()).backward()  # then call 0: older than the kept one, not kept
+        cap = s["capture"]
+        assert list(cap._grad_parts) == [("", 1)] and list(cap._skeletons) == [("", 1)]
+        assert _held_part_bytes(cap) == 2 * 2 * 16 * 4
+
+
+def test_no_skeletons_without_gradients():
+    m = TwoOut()
+    with hookplug.attach(m, "*:", plugins=("capture", {"grads": True})) as s, torch.no_grad():
+        for _ in range(10):
+            m(torch.randn(2, 16))
+        assert not s["capture"]._skeletons
+
+
+# -- nested tensors, failing forward ---------------------------------------------------------------
+
+
+def _nested_encoder():
+    layer = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True)
+    enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    x = torch.randn(2, 5, 16)
+    mask = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    return enc, x, mask
+
+
+def test_nested_tensors_captured_and_left_out_of_save_with_a_warning(tmp_path):
+    pytest.importorskip("safetensors")
+    enc, x, mask = _nested_encoder()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*nested tensors is in prototype")
+        with torch.no_grad(), hookplug.attach(
+            enc, "TransformerEncoderLayer, *:", plugins=("capture", {"to": "cpu"})
+        ) as s:
+            y = enc(x, src_key_padding_mask=mask)
+    feats = s["capture"].features
+    assert feats["layers.0"].is_nested and feats["layers.1"].is_nested
+    assert [tuple(u.shape) for u in feats["layers.1"].unbind()] == [(5, 16), (3, 16)]
+    path = tmp_path / "cap.safetensors"
+    with pytest.warns(RuntimeWarning, match=r"left out 2 tensor.*layers\.0/output \(nested\)"):
+        s["capture"].save(path)
+    back = hookplug.load_capture(path)
+    assert back["layers.0"] is None and back["layers.1"] is None
+    assert not y.is_nested and torch.equal(back[""], y)  # the dense output is written
+
+
+def test_sparse_tensor_left_out_of_save(tmp_path):
+    pytest.importorskip("safetensors")
+
+    class Sp(nn.Module):
+        def forward(self, x):
+            return x.to_sparse(), x + 1
+
+    m = Sp()
+    x = torch.randn(2, 3)
+    with hookplug.attach(m, "*:", plugins=("capture", {"keep": "all"})) as s:
+        m(x)
+    path = tmp_path / "sp.safetensors"
+    with pytest.warns(RuntimeWarning, match=r"<root>/output\[0\] \(sparse_coo\)"):
+        s["capture"].save(path)
+    back = hookplug.load_capture(path)
+    assert back[""][0][0] is None and torch.equal(back[""][0][1], x + 1)
+
+
+def test_forward_that_raises_keeps_the_last_capture():
+    class Flaky(nn.Module):
+        fail = False
+
+        def forward(self, x):
+            if self.fail:
+                raise ValueError("boom in forward")
+            return x * 2, x + 1
+
+    m = Flaky()
+    x = torch.randn(2, 3, requires_grad=True)
+    with hookplug.attach(m, "*:", plugins=("capture", {"grads": True, "inputs": True})) as s:
+        m(x)
+        m.fail = True
+        with pytest.raises(ValueError, match="boom in forward"):
+            m(x * 3)
+    assert not s.disabled
+    feat = s["capture"].features[""]
+    assert torch.equal(feat[0], x.detach() * 2) and torch.equal(feat[1], x.detach() + 1)
+    assert s["capture"].hookplug_forward_output(ctx=None, output=None) is None

@@ -382,11 +382,21 @@ def test_cuda_training_step_has_no_sync():
 # -- telemetry collection -------------------------------------------------------------------------
 
 
+class NullSink:
+    """A telemetry consumer that is never flushed (``flush_every`` unset)."""
+
+    name = "null"
+
+    @hookplug.hookimpl
+    def hookplug_flush(self, records):
+        pass
+
+
 def test_collect_per_step_then_results_cover_everything():
     model = MLP()
     xs = [torch.randn(4, 32) for _ in range(3)]
     seen, handles = plain_capture(model)
-    with hookplug.attach(model, "Linear:fc[13]", plugins="stats") as s:
+    with hookplug.attach(model, "Linear:fc[13]", plugins="stats", sink=NullSink()) as s:
         plugin = s["stats"]
         model(xs[0])
         s.step()
@@ -411,10 +421,11 @@ def test_collect_per_step_then_results_cover_everything():
     assert_stats_match(res["fc3"]["output"], torch.cat(seen["fc3"]))
 
 
-def test_pending_steps_bounded_without_flush():
+def test_pending_steps_bounded_with_a_sink_never_flushed():
     lin = nn.Linear(3, 3)
     xs = [torch.randn(2, 3) for _ in range(6)]
-    with hookplug.attach(lin, "*:", plugins=("stats", {"max_pending_steps": 2})) as s:
+    opts = {"max_pending_steps": 2}
+    with hookplug.attach(lin, "*:", plugins=("stats", opts), sink=NullSink()) as s:
         with pytest.warns(RuntimeWarning, match="not collected"):
             for x in xs:
                 lin(x)
@@ -423,6 +434,47 @@ def test_pending_steps_bounded_without_flush():
         st = s["stats"].results()[""]["output"]
     with torch.no_grad():
         assert_stats_match(st, torch.cat([lin(x) for x in xs]))
+
+
+def test_without_telemetry_steps_fold_into_totals_silently():
+    """No sink and no flush: finished steps are folded at step() (no pile-up, no warning
+    about flush_every the user never asked for); totals stay exact."""
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)])
+    xs = [torch.randn(2, 4) for _ in range(40)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the max_pending_steps warning would raise here
+        with hookplug.attach(model, "Linear", plugins=("stats", {"max_pending_steps": 4})) as s:
+            plugin = s["stats"]
+            for x in xs:
+                model(x)
+                s.step()
+                assert len(plugin._pending) <= 1  # only the step that just ended
+                assert all(len(v) < 64 for v in plugin._done.values())
+            res = plugin.results()
+            # session.flush() right after step() still hands out the step just ended
+            recs = s.flush()
+            assert {(r["step"], r["module"]) for r in recs} == {(39, n) for n in ("0", "1", "2")}
+    assert plugin._folded_steps == 39
+    with torch.no_grad():
+        outs = {"0": [], "1": [], "2": []}
+        for x in xs:
+            for i, layer in enumerate(model):
+                x = layer(x)
+                outs[str(i)].append(x)
+    for name, lst in outs.items():
+        assert_stats_match(res[name]["output"], torch.cat(lst))
+
+
+def test_after_a_manual_flush_steps_stay_pending_for_the_next_one():
+    lin = nn.Linear(3, 3)
+    with hookplug.attach(lin, "*:", plugins="stats") as s:  # no sink: the user flushes by hand
+        lin(torch.randn(2, 3))
+        s.step()
+        assert [r["step"] for r in s.flush()] == [0]
+        for _ in range(3):
+            lin(torch.randn(2, 3))
+            s.step()
+        assert [r["step"] for r in s.flush()] == [1, 2, 3]
 
 
 # -- options, reset, report -----------------------------------------------------------------------
@@ -492,3 +544,105 @@ def test_many_collections_stay_exact_and_bounded():
         st = plugin.results()[""]["output"]
     with torch.no_grad():
         assert_stats_match(st, torch.cat([lin(x) for x in xs]))
+
+
+# -- nested, sparse, failing forward ----------------------------------------------------------
+
+
+def _nested_encoder():
+    layer = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True)
+    enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    x = torch.randn(2, 5, 16)
+    mask = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    return enc, x, mask
+
+
+def test_nested_tensors_of_a_transformer_encoder_fast_path():
+    """Stock TransformerEncoder with enable_nested_tensor passes nested tensors between its
+    layers: stats measure their elements (no padding) instead of failing the forward."""
+    enc, x, mask = _nested_encoder()
+    seen = {}
+    handles = [
+        m.register_forward_hook(
+            lambda mod, inp, out, name=name: seen.setdefault(name, []).append(
+                (inp[0].detach().clone(), out.detach().clone())
+            )
+        )
+        for name, m in enc.layers.named_children()
+    ]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*nested tensors is in prototype")
+        with torch.no_grad():
+            ref = enc(x, src_key_padding_mask=mask)
+        opts = {"sites": ("input", "output")}
+        with torch.no_grad(), hookplug.attach(enc, "TransformerEncoderLayer", plugins=("stats", opts)) as s:
+            y = enc(x, src_key_padding_mask=mask)
+            res = s["stats"].results()
+    for h in handles:
+        h.remove()
+    assert torch.equal(y, ref)
+    for name in ("0", "1"):
+        inp, out = seen[name][0]
+        assert out.is_nested
+        flat_out = torch.cat([u.reshape(-1) for u in out.unbind()])
+        assert_stats_match(res[f"layers.{name}"]["output"], flat_out)
+        assert int(res[f"layers.{name}"]["output"].numel) == (5 + 3) * 16
+        flat_in = torch.cat([u.reshape(-1) for u in inp.unbind()]) if inp.is_nested else inp
+        assert_stats_match(res[f"layers.{name}"]["input[0]"], flat_in)
+
+
+def test_sparse_output_skipped_with_one_warning_nested_measured():
+    class Odd(nn.Module):
+        def forward(self, x):
+            jag = torch.nested.nested_tensor([x[:1], x[1:]], layout=torch.jagged)
+            holes = torch.nested.narrow(
+                x.unsqueeze(0).expand(2, -1, -1).contiguous(), 1, torch.tensor([0, 1]),
+                torch.tensor([2, 1]), layout=torch.jagged)  # not contiguous: read by unbind
+            return jag, holes, x.to_sparse()
+
+    m = Odd()
+    x = torch.randn(3, 4)
+    with hookplug.attach(m, "*:", plugins="stats") as s:
+        with pytest.warns(RuntimeWarning, match=r"output\[2\].*sparse_coo.*skipped"):
+            m(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once only
+            m(x)
+        res = s["stats"].results()[""]
+    assert set(res) == {"output[0]", "output[1]"}
+    assert_stats_match(res["output[0]"], torch.cat([x, x]))
+    assert_stats_match(res["output[1]"], torch.cat([x[0:2], x[1:2]] * 2))
+
+
+class Flaky(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.fail = False
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.fail:
+            raise ValueError("boom in forward")
+        return y, y * 2
+
+
+def test_forward_that_raises_reaches_the_caller_untouched():
+    """The core calls forward_output with output=None when forward raised: stats records
+    nothing for that call and does not add an error of its own."""
+    m = Flaky()
+    x = torch.randn(2, 4)
+    with hookplug.attach(m, "*:", plugins=("stats", {"sites": ("input", "output")})) as s:
+        m(x)
+        m.fail = True
+        with pytest.raises(ValueError, match="boom in forward"):
+            m(x)
+        m.fail = False
+        s.step()
+        res = s["stats"].results()[""]
+    assert not s.disabled
+    with torch.no_grad():
+        y = m.lin(x)
+    assert_stats_match(res["output[0]"], y)  # the failed call added nothing
+    assert_stats_match(res["input[0]"], torch.cat([x, x]))  # read before forward, both calls
+    assert s["stats"].hookplug_forward_output(ctx=None, output=None) is None

@@ -128,6 +128,27 @@ def test_jsonl_path_forms(tmp_path):
     s.remove()
 
 
+def test_jsonl_sink_reused_across_sessions_writes_edges_in_each_file(tmp_path):
+    """close() at the end of a session forgets the edges written, so the next session's
+    file carries its own hist_edges instead of none."""
+    from hookplug_plugins.sinks.jsonl import JsonlSink, read_jsonl
+
+    m = torch.nn.Linear(4, 4)
+    sink = JsonlSink(str(tmp_path / "{run_id}"))
+    paths = []
+    for _ in range(2):
+        with hookplug.attach(m, "*:", plugins="stats", sink=sink) as s:
+            m(torch.randn(2, 4))
+            s.step()
+        paths.append(sink.path)
+        with open(sink.path) as f:
+            raw = [json.loads(line) for line in f]
+        assert len(raw) == 1 and sink.lines == 1
+        assert raw[0]["hist_edges"] and len(raw[0]["hist_edges"]) == len(raw[0]["hist"]) + 1
+        assert read_jsonl(sink.path)[0]["hist_edges"] == raw[0]["hist_edges"]
+    assert paths[0] != paths[1]
+
+
 # -- tensorboard ------------------------------------------------------------------------------------
 
 def test_tensorboard_event_files_read_back(tmp_path):

@@ -17,7 +17,10 @@ site, numel, nan_count, inf_count, zero_count, min, max, mean, std, absmax, hist
 JSON: a float that is NaN or infinite is written as ``null`` (``nan_count``/``inf_count``
 and ``numel`` say why). ``hist_edges`` is written on the first line of each
 ``(module, site)`` and again only when it changes (the log2 layout never does); a reader
-carries the last one forward.
+carries the last one forward. One sink instance may serve several sessions one after the
+other: ``close()`` (at the end of each session) forgets which edges were written, so every
+file (or every session's part of an appended file) starts with its own ``hist_edges``.
+``lines`` counts the lines written to the current (or last) file by this sink.
 """
 from __future__ import annotations
 
@@ -78,6 +81,8 @@ class JsonlSink:
             if parent:
                 os.makedirs(parent, exist_ok=True)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            self._edges = {}  # a new file (or a new session's records): write the edges again
+            self.lines = 0
         return self._fd
 
     def encode(self, record: Dict[str, Any]) -> str:
@@ -131,6 +136,10 @@ class JsonlSink:
         self.close()
 
     def close(self) -> None:
+        """Close the file and forget what is per file (the ``hist_edges`` already written), so
+        the sink can serve another session: its file gets every ``hist_edges`` again.
+        ``path`` and ``lines`` keep describing the file just closed until the next one opens."""
+        self._edges = {}
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
