@@ -66,7 +66,7 @@ def worker(rank, port, out):
         opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
         # the activations this rank computed, seen by plain torch hooks (the test's ground truth)
         seen, state = {}, {"step": 0}
-        for name, mod in ddp.named_modules():
+        for name, mod in model.named_modules():  # records name the wrapped model's modules
             if isinstance(mod, torch.nn.Linear):
                 mod.register_forward_hook(lambda m, i, o, name=name: seen.setdefault(
                     f"{state['step']}|{name}", []).append(o.detach().reshape(-1).tolist()))
