@@ -4,8 +4,11 @@
 // (kChunk elements) split into blocks (kBlock elements). at::parallel_for hands chunks to
 // threads; each block is read from memory once (a flat tensor in place, a strided one
 // gathered block by block into a thread-local buffer: never a full copy) and passed to
-// the ISA-specific block kernel. Chunk partials are combined in chunk order, so every
+// the ISA-specific block kernel (AVX2 or portable, picked at run time; see
+// stats_cpu_kernel.h). Blocks are merged in order within a chunk (the one-pass shift is
+// chained block to block inside the chunk only), chunk partials in chunk order, so every
 // output is bitwise identical for any number of threads; histogram counts are integers.
+// Needs -fopenmp (setup.py): at::parallel_for is inline OpenMP in torch's headers.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -213,7 +216,7 @@ StatsOutputs tensor_stats_cpu(const at::Tensor& x, int64_t bins, int64_t hist_mo
   at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
     std::vector<uint32_t> sub(a.log2 ? static_cast<size_t>(raw_size) * raw_sub : 0, 0);
     std::vector<int64_t> raw_local(a.log2 ? raw_size : 0, 0);
-    std::vector<int64_t> lin_local(a.has_range ? a.nbins : 0, 0);
+    std::vector<int64_t> lin_local(a.linear && a.has_range ? a.nbins + 1 : 0, 0);  // + spare
     std::vector<char> buf(L.flat() ? 0 : kBlock * es);  // gather buffer (strided only)
     BlockSource src(base, es, L);
     int64_t since_flush = 0;
@@ -228,13 +231,16 @@ StatsOutputs tensor_stats_cpu(const at::Tensor& x, int64_t bins, int64_t hist_mo
       const int64_t end = std::min(N, (c + 1) * kChunk);
       src.seek(c * kChunk);
       Partial& part = parts[c];
+      double shift = std::numeric_limits<double>::quiet_NaN();  // chunk-local: deterministic
       for (int64_t pos = c * kChunk; pos < end; pos += kBlock) {
         const int64_t n = std::min(kBlock, end - pos);
         const char* p = src.next(n, buf.data());
         BlockResult r;
-        block_fn(p, n, &r, a.log2 ? sub.data() : nullptr);
+        block_fn(p, n, &r, a.log2 ? sub.data() : nullptr, &shift);
         part.add(r);
-        if (a.has_range) linear_fn(p, n, a.lo, a.hi, range_scale, a.nbins, lin_local.data());
+        if (a.linear && a.has_range) {
+          linear_fn(p, n, a.lo, a.hi, range_scale, a.nbins, lin_local.data());
+        }
       }
       if (a.log2) {
         since_flush += end - c * kChunk;
@@ -244,7 +250,7 @@ StatsOutputs tensor_stats_cpu(const at::Tensor& x, int64_t bins, int64_t hist_mo
     if (a.log2) flush();
     std::lock_guard<std::mutex> lock(mu);
     for (size_t j = 0; j < raw_local.size(); ++j) raw[j] += raw_local[j];
-    for (size_t j = 0; j < lin_local.size(); ++j) lin[j] += lin_local[j];
+    for (int64_t j = 0; j < (a.linear && a.has_range ? a.nbins : 0); ++j) lin[j] += lin_local[j];
   });
 
   Partial total;
@@ -261,7 +267,7 @@ StatsOutputs tensor_stats_cpu(const at::Tensor& x, int64_t bins, int64_t hist_mo
     linear_auto_range(nf, mn, mx, &lin_lo, &lin_hi);
     const double scale = static_cast<double>(a.nbins) / (lin_hi - lin_lo);
     at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
-      std::vector<int64_t> lin_local(a.nbins, 0);
+      std::vector<int64_t> lin_local(a.nbins + 1, 0);  // + the spare counter
       std::vector<char> buf(L.flat() ? 0 : kBlock * es);
       BlockSource src(base, es, L);
       for (int64_t c = c0; c < c1; ++c) {

@@ -34,8 +34,12 @@ constexpr int kRawSubF32 = 4;
 constexpr int kRawSubF64 = 2;
 
 // hist: kRawSub sub-tables of kRaw uint32 counters each (added to), or nullptr.
-typedef void (*BlockFn)(const void* p, int64_t n, BlockResult* r, uint32_t* hist);
-// Adds the linear-histogram counts of p[0:n) to counts (see stats_defs.h linear_bucket).
+// shift: in, a value near the block's mean (the previous block's mean; NaN: none);
+// out, this block's mean. Chained through a chunk, it keeps one-pass sums well conditioned.
+typedef void (*BlockFn)(const void* p, int64_t n, BlockResult* r, uint32_t* hist,
+                        double* shift);
+// Adds the linear-histogram counts of p[0:n) to counts[0:bins] (see stats_defs.h
+// linear_bucket); values outside the range are counted in the spare counts[bins].
 typedef void (*LinearFn)(const void* p, int64_t n, double lo, double hi, double scale,
                          int64_t bins, int64_t* counts);
 

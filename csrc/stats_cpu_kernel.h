@@ -3,21 +3,23 @@
 // own namespace HOOKPLUG_KNS, with GCC/Clang vector extensions that the compiler lowers to
 // the target's SIMD (SSE2/NEON for the generic build, AVX2 for the avx2 build).
 //
-// The including file defines HOOKPLUG_KNS, HOOKPLUG_ISA_NAME, HOOKPLUG_F16C (0/1) and
-// HOOKPLUG_FMA (0/1) and includes <stdint.h>, stats_cpu_iface.h and stats_defs.h (and
-// <immintrin.h> when HOOKPLUG_F16C or HOOKPLUG_FMA) first.
+// The including file defines HOOKPLUG_KNS, HOOKPLUG_ISA_NAME, HOOKPLUG_F16C (0/1),
+// HOOKPLUG_FMA (0/1) and HOOKPLUG_VBYTES (SIMD bytes: 32 or 16), and includes <stdint.h>,
+// stats_cpu_iface.h and stats_defs.h (and <immintrin.h> for F16C/FMA) first.
 //
-// One block = at most kBlock contiguous elements (L1-resident), read from memory once:
-//   pass 1: min, max, sum and zero count in SIMD lanes (4 independent accumulators);
-//           if any lane's sum is not finite, the block holds an Inf/NaN (or overflowed)
-//           and is redone by the exact scalar path;
-//   pass 2 (from L1): sum of (x - m) and (x - m)^2 around the block mean m (corrected
-//           two-pass), and the raw log2 histogram: one counter per (sign, exponent field),
-//           the key taken straight from the bits, spread over interleaved sub-tables.
+// One block = at most kBlock contiguous elements, read from memory once:
+//   one pass in SIMD lanes (block_stats): min, max, zero count and the sums of d = x - K
+//   and d^2 around a shift K (the previous block's mean in the chunk, else the block's
+//   first value); then, from L1, the raw log2 histogram: one counter per (sign, exponent
+//   field), keys taken straight from the bits, spread over interleaved sub-tables.
+//   If d^2 is not finite (an Inf/NaN in the block, or a float overflow), the block is redone
+//   by the exact scalar path (block_slow); if K is far from the block mean (> 4 std, where
+//   the float sums would cancel) by two passes from L1 (block_two_pass: min/max/sum, then
+//   deviations around the block mean).
 // Block results are combined in float64 by the driver (Chan's formula).
 
 #if defined(__GNUC__) && !defined(__clang__)
-// The 32-byte vector helpers below are static inline (never cross a call boundary).
+// The vector helpers below are internal (static): no ABI crosses a call boundary.
 #pragma GCC diagnostic ignored "-Wpsabi"
 #endif
 
@@ -102,7 +104,10 @@ template <> struct Raw<double> {
 
 // Raw log2 histograms of a block, keys read straight from the bits in memory (several
 // keys per 64-bit load), counters spread over kSub interleaved sub-tables so that equal
-// consecutive keys do not wait on each other's store.
+// consecutive keys do not wait on each other's store. The block is in L1 by now, so these
+// loops leave the memory bus idle: they prefetch the next block (the memory that follows,
+// where the driver's next block lies for dense tensors; a useless prefetch never faults).
+#define HOOKPLUG_PREFETCH(p) __builtin_prefetch((p), 0, 3)
 #define HOOKPLUG_RESTRICT __restrict__
 
 static inline uint64_t load_u64(const void* p) {
@@ -111,12 +116,15 @@ static inline uint64_t load_u64(const void* p) {
   return w;
 }
 
-static void hist_f32(const void* pv, int64_t n, uint32_t* HOOKPLUG_RESTRICT h) {
+__attribute__((noinline)) static void hist_f32(const void* pv, int64_t n,
+                                               uint32_t* HOOKPLUG_RESTRICT h) {
   const uint32_t* p = static_cast<const uint32_t*>(pv);
   constexpr int R = kRawF32, NS = kRawSubF32;
   static_assert(NS % 2 == 0, "two keys per 64-bit load");
+  const char* next = static_cast<const char*>(pv) + n * 4;
   int64_t i = 0;
   for (; i + 2 * NS <= n; i += 2 * NS) {  // element i + e goes to sub-table e % NS
+    if ((i & 15) == 0) HOOKPLUG_PREFETCH(next + i * 4);
     uint64_t w[NS];
     for (int j = 0; j < NS; ++j) w[j] = load_u64(p + i + 2 * j);
     for (int j = 0; j < NS; ++j) {
@@ -127,12 +135,15 @@ static void hist_f32(const void* pv, int64_t n, uint32_t* HOOKPLUG_RESTRICT h) {
   for (; i < n; ++i) h[p[i] >> 23] += 1;
 }
 
-static void hist_bf16(const void* pv, int64_t n, uint32_t* HOOKPLUG_RESTRICT h) {
+__attribute__((noinline)) static void hist_bf16(const void* pv, int64_t n,
+                                               uint32_t* HOOKPLUG_RESTRICT h) {
   const uint16_t* p = static_cast<const uint16_t*>(pv);
   constexpr int R = kRawF32, NS = kRawSubF32;
   static_assert(NS % 4 == 0, "four keys per 64-bit load");
+  const char* next = static_cast<const char*>(pv) + n * 2;
   int64_t i = 0;
   for (; i + 2 * NS <= n; i += 2 * NS) {
+    if ((i & 31) == 0) HOOKPLUG_PREFETCH(next + i * 2);
     uint64_t w[NS / 2];
     for (int j = 0; j < NS / 2; ++j) w[j] = load_u64(p + i + 4 * j);
     for (int j = 0; j < NS / 2; ++j) {
@@ -146,12 +157,15 @@ static void hist_bf16(const void* pv, int64_t n, uint32_t* HOOKPLUG_RESTRICT h) 
   for (; i < n; ++i) h[p[i] >> 7] += 1;
 }
 
-static void hist_f64(const void* pv, int64_t n, uint32_t* HOOKPLUG_RESTRICT h) {
+__attribute__((noinline)) static void hist_f64(const void* pv, int64_t n,
+                                               uint32_t* HOOKPLUG_RESTRICT h) {
   const uint64_t* p = static_cast<const uint64_t*>(pv);
   uint32_t* HOOKPLUG_RESTRICT h0 = h;
   uint32_t* HOOKPLUG_RESTRICT h1 = h + kRawF64;
+  const char* next = static_cast<const char*>(pv) + n * 8;
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) {
+    if ((i & 7) == 0) HOOKPLUG_PREFETCH(next + i * 8);
     const uint64_t w0 = load_u64(p + i), w1 = load_u64(p + i + 1);
     const uint64_t w2 = load_u64(p + i + 2), w3 = load_u64(p + i + 3);
     h0[w0 >> 52] += 1;
@@ -165,21 +179,26 @@ static void hist_f64(const void* pv, int64_t n, uint32_t* HOOKPLUG_RESTRICT h) {
 
 // float16: the key comes from the exact float32 conversion (fp16 subnormals are float32
 // normals), converted 8 at a time into a small key buffer.
-static void hist_f16(const void* pv, int64_t n, uint32_t* HOOKPLUG_RESTRICT h) {
+__attribute__((noinline)) static void hist_f16(const void* pv, int64_t n,
+                                               uint32_t* HOOKPLUG_RESTRICT h) {
   const uint16_t* p = static_cast<const uint16_t*>(pv);
   constexpr int R = kRawF32, NS = kRawSubF32;
+  const char* next = static_cast<const char*>(pv) + n * 2;
   int64_t i = 0;
   for (; i + WF <= n; i += WF) {
+    if ((i & 31) == 0) HOOKPLUG_PREFETCH(next + i * 2);
     uint32_t k[WF];
     const vu kv = (vu)halfs_to_float(p + i) >> 23;
     __builtin_memcpy(k, &kv, sizeof(k));
-    for (int l = 0; l < WF; ++l) h[((l + i) % NS) * R + k[l]] += 1;
+    static_assert(WF % NS == 0, "i is a multiple of NS");
+    for (int l = 0; l < WF; ++l) h[(l % NS) * R + k[l]] += 1;
   }
   for (; i < n; ++i) h[key_bits(half_to_float(p[i])) >> 23] += 1;
 }
 
 // Element traits: storage type -> compute lanes.
 struct TF32 {
+  typedef float Store;
   typedef float S;
   typedef vf V;
   typedef vu U;
@@ -200,6 +219,7 @@ struct TF32 {
 };
 
 struct TF64 {
+  typedef double Store;
   typedef double S;
   typedef vd V;
   typedef vul U;
@@ -220,6 +240,7 @@ struct TF64 {
 };
 
 struct TBF16 {
+  typedef uint16_t Store;
   typedef float S;
   typedef vf V;
   typedef vu U;
@@ -241,8 +262,10 @@ struct TBF16 {
     __builtin_memcpy(&h, static_cast<const uint16_t*>(p) + i, sizeof(vw));
     const vw z = {};
 #if HOOKPLUG_VBYTES == 32
-    a0 = (V)__builtin_shufflevector(z, h, 0, 16, 1, 17, 2, 18, 3, 19, 8, 24, 9, 25, 10, 26, 11, 27);
-    a1 = (V)__builtin_shufflevector(z, h, 4, 20, 5, 21, 6, 22, 7, 23, 12, 28, 13, 29, 14, 30, 15, 31);
+    a0 = (V)__builtin_shufflevector(z, h, 0, 16, 1, 17, 2, 18, 3, 19,  //
+                                    8, 24, 9, 25, 10, 26, 11, 27);
+    a1 = (V)__builtin_shufflevector(z, h, 4, 20, 5, 21, 6, 22, 7, 23,  //
+                                    12, 28, 13, 29, 14, 30, 15, 31);
 #else
     a0 = (V)__builtin_shufflevector(z, h, 0, 8, 1, 9, 2, 10, 3, 11);
     a1 = (V)__builtin_shufflevector(z, h, 4, 12, 5, 13, 6, 14, 7, 15);
@@ -252,6 +275,7 @@ struct TBF16 {
 };
 
 struct TF16 {
+  typedef uint16_t Store;
   typedef float S;
   typedef vf V;
   typedef vu U;
@@ -286,6 +310,28 @@ static inline vd vfma(vd a, vd b, vd c) {
 }
 
 static inline bool is_finite(double x) { return x - x == 0; }
+
+// -0.0 values of an all-finite block (only needed with the histogram, and only when the
+// block has zeros: the raw table's exponent-0 slot of the negative sign holds them).
+template <class T>
+static int64_t count_neg_zeros(const void* p, int64_t n) {
+  typedef typename T::V V;
+  typedef typename T::U U;
+  typedef typename T::I I;
+  constexpr int W = T::W;
+  const U signu = U{} + Raw<typename T::S>::kSign;
+  I nz = I{};
+  int64_t i = 0;
+  for (; i + 2 * W <= n; i += 2 * W) {
+    V a0, a1;
+    T::load2(p, i, a0, a1);
+    nz -= ((U)a0 == signu) + ((U)a1 == signu);
+  }
+  int64_t c = 0;
+  for (int l = 0; l < W; ++l) c += nz[l];
+  for (; i < n; ++i) c += key_bits(T::load1(p, i)) == Raw<typename T::S>::kSign;
+  return c;
+}
 
 // Exact scalar path for a block that holds Inf/NaN (or whose float sum overflowed).
 template <class T, bool HIST>
@@ -340,8 +386,9 @@ static void block_slow(const void* p, int64_t n, BlockResult* r, uint32_t* hist)
   r->nan = nan;
 }
 
+// Two passes over the (L1-resident) block: the exact-enough path for any finite data.
 template <class T, bool HIST>
-static void block_stats(const void* p, int64_t n, BlockResult* r, uint32_t* hist) {
+static void block_two_pass(const void* p, int64_t n, BlockResult* r, uint32_t* hist) {
   typedef typename T::S S;
   typedef typename T::V V;
   typedef typename T::U U;
@@ -355,6 +402,21 @@ static void block_stats(const void* p, int64_t n, BlockResult* r, uint32_t* hist
   V mx0 = V{} - inf, mx1 = mx0;
   V s0 = V{}, s1 = V{};
   int64_t i = 0;
+  // 4 vectors per step, pairs added before the accumulators: one dependent add per
+  // accumulator per step (the adds' latency, not their throughput, bounds these loops).
+  for (; i + 4 * W <= n; i += 4 * W) {
+    V a0, a1, a2, a3;
+    T::load2(p, i, a0, a1);
+    T::load2(p, i + 2 * W, a2, a3);
+    const V l0 = a0 < a2 ? a0 : a2, l1 = a1 < a3 ? a1 : a3;
+    const V g0 = a0 > a2 ? a0 : a2, g1 = a1 > a3 ? a1 : a3;
+    mn0 = l0 < mn0 ? l0 : mn0;
+    mn1 = l1 < mn1 ? l1 : mn1;
+    mx0 = g0 > mx0 ? g0 : mx0;
+    mx1 = g1 > mx1 ? g1 : mx1;
+    s0 += a0 + a2;
+    s1 += a1 + a3;
+  }
   for (; i + 2 * W <= n; i += 2 * W) {
     V a0, a1;
     T::load2(p, i, a0, a1);
@@ -393,9 +455,20 @@ static void block_stats(const void* p, int64_t n, BlockResult* r, uint32_t* hist
   const S m = static_cast<S>(sum / static_cast<double>(n));
   const V mv = V{} + m;
   V t10 = V{}, t11 = V{}, t20 = V{}, t21 = V{};
-  I z0 = I{}, z1 = I{}, nz0 = I{}, nz1 = I{};
-  const U signu = U{} + RW::kSign;
-  for (i = 0; i < nv; i += 2 * W) {
+  I z0 = I{}, z1 = I{};
+  for (i = 0; i + 4 * W <= nv; i += 4 * W) {
+    V a0, a1, a2, a3;
+    T::load2(p, i, a0, a1);
+    T::load2(p, i + 2 * W, a2, a3);
+    const V d0 = a0 - mv, d1 = a1 - mv, d2 = a2 - mv, d3 = a3 - mv;
+    t10 += d0 + d2;
+    t11 += d1 + d3;
+    t20 += vfma(d0, d0, d2 * d2);
+    t21 += vfma(d1, d1, d3 * d3);
+    z0 -= (a0 == V{}) + (a2 == V{});
+    z1 -= (a1 == V{}) + (a3 == V{});
+  }
+  for (; i < nv; i += 2 * W) {
     V a0, a1;
     T::load2(p, i, a0, a1);
     const V d0 = a0 - mv, d1 = a1 - mv;
@@ -405,26 +478,20 @@ static void block_stats(const void* p, int64_t n, BlockResult* r, uint32_t* hist
     t21 = vfma(d1, d1, t21);
     z0 -= (a0 == V{});
     z1 -= (a1 == V{});
-    if (HIST) {  // -0.0 (the raw table's exponent-0 slot of the negative sign holds them)
-      nz0 -= ((U)a0 == signu);
-      nz1 -= ((U)a1 == signu);
-    }
   }
   double c1 = 0, c2 = 0;
-  int64_t zeros = 0, nzeros = 0;
+  int64_t zeros = 0;
   for (; i < n; ++i) {
     const S a = T::load1(p, i);
     const double d = static_cast<double>(a - m);
     c1 += d;
     c2 += d * d;
     zeros += (a == 0);
-    if (HIST) nzeros += (key_bits(a) == RW::kSign);
   }
   for (int l = 0; l < W; ++l) {
     c1 += static_cast<double>(t10[l]) + static_cast<double>(t11[l]);
     c2 += static_cast<double>(t20[l]) + static_cast<double>(t21[l]);
     zeros += z0[l] + z1[l];
-    if (HIST) nzeros += nz0[l] + nz1[l];
   }
   if (!is_finite(c2)) {  // (x - m)^2 overflowed the float lanes: redo exactly
     block_slow<T, HIST>(p, n, r, hist);
@@ -438,26 +505,136 @@ static void block_stats(const void* p, int64_t n, BlockResult* r, uint32_t* hist
   r->mn = tmn;
   r->mx = tmx;
   r->zeros = zeros;
-  r->neg_zeros = nzeros;
+  r->neg_zeros = HIST && zeros ? count_neg_zeros<T>(p, n) : 0;
   r->pos_inf = r->neg_inf = r->nan = 0;
   if (HIST) T::hist(p, n, hist);  // ---- pass 3 (from L1): raw log2 histogram ---------
 }
 
-template <class T>
-static void block_entry(const void* p, int64_t n, BlockResult* r, uint32_t* hist) {
-  if (hist) {
-    block_stats<T, true>(p, n, r, hist);
-  } else {
-    block_stats<T, false>(p, n, r, hist);
+// One pass around a shift K (the previous block's mean, or the block's first value):
+// min, max, zeros and the sums of d = x - K and d^2 in SIMD lanes. Falls back to the two-pass
+// path when the block holds an Inf/NaN or overflows (d^2 not finite), or when K is far from
+// the block mean (|mean - K| > 4 std: the float sums would cancel), so the result is as
+// accurate as the two-pass one. *shift: in, K (NaN: none); out, the block mean.
+template <class T, bool HIST>
+static void block_stats(const void* p, int64_t n, BlockResult* r, uint32_t* hist, double* shift) {
+  typedef typename T::S S;
+  typedef typename T::V V;
+  typedef typename T::U U;
+  typedef typename T::I I;
+  typedef Raw<S> RW;
+  constexpr int W = T::W;
+  const S inf = __builtin_inf();
+  S k = static_cast<S>(*shift);
+  if (!(k == k) || n == 0) k = n ? T::load1(p, 0) : S(0);
+  if (!is_finite(k)) k = 0;
+  const V kv = V{} + k;
+  // Two accumulators for the float sums (add/FMA latency), one for min, max and the
+  // integer counts (1-cycle latency): no register spills with 16 SIMD registers.
+  V mn0 = V{} + inf, mx0 = V{} - inf;
+  V t10 = V{}, t11 = V{}, t20 = V{}, t21 = V{};
+  I z0 = I{};
+  // Without the histogram pass (which prefetches the next block), prefetch it from here.
+  constexpr int kEs = sizeof(typename T::Store);
+  const char* next = static_cast<const char*>(p) + n * kEs;
+  int64_t i = 0;
+  for (; i + 2 * W <= n; i += 2 * W) {
+    if (!HIST) HOOKPLUG_PREFETCH(next + i * kEs);
+    V a0, a1;
+    T::load2(p, i, a0, a1);
+    const V d0 = a0 - kv, d1 = a1 - kv;
+    const V l = a0 < a1 ? a0 : a1, g = a0 > a1 ? a0 : a1;
+    mn0 = l < mn0 ? l : mn0;
+    mx0 = g > mx0 ? g : mx0;
+    t10 += d0;
+    t11 += d1;
+    t20 = vfma(d0, d0, t20);
+    t21 = vfma(d1, d1, t21);
+    z0 -= (a0 == V{}) + (a1 == V{});
   }
+  S tmn = inf, tmx = -inf;
+  double c1 = 0, c2 = 0;
+  int64_t zeros = 0;
+  for (; i < n; ++i) {
+    const S a = T::load1(p, i);
+    const double d = static_cast<double>(a - k);
+    tmn = a < tmn ? a : tmn;
+    tmx = a > tmx ? a : tmx;
+    c1 += d;
+    c2 += d * d;
+    zeros += (a == 0);
+  }
+  for (int l = 0; l < W; ++l) {
+    tmn = mn0[l] < tmn ? mn0[l] : tmn;
+    tmx = mx0[l] > tmx ? mx0[l] : tmx;
+    c1 += static_cast<double>(t10[l]) + static_cast<double>(t11[l]);
+    c2 += static_cast<double>(t20[l]) + static_cast<double>(t21[l]);
+    zeros += z0[l];
+  }
+  const double nd = static_cast<double>(n);
+  const double delta = c1 / nd;  // mean - K
+  const double m2 = c2 - c1 * delta;
+  // c2 finite: every element finite and no float overflow. 16 * m2 / n = (4 std)^2.
+  if (!is_finite(c2) || n == 0 || delta * delta * nd > 16 * m2) {
+    block_two_pass<T, HIST>(p, n, r, hist);
+    *shift = r->n ? r->mean : *shift;
+    return;
+  }
+  r->n = n;
+  r->mean = static_cast<double>(k) + delta;
+  r->m2 = m2 > 0 ? m2 : 0;
+  r->mn = tmn;
+  r->mx = tmx;
+  r->zeros = zeros;
+  r->neg_zeros = HIST && zeros ? count_neg_zeros<T>(p, n) : 0;
+  r->pos_inf = r->neg_inf = r->nan = 0;
+  *shift = r->mean;
+  if (HIST) T::hist(p, n, hist);
 }
 
 template <class T>
+static void block_entry(const void* p, int64_t n, BlockResult* r, uint32_t* hist, double* shift) {
+  if (hist) {
+    block_stats<T, true>(p, n, r, hist, shift);
+  } else {
+    block_stats<T, false>(p, n, r, hist, shift);
+  }
+}
+
+// Linear histogram of a block: the bucket of stats_defs.h's linear_bucket computed in
+// float64 SIMD lanes (same operations, same rounding), out-of-range and NaN lanes sent to
+// the spare counter counts[bins], then one scalar increment per element.
+template <class T>
 static void linear_entry(const void* p, int64_t n, double lo, double hi, double scale,
                          int64_t bins, int64_t* counts) {
-  for (int64_t i = 0; i < n; ++i) {
+  typedef typename T::S S;
+  typedef typename T::V V;
+  typedef S vs_half __attribute__((vector_size(sizeof(S) * WD)));
+  typedef int32_t vi_half __attribute__((vector_size(4 * WD)));
+  constexpr int W = T::W;
+  constexpr int H = W / WD;  // double vectors per compute vector
+  const vd lov = vd{} + lo, hiv = vd{} + hi, sc = vd{} + scale;
+  const vi_half top = vi_half{} + static_cast<int32_t>(bins - 1), spare = top + 1, zero = {};
+  int64_t i = 0;
+  if (bins < (int64_t{1} << 30)) {
+    for (; i + W <= n; i += W) {
+      const V a = T::load(p, i);
+      for (int hh = 0; hh < H; ++hh) {
+        vs_half part;
+        __builtin_memcpy(&part, reinterpret_cast<const char*>(&a) + hh * sizeof(vs_half),
+                         sizeof(vs_half));
+        const vd x = __builtin_convertvector(part, vd);
+        const vl inside = (x >= lov) & (x <= hiv);
+        vi_half b = __builtin_convertvector((x - lov) * sc, vi_half);
+        b = b > top ? top : b;
+        b = b < zero ? zero : b;
+        b = __builtin_convertvector(inside, vi_half) != 0 ? b : spare;
+        for (int l = 0; l < WD; ++l) counts[b[l]] += 1;
+      }
+    }
+  }
+  for (; i < n; ++i) {
     const int64_t b = linear_bucket(static_cast<double>(T::load1(p, i)), lo, hi, scale, bins);
-    if (b >= 0) counts[b] += 1;
+    counts[b >= 0 ? b : bins] += 1;
   }
 }
 

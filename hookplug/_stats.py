@@ -25,16 +25,25 @@ class TensorStats:
       NaN when there is no finite value (empty or all NaN/Inf).
     - ``hist_counts`` (int64 ``[B]``) and ``hist_edges`` (float64 ``[B + 1]``, ascending):
       bucket ``i`` spans ``hist_edges[i]`` to ``hist_edges[i + 1]``. Both empty when the
-      histogram is off (``bins=0``). ``log2`` histogram: 131 buckets by sign and binary
-      exponent (``-2**33 .. -2**-32``, zero, ``2**-32 .. 2**33``; out-of-window magnitudes
-      and +-Inf in the edge buckets of their sign, NaN not counted, so
-      ``hist_counts.sum() == numel - nan_count``). ``linear``: ``bins`` equal buckets over
-      the given or the finite min/max range, values outside it (and +-Inf, NaN) not counted.
-      For TensorBoard: ``add_histogram_raw(..., bucket_limits=hist_edges[1:],
+      histogram is off (``bins=0``).
+
+      ``log2`` (131 buckets): a nonzero finite ``x`` with ``2**e <= |x| < 2**(e+1)`` goes
+      to the bucket of its sign and ``e`` clamped to ``[-32, 32]`` (smaller magnitudes,
+      subnormals included, in the innermost bucket of their sign; larger ones and +-Inf in
+      the outermost); zeros (+0 and -0) have their own middle bucket; NaN is not counted, so
+      ``hist_counts.sum() == numel - nan_count``. Buckets ascend: 65 negative (``e`` = 32
+      down to -32), zero, 65 positive; ``hist_edges`` are the nominal limits ``-2**33,
+      -2**32, ..., -2**-32, 2**-32, ..., 2**33``. Exact and deterministic, mergeable by
+      addition. ``linear``: ``bins`` equal buckets over the given range or the finite
+      min/max (``floor((x - lo) * (bins / (hi - lo)))`` in float64, ``x == hi`` in the last
+      bucket); values outside the range, +-Inf and NaN are not counted.
+      TensorBoard: ``add_histogram_raw(..., bucket_limits=hist_edges[1:],
       bucket_counts=hist_counts)``.
 
-    ``merge`` combines two stats exactly (counts add, extremes combine, mean/std by Chan's
-    parallel formula, histograms add) on the device, without a host sync.
+    ``merge``/``merge_all`` combine stats exactly (counts add, extremes combine, mean/std by
+    Chan's parallel formula, histograms add) on the device without a host sync; ``pack()``
+    gives one float64 tensor (``unpack`` inverts it) to move many stats to the host in one
+    copy; ``to_dict()`` gives host Python numbers.
     """
 
     numel: torch.Tensor
@@ -71,7 +80,8 @@ class TensorStats:
         """Stats of the union of the values both describe (exact; no host sync unless two
         linear histograms of unknown ranges must have their edges compared)."""
         if not isinstance(other, TensorStats):
-            raise TypeError(f"TensorStats.merge: expected a TensorStats, got {type(other).__name__}")
+            raise TypeError(f"TensorStats.merge: expected a TensorStats, "
+                            f"got {type(other).__name__}")
         hc, he, kind = _merge_hist(self, other)
         f64 = torch.float64
         na = (self.numel - self.nan_count - self.inf_count).to(f64)
@@ -115,7 +125,8 @@ class TensorStats:
             raise ValueError("TensorStats.merge_all: expected at least one TensorStats, got none")
         for st in items:
             if not isinstance(st, TensorStats):
-                raise TypeError(f"TensorStats.merge_all: expected TensorStats, got {type(st).__name__}")
+                raise TypeError(f"TensorStats.merge_all: expected TensorStats, "
+                                f"got {type(st).__name__}")
         if len(items) <= 2:
             return items[0] if len(items) == 1 else items[0].merge(items[1])
         kind = items[0]._hist_kind
@@ -166,7 +177,8 @@ class TensorStats:
         head = torch.stack([getattr(self, f).to(torch.float64) for f in _COUNTS + _MOMENTS])
         if self.hist_counts.numel() == 0:
             return head
-        return torch.cat([head, self.hist_counts.to(torch.float64), self.hist_edges.to(torch.float64)])
+        return torch.cat([head, self.hist_counts.to(torch.float64),
+                          self.hist_edges.to(torch.float64)])
 
     @staticmethod
     def packed_size(hist_bins: int) -> int:
@@ -176,7 +188,8 @@ class TensorStats:
     @classmethod
     def unpack(cls, t: torch.Tensor) -> "TensorStats":
         """Inverse of :meth:`pack` (the bucket count follows from the length; no sync)."""
-        if t.dim() != 1 or t.numel() < _HEAD or (t.numel() != _HEAD and (t.numel() - _HEAD) % 2 != 1):
+        n = t.numel() if t.dim() == 1 else -1
+        if n < _HEAD or (n != _HEAD and (n - _HEAD) % 2 != 1):
             raise ValueError(f"TensorStats.unpack: expected a 1-D tensor of length 9 or 10 + 2*B, "
                              f"got shape {tuple(t.shape)}")
         t = t.to(torch.float64)

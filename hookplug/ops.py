@@ -43,7 +43,7 @@ _has_cuda = False  # the loaded extension has CUDA kernels
 _load_error: Optional[str] = None
 
 
-# -- loading -----------------------------------------------------------------------------------------
+# -- loading ---------------------------------------------------------------------------------
 
 def _csrc_dir() -> Optional[str]:
     here = os.path.dirname(os.path.abspath(__file__))
@@ -72,8 +72,8 @@ def _jit_build():
         cflags.append("-DHOOKPLUG_WITH_CUDA=1")
         kw["extra_cuda_cflags"] = ["-O3", "-std=c++17"]
     return cpp_extension.load(name="hookplug_C", sources=sources, extra_include_paths=[src],
-                              extra_cflags=cflags, verbose=os.environ.get("HOOKPLUG_VERBOSE") == "1",
-                              **kw)
+                              extra_cflags=cflags,
+                              verbose=os.environ.get("HOOKPLUG_VERBOSE") == "1", **kw)
 
 
 def _load(allow_jit: bool = True) -> Optional[str]:
@@ -108,8 +108,9 @@ def _load(allow_jit: bool = True) -> Optional[str]:
         else:
             layout = tuple(_C.log2_layout())
             if layout != (LOG2_MIN_EXP, LOG2_MAX_EXP, LOG2_BINS):
-                raise ImportError(f"hookplug: the compiled op's log2 layout {layout} does not match "
-                                  f"hookplug.ops ({LOG2_MIN_EXP}, {LOG2_MAX_EXP}, {LOG2_BINS}); rebuild it")
+                raise ImportError(
+                    f"hookplug: the compiled op's log2 layout {layout} does not match hookplug.ops "
+                    f"({LOG2_MIN_EXP}, {LOG2_MAX_EXP}, {LOG2_BINS}); rebuild it")
             _has_cuda = bool(_C.has_cuda())
             _register_fake()
         _backend = kind
@@ -140,7 +141,7 @@ def _register_fake() -> None:
             raise
 
 
-# -- argument handling -------------------------------------------------------------------------------
+# -- argument handling -----------------------------------------------------------------------
 
 def _check_dtype(x, who: str) -> None:
     if not isinstance(x, torch.Tensor):
@@ -174,7 +175,8 @@ def _parse(x, bins, hist, range) -> Tuple[int, str, Optional[float], Optional[fl
         try:
             lo, hi = (float(v) for v in range)
         except (TypeError, ValueError):
-            raise ValueError(f"{who}: expected range=(lo, hi) of two numbers, got {range!r}") from None
+            raise ValueError(f"{who}: expected range=(lo, hi) of two numbers, "
+                             f"got {range!r}") from None
         if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
             raise ValueError(f"{who}: expected a finite range with lo < hi, got {range!r}")
     return bins, hist, lo, hi
@@ -188,7 +190,7 @@ def _kind(nb: int, hist: str, lo, hi):
     return ("linear", lo, hi) if lo is not None else "linear"
 
 
-# -- public API --------------------------------------------------------------------------------------
+# -- public API ------------------------------------------------------------------------------
 
 def tensor_stats(x: torch.Tensor, *, bins: Optional[int] = None, hist: str = "log2",
                  range: Optional[Sequence[float]] = None) -> TensorStats:
@@ -208,38 +210,46 @@ def tensor_stats(x: torch.Tensor, *, bins: Optional[int] = None, hist: str = "lo
     return TensorStats._from_outputs(*out, hist_kind=_kind(_num_buckets(bins, hist), hist, lo, hi))
 
 
+_LOG2_EDGES = {}  # device -> edges, built once per device (a fresh copy is returned)
+
+
 def log2_edges(device=None) -> torch.Tensor:
     """The 132 edges of the log2 histogram (float64): -2**33 .. -2**-32, 2**-32 .. 2**33."""
-    neg = [-math.ldexp(1.0, e) for e in range(LOG2_MAX_EXP + 1, LOG2_MIN_EXP - 1, -1)]
-    pos = [math.ldexp(1.0, e) for e in range(LOG2_MIN_EXP, LOG2_MAX_EXP + 2)]
-    return torch.tensor(neg + pos, dtype=torch.float64, device=device)
+    device = torch.device(device if device is not None else "cpu")
+    edges = _LOG2_EDGES.get(device)
+    if edges is None:
+        neg = [-math.ldexp(1.0, e) for e in range(LOG2_MAX_EXP + 1, LOG2_MIN_EXP - 1, -1)]
+        pos = [math.ldexp(1.0, e) for e in range(LOG2_MIN_EXP, LOG2_MAX_EXP + 2)]
+        edges = torch.tensor(neg + pos, dtype=torch.float64).to(device, non_blocking=True)
+        _LOG2_EDGES[device] = edges
+    return edges.clone()
 
 
 def reference_tensor_stats(x: torch.Tensor, *, bins: Optional[int] = None, hist: str = "log2",
                            range: Optional[Sequence[float]] = None) -> TensorStats:
     """Pure-torch :func:`tensor_stats` (same signature and semantics, float64 math on an
-    upcast copy, no host sync). The tests' reference and the fallback backend."""
+    upcast copy, no host sync; slow). The tests' reference and the fallback backend."""
     bins, hist, lo, hi = _parse(x, bins, hist, range)
     f64, i64 = torch.float64, torch.int64
     v = x.detach().reshape(-1).to(f64)
     dev = v.device
     nan_m, inf_m = torch.isnan(v), torch.isinf(v)
     fin = ~(nan_m | inf_m)
-    counts = torch.stack([torch.tensor(v.numel(), dtype=i64, device=dev), nan_m.sum(), inf_m.sum(),
-                          (v == 0).sum()])
+    counts = torch.stack([torch.full((), v.numel(), dtype=i64, device=dev), nan_m.sum(),
+                          inf_m.sum(), (v == 0).sum()])
     nf = fin.sum().to(f64)
     has = nf > 0
     if v.numel():
         mn = torch.where(fin, v, math.inf).amin()
         mx = torch.where(fin, v, -math.inf).amax()
     else:
-        mn = torch.tensor(math.inf, dtype=f64, device=dev)
-        mx = torch.tensor(-math.inf, dtype=f64, device=dev)
+        mn = torch.full((), math.inf, dtype=f64, device=dev)
+        mx = torch.full((), -math.inf, dtype=f64, device=dev)
     safe_n = torch.where(has, nf, 1.0)
     mean = torch.where(fin, v, 0.0).sum() / safe_n
     dev_ = torch.where(fin, v - mean, 0.0)
     std = torch.sqrt((dev_ * dev_).sum() / safe_n)
-    nan = torch.tensor(math.nan, dtype=f64, device=dev)
+    nan = torch.full((), math.nan, dtype=f64, device=dev)
     mn, mx = torch.where(has, mn, nan), torch.where(has, mx, nan)
     moments = torch.stack([mn, mx, torch.where(has, mean, nan), torch.where(has, std, nan),
                            torch.where(has, torch.maximum(mn.abs(), mx.abs()), nan)])
@@ -258,8 +268,8 @@ def reference_tensor_stats(x: torch.Tensor, *, bins: Optional[int] = None, hist:
         he = log2_edges(dev)
     else:
         if lo is not None:
-            lo_t = torch.tensor(lo, dtype=f64, device=dev)
-            hi_t = torch.tensor(hi, dtype=f64, device=dev)
+            lo_t = torch.full((), lo, dtype=f64, device=dev)
+            hi_t = torch.full((), hi, dtype=f64, device=dev)
         else:  # the finite min/max, widened like torch.histc
             lo_t, hi_t = torch.where(has, mn, 0.0), torch.where(has, mx, 0.0)
             eq = lo_t == hi_t

@@ -29,7 +29,7 @@ def cuda_kernels() -> bool:
 
 
 needs_kernels = pytest.mark.skipif(not torch.cuda.is_available() or not cuda_kernels(),
-                                   reason="hookplug was built without its CUDA kernels")
+                                   reason="needs a CUDA GPU and hookplug built with its CUDA kernels")
 
 
 def test_cuda_kernels_built_when_required():

@@ -294,8 +294,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   extern __shared__ unsigned sh[];
 
   const int warp = threadIdx.x >> 5;
-  const int nsh = MODE == 1 ? kWarps * kLog2Bins
-                            : (MODE == 2 && s.nbins <= kSmemLinearBins ? static_cast<int>(s.nbins) : 0);
+  const bool linear_smem = MODE == 2 && s.nbins <= kSmemLinearBins;
+  const int nsh = MODE == 1 ? kWarps * kLog2Bins : (linear_smem ? static_cast<int>(s.nbins) : 0);
   for (int k = threadIdx.x; k < nsh; k += kThreads) sh[k] = 0;
   if (MODE == 1) write_edges(s, true, 0.0, 0.0);
   if (MODE == 2) write_edges(s, false, s.lo, s.hi);
@@ -305,7 +305,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   unsigned long long* hgl = reinterpret_cast<unsigned long long*>(s.hist_counts);
   double shift = 0.0;
   if (s.numel > 0) {
-    const double x0 = static_cast<double>(load1(E(), static_cast<const typename E::storage*>(s.data)));
+    const auto* first = static_cast<const typename E::storage*>(s.data);
+    const double x0 = static_cast<double>(load1(E(), first));
     shift = isfinite(x0) ? x0 : 0.0;
   }
   ThreadAcc<A> acc;
@@ -314,7 +315,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     acc.add(x, valid);
     if (MODE == 1) hist_add(hsh, hgl, valid ? log2_key(x) : -1);
     if (MODE == 2) {
-      const int64_t b = valid ? linear_bucket(static_cast<double>(x), s.lo, s.hi, scale, s.nbins) : -1;
+      const int64_t b =
+          valid ? linear_bucket(static_cast<double>(x), s.lo, s.hi, scale, s.nbins) : -1;
       hist_add(hsh, hgl, static_cast<int>(b));
     }
   };
@@ -411,8 +413,9 @@ template <class E>
 cudaError_t launch_typed(const StatsLaunch& s, const Work& w, int grid, cudaStream_t st) {
   const bool contig = s.ndim == 0;
   const int mode = s.nbins == 0 ? 0 : (s.hist_mode == kHistLog2 ? 1 : (s.has_range ? 2 : 0));
+  const bool linear_smem = mode == 2 && s.nbins <= kSmemLinearBins;
   const size_t smem = mode == 1 ? sizeof(unsigned) * kWarps * kLog2Bins
-                                : (mode == 2 && s.nbins <= kSmemLinearBins ? sizeof(unsigned) * s.nbins : 0);
+                                : (linear_smem ? sizeof(unsigned) * s.nbins : 0);
   const double scale = s.has_range ? static_cast<double>(s.nbins) / (s.hi - s.lo) : 0.0;
 #define HOOKPLUG_PASS1(M)                                                   \
   if (contig) {                                                             \
