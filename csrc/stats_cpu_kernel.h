@@ -197,47 +197,31 @@ __attribute__((noinline)) static void hist_f16(const void* pv, int64_t n,
 }
 
 // Element traits: storage type -> compute lanes.
-struct TF32 {
-  typedef float Store;
-  typedef float S;
-  typedef vf V;
-  typedef vu U;
-  typedef vi I;
-  static constexpr int W = WF;
+// float32 and float64: read natively, one element per lane.
+template <typename T, typename VT, typename UT, typename IT, int Width,
+          void (*Hist)(const void*, int64_t, uint32_t*)>
+struct TNative {
+  typedef T Store;
+  typedef T S;
+  typedef VT V;
+  typedef UT U;
+  typedef IT I;
+  static constexpr int W = Width;
   static inline V load(const void* p, int64_t i) {
     V v;
-    __builtin_memcpy(&v, static_cast<const float*>(p) + i, sizeof(V));
+    __builtin_memcpy(&v, static_cast<const T*>(p) + i, sizeof(V));
     return v;
   }
-  static inline S load1(const void* p, int64_t i) { return static_cast<const float*>(p)[i]; }
+  static inline S load1(const void* p, int64_t i) { return static_cast<const T*>(p)[i]; }
   // 2 * W elements into two vectors (the lane order is free: every use is order-blind).
   static inline void load2(const void* p, int64_t i, V& a0, V& a1) {
     a0 = load(p, i);
     a1 = load(p, i + W);
   }
-  static inline void hist(const void* p, int64_t n, uint32_t* h) { hist_f32(p, n, h); }
+  static inline void hist(const void* p, int64_t n, uint32_t* h) { Hist(p, n, h); }
 };
-
-struct TF64 {
-  typedef double Store;
-  typedef double S;
-  typedef vd V;
-  typedef vul U;
-  typedef vl I;
-  static constexpr int W = WD;
-  static inline V load(const void* p, int64_t i) {
-    V v;
-    __builtin_memcpy(&v, static_cast<const double*>(p) + i, sizeof(V));
-    return v;
-  }
-  static inline S load1(const void* p, int64_t i) { return static_cast<const double*>(p)[i]; }
-  // 2 * W elements into two vectors (the lane order is free: every use is order-blind).
-  static inline void load2(const void* p, int64_t i, V& a0, V& a1) {
-    a0 = load(p, i);
-    a1 = load(p, i + W);
-  }
-  static inline void hist(const void* p, int64_t n, uint32_t* h) { hist_f64(p, n, h); }
-};
+typedef TNative<float, vf, vu, vi, WF, hist_f32> TF32;
+typedef TNative<double, vd, vul, vl, WD, hist_f64> TF64;
 
 struct TBF16 {
   typedef uint16_t Store;
