@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union

@@ -1,6 +1,4 @@
 import sys
-import types
-import warnings
 
 import pytest
 import torch
