@@ -149,8 +149,13 @@ struct Partial {  // one chunk
   double mx = -std::numeric_limits<double>::infinity();
   int64_t zeros = 0, neg_zeros = 0, pos_inf = 0, neg_inf = 0, nan = 0;
 
-  void add(const BlockResult& r) {
-    moments_merge(m, static_cast<double>(r.n), r.mean, r.m2);
+  void add(const BlockResult& r) { add(static_cast<double>(r.n), r.mean, r.m2, r); }
+  void add(const Partial& o) { add(o.m.n, o.m.mean, o.m.m2, o); }
+
+  // A block's or another chunk's result: moments by Chan's formula, the rest by min/max/sum.
+  template <typename R>
+  void add(double n, double mean, double m2, const R& r) {
+    moments_merge(m, n, mean, m2);
     mn = r.mn < mn ? r.mn : mn;
     mx = r.mx > mx ? r.mx : mx;
     zeros += r.zeros;
@@ -158,16 +163,6 @@ struct Partial {  // one chunk
     pos_inf += r.pos_inf;
     neg_inf += r.neg_inf;
     nan += r.nan;
-  }
-  void add(const Partial& o) {
-    moments_merge(m, o.m.n, o.m.mean, o.m.m2);
-    mn = o.mn < mn ? o.mn : mn;
-    mx = o.mx > mx ? o.mx : mx;
-    zeros += o.zeros;
-    neg_zeros += o.neg_zeros;
-    pos_inf += o.pos_inf;
-    neg_inf += o.neg_inf;
-    nan += o.nan;
   }
 };
 

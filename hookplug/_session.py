@@ -169,20 +169,18 @@ class _ModuleBinding:
 
     def post_hook(self, module, args, kwargs, output):
         """Also runs (``always_call``) when ``forward`` raised; ``output`` is None then."""
+        s = self.session
         if self.has_pre and self._pending:
             ctx = self._pending.pop()
-            fwd_out, out_grad = self.fwd_out, self.out_grad
-            if not fwd_out and not out_grad:
-                return None
         else:
+            ctx = None
             index = self.calls
             self.calls = index + 1
-            fwd_out, out_grad = self.fwd_out, self.out_grad
-            if not fwd_out and not out_grad:
-                return None
-            s = self.session
+        fwd_out, out_grad = self.fwd_out, self.out_grad
+        if not fwd_out and not out_grad:
+            return None
+        if ctx is None:
             ctx = HookContext(self.name, index, s._step, s)
-        s = self.session
         changed = False
         for plugin, fn in fwd_out:
             try:
