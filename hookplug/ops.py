@@ -190,6 +190,20 @@ def _kind(nb: int, hist: str, lo, hi):
     return ("linear", lo, hi) if lo is not None else "linear"
 
 
+_warned_devices = set()
+
+
+def _warn_no_kernel(dev: str) -> None:
+    """The extension has no kernel for ``dev`` (e.g. built where torch had no CUDA or
+    CUDA_HOME was unset): say so once per device type instead of falling back silently."""
+    if dev not in _warned_devices:
+        _warned_devices.add(dev)
+        warnings.warn(
+            f"hookplug: the compiled stats op has no {dev} kernel (hookplug._C was built without "
+            f"it; rebuild with CUDA_HOME set where torch has CUDA); {dev} tensors use the "
+            "pure-torch reference (slower)", RuntimeWarning, stacklevel=3)
+
+
 # -- public API ------------------------------------------------------------------------------
 
 def tensor_stats(x: torch.Tensor, *, bins: Optional[int] = None, hist: str = "log2",
@@ -205,6 +219,8 @@ def tensor_stats(x: torch.Tensor, *, bins: Optional[int] = None, hist: str = "lo
     be = _backend if _backend is not None else _load()
     dev = x.device.type
     if be == "reference" or not (dev in ("cpu", "meta") or (dev == "cuda" and _has_cuda)):
+        if be != "reference":
+            _warn_no_kernel(dev)
         return reference_tensor_stats(x, bins=bins, hist=hist, range=range)
     out = torch.ops.hookplug.tensor_stats(x, bins, _HIST_MODES[hist], lo, hi)  # no autograd (C++)
     return TensorStats._from_outputs(*out, hist_kind=_kind(_num_buckets(bins, hist), hist, lo, hi))

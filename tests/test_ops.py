@@ -599,3 +599,14 @@ def test_torch_compile_fullgraph_matches_eager(backend):
     compiled = torch.compile(f, fullgraph=True, backend=backend)(x)
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b) or (a.isnan().all() and b.isnan().all())
+
+
+def test_missing_device_kernel_warns_once_per_device(monkeypatch):
+    monkeypatch.setattr(ops, "_warned_devices", set())
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            ops._warn_no_kernel("cuda")
+        ops._warn_no_kernel("xpu")
+    msgs = [str(x.message) for x in w]
+    assert len(msgs) == 2 and "no cuda kernel" in msgs[0] and "no xpu kernel" in msgs[1]
