@@ -41,20 +41,49 @@ if "always_call" in inspect.signature(nn.Module.register_forward_hook).parameter
     _POST_HOOK_KWARGS["always_call"] = True
 
 
+_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def _in_recompute() -> bool:
+    """A forward running inside backward: activation checkpointing recomputing it (never
+    asked inside compiled code, where checkpointing is traced as a whole)."""
+    return not _is_compiling() and _graph_task_id() != -1
+
+
+def _phase_of(module: nn.Module) -> str:
+    """``"eval"`` for a module in eval mode or under inference_mode, else ``"train"``
+    (inside compiled code: the module's mode only; dynamo cannot read inference_mode)."""
+    if not module.training:
+        return "eval"
+    return "train" if _is_compiling() or not torch.is_inference_mode_enabled() else "eval"
+
+
 class HookContext:
-    """What a per-call hook knows about the call: module ``name``, ``call_index`` (how many
-    times this module ran before in this session), the session's ``step``, and ``session``."""
+    """What a per-call hook knows about the call: module ``name``, ``phase`` (``"train"``,
+    or ``"eval"`` when the module is in eval mode or under ``torch.inference_mode``),
+    ``call_index`` (how many times this module ran before in this session; -1 inside
+    torch.compile'd code, where Python counters would make dynamo recompile), the session's
+    ``step`` and ``session``."""
 
-    __slots__ = ("name", "call_index", "step", "session")
+    __slots__ = ("name", "call_index", "_step", "session", "phase")
 
-    def __init__(self, name: str, call_index: int, step: int, session: "Session"):
+    def __init__(self, name: str, call_index: int, step: Optional[int], session: "Session",
+                 phase: str = "train"):
         self.name = name
         self.call_index = call_index
-        self.step = step
+        self._step = step
         self.session = session
+        self.phase = phase
+
+    @property
+    def step(self) -> int:
+        """The session's step when the call happened (read lazily inside compiled code)."""
+        return self._step if self._step is not None else self.session._step
 
     def __repr__(self) -> str:
-        return f"HookContext(name={self.name!r}, call_index={self.call_index}, step={self.step})"
+        return (f"HookContext(name={self.name!r}, phase={self.phase!r}, "
+                f"call_index={self.call_index}, step={self.step})")
 
 
 # -- plugin specs --------------------------------------------------------------------------
@@ -137,14 +166,27 @@ class _ModuleBinding:
         self.variants: Dict[bool, Tuple[Tuple, Tuple, Tuple]] = {}
         self._pending: List[HookContext] = []  # pushed by pre_hook, popped by post_hook
 
-    def pre_hook(self, module, args, kwargs):
+    def _new_ctx(self, module) -> HookContext:
+        """A call's context. Inside compiled code nothing Python-side that changes per call
+        or per step is read (no recompiles): call_index is -1, step is read lazily."""
+        if _is_compiling():
+            return HookContext(self.name, -1, None, self.session, _phase_of(module))
         index = self.calls
         self.calls = index + 1
+        return HookContext(self.name, index, self.session._step, self.session, _phase_of(module))
+
+    def pre_hook(self, module, args, kwargs):
+        if _in_recompute():
+            if self.has_post:
+                self._pending.append(None)
+            return None
         impls = self.fwd_in
         if not impls and not self.has_post:
+            if not _is_compiling():
+                self.calls += 1
             return None
         s = self.session
-        ctx = HookContext(self.name, index, s._step, s)
+        ctx = self._new_ctx(module)
         if self.has_post:  # the same ctx reaches forward_output for this call
             self._pending.append(ctx)
         if not impls:
@@ -170,17 +212,17 @@ class _ModuleBinding:
     def post_hook(self, module, args, kwargs, output):
         """Also runs (``always_call``) when ``forward`` raised; ``output`` is None then."""
         s = self.session
+        recompute = _in_recompute()
         if self.has_pre and self._pending:
             ctx = self._pending.pop()
         else:
-            ctx = None
-            index = self.calls
-            self.calls = index + 1
+            ctx = None if recompute else self._new_ctx(module)
         fwd_out, out_grad = self.fwd_out, self.out_grad
         if not fwd_out and not out_grad:
             return None
-        if ctx is None:
-            ctx = HookContext(self.name, index, s._step, s)
+        if ctx is None:  # a recompute (activation checkpointing): forward is not observed again,
+            ctx = HookContext(self.name, -1, None, s, _phase_of(module))  # grads still are
+            fwd_out = ()
         changed = False
         for plugin, fn in fwd_out:
             try:
@@ -232,8 +274,11 @@ class _ParamBinding:
         s = self.session
         if s._removed or not self.impls:
             return None
-        ctx = HookContext(self.name, self.calls, s._step, s)
-        self.calls += 1
+        if _is_compiling():
+            ctx = HookContext(self.name, -1, None, s)
+        else:
+            ctx = HookContext(self.name, self.calls, s._step, s)
+            self.calls += 1
         param = self.param_ref()
         changed = False
         for plugin, fn in self.impls:
@@ -272,7 +317,9 @@ class Session:
         self.on_error = on_error
         self.flush_every = flush_every
         self._step = 0
+        self._steps_done = 0  # step() calls (flush_every counts these)
         self._sampling = True
+        self._nonfinite: List[dict] = []
         self._removed = False
         self._plugins: Dict[str, Any] = {}
         self._plugin_modules: Dict[str, List[str]] = {}
@@ -326,6 +373,26 @@ class Session:
         return self._step
 
     @property
+    def sampled(self) -> bool:
+        """Whether the current step is sampled (``every=N``)."""
+        return self._sampling
+
+    @property
+    def has_sinks(self) -> bool:
+        """Whether telemetry has a consumer (a plugin implementing ``hookplug_flush``)."""
+        return bool(self._call_order.get("hookplug_flush"))
+
+    @property
+    def nonfinite(self) -> List[dict]:
+        """Per step (and rank), the first selected module whose output or gradient held a
+        NaN/Inf, in execution order: ``{step, module, site, phase, rank}``, known once the
+        step's telemetry was flushed."""
+        return list(self._nonfinite)
+
+    def _note_nonfinite(self, info: dict) -> None:
+        self._nonfinite.append(info)
+
+    @property
     def disabled(self) -> Dict[str, str]:
         """Plugins switched off under ``on_error="warn"``, with the error that did it."""
         return dict(self._disabled)
@@ -366,12 +433,19 @@ class Session:
             lines += ["", f"!! {name} was disabled: {why}"]
         return "\n".join(lines)
 
-    def step(self) -> "_StepScope":
-        """Mark a training-step boundary: the step counter advances, plugins see
-        ``hookplug_step``, sampling (``every=N``) and ``flush_every`` take effect.
-        Also usable as ``with session.step(): ...`` (the body runs in the new step)."""
+    def step(self, step: Optional[int] = None) -> "_StepScope":
+        """Mark a training-step boundary: the step that ran so far ends (numbered ``step``
+        when given, e.g. a trainer's global step, else the session's counter) and the next
+        one is numbered one more; plugins see ``hookplug_step``, sampling (``every=N``, on
+        step numbers) and ``flush_every`` take effect. A resumed run passes its global step
+        and continues from it. Also usable as ``with session.step(): ...``."""
+        if step is not None:
+            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+                raise ValueError(f"session.step(step=...) expects an int >= 0, got {step!r}")
+            self._step = step
         ended = self._step
         self._step += 1
+        self._steps_done += 1
         sampling = (self._step % self.every) == 0 and not self._removed
         if sampling != self._sampling:
             self._sampling = sampling
@@ -400,8 +474,11 @@ class Session:
         # data without waiting for the cycle collector
         self._bindings.clear()
         self._param_bindings.clear()
+        model = self.model
+        if model is not None:
+            _forget_compiled_code(model)
         try:
-            if self._telemetry.has_consumers(self):
+            if self.has_sinks:
                 self.flush(wait=True)
         finally:
             # disabled plugins get their cleanup call too
@@ -451,6 +528,23 @@ class Session:
 
     def _impl_of(self, plugin, hook_name: str):
         return self._impls[(hook_name, id(plugin))]
+
+    def _dispatch(self, hook_name: str, *, on_result=None, skip=None, **kwargs) -> None:
+        """Call a session-level hook on every enabled plugin in order (each given the
+        arguments it asks for); ``on_result(plugin_name, result)`` sees each result;
+        failures go through ``on_error``."""
+        for plugin in self._call_order.get(hook_name, []):
+            name = self._key_of.get(id(plugin))
+            if name in self._disabled or (skip is not None and skip(plugin)):
+                continue
+            impl = self._impl_of(plugin, hook_name)
+            kwargs.setdefault("session", self)
+            try:
+                res = impl.function(**{a: kwargs[a] for a in impl.argnames if a in kwargs})
+                if on_result is not None:
+                    on_result(name, res)
+            except Exception as exc:  # noqa: BLE001 - on_error decides
+                self._plugin_failed(plugin, hook_name, exc)
 
     # -- binding -----------------------------------------------------------------------------
 
@@ -589,6 +683,22 @@ class _StepScope:
 
 # -- attach ----------------------------------------------------------------------------------
 
+def _forget_compiled_code(model: nn.Module) -> None:
+    """torch.compile does not guard on module hooks (``skip_nnmodule_hook_guards``): code
+    compiled before hooks were added or removed would keep running without (or with) them.
+    Drop dynamo's cache entries for the forward code of the model's module classes, so the
+    next call compiles again, this time with the hooks."""
+    reset = getattr(getattr(torch, "_dynamo", None), "reset_code", None)
+    if reset is None or "torch._dynamo" not in __import__("sys").modules:
+        return  # nothing was ever compiled in this process
+    seen = set()
+    for mod in model.modules():
+        code = getattr(getattr(type(mod), "forward", None), "__code__", None)
+        if code is not None and code not in seen:
+            seen.add(code)
+            reset(code)
+
+
 def _build_plugins(specs, on_error: str) -> List[Tuple[str, Any]]:
     built = []
     for name, options, instance in specs:
@@ -677,6 +787,7 @@ def attach(
         session._add_plugin(key, instance, [], sink=True)
     try:
         session._bind(model)
+        _forget_compiled_code(model)
         session._call_session_hook("hookplug_session_start", session=session)
     except BaseException:
         session.remove()
