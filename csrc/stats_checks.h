@@ -92,7 +92,7 @@ inline void hist_range_columns(const StatsArgs& a, double* lo, double* hi) {
     *lo = a.lo;
     *hi = a.hi;
   } else {
-    *lo = *hi = std::numeric_limits<double>::quiet_NaN();
+    *lo = *hi = 0.0;  // no histogram (or a range not known yet)
   }
 }
 

@@ -7,7 +7,7 @@
 //   kNumel, kNan, kInf, kZero   counts (exact in float64 below 2**53)
 //   kMin, kMax                  finite min / max (+inf / -inf while there is none)
 //   kMean, kM2                  mean and sum of squared deviations of the finite values
-//   kHistLo, kHistHi            the histogram's range (NaN when it has none)
+//   kHistLo, kHistHi            the histogram's range (0, 0 when it has none)
 //   kFirstBad                   the clock value of the first call that saw NaN/Inf (+inf: none)
 //   kHead + i                   histogram bucket i
 // An empty row is (0, 0, 0, 0, +inf, -inf, 0, 0, lo, hi, +inf, 0...). Rows merge exactly:
@@ -120,7 +120,7 @@ struct Summary {
   double mn, mx;       // finite min / max (+inf / -inf when n == 0)
 };
 
-// An empty row: no values yet, histogram range (lo, hi) (NaN: none), buckets zeroed.
+// An empty row: no values yet, histogram range (lo, hi) (0, 0: none), buckets zeroed.
 HOOKPLUG_HD void init_row(double* row, int64_t nbins, double lo, double hi) {
   const double inf = __builtin_huge_val();
   row[kNumel] = row[kNan] = row[kInf] = row[kZero] = 0.0;

@@ -9,7 +9,7 @@ checks both agree when the extension loads):
 ``inf_count, zero_count``
 ``min, max``                finite min / max (+inf / -inf while there is none)
 ``mean, m2``                mean and sum of squared deviations of the finite values
-``hist_lo, hist_hi``        the histogram's range (NaN when there is none)
+``hist_lo, hist_hi``        the histogram's range (0, 0 when there is none)
 ``first_bad``               clock of the first call that saw a NaN/Inf (+inf: none)
 ``HEAD + i``                histogram bucket ``i``
 ==========================  =====================================================
@@ -44,7 +44,7 @@ LOG2_MAX_EXP = 32
 LOG2_BINS = 2 * (LOG2_MAX_EXP - LOG2_MIN_EXP + 1) + 1  # 131
 
 
-def empty_rows(n: int, bins: int, lo: float = math.nan, hi: float = math.nan,
+def empty_rows(n: int, bins: int, lo: float = 0.0, hi: float = 0.0,
                device=None) -> torch.Tensor:
     """``n`` empty rows for ``bins`` buckets with histogram range ``(lo, hi)``."""
     row = torch.zeros(HEAD + bins, dtype=torch.float64)

@@ -157,7 +157,7 @@ class StatsPlugin(hookplug.Plugin):
         elif nb:
             self._range_cols = range
         else:
-            self._range_cols = (math.nan, math.nan)
+            self._range_cols = (0.0, 0.0)
         self._accumulate = None
         # Switch off the hooks of sites not asked for, so the core registers no torch hook
         # for them (pluggy ignores an instance attribute that is not a function).

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import hookplug
+from hookplug._stats import TensorStats
 from hookplug import PluginError
 from hookplug.models import MLP, resnet34_like, tiny_transformer
 
@@ -166,11 +167,10 @@ def test_many_calls_compact_and_stay_exact():
     with hookplug.attach(lin, "*:", plugins="stats") as s:
         for x in xs:
             lin(x)
-        pending = s["stats"]._pending
-        assert all(
-            len(v) < 16 for b in pending.values() for v in b.values()
-        )  # merged on the fly, bounded
-        st = s["stats"].results()[""]["output"]
+        plugin = s["stats"]
+        # merged in place into one row per (module, path, phase): nothing piles up per call
+        assert plugin._keys == [("", "output", "train")] and not plugin._pending
+        st = plugin.results()[""]["output"]
     with torch.no_grad():
         assert_stats_match(st, torch.cat([lin(x) for x in xs]))
 
@@ -407,14 +407,17 @@ def test_collect_per_step_then_results_cover_everything():
         assert plugin.hookplug_collect(session=s, step=s.step_index) is None  # nothing new
     for h in handles:
         h.remove()
-    metas = [m for m, _ in got]
+    # one StatsBlock per ended step; rows of modules the selector left out stay empty
+    pairs = [(m, TensorStats(r)) for blk in got for m, r in zip(blk.metas, blk.rows)
+             if int(r[0]) > 0]
+    metas = [m for m, _ in pairs]
     assert metas == [
-        {"step": 0, "module": "fc1", "site": "output"},
-        {"step": 0, "module": "fc3", "site": "output"},
-        {"step": 1, "module": "fc1", "site": "output"},
-        {"step": 1, "module": "fc3", "site": "output"},
+        {"step": 0, "module": "fc1", "site": "output", "phase": "train"},
+        {"step": 0, "module": "fc3", "site": "output", "phase": "train"},
+        {"step": 1, "module": "fc1", "site": "output", "phase": "train"},
+        {"step": 1, "module": "fc3", "site": "output", "phase": "train"},
     ]
-    by = {(m["step"], m["module"]): st for m, st in got}
+    by = {(m["step"], m["module"]): st for m, st in pairs}
     assert_stats_match(by[(0, "fc1")], seen["fc1"][0])
     assert_stats_match(by[(1, "fc1")], torch.cat([seen["fc1"][1], seen["fc1"][2]]))
     res = plugin.results()  # totals survive the collection
@@ -437,8 +440,8 @@ def test_pending_steps_bounded_with_a_sink_never_flushed():
 
 
 def test_without_telemetry_steps_fold_into_totals_silently():
-    """No sink and no flush: finished steps are folded at step() (no pile-up, no warning
-    about flush_every the user never asked for); totals stay exact."""
+    """No sink and no flush: each step() folds the bank into the totals with one merge
+    (nothing piles up per call or per step, no warning); totals stay exact."""
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)])
     xs = [torch.randn(2, 4) for _ in range(40)]
     with warnings.catch_warnings():
@@ -448,13 +451,13 @@ def test_without_telemetry_steps_fold_into_totals_silently():
             for x in xs:
                 model(x)
                 s.step()
-                assert len(plugin._pending) <= 1  # only the step that just ended
-                assert all(len(v) < 64 for v in plugin._done.values())
+                assert len(plugin._pending) <= 4
+                assert len(plugin._keys) == 3  # one row per (module, path, phase), reused
             res = plugin.results()
-            # session.flush() right after step() still hands out the step just ended
+            # session.flush() right after step() still hands out the steps just ended
             recs = s.flush()
-            assert {(r["step"], r["module"]) for r in recs} == {(39, n) for n in ("0", "1", "2")}
-    assert plugin._folded_steps == 39
+            assert {(r["step"], r["module"]) for r in recs} == {
+                (st, n) for st in range(36, 40) for n in ("0", "1", "2")}
     with torch.no_grad():
         outs = {"0": [], "1": [], "2": []}
         for x in xs:
@@ -539,8 +542,8 @@ def test_many_collections_stay_exact_and_bounded():
             lin(x)
             s.step()
             got = plugin.hookplug_collect(session=s, step=s.step_index)
-            assert len(got) == 1
-        assert len(plugin._done[("", "output")]) < 64 and not plugin._pending
+            assert len(got) == 1 and got[0].rows.shape[0] == 1
+        assert len(plugin._keys) == 1 and not plugin._pending
         st = plugin.results()[""]["output"]
     with torch.no_grad():
         assert_stats_match(st, torch.cat([lin(x) for x in xs]))

@@ -15,7 +15,7 @@ import hookplug
 from hookplug import _manager
 from hookplug.models import MLP
 
-STATS = ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "mean", "std", "absmax")
+from hookplug._telemetry import STAT_FIELDS as STATS  # noqa: E402
 
 
 class ListSink:

@@ -262,7 +262,7 @@ def test_bad_collect_result_names_the_plugin():
     m = MLP()
     s = hookplug.attach(m, "Linear", plugins=BadProducer(), sink=ListSink())
     with pytest.raises(TypeError, match=r"plugin 'bad': hookplug_collect must return None or a list of "
-                                        r"\(meta, TensorStats\) pairs.*got an item \('not a meta', None\)"):
+                                        r"StatsBlock or \(meta, TensorStats\) pairs.*got an item \('not a meta', None\)"):
         s.flush()
     with pytest.raises(TypeError):
         s.remove()  # the final flush raises too; the hooks are off all the same

@@ -266,9 +266,8 @@ __device__ __forceinline__ void for_each_element(const StatsLaunch& s, Visit& vi
   }
 }
 
-// The histogram range columns of the row for a launch (NaN: none, or not known yet).
+// The histogram range columns of the row for a launch (0, 0: none, or not known yet).
 __device__ __forceinline__ void range_columns(const StatsLaunch& s, double* lo, double* hi) {
-  const double nan = __longlong_as_double(0x7ff8000000000000ll);
   if (s.nbins > 0 && s.hist_mode == kHistLog2) {
     *lo = log2_edge(0);
     *hi = log2_edge(kLog2Bins);
@@ -276,7 +275,7 @@ __device__ __forceinline__ void range_columns(const StatsLaunch& s, double* lo, 
     *lo = s.lo;
     *hi = s.hi;
   } else {
-    *lo = *hi = nan;
+    *lo = *hi = 0.0;
   }
 }
 
