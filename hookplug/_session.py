@@ -6,6 +6,7 @@ hook only where that tuple is non-empty. The torch hooks then loop over plain tu
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import os
@@ -17,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from . import hookspecs
-from ._manager import PluginError, create_plugin, new_plugin_manager
+from ._manager import PluginError, PluginLoadError, create_plugin, new_plugin_manager
 from ._selectors import select, unwrap_model
 from .structures import iter_tensors
 
@@ -84,6 +85,49 @@ class HookContext:
     def __repr__(self) -> str:
         return (f"HookContext(name={self.name!r}, phase={self.phase!r}, "
                 f"call_index={self.call_index}, step={self.step})")
+
+
+# -- what plugins return ----------------------------------------------------------------------
+
+def _kind(value) -> Optional[str]:
+    """The structure a forward output has, as far as a returned replacement must keep it."""
+    if isinstance(value, torch.Tensor):
+        return "a tensor"
+    if isinstance(value, dict):  # also HF ModelOutput
+        return "a dict"
+    if isinstance(value, (list, tuple)):
+        return "a list or tuple"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return "a dataclass"
+    return None
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
+    return type(value).__name__
+
+
+def _returned_ok(session: "Session", plugin, hook_name: str, where: str, before, result) -> bool:
+    """Check a non-None value a plugin returned from ``hook_name``; report a bad one through
+    ``session._plugin_failed`` (raise, or warn and disable) and return False.
+
+    A forward output keeps its kind (a tensor stays a tensor; values and shapes may change);
+    a gradient keeps the incoming gradient's shape, dtype and device."""
+    if hook_name == "hookplug_forward_output":
+        kind = _kind(before)
+        if kind is None or _kind(result) == kind:
+            return True
+        expected = f"None or {kind} like the module's output ({_describe(before)})"
+    else:
+        if (isinstance(result, torch.Tensor) and result.shape == before.shape
+                and result.dtype == before.dtype and result.device == before.device):
+            return True
+        expected = f"None or a tensor like the incoming grad ({_describe(before)})"
+    name = session._key_of.get(id(plugin), type(plugin).__name__)
+    session._plugin_failed(plugin, hook_name, PluginError(
+        f"plugin {name!r}: {hook_name} for {where} must return {expected}, got {_describe(result)}"))
+    return False
 
 
 # -- plugin specs --------------------------------------------------------------------------
@@ -231,6 +275,8 @@ class _ModuleBinding:
                 s._plugin_failed(plugin, "hookplug_forward_output", exc)
                 continue
             if res is not None:
+                if not _returned_ok(s, plugin, "hookplug_forward_output", f"module {self.name!r}", output, res):
+                    continue
                 output = res
                 changed = True
         if out_grad and torch.is_grad_enabled():
@@ -252,6 +298,8 @@ class _ModuleBinding:
                 s._plugin_failed(plugin, "hookplug_output_grad", exc)
                 continue
             if res is not None:
+                if not _returned_ok(s, plugin, "hookplug_output_grad", f"module {self.name!r} {path}", grad, res):
+                    continue
                 grad = res
                 changed = True
         return grad if changed else None
@@ -288,9 +336,57 @@ class _ParamBinding:
                 s._plugin_failed(plugin, "hookplug_param_grad", exc)
                 continue
             if res is not None:
+                if not _returned_ok(s, plugin, "hookplug_param_grad", f"parameter {self.name!r}", grad, res):
+                    continue
                 grad = res
                 changed = True
         return grad if changed else None
+
+
+# -- copies of the model ------------------------------------------------------------------------
+
+class _HookFreeState:
+    """Set as ``module.__getstate__`` (an instance attribute) while hookplug hooks are on
+    ``module``: ``copy.deepcopy``, ``copy.copy``, ``pickle`` and ``torch.save`` all take a
+    module's state from it, so a copy carries no hookplug hook (and no session with it).
+
+    ``hook_ids`` are the ids of the hookplug handles on the module (every session's); the
+    entries under those ids are left out of every hook dict of the copied state."""
+
+    __slots__ = ("module_ref", "hook_ids", "__weakref__")
+
+    def __init__(self, module: nn.Module):
+        self.module_ref = weakref.ref(module)
+        self.hook_ids: set = set()
+
+    def __call__(self) -> dict:
+        module = self.module_ref()
+        state = type(module).__getstate__(module)
+        if state is module.__dict__:
+            state = dict(state)
+        state.pop("__getstate__", None)
+        ids = self.hook_ids
+        for key, value in list(state.items()):
+            if isinstance(value, dict) and "hook" in key and not ids.isdisjoint(value):
+                state[key] = type(value)((k, v) for k, v in value.items() if k not in ids)
+        return state
+
+
+def _guard_copies(module: nn.Module, handle) -> None:
+    """Leave the hook behind ``handle`` out of copies and pickles of ``module``."""
+    guard = module.__dict__.get("__getstate__")
+    if guard is None:
+        guard = module.__dict__["__getstate__"] = _HookFreeState(module)
+    if isinstance(guard, _HookFreeState):  # a user's own instance __getstate__ is left alone
+        guard.hook_ids.add(handle.id)
+
+
+def _unguard_copies(module: nn.Module, hook_id: int) -> None:
+    guard = module.__dict__.get("__getstate__")
+    if isinstance(guard, _HookFreeState):
+        guard.hook_ids.discard(hook_id)
+        if not guard.hook_ids:
+            del module.__dict__["__getstate__"]
 
 
 # -- the session ---------------------------------------------------------------------------------
@@ -329,6 +425,7 @@ class Session:
         self._bindings: Dict[str, _ModuleBinding] = {}
         self._param_bindings: Dict[str, _ParamBinding] = {}
         self._handles: List[Any] = []
+        self._guarded: List[Tuple[weakref.ref, int]] = []  # (module, hook id) left out of copies
         self._impls: Dict[Tuple[str, int], Any] = {}  # (hook name, id(plugin)) -> pluggy HookImpl
         self._call_order: Dict[str, List[Any]] = {}
         self._key_of: Dict[int, str] = {}
@@ -470,6 +567,11 @@ class Session:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for module_ref, hook_id in self._guarded:
+            module = module_ref()
+            if module is not None:
+                _unguard_copies(module, hook_id)
+        self._guarded.clear()
         # the bindings point back at the session: drop them so `del session` frees plugins'
         # data without waiting for the cycle collector
         self._bindings.clear()
@@ -481,8 +583,9 @@ class Session:
             if self.has_sinks:
                 self.flush(wait=True)
         finally:
-            # disabled plugins get their cleanup call too
-            self._call_session_hook("hookplug_session_end", session=self, include_disabled=True)
+            # disabled plugins get their cleanup call too; one failing never skips the others
+            self._call_session_hook("hookplug_session_end", session=self, include_disabled=True,
+                                    run_all=True)
 
     def __enter__(self) -> "Session":
         return self
@@ -508,10 +611,17 @@ class Session:
         self._disabled[name] = why
         warnings.warn(f"hookplug plugin {name!r} failed and is disabled for this session: {why}",
                       RuntimeWarning, stacklevel=3)
-        self._rebind()
+        if not self._removed:  # a removed session has no bindings left to rebuild
+            self._rebind()
 
-    def _call_session_hook(self, hook_name: str, include_disabled: bool = False, **kwargs) -> List[Any]:
+    def _call_session_hook(self, hook_name: str, include_disabled: bool = False, run_all: bool = False,
+                           **kwargs) -> List[Any]:
+        """Call ``hook_name`` on every plugin that implements it, in plugin order.
+
+        ``run_all``: under ``on_error="raise"`` a failing plugin does not stop the others;
+        the first error is raised once all have run (later ones are named in its notes)."""
         results = []
+        failed: List[Tuple[Any, BaseException]] = []
         for plugin in self._call_order.get(hook_name, []):
             if self._key_of.get(id(plugin)) in self._disabled and not include_disabled:
                 continue
@@ -520,10 +630,22 @@ class Session:
             try:
                 res = impl.function(**call_kwargs)
             except Exception as exc:  # noqa: BLE001
-                self._plugin_failed(plugin, hook_name, exc)
+                if run_all and self.on_error == "raise":
+                    failed.append((plugin, exc))
+                else:
+                    self._plugin_failed(plugin, hook_name, exc)
                 continue
             if res is not None:
                 results.append(res)
+        if failed:
+            plugin, exc = failed[0]
+            try:
+                self._plugin_failed(plugin, hook_name, exc)
+            finally:
+                for other, other_exc in failed[1:]:
+                    if hasattr(exc, "add_note"):
+                        exc.add_note(f"(hookplug plugin {self._key_of.get(id(other))!r} also raised in "
+                                     f"{hook_name}: {type(other_exc).__name__}: {other_exc})")
         return results
 
     def _impl_of(self, plugin, hook_name: str):
@@ -583,12 +705,18 @@ class Session:
             fwd_in, fwd_out, out_grad = binding.variants[True]
             binding.has_pre, binding.has_post = bool(fwd_in), bool(fwd_out or out_grad)
             if binding.has_pre:
-                self._handles.append(mod.register_forward_pre_hook(binding.pre_hook, with_kwargs=True))
+                self._keep_handle(mod, mod.register_forward_pre_hook(binding.pre_hook, with_kwargs=True))
             if binding.has_post:
-                self._handles.append(mod.register_forward_hook(binding.post_hook, **_POST_HOOK_KWARGS))
+                self._keep_handle(mod, mod.register_forward_hook(binding.post_hook, **_POST_HOOK_KWARGS))
         for pname, pb in self._param_bindings.items():
             if pb.variants[True]:
                 self._handles.append(wanted_params[pname].register_hook(pb))
+
+    def _keep_handle(self, module: nn.Module, handle) -> None:
+        """Keep ``handle`` for ``remove()``; copies and pickles of ``module`` leave its hook out."""
+        self._handles.append(handle)
+        _guard_copies(module, handle)
+        self._guarded.append((weakref.ref(module), handle.id))
 
     def _resolve_hooks(self) -> None:
         """Ask pluggy, once, which plugin implements which hook and in what order; keep the
@@ -700,11 +828,18 @@ def _forget_compiled_code(model: nn.Module) -> None:
 
 
 def _build_plugins(specs, on_error: str) -> List[Tuple[str, Any]]:
+    """Instances for ``[(name, options, instance_or_None)]``. A plugin that fails to load
+    raises under ``on_error="raise"``; under ``"warn"`` it is named in a warning and left out."""
     built = []
     for name, options, instance in specs:
         if instance is None:
-            instance = create_plugin(name, options)
-            if instance is None:  # failed to load: warned already, the rest keep working
+            try:
+                instance = create_plugin(name, options)
+            except PluginLoadError as exc:
+                if on_error == "raise":
+                    raise
+                warnings.warn(f"{exc}; attached without it (on_error='warn')", RuntimeWarning,
+                              stacklevel=3)
                 continue
         built.append((name, instance))
     return built
