@@ -18,8 +18,9 @@ carry whole lines, so a line is never interleaved with another writer's, a reade
 what was not flushed yet. A write that fails part way (a full disk) is rolled back to the
 last whole line (the file is truncated to where that write began) and the ``OSError`` is
 raised, naming the file, to the session, whose ``on_error`` decides. ``fsync=True`` also
-forces them to disk. :func:`read_jsonl` skips a torn last line (from a crash mid-write) with
-one warning.
+forces them to disk. A run killed mid-write can still leave a torn last line: the next sink
+to open the file ends it with a newline (warning), and :func:`read_jsonl` skips torn lines
+with one warning.
 
 One JSON object a line: the record as the session emits it (``step, time, rank, module,
 site, numel, nan_count, inf_count, zero_count, min, max, mean, std, absmax, hist``) plus
@@ -138,7 +139,7 @@ class JsonlSink:
             if parent:
                 os.makedirs(parent, exist_ok=True)
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-            self._cut_torn_tail(self._fd)
+            self._end_torn_line(self._fd)
             self._edges = {}  # a new file (or a new session's records): write the edges again
             self.lines = 0
         return self._fd
@@ -155,25 +156,18 @@ class JsonlSink:
             return
         _check_writable(self._resolve(session, rank))
 
-    def _cut_torn_tail(self, fd: int) -> None:
-        """A file left ending in a partial line (a crash mid-write) is cut back to its last
-        whole line, with a warning, so the records appended now start on a line of their own."""
+    def _end_torn_line(self, fd: int) -> None:
+        """A file left ending in a partial line (a run that stopped mid-write) gets a newline,
+        with a warning, so the records appended now start on a line of their own (the torn
+        line is left for :func:`read_jsonl` to skip; never truncated: another writer may be
+        appending to the same file)."""
         end = os.lseek(fd, 0, os.SEEK_END)
         if end == 0 or os.pread(fd, 1, end - 1) == b"\n":
             return
-        pos = end
-        while pos > 0:
-            start = max(0, pos - 65536)
-            block = os.pread(fd, pos - start, start)
-            i = block.rfind(b"\n")
-            if i >= 0:
-                pos = start + i + 1
-                break
-            pos = start
-        os.ftruncate(fd, pos)
-        warnings.warn(f"jsonl sink: {self.path!r} ended in a torn line ({end - pos} bytes, from a "
-                      "run that stopped mid-write); cut it off before appending", RuntimeWarning,
-                      stacklevel=4)
+        os.write(fd, b"\n")
+        warnings.warn(f"jsonl sink: {self.path!r} ended in a torn line (a run that stopped "
+                      "mid-write); ended it with a newline before appending (read_jsonl skips it)",
+                      RuntimeWarning, stacklevel=4)
 
     def encode(self, record: Dict[str, Any]) -> str:
         """One record as a JSON line (with its newline)."""
@@ -266,29 +260,28 @@ def read_jsonl(path: str, *, run_id: Optional[str] = None) -> List[Dict[str, Any
     """Read a telemetry file back, carrying ``hist_edges`` forward to every record and
     turning ``null`` statistics back into NaN. ``run_id`` keeps only that run's records.
 
-    A torn last line (a crash or a full disk mid-write) is skipped with one warning; a bad
-    line anywhere else raises ``ValueError`` naming the file and the line."""
+    Torn lines (a run that stopped mid-write: not valid JSON) are skipped with one warning
+    naming them; a line that is JSON but not a record raises ``ValueError`` naming the file
+    and the line."""
     path = os.fspath(path)
     if not path.endswith(_SUFFIXES):
         path = os.path.join(path, "telemetry.jsonl")
     edges: Dict[Tuple[Any, str, str], Any] = {}
     out = []
+    torn: List[int] = []
     with open(path, "rb") as f:
         data = f.read()
-    lines = data.split(b"\n")
-    for number, raw in enumerate(lines, 1):
+    for number, raw in enumerate(data.split(b"\n"), 1):
         if not raw.strip():
             continue
         try:
             rec = json.loads(raw.decode("utf-8"))
-            if not isinstance(rec, dict):
-                raise ValueError(f"expected a JSON object, got {type(rec).__name__}")
-        except (ValueError, RecursionError) as exc:
-            if number == len(lines):  # no newline after it: a torn last line
-                warnings.warn(f"read_jsonl: {path}: line {number} is torn (incomplete, no newline "
-                              f"at the end of the file); skipped", RuntimeWarning, stacklevel=2)
-                break
-            raise ValueError(f"read_jsonl: {path}: line {number} is not a JSON record: {exc}") from None
+        except (ValueError, RecursionError):
+            torn.append(number)
+            continue
+        if not isinstance(rec, dict):
+            raise ValueError(f"read_jsonl: {path}: line {number} is not a record: expected a JSON "
+                             f"object, got {type(rec).__name__}")
         if run_id is not None and rec.get("run_id") != run_id:
             continue
         key = (rec.get("run_id"), rec.get("module"), rec.get("site"))
@@ -300,4 +293,8 @@ def read_jsonl(path: str, *, run_id: Optional[str] = None) -> List[Dict[str, Any
             if k in rec and rec[k] is None:
                 rec[k] = math.nan
         out.append(rec)
+    if torn:
+        shown = ", ".join(map(str, torn[:5])) + (f" and {len(torn) - 5} more" if len(torn) > 5 else "")
+        warnings.warn(f"read_jsonl: {path}: skipped {len(torn)} torn line(s) (not valid JSON, from a "
+                      f"run that stopped mid-write): line {shown}", RuntimeWarning, stacklevel=2)
     return out
