@@ -15,7 +15,8 @@ the sink at attach (raised, or warned under ``on_error="warn"``). Nothing is cre
 The file is opened with ``O_APPEND`` and every flush goes out in ``os.write`` calls that each
 carry whole lines, so a line is never interleaved with another writer's, a reader
 (``tail -f``) sees the records as soon as the flush is written, and a killed run loses only
-what was not flushed yet. A write that fails part way (a full disk) is rolled back to the
+what was not flushed yet. Each flush's writes hold an exclusive ``flock`` on the file (where
+the file system has locks), so writers take turns. A write that fails part way (a full disk) is rolled back to the
 last whole line (the file is truncated to where that write began) and the ``OSError`` is
 raised, naming the file, to the session, whose ``on_error`` decides. ``fsync=True`` also
 forces them to disk. A run killed mid-write can still leave a torn last line: the next sink
@@ -36,6 +37,7 @@ file (or every session's part of an appended file) starts with its own ``hist_ed
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -54,6 +56,26 @@ _CHUNK = 1 << 20  # bytes per os.write (whole lines)
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 _FLOATS = ("min", "max", "mean", "std", "absmax", "time")
 _PLACEHOLDERS = ("rank", "run_id")
+
+
+@contextlib.contextmanager
+def _locked(fd: int):
+    """Hold an exclusive ``flock`` on ``fd`` (where the platform has one): the writers of one
+    file take turns, so a torn-tail check or a rollback never sees another writer mid-write."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:  # a file system without locks: appends stay whole lines, unlocked
+        yield
+        return
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
 
 
 def _check_placeholders(path: str) -> None:
@@ -139,7 +161,8 @@ class JsonlSink:
             if parent:
                 os.makedirs(parent, exist_ok=True)
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-            self._end_torn_line(self._fd)
+            with _locked(self._fd):
+                self._end_torn_line(self._fd)
             self._edges = {}  # a new file (or a new session's records): write the edges again
             self.lines = 0
         return self._fd
@@ -214,6 +237,10 @@ class JsonlSink:
     def _write(self, fd: int, data: bytes, lines: int) -> None:
         """Append ``data`` (whole lines); on an error part way, truncate the file back to
         where this write began, so it still ends with a whole line, and raise naming it."""
+        with _locked(fd):
+            self._write_locked(fd, data, lines)
+
+    def _write_locked(self, fd: int, data: bytes, lines: int) -> None:
         view = memoryview(data)
         written = 0
         try:
