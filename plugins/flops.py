@@ -315,10 +315,23 @@ class _Window:
     plugin's running modules count) or one autograd node's backward (``owners``: the modules
     whose forward created the node)."""
 
-    __slots__ = ("plugin", "owners", "dispatcher")
+    __slots__ = ("plugin_ref", "owners", "dispatcher")
 
     def __init__(self, plugin: "FlopsPlugin", owners: Optional[Tuple[str, ...]]):
-        self.plugin, self.owners, self.dispatcher = plugin, owners, None
+        self.plugin_ref = weakref.ref(plugin)  # the mode stack never keeps a plugin alive
+        self.owners = owners
+        self.dispatcher: Optional[_Dispatcher] = None
+
+    def close(self) -> None:
+        """Close this window if it is open on the calling thread; elsewhere stop it counting
+        (that thread's mode leaves at its next window change)."""
+        d, self.dispatcher = self.dispatcher, None
+        if d is None:
+            return
+        if d is getattr(_local, "dispatcher", None):
+            d.close(self)
+        else:
+            d.windows = [w for w in d.windows if w is not self]
 
 
 class _Dispatcher(TorchDispatchMode):
@@ -331,9 +344,16 @@ class _Dispatcher(TorchDispatchMode):
         super().__init__()
         self.windows: List[_Window] = []
         self.entered = False
+        self.dispatching = 0  # inside __torch_dispatch__ we are off the stack for a moment
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        self.dispatching += 1
+        try:
+            return self._dispatch(func, args, kwargs or {})
+        finally:
+            self.dispatching -= 1
+
+    def _dispatch(self, func, args, kwargs):
         windows = self._live_windows()
         if not windows:
             return func(*args, **kwargs)  # a window ended without us (see _open): pass through
@@ -345,27 +365,27 @@ class _Dispatcher(TorchDispatchMode):
         else:
             packet = func._overloadpacket
             if func is not _PRIM_DEVICE and _decomposes(func, args, kwargs) and not any(
-                    packet in w.plugin._formulas for w in windows):
+                    packet in p._formulas for p, _ in windows):
                 with self:  # count the matmuls inside, as FlopCounterMode does
                     return func._op_dk(_DK.CompositeImplicitAutograd, *args, **kwargs)
             out = func(*args, **kwargs)
-        for w in windows:
-            w.plugin._count(w, func, packet, args, kwargs, out)
+        for plugin, w in windows:
+            plugin._count(w, func, packet, args, kwargs, out)
         return out
 
-    def _live_windows(self) -> List[_Window]:
-        """The innermost open window of each plugin still counting."""
+    def _live_windows(self) -> List[Tuple["FlopsPlugin", _Window]]:
+        """``(plugin, window)``: the innermost open window of each plugin still counting."""
         seen, out = set(), []
         for w in reversed(self.windows):
-            p = w.plugin
-            if id(p) in seen or not p._live(w):
+            p = w.plugin_ref()
+            if p is None or id(p) in seen or not p._counting:
                 continue
             seen.add(id(p))
-            out.append(w)
+            out.append((p, w))
         return out
 
     def open(self, window: _Window) -> None:
-        if self.entered and not any(m is self for m in _mode_stack()):
+        if self.entered and not self.dispatching and not any(m is self for m in _mode_stack()):
             self._forget()  # autograd dropped us with the TLS of a node that raised
         window.dispatcher = self
         self.windows.append(window)
@@ -382,8 +402,8 @@ class _Dispatcher(TorchDispatchMode):
 
     def settle(self) -> None:
         """Leave the mode stack if no window is open (and we are on top of it)."""
-        if self.windows or not self.entered:
-            return
+        if self.windows or not self.entered or self.dispatching:
+            return  # (while dispatching: the next open or close settles)
         stack = _mode_stack()
         if stack and stack[-1] is self:
             self.__exit__(None, None, None)
@@ -434,9 +454,23 @@ class _NodeWindow:
 
     def post(self, grad_inputs, grad_outputs):
         if self.open_windows:
-            window = self.open_windows.pop()
-            window.dispatcher.close(window)
+            self.open_windows.pop().close()
         return None
+
+
+class _Lease:
+    """What a plugin has open on a mode stack, without a reference to the plugin or the
+    session, so that a finalizer of a dropped session can close it."""
+
+    __slots__ = ("window",)
+
+    def __init__(self):
+        self.window: Optional[_Window] = None
+
+    def release(self) -> None:
+        window, self.window = self.window, None
+        if window is not None:
+            window.close()
 
 
 class _OpenCall:
@@ -473,6 +507,7 @@ class FlopsPlugin(hookplug.Plugin):
         self._warned: set = set()
         self._session_ref: Callable[[], Any] = lambda: None
         self._finalizer: Optional[weakref.finalize] = None
+        self._lease = _Lease()  # the open forward window, shared with the finalizer
         self._clear_forward()
         self._reset_state()
 
@@ -550,7 +585,8 @@ class FlopsPlugin(hookplug.Plugin):
             warnings.warn("flops: this torch has no autograd sequence numbers; backward FLOPs "
                           "are not counted", RuntimeWarning, stacklevel=2)
         # a session dropped without remove(): close what a broken forward left open
-        self._finalizer = weakref.finalize(session, self._end_windows)
+        self._lease = _Lease()
+        self._finalizer = weakref.finalize(session, self._lease.release)
 
     @hookimpl
     def hookplug_session_end(self, session):
@@ -573,7 +609,7 @@ class FlopsPlugin(hookplug.Plugin):
         if not self._calls:  # the outermost selected module: open the forward window
             if self._session_gone():
                 return None
-            self._window = _Window(self, None)
+            self._window = self._lease.window = _Window(self, None)
             self._window_lo = seq
             _dispatcher().open(self._window)
         self._calls.append(_OpenCall(ctx, _module_call_frame()))
@@ -612,6 +648,8 @@ class FlopsPlugin(hookplug.Plugin):
         self._calls: List[_OpenCall] = []
         self._active: Tuple[str, ...] = ()
         self._window: Optional[_Window] = None
+        if getattr(self, "_lease", None) is not None:
+            self._lease.window = None
         self._window_lo = 0
         self._timeline_seq: List[int] = []
         self._timeline_owners: List[Tuple[str, ...]] = []
@@ -622,8 +660,8 @@ class FlopsPlugin(hookplug.Plugin):
         window, lo, hi = self._window, self._window_lo, _peek_seq() if _peek_seq else 0
         roots, seqs, owners = self._roots, self._timeline_seq, self._timeline_owners
         self._clear_forward()
-        if window is not None and window.dispatcher is not None:
-            window.dispatcher.close(window)
+        if window is not None:
+            window.close()
         if hook_backward and roots and hi > lo:
             self._hook_nodes(roots, lo, hi, seqs, owners)
 
@@ -669,17 +707,8 @@ class FlopsPlugin(hookplug.Plugin):
             self._finalizer = None
         self._ended = True
         self._counting = False
-        window = self._window
-        if window is not None and window.dispatcher is not None:
-            if threading.get_ident() == self._thread:
-                window.dispatcher.close(window)
-            else:  # another thread's stack: stop counting there, it leaves at its next settle()
-                d = window.dispatcher
-                d.windows = [w for w in d.windows if w is not window]
+        self._lease.release()
         self._clear_forward()
-
-    def _live(self, window: _Window) -> bool:
-        return self._counting and not self._ended
 
     def _session_gone(self) -> bool:
         """The session was removed without ending this plugin (its ``session_end`` was not
