@@ -168,7 +168,7 @@ _DATA_MOVEMENT = frozenset("""
     replication_pad1d replication_pad2d replication_pad3d index _unsafe_index index_select
     gather embedding scatter index_put _index_put_impl _unsafe_index_put slice_scatter
     select_scatter as_strided_scatter diagonal_scatter masked_fill where masked_select
-    repeat roll flip tril triu copy _copy_from _copy_from_and_resize _unsafe_view
+    repeat roll flip tril triu fill zero copy _copy_from _copy_from_and_resize _unsafe_view
     _reshape_copy lift to_dense _to_dense _assert_async _assert_tensor_metadata record_stream
 """.split())
 
@@ -188,9 +188,9 @@ def _does_arithmetic(func) -> bool:
     if rets and rets[0].alias_info is not None and not rets[0].alias_info.is_write:
         return False  # a view
     reads = [a for a in schema.arguments if _is_tensor_type(a.type)
-             and not (a.alias_info is not None and a.alias_info.is_write)]
+             and not (a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)]
     if not reads:
-        return False  # creation, fill, assert: reads no tensor
+        return False  # creation, assert: reads no tensor (``out=`` is written, not read)
     names = {a.name for a in schema.arguments}
     if {"device", "layout"} <= names or "memory_format" in names:
         return False  # *_like, new_*, _to_copy, clone: creation and conversion
@@ -233,14 +233,6 @@ def _decomposes(func, args, kwargs) -> bool:
                and not has(name, backend) and not any(has(name, k) for k in _EXPLICIT_KEYS))
         _DECOMPOSES[key] = hit
     return hit
-
-
-def _is_view(func) -> bool:
-    try:
-        return bool(func.is_view)
-    except AttributeError:
-        rets = func._schema.returns
-        return bool(rets) and rets[0].alias_info is not None and not rets[0].alias_info.is_write
 
 
 def _shift(formula: Callable, n: int = 1) -> Callable:
