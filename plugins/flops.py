@@ -200,6 +200,7 @@ def _does_arithmetic(func) -> bool:
 
 # -- which composite ops to decompose --------------------------------------------------------------
 
+_HAS_COMPOSITE: Dict[Any, bool] = {}
 _DECOMPOSES: Dict[Tuple[Any, str], bool] = {}
 _EXPLICIT_KEYS = tuple(getattr(_DK, k) for k in (
     "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional") if hasattr(_DK, k))
@@ -217,6 +218,12 @@ def _backend_key(args, kwargs) -> Optional[str]:
 def _decomposes(func, args, kwargs) -> bool:
     """True when the kernel torch runs for ``func`` on these arguments is its
     CompositeImplicitAutograd decomposition: counting through it changes no numerics."""
+    composite = _HAS_COMPOSITE.get(func)
+    if composite is None:
+        composite = _HAS_COMPOSITE[func] = torch._C._dispatch_has_kernel_for_dispatch_key(
+            func.name(), _DK.CompositeImplicitAutograd)
+    if not composite:
+        return False
     device = _backend_key(args, kwargs)
     if device is None:
         return False
@@ -229,8 +236,7 @@ def _decomposes(func, args, kwargs) -> bool:
             backend = torch._C._parse_dispatch_key(torch._C._dispatch_key_for_device(device))
         except Exception:  # noqa: BLE001 - an unknown device: never decompose
             backend = None
-        hit = (backend is not None and has(name, _DK.CompositeImplicitAutograd)
-               and not has(name, backend) and not any(has(name, k) for k in _EXPLICIT_KEYS))
+        hit = (backend is not None and not has(name, backend) and not any(has(name, k) for k in _EXPLICIT_KEYS))
         _DECOMPOSES[key] = hit
     return hit
 
