@@ -431,6 +431,13 @@ def _dispatcher() -> _Dispatcher:
     return d
 
 
+def _settle_this_thread() -> None:
+    """Take this thread's mode off the stack if a window ended while it was dispatching."""
+    d = getattr(_local, "dispatcher", None)
+    if d is not None:
+        d.settle()
+
+
 class _NodeWindow:
     """Node pre/post hooks opening and closing a backward window around one autograd node."""
 
@@ -593,6 +600,7 @@ class FlopsPlugin(hookplug.Plugin):
     @hookimpl
     def hookplug_step(self, session):
         self._prune_stale_calls()
+        _settle_this_thread()
         self._counting = not self._ended and session.step_index % session.every == 0
 
     # -- per-call hooks ---------------------------------------------------------------------------
@@ -707,6 +715,7 @@ class FlopsPlugin(hookplug.Plugin):
         self._counting = False
         self._lease.release()
         self._clear_forward()
+        _settle_this_thread()
 
     def _session_gone(self) -> bool:
         """The session was removed without ending this plugin (its ``session_end`` was not
