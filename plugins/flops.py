@@ -354,7 +354,7 @@ class _Dispatcher(TorchDispatchMode):
     def _dispatch(self, func, args, kwargs):
         windows = self._live_windows()
         if not windows:
-            return func(*args, **kwargs)  # a window ended without us (see _open): pass through
+            return func(*args, **kwargs)  # windows ended while we dispatched (see settle)
         if func in _PASS_THROUGH:
             return NotImplemented
         if isinstance(func, _HOP):
