@@ -46,13 +46,14 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
 import hookplug
 from hookplug import hookimpl
-from hookplug._stats import HEAD, TensorStats, empty_rows, merge_rows
+from hookplug._bank import MAX_BINS, StatsBank
+from hookplug._stats import TensorStats
 from hookplug.structures import iter_tensors
 
 __all__ = ["StatsPlugin"]
@@ -61,30 +62,6 @@ _SITES = ("input", "output", "grad")
 _HISTS = ("log2", "linear")
 _PHASES = ("train", "eval")
 _STRIDED = torch.strided
-_MAX_BINS = 1 << 16
-_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
-
-
-class _Bank:
-    """The rows of one device: ``acc`` (the step being filled; row 0 is the meta row),
-    ``gate`` (the sampling flag the op reads), ``empty`` (what a reset copies in) and
-    ``totals`` (every ended step, merged)."""
-
-    __slots__ = ("acc", "gate", "empty", "totals")
-
-    def __init__(self, device: torch.device, capacity: int, width: int, lo: float, hi: float,
-                 live: bool):
-        self.empty = empty_rows(capacity, width - HEAD, lo, hi, device=device)
-        self.acc = self.empty.clone()
-        self.totals = self.empty.clone()
-        self.gate = torch.tensor([live], dtype=torch.bool, device=device)
-
-    def grow(self, capacity: int) -> None:
-        old = self.acc.shape[0]
-        fresh = self.empty[:1].expand(capacity - old, -1)
-        self.empty = torch.cat([self.empty, fresh])
-        self.acc = torch.cat([self.acc, fresh])
-        self.totals = torch.cat([self.totals, fresh])
 
 
 class StatsPlugin(hookplug.Plugin):
@@ -115,8 +92,8 @@ class StatsPlugin(hookplug.Plugin):
         if bad or not sites:
             raise ValueError(f"stats: sites must be a non-empty subset of {_SITES}, got {sites!r}")
         if bins is not None and (not isinstance(bins, int) or isinstance(bins, bool) or bins < 0
-                                 or bins > _MAX_BINS):
-            raise ValueError(f"stats: bins must be None or an int in [0, {_MAX_BINS}], got {bins!r}")
+                                 or bins > MAX_BINS):
+            raise ValueError(f"stats: bins must be None or an int in [0, {MAX_BINS}], got {bins!r}")
         if hist not in _HISTS:
             raise ValueError(f"stats: hist must be one of {_HISTS}, got {hist!r}")
         if range is not None:
@@ -141,24 +118,13 @@ class StatsPlugin(hookplug.Plugin):
             raise ValueError(
                 f"stats: max_pending_steps must be an int >= 1, got {max_pending_steps!r}"
             )
-        from hookplug import ops
-
         self.sites = sites
         self.bins = bins
         self.hist = hist
         self.range = range
         self.max_pending_steps = max_pending_steps
-        self._op_args = ops.hist_args(bins, hist, range)  # (bins, hist_mode, lo, hi)
-        nb = ops.buckets(self._op_args[0], hist)
-        self._width = HEAD + nb
-        self._kind = "none" if nb == 0 else ("log2" if hist == "log2" else ("linear", *range))
-        if hist == "log2" and nb:
-            self._range_cols = (-math.ldexp(1.0, ops.LOG2_MAX_EXP + 1), math.ldexp(1.0, ops.LOG2_MAX_EXP + 1))
-        elif nb:
-            self._range_cols = range
-        else:
-            self._range_cols = (0.0, 0.0)
-        self._accumulate = None
+        self.bank = StatsBank(bins=bins, hist=hist, range=range,
+                              max_pending_steps=max_pending_steps, who=self.name)
         # Switch off the hooks of sites not asked for, so the core registers no torch hook
         # for them (pluggy ignores an instance attribute that is not a function).
         if "input" not in sites:
@@ -168,66 +134,30 @@ class StatsPlugin(hookplug.Plugin):
         if "grad" not in sites:
             self.hookplug_output_grad = None
         self._module_order: Dict[str, int] = {}
-        self._capacity = 64
-        self._banks: Dict[torch.device, _Bank] = {}
-        self._live = True  # this step is sampled
-        self.reset()
+        self._warned_layout = False
 
     # -- state ---------------------------------------------------------------------------------
 
     def reset(self) -> None:
         """Forget every stat gathered so far (pending telemetry and row assignments included)."""
-        for bank in self._banks.values():
-            bank.acc.copy_(bank.empty)
-            bank.totals.copy_(bank.empty)
-        self._rows: Dict[Tuple[str, str, str], int] = {}
-        self._keys: List[Tuple[str, str, str]] = []  # row r holds self._keys[r - 1]
-        # [(step, {device: snapshot rows})] ended but not yet collected by telemetry
-        self._pending: List[Tuple[int, Dict[torch.device, torch.Tensor]]] = []
-        self._warned_fold = False
-        self._warned_layout = False
+        self.bank.reset()
 
-    def _new_row(self, key: Tuple[str, str, str]) -> int:
-        row = len(self._keys) + 1
-        if row >= self._capacity:
-            self._capacity *= 2
-            for bank in self._banks.values():
-                bank.grow(self._capacity)
-        self._keys.append(key)
-        self._rows[key] = row
-        return row
+    @property
+    def _keys(self):
+        return self.bank.keys
 
-    def _new_bank(self, device: torch.device) -> _Bank:
-        bank = self._banks[device] = _Bank(device, self._capacity, self._width,
-                                           *self._range_cols, self._live)
-        return bank
-
-    def _op(self):
-        from hookplug import ops
-
-        if ops.backend() != "reference":
-            self._accumulate = torch.ops.hookplug.stats_accumulate_
-        else:
-            self._accumulate = ops.reference_accumulate_
-        return self._accumulate
+    @property
+    def _pending(self):
+        return self.bank.pending
 
     def _record(self, ctx, path: str, t) -> None:
         if not t.is_floating_point():
             return
-        if not _is_compiling() and not self._live:
-            return  # an unsampled step (eager); compiled code reads the bank's gate instead
         if t.is_nested or t.layout is not _STRIDED:
             t = self._strided(ctx, path, t)
             if t is None:
                 return
-        key = (ctx.name, path, ctx.phase)
-        row = self._rows.get(key)
-        if row is None:
-            row = self._new_row(key)
-        bank = self._banks.get(t.device)
-        if bank is None:
-            bank = self._new_bank(t.device)
-        (self._accumulate or self._op())(t.detach(), bank.acc, row, bank.gate, *self._op_args)
+        self.bank.accumulate(t, (ctx.name, path, ctx.phase))
 
     def _strided(self, ctx, path: str, t):
         """What the op measures of a tensor that is not a plain strided one: a nested
@@ -282,43 +212,17 @@ class StatsPlugin(hookplug.Plugin):
         first_path = {"input": "input[0]", "output": "output", "grad": "grad"}
         for name in self._module_order:
             for site in self.sites:
-                key = (name, first_path[site], "train")
-                if key not in self._rows:
-                    self._new_row(key)
+                self.bank.row_of((name, first_path[site], "train"))
         model = session.model
         param = next(iter(model.parameters()), None) if model is not None else None
-        if param is not None and param.device not in self._banks:
-            self._new_bank(param.device)  # the likely device: no bank created while tracing
-        self._op()
-        self._set_live(session.sampled)
-
-    def _set_live(self, live: bool) -> None:
-        if live != self._live:
-            self._live = live
-            for bank in self._banks.values():
-                bank.gate.fill_(live)  # a device op: no sync; never inside a CUDA graph
+        self.bank.prepare(param.device if param is not None else None)
+        self.bank.set_live(session.sampled)
 
     @hookimpl
     def hookplug_step(self, session, step):
         """The bank as a whole: snapshot the ended step, reset in place, fold into totals."""
-        if self._live and self._banks:
-            snaps = {}
-            for dev, bank in self._banks.items():
-                snap = bank.acc.clone()
-                bank.acc.copy_(bank.empty)
-                bank.totals = merge_rows(torch.stack([bank.totals, snap]))
-                snaps[dev] = snap
-            self._pending.append((step, snaps))
-            if len(self._pending) > self.max_pending_steps:
-                del self._pending[: len(self._pending) - self.max_pending_steps]
-                if not self._warned_fold and session.has_sinks:
-                    self._warned_fold = True
-                    warnings.warn(
-                        f"hookplug plugin 'stats': more than {self.max_pending_steps} steps of "
-                        "stats were not collected by telemetry (no session.flush()); older steps "
-                        "are kept in results() only. Set flush_every= or call session.flush().",
-                        RuntimeWarning, stacklevel=3)
-        self._set_live(session.sampled)
+        self.bank.end_step(step, warn_unflushed=session.has_sinks)
+        self.bank.set_live(session.sampled)
 
     @hookimpl
     def hookplug_collect(self, session, step):
@@ -326,47 +230,21 @@ class StatsPlugin(hookplug.Plugin):
         device (rows stay on the device; telemetry drops rows no call touched). A step is
         emitted once, when it ends (``session.step()``) or at ``remove()``: flushing
         mid-step (e.g. per micro-batch) never splits a step into duplicate records."""
-        if session.removed and self._live and self._banks:
-            # the final flush of remove(): the step still running ends here
-            self._pending.append((session.step_index, {d: b.acc.clone() for d, b in self._banks.items()}))
-            for bank in self._banks.values():
-                bank.totals = merge_rows(torch.stack([bank.totals, bank.acc]))
-                bank.acc.copy_(bank.empty)
-        pending, self._pending = self._pending, []
-        out = []
-        for st_step, snaps in pending:
-            for snap in snaps.values():
-                n = len(self._keys)
-                metas = [{"step": st_step, "module": m, "site": p, "phase": ph}
-                         for m, p, ph in self._keys]
-                out.append(hookplug.StatsBlock(metas, snap[1:n + 1], self._kind))
-        return out or None
+        if session.removed:  # the final flush of remove(): the step still running ends here
+            self.bank.end_step(session.step_index)
+        return self.bank.collect(
+            lambda key, st: {"step": st, "module": key[0], "site": key[1], "phase": key[2]}) or None
 
     # -- results ----------------------------------------------------------------------------------
 
     def _merged(self, phase: Optional[str] = None) -> Dict[Tuple[str, str], TensorStats]:
         if phase is not None and phase not in _PHASES:
             raise ValueError(f"stats.results: phase must be None or one of {_PHASES}, got {phase!r}")
-        n = len(self._keys)
-        if not n or not self._banks:
-            return {}
-        per_dev = [merge_rows(torch.stack([b.totals[1:n + 1], b.acc[1:n + 1]]))
-                   for b in self._banks.values()]
-        rows = per_dev[0] if len(per_dev) == 1 else merge_rows(
-            torch.stack([r.to(per_dev[0].device) for r in per_dev]))
-        groups: Dict[Tuple[str, str], List[int]] = {}
-        touched = (rows[:, 0] > 0).tolist()  # rows assigned in advance may never be used
-        for i, (mod, path, ph) in enumerate(self._keys):
-            if touched[i] and (phase is None or ph == phase):
-                groups.setdefault((mod, path), []).append(i)
+        merged = self.bank.merged(lambda k: k[:2] if phase is None or k[2] == phase else None)
         order, big = self._module_order, len(self._module_order)
-        keys = sorted(groups, key=lambda k: (order.get(k[0], big), _site_rank(k[1]), groups[k][0]))
-        out = {}
-        for k in keys:
-            idx = groups[k]
-            r = rows[idx[0]] if len(idx) == 1 else merge_rows(rows[idx])
-            out[k] = TensorStats(r, self._kind)
-        return out
+        first = {k[:2]: i for i, k in reversed(list(enumerate(self.bank.keys)))}
+        keys = sorted(merged, key=lambda k: (order.get(k[0], big), _site_rank(k[1]), first[k]))
+        return {k: merged[k] for k in keys}
 
     def results(self, phase: Optional[str] = None) -> Dict[str, Dict[str, Any]]:
         """``{module: {path: TensorStats}}`` over every call and step (device rows);
