@@ -70,17 +70,18 @@ class StatsBank:
         self._accumulate: Optional[Callable] = None
         self.live = True
         self._warned = False
-        self.reset()
-
-    # -- rows --------------------------------------------------------------------------------
-    def reset(self) -> None:
-        """Forget every value and row assignment (pending telemetry included)."""
-        for dev in self._devices.values():
-            dev.acc.copy_(dev.empty)
-            dev.totals.copy_(dev.empty)
         self.rows: Dict[Tuple, int] = {}
         self.keys: List[Tuple] = []  # row r holds keys[r - 1]
         self.pending: List[Tuple[int, Dict[torch.device, torch.Tensor]]] = []
+
+    # -- rows --------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget every value (pending telemetry included), in place: rows keep their keys
+        and memory, so compiled code and captured CUDA graphs stay valid."""
+        for dev in self._devices.values():
+            dev.acc.copy_(dev.empty)
+            dev.totals.copy_(dev.empty)
+        self.pending = []
 
     def row_of(self, key: Tuple) -> int:
         row = self.rows.get(key)

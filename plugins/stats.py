@@ -139,7 +139,7 @@ class StatsPlugin(hookplug.Plugin):
     # -- state ---------------------------------------------------------------------------------
 
     def reset(self) -> None:
-        """Forget every stat gathered so far (pending telemetry and row assignments included)."""
+        """Forget every stat gathered so far (pending telemetry included), in place."""
         self.bank.reset()
 
     @property
