@@ -34,8 +34,6 @@ __all__ = [
 
 STATS_FIELDS = ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "mean", "std", "absmax",
                 "hist_counts", "hist_edges")
-FLOPS_FIELDS = ("flops", "macs", "params", "backward_flops")
-
 
 # -- host numbers ----------------------------------------------------------------------------
 
