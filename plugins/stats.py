@@ -25,6 +25,8 @@ Options (keyword-only):
   step that ended. On the CPU that step is checked at once; on an accelerator the bank's
   ``first_bad`` column is copied to the host without blocking when the step ends and read
   at the following ``step()`` (the error comes one step later, the loop never syncs).
+  The error goes through the session's ``on_error`` like any plugin error: under
+  ``on_error="warn"`` it becomes a warning and switches the stats plugin off.
 
 **The device-resident engine.** Every ``(module, path, phase)`` owns a row of a
 persistent float64 bank on the tensor's device (layout: :mod:`hookplug._stats`), assigned
@@ -249,29 +251,30 @@ class StatsPlugin(hookplug.Plugin):
         when its rows are host memory, else the one whose ``first_bad`` column was copied to
         the host at an earlier ``step()`` (read only once its copy is done: never a sync)."""
         n = len(self.bank.keys)
-        found = []  # (clock, row, step)
+        found, now = [], []  # (clock, row, step)
         if ended is not None and n:
             step, snaps = ended
             copies = []
             for snap in snaps.values():
                 col = snap[1:n + 1, FIRST_BAD]
                 if col.device.type == "cpu":
-                    found += [(c, r, step) for r, c in enumerate(col.tolist()) if math.isfinite(c)]
+                    now += [(c, r, step) for r, c in enumerate(col.tolist()) if math.isfinite(c)]
                 else:
                     copies.append(_host_copy(col))
-            if copies:
-                self._bad_in_flight.append((step, copies))
-        while self._bad_in_flight:
-            step, copies = self._bad_in_flight[0]
-            if not all(ev is None or ev.query() for _, ev in copies):
+        else:
+            step, copies = None, []
+        # the copies started at earlier step()s (the one started now is read next time)
+        while self._bad_in_flight and not found:
+            old_step, old = self._bad_in_flight[0]
+            if not all(ev is None or ev.query() for _, ev in old):
                 break  # not there yet: look again at the next step()
             self._bad_in_flight.pop(0)
-            for host, _ in copies:
-                found += [(c, r, step) for r, c in enumerate(host.tolist()) if math.isfinite(c)]
-            if found:
-                break
+            for host, _ in old:
+                found += [(c, r, old_step) for r, c in enumerate(host.tolist()) if math.isfinite(c)]
+        if copies:
+            self._bad_in_flight.append((step, copies))
+        found = found or now  # an earlier step's first NaN/Inf is named first
         if found:
-            self._bad_in_flight.clear()
             _, row, step = min(found, key=lambda f: (f[2], f[0]))
             module, site, phase = self.bank.keys[row]
             raise FloatingPointError(

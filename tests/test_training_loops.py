@@ -285,6 +285,27 @@ def test_nonfinite_raise_names_module_site_phase_and_step():
         s.remove()
 
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nonfinite_raise_on_cuda_comes_one_step_later_without_sync(monkeypatch):
+    torch.manual_seed(0)
+    model = TenNet().cuda()
+    s = hookplug.attach(model, "Linear", plugins=("stats", {"sites": ("output", "grad"),
+                                                             "nonfinite": "raise"}))
+    try:
+        model.layers[2].poison.fill_(math.nan)
+        with no_host_reads(monkeypatch):
+            model(torch.randn(2, 8, device="cuda")).sum().backward()
+        s.step()  # the copy of step 0's first_bad column starts here: nothing is read yet
+        model.layers[2].poison.fill_(0.0)
+        with no_host_reads(monkeypatch):
+            model(torch.randn(2, 8, device="cuda")).sum().backward()
+        torch.cuda.synchronize()  # the test's own wait, so the copy has surely landed
+        with pytest.raises(FloatingPointError, match=r"step 0.*'layers\.2', output \(train\)"):
+            s.step()
+    finally:
+        s.remove()
+
 # -- real trainers -----------------------------------------------------------------------------------
 
 def test_lightning_trainer_steps_phases_and_tensorboard(tmp_path):
