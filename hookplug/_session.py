@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from . import hookspecs
 from ._manager import PluginError, PluginLoadError, create_plugin, new_plugin_manager
-from ._selectors import select, unwrap_model
+from ._selectors import named_modules, named_parameters, select, unwrap_model
 from .structures import iter_tensors
 
 __all__ = ["attach", "Session", "HookContext"]
@@ -662,11 +662,11 @@ class Session:
 
     def _bind(self, model: nn.Module) -> None:
         self._resolve_hooks()
-        mods = dict(model.named_modules())
+        mods = dict(named_modules(model))
         for name in self._module_refs:
             self._bindings[name] = _ModuleBinding(name, self)
         params_by_id: Dict[int, str] = {}
-        for pname, p in model.named_parameters():
+        for pname, p in named_parameters(model):
             params_by_id.setdefault(id(p), pname)
         wanted_params: Dict[str, torch.Tensor] = {}
         param_plugins = set(id(p) for p in self._call_order["hookplug_param_grad"])
@@ -769,8 +769,8 @@ class Session:
             names = set()
             if model is not None:
                 ids = {id(p) for mn in self._plugin_modules.get(self._key_of[id(plugin)], [])
-                       for p in model.get_submodule(mn).parameters()}
-                names = {n for n, p in model.named_parameters() if id(p) in ids}
+                       for p in dict(named_modules(model))[mn].parameters()}
+                names = {n for n, p in named_parameters(model) if id(p) in ids}
             cache[key] = names
         return cache[key]
 
@@ -891,7 +891,7 @@ def attach(
                 plan[key] = (instance, [n for n, _ in matched], options)
         for n, m in matched:
             chosen.setdefault(n, m)
-    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    order = {n: i for i, (n, _) in enumerate(named_modules(model))}
     for n in sorted(chosen, key=order.__getitem__):
         session._module_refs[n] = weakref.ref(chosen[n])
 
