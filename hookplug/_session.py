@@ -476,8 +476,10 @@ class Session:
 
     @property
     def has_sinks(self) -> bool:
-        """Whether telemetry has a consumer (a plugin implementing ``hookplug_flush``)."""
-        return bool(self._call_order.get("hookplug_flush"))
+        """Whether telemetry has a consumer: a plugin implementing ``hookplug_flush`` that
+        does not only add fields to records (``decorates_records = True``)."""
+        return any(not getattr(p, "decorates_records", False)
+                   for p in self._call_order.get("hookplug_flush", ()))
 
     @property
     def nonfinite(self) -> List[dict]:

@@ -128,6 +128,7 @@ class ParamsPlugin(hookplug.Plugin):
     name = "params"
     sampled = False  # sampling is the bank's gate
     all_ranks = True  # hookplug_flush adds update_to_weight to every rank's records
+    decorates_records = True  # ... which makes it no sink: session.has_sinks ignores it
 
     def __init__(
         self,
@@ -371,7 +372,7 @@ class ParamsPlugin(hookplug.Plugin):
                 self._measure(todo, snapshot=False)
         for pr in self._params:
             pr.done = False
-        self.bank.end_step(step, warn_unflushed=self._other_sinks(session))
+        self.bank.end_step(step, warn_unflushed=session.has_sinks)
         if self.bank.pending:
             self._last = self.bank.pending[-1][1]
         live_next = session.sampled
@@ -381,9 +382,6 @@ class ParamsPlugin(hookplug.Plugin):
                 if w is not None:
                     self._snapshot(pr, w)
         self.bank.set_live(live_next)
-
-    def _other_sinks(self, session) -> bool:
-        return any(p is not self for p in session._call_order.get("hookplug_flush", ()))
 
     @hookimpl
     def hookplug_session_end(self, session):
