@@ -56,7 +56,7 @@ rm -rf "$WHEEL_VENV"
 python3 -m venv "$WHEEL_VENV"
 WPY="$ROOT/$WHEEL_VENV/bin/python"
 "$WPY" -m pip install -q --disable-pip-version-check "$TORCH_SPEC" "$WHEEL" 2>&1 | grep -v "is ignored" || true
-"$WPY" -c "import hookplug" || { echo "wheel_check: the wheel did not install" >&2; exit 1; }
+(cd "$WORK" && "$WPY" -W ignore -c "import hookplug") || { echo "wheel_check: the wheel did not install" >&2; exit 1; }
 step "   installed in $((SECONDS - t0)) s"
 cat >"$WORK/use.py" <<'PYEOF'
 import os, sys, warnings
@@ -82,7 +82,8 @@ PYEOF
 
 step "3. the installed wheel meeting another torch: JIT rebuild from the shipped csrc/"
 t0=$SECONDS
-INFO="$("$WPY" -c 'import hookplug, os; print(os.path.join(os.path.dirname(hookplug.__file__), "_build_info.py"))')"
+INFO="$(cd "$WORK" && "$WPY" -W ignore -c 'import hookplug, os; print(os.path.join(os.path.dirname(hookplug.__file__), "_build_info.py"))')"
+case "$INFO" in "$ROOT/$WHEEL_VENV"/*) ;; *) echo "wheel_check: hookplug resolved to $INFO, not the wheel venv" >&2; exit 1;; esac
 cp "$INFO" "$WORK/_build_info.py.orig"
 sed -i "s/^TORCH_VERSION = .*/TORCH_VERSION = '0.0.0'/" "$INFO"
 "$WPY" -m pip install -q --disable-pip-version-check ninja 2>&1 | grep -v "is ignored" || true

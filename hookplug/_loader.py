@@ -208,7 +208,7 @@ def cuda_arch_env(with_cuda: bool) -> Iterator[Optional[str]]:
 
 # -- which torch a build is for --------------------------------------------------------------
 
-def build_info_source(with_cuda: bool, cuda_arch: Optional[str]) -> str:
+def build_info_source(with_cuda: bool, cuda_why: str, cuda_arch: Optional[str]) -> str:
     """The text of ``hookplug/_build_info.py``, written by setup.py next to ``_C``."""
     import torch
 
@@ -217,6 +217,7 @@ def build_info_source(with_cuda: bool, cuda_arch: Optional[str]) -> str:
         f"TORCH_VERSION = {torch.__version__!r}\n"
         f"TORCH_CUDA = {torch.version.cuda!r}\n"
         f"WITH_CUDA = {bool(with_cuda)!r}\n"
+        f"CUDA_WHY = {cuda_why!r}\n"
         f"CUDA_ARCH_LIST = {cuda_arch!r}\n"
     )
 
@@ -322,7 +323,7 @@ def load(allow_jit: bool = True,
         errors.append(str(e))
         if not _stale_logged.is_set():
             _stale_logged.set()
-            _log.warning("%s; %s", e, "rebuilding it for this torch with the JIT (once)"
+            _log.warning("hookplug: %s; %s", e, "rebuilding it for this torch with the JIT (once)"
                          if csrc_dir() else f"no sources to rebuild it: {_FIX}")
     except ImportError as e:
         errors.append(f"import hookplug._C failed: {e}")

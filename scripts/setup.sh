@@ -20,4 +20,9 @@ EXTRAS=""
 if [ "${1:-}" = "--test" ]; then
   "${PIP[@]}" --no-build-isolation --no-deps -e examples/thirdparty_plugin
 fi
-"$VENV/bin/python" -c "import torch, hookplug; print('torch', torch.__version__, '| hookplug ops backend:', hookplug.ops.backend())"
+"$VENV/bin/python" - <<'EOF'
+import torch, hookplug
+from hookplug import _build_info as b
+print(f"torch {torch.__version__} | hookplug ops backend: {hookplug.ops.backend()} | built for torch "
+      f"{b.TORCH_VERSION}, CUDA kernels: {'yes' if b.WITH_CUDA else 'no'} ({b.CUDA_WHY})")
+EOF

@@ -192,11 +192,12 @@ def test_build_info_names_the_running_torch():
 
 
 def test_build_info_source_roundtrip():
-    text = _loader.build_info_source(False, None)
+    text = _loader.build_info_source(False, "HOOKPLUG_NO_CUDA=1", None)
     ns = {}
     exec(compile(text, "_build_info.py", "exec"), ns)  # noqa: S102 - our own generated text
     assert ns["TORCH_VERSION"] == torch.__version__
     assert ns["WITH_CUDA"] is False and ns["CUDA_ARCH_LIST"] is None
+    assert ns["CUDA_WHY"] == "HOOKPLUG_NO_CUDA=1"
 
 
 @pytest.fixture
