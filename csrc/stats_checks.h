@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -14,8 +15,6 @@
 #include "stats_defs.h"
 
 namespace hookplug {
-
-using StatsOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 inline const char* torch_dtype_name(at::ScalarType t) {
   switch (t) {
@@ -83,12 +82,48 @@ inline StatsArgs check_stats_args(const at::Tensor& x, int64_t bins, int64_t his
   return a;
 }
 
-// counts int64[4], moments float64[5], hist_counts int64[B], hist_edges float64[B+1 or 0].
-inline StatsOutputs empty_stats_outputs(const at::Tensor& x, const StatsArgs& a) {
-  const auto i64 = x.options().dtype(at::kLong);
-  const auto f64 = x.options().dtype(at::kDouble);
-  return StatsOutputs(at::empty({kNumCounts}, i64), at::empty({kNumMoments}, f64),
-                      at::empty({a.nbins}, i64), at::empty({a.nbins ? a.nbins + 1 : 0}, f64));
+// The histogram range columns (kHistLo, kHistHi) of a row for these arguments; a linear
+// histogram with an automatic range gets its range from the data (tensor_stats only).
+inline void hist_range_columns(const StatsArgs& a, double* lo, double* hi) {
+  if (a.log2) {
+    *lo = log2_edge(0);
+    *hi = log2_edge(kLog2Bins);
+  } else if (a.linear && a.has_range) {
+    *lo = a.lo;
+    *hi = a.hi;
+  } else {
+    *lo = *hi = 0.0;  // no histogram (or a range not known yet)
+  }
+}
+
+// A fresh row for hookplug::tensor_stats (filled by the kernels).
+inline at::Tensor empty_stats_row(const at::Tensor& x, const StatsArgs& a) {
+  return at::empty({kHead + a.nbins}, x.options().dtype(at::kDouble));
+}
+
+// The bank arguments of hookplug::stats_accumulate_(x, acc, row, gate, ...).
+inline void check_bank(const at::Tensor& x, const at::Tensor& acc, int64_t row,
+                       const std::optional<at::Tensor>& gate, const StatsArgs& a) {
+  const char* who = "hookplug::stats_accumulate_";
+  TORCH_CHECK_TYPE(acc.scalar_type() == at::kDouble && acc.dim() == 2 && acc.is_contiguous(),
+                   who, ": expected acc to be a contiguous 2-D float64 tensor, got a ",
+                   acc.dim(), "-D ", torch_dtype_name(acc.scalar_type()), " tensor");
+  TORCH_CHECK_VALUE(acc.size(1) == kHead + a.nbins, who, ": expected acc rows of width ",
+                    kHead + a.nbins, " (", kHead, " + ", a.nbins,
+                    " histogram buckets), got width ", acc.size(1));
+  TORCH_CHECK_VALUE(row >= 1 && row < acc.size(0), who, ": expected a row in [1, ",
+                    acc.size(0), ") (row 0 is the bank's meta row), got ", row);
+  TORCH_CHECK(acc.device() == x.device(), who, ": expected acc on ", x.device(), " (x's device), got ",
+              acc.device());
+  TORCH_CHECK_VALUE(!(a.linear && !a.has_range), who,
+                    ": an accumulated linear histogram needs a fixed range (lo, hi)");
+  if (gate.has_value()) {
+    TORCH_CHECK_TYPE(gate->scalar_type() == at::kBool && gate->numel() == 1, who,
+                     ": expected gate to be a one-element bool tensor, got ",
+                     torch_dtype_name(gate->scalar_type()), " with ", gate->numel(), " elements");
+    TORCH_CHECK(gate->device() == x.device(), who, ": expected gate on ", x.device(), ", got ",
+                gate->device());
+  }
 }
 
 // The tensor's elements as an iteration over memory: dimensions of size 1 dropped, the

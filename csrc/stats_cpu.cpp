@@ -183,10 +183,15 @@ void raw_to_log2(const std::vector<int64_t>& raw, int exp_bits, int bias, const 
   out[kLog2ZeroBin] += t.zeros;
 }
 
-StatsOutputs tensor_stats_cpu(const at::Tensor& x, int64_t bins, int64_t hist_mode,
-                              std::optional<double> lo, std::optional<double> hi) {
-  const StatsArgs a = check_stats_args(x, bins, hist_mode, lo, hi);
-  StatsOutputs outs = empty_stats_outputs(x, a);
+// Serializes the final fold into a row, so threads that share a bank never lose an update
+// (the heavy part, reading the tensor, runs outside the lock).
+std::mutex g_fold_mutex;
+
+// Reads x once (twice for a linear histogram with an automatic range) and merges its
+// statistics into `row` (width kHead + a.nbins). fresh: row is uninitialized and gets x's
+// statistics alone; else it is merged into, and *clock (the bank's call counter) advances.
+void accumulate_cpu(const at::Tensor& x, const StatsArgs& a, double* row, double* clock,
+                    bool fresh) {
   const int64_t N = x.numel();
   const KernelTable* K = table();
   const DType dt = dtype_code(x.scalar_type());
@@ -279,37 +284,55 @@ StatsOutputs tensor_stats_cpu(const at::Tensor& x, int64_t bins, int64_t hist_mo
     });
   }
 
-  auto& [counts, moments, hist_counts, hist_edges] = outs;
-  int64_t* cp = counts.data_ptr<int64_t>();
-  cp[0] = N;
-  cp[1] = total.nan;
-  cp[2] = total.pos_inf + total.neg_inf;
-  cp[3] = total.zeros;
-  double* mp = moments.data_ptr<double>();
-  mp[0] = mn;
-  mp[1] = mx;
-  mp[2] = nf > 0 ? total.m.mean : nan_v;
-  mp[3] = nf > 0 ? std::sqrt(std::max(total.m.m2, 0.0) / nf) : nan_v;
-  mp[4] = nf > 0 ? std::max(std::abs(mn), std::abs(mx)) : nan_v;
-  if (a.nbins) {
-    int64_t* hp = hist_counts.data_ptr<int64_t>();
-    double* ep = hist_edges.data_ptr<double>();
-    std::fill(hp, hp + a.nbins, int64_t{0});
-    if (a.log2) {
-      raw_to_log2(raw, is_f64 ? kRawBitsF64 : kRawBitsF32, is_f64 ? kRawBiasF64 : kRawBiasF32,
-                  total, hp);
-      static const std::vector<double> edges = [] {
-        std::vector<double> e(kLog2Bins + 1);
-        for (int i = 0; i <= kLog2Bins; ++i) e[i] = log2_edge(i);
-        return e;
-      }();
-      std::copy(edges.begin(), edges.end(), ep);
-    } else {
-      std::copy(lin.begin(), lin.end(), hp);
-      for (int64_t i = 0; i <= a.nbins; ++i) ep[i] = linear_edge(lin_lo, lin_hi, i, a.nbins);
-    }
+  Summary S;
+  S.numel = static_cast<double>(N);
+  S.nan = static_cast<double>(total.nan);
+  S.inf = static_cast<double>(total.pos_inf + total.neg_inf);
+  S.zero = static_cast<double>(total.zeros);
+  S.n = nf;
+  S.mean = total.m.mean;
+  S.m2 = std::max(total.m.m2, 0.0);
+  S.mn = total.mn;  // +inf / -inf when there is no finite value
+  S.mx = total.mx;
+  std::vector<int64_t> hist(a.nbins, 0);
+  if (a.log2) {
+    raw_to_log2(raw, is_f64 ? kRawBitsF64 : kRawBitsF32, is_f64 ? kRawBiasF64 : kRawBiasF32,
+                total, hist.data());
+  } else if (a.linear) {
+    std::copy(lin.begin(), lin.end(), hist.begin());
   }
-  return outs;
+  double col_lo, col_hi;
+  hist_range_columns(a, &col_lo, &col_hi);
+  if (a.linear && !a.has_range) {
+    col_lo = lin_lo;
+    col_hi = lin_hi;
+  }
+  std::lock_guard<std::mutex> lock(g_fold_mutex);
+  if (fresh) init_row(row, a.nbins, col_lo, col_hi);
+  const double now = clock ? *clock : 0.0;
+  if (clock) *clock = now + 1.0;
+  fold_summary(row, S, now);
+  row[kHistLo] = col_lo;
+  row[kHistHi] = col_hi;
+  for (int64_t i = 0; i < a.nbins; ++i) row[kHead + i] += static_cast<double>(hist[i]);
+}
+
+at::Tensor tensor_stats_cpu(const at::Tensor& x, int64_t bins, int64_t hist_mode,
+                            std::optional<double> lo, std::optional<double> hi) {
+  const StatsArgs a = check_stats_args(x, bins, hist_mode, lo, hi);
+  at::Tensor row = empty_stats_row(x, a);
+  accumulate_cpu(x, a, row.data_ptr<double>(), nullptr, true);
+  return row;
+}
+
+void stats_accumulate_cpu(const at::Tensor& x, const at::Tensor& acc, int64_t row,
+                          const std::optional<at::Tensor>& gate, int64_t bins, int64_t hist_mode,
+                          std::optional<double> lo, std::optional<double> hi) {
+  const StatsArgs a = check_stats_args(x, bins, hist_mode, lo, hi);
+  check_bank(x, acc, row, gate, a);
+  if (gate.has_value() && !gate->data_ptr<bool>()[0]) return;
+  double* base = acc.data_ptr<double>();
+  accumulate_cpu(x, a, base + row * acc.size(1), base + kClock, false);
 }
 
 }  // namespace
@@ -328,4 +351,5 @@ void set_cpu_isa(const std::string& isa) {
 
 TORCH_LIBRARY_IMPL(hookplug, CPU, m) {
   m.impl("tensor_stats", &hookplug::cpu::tensor_stats_cpu);
+  m.impl("stats_accumulate_", &hookplug::cpu::stats_accumulate_cpu);
 }

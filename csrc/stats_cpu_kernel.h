@@ -554,6 +554,14 @@ static void block_stats(const void* p, int64_t n, BlockResult* r, uint32_t* hist
     c2 += static_cast<double>(t20[l]) + static_cast<double>(t21[l]);
     zeros += z0[l];
   }
+  // Squared deviations of tiny values underflow in the S lanes (float32: |d| < 2**-63): a
+  // block whose largest magnitude is that small takes the exact float64 path.
+  const double amax = static_cast<double>(-tmn > tmx ? -tmn : tmx);
+  if (amax > 0 && amax < (sizeof(S) == 4 ? 0x1p-50 : 0x1p-480)) {
+    block_slow<T, HIST>(p, n, r, hist);
+    *shift = r->n ? r->mean : *shift;
+    return;
+  }
   const double nd = static_cast<double>(n);
   const double delta = c1 / nd;  // mean - K
   const double m2 = c2 - c1 * delta;

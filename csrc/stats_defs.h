@@ -2,11 +2,19 @@
 // bindings. Torch-free and STL-free on purpose: it is included by plain-nvcc .cu files
 // and by the CPU kernel translation units compiled for a specific ISA.
 //
-// Output layout of hookplug::tensor_stats(x, bins, hist_mode, lo, hi):
-//   counts      int64[4]    numel, nan_count, inf_count, zero_count
-//   moments     float64[5]  min, max, mean, std, absmax   (finite values only; NaN if none)
-//   hist_counts int64[B]    B = 0 (bins == 0), kLog2Bins (log2 mode) or bins (linear mode)
-//   hist_edges  float64[B+1] (empty when B == 0)
+// THE ROW LAYOUT (the one definition; hookplug/_stats.py checks it against row_layout()):
+// statistics live in float64 rows of width kHead + B, B = histogram buckets:
+//   kNumel, kNan, kInf, kZero   counts (exact in float64 below 2**53)
+//   kMin, kMax                  finite min / max (+inf / -inf while there is none)
+//   kMean, kM2                  mean and sum of squared deviations of the finite values
+//   kHistLo, kHistHi            the histogram's range (0, 0 when it has none)
+//   kFirstBad                   the clock value of the first call that saw NaN/Inf (+inf: none)
+//   kHead + i                   histogram bucket i
+// An empty row is (0, 0, 0, 0, +inf, -inf, 0, 0, lo, hi, +inf, 0...). Rows merge exactly:
+// counts and buckets add, extremes and kFirstBad combine, mean/M2 by Chan's formula.
+// hookplug::tensor_stats(x, ...) returns one fresh row; hookplug::stats_accumulate_(x, acc,
+// row, gate, ...) merges x's statistics into acc[row] in place. acc[0] is the bank's meta
+// row: acc[0][kClock] counts accumulate calls (the clock kFirstBad refers to).
 //
 // Log2 histogram (hist_mode 0), kLog2Bins = 131 buckets, ascending:
 //   [0, 65)    negative values, bucket j holds -2^(33-j) < x <= -2^(32-j) i.e. binary
@@ -44,8 +52,10 @@ constexpr int kLog2Bins = 2 * kLog2PerSign + 1;              // 131
 constexpr int64_t kHistLog2 = 0;
 constexpr int64_t kHistLinear = 1;
 
-constexpr int kNumCounts = 4;   // numel, nan, inf, zero
-constexpr int kNumMoments = 5;  // min, max, mean, std, absmax
+// Row columns (see the layout above).
+constexpr int kNumel = 0, kNan = 1, kInf = 2, kZero = 3, kMin = 4, kMax = 5, kMean = 6,
+              kM2 = 7, kHistLo = 8, kHistHi = 9, kFirstBad = 10, kHead = 11;
+constexpr int kClock = 0;  // column of the meta row acc[0] that counts accumulate calls
 
 // Log2 bucket of a finite nonzero value with sign `neg` and binary exponent e
 // (|x| in [2^e, 2^(e+1))); e is clamped to the window.
@@ -101,6 +111,42 @@ HOOKPLUG_HD void moments_merge(Moments& a, double nb, double mean_b, double m2_b
   a.mean += delta * (nb / n);
   a.m2 += m2_b + delta * delta * (a.n * (nb / n));
   a.n = n;
+}
+
+// The statistics of one tensor as a kernel finds them (counts as doubles: exact < 2**53).
+struct Summary {
+  double numel, nan, inf, zero;
+  double n, mean, m2;  // finite values: count, mean, sum of squared deviations
+  double mn, mx;       // finite min / max (+inf / -inf when n == 0)
+};
+
+// An empty row: no values yet, histogram range (lo, hi) (0, 0: none), buckets zeroed.
+HOOKPLUG_HD void init_row(double* row, int64_t nbins, double lo, double hi) {
+  const double inf = __builtin_huge_val();
+  row[kNumel] = row[kNan] = row[kInf] = row[kZero] = 0.0;
+  row[kMin] = inf;
+  row[kMax] = -inf;
+  row[kMean] = row[kM2] = 0.0;
+  row[kHistLo] = lo;
+  row[kHistHi] = hi;
+  row[kFirstBad] = inf;
+  for (int64_t i = 0; i < nbins; ++i) row[kHead + i] = 0.0;
+}
+
+// Merges s into the head columns of row (the caller adds the buckets). `clock` is the
+// call's clock value, kept in kFirstBad when s holds the row's first NaN/Inf.
+HOOKPLUG_HD void fold_summary(double* row, const Summary& s, double clock) {
+  Moments m{row[kNumel] - row[kNan] - row[kInf], row[kMean], row[kM2]};
+  moments_merge(m, s.n, s.mean, s.m2);
+  row[kNumel] += s.numel;
+  row[kNan] += s.nan;
+  row[kInf] += s.inf;
+  row[kZero] += s.zero;
+  row[kMin] = s.mn < row[kMin] ? s.mn : row[kMin];
+  row[kMax] = s.mx > row[kMax] ? s.mx : row[kMax];
+  row[kMean] = m.mean;
+  row[kM2] = m.m2;
+  if (s.nan + s.inf > 0 && clock < row[kFirstBad]) row[kFirstBad] = clock;
 }
 
 }  // namespace hookplug

@@ -1,6 +1,7 @@
-// hookplug::tensor_stats: the op schema (registered once), its Autograd registration
-// (the statistics are not differentiable: the op runs below autograd and its outputs carry
-// no grad_fn) and the Python module hookplug._C (small introspection helpers).
+// The op schemas (registered once): hookplug::tensor_stats (one fresh stats row) and
+// hookplug::stats_accumulate_ (merge into a row of a bank in place); their Autograd
+// registrations (not differentiable: they run below autograd) and the Python module
+// hookplug._C (small introspection helpers). Row layout: stats_defs.h.
 //
 // Per-device kernels: stats_cpu.cpp (CPU), cuda/stats_cuda.cpp (CUDA). The fake (meta)
 // kernel is registered from Python (hookplug/ops.py).
@@ -8,8 +9,11 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 #include <torch/library.h>
+#include <pybind11/stl.h>
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "stats_checks.h"
 #include "stats_defs.h"
@@ -22,14 +26,32 @@ void set_cpu_isa(const std::string& isa);
 
 namespace {
 
-StatsOutputs tensor_stats_autograd(const at::Tensor& x, int64_t bins, int64_t hist_mode,
-                                   std::optional<double> lo, std::optional<double> hi) {
+// Both ops run below autograd: their outputs carry no grad_fn and x's autograd state is
+// untouched (x is only read).
+at::Tensor tensor_stats_autograd(const at::Tensor& x, int64_t bins, int64_t hist_mode,
+                                 std::optional<double> lo, std::optional<double> hi) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("hookplug::tensor_stats", "")
-                       .typed<StatsOutputs(const at::Tensor&, int64_t, int64_t,
-                                           std::optional<double>, std::optional<double>)>();
+                       .typed<at::Tensor(const at::Tensor&, int64_t, int64_t,
+                                         std::optional<double>, std::optional<double>)>();
   at::AutoDispatchBelowADInplaceOrView guard;
   return op.call(x, bins, hist_mode, lo, hi);
+}
+
+void stats_accumulate_autograd(const at::Tensor& x, const at::Tensor& acc, int64_t row,
+                               const std::optional<at::Tensor>& gate, int64_t bins,
+                               int64_t hist_mode, std::optional<double> lo,
+                               std::optional<double> hi) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("hookplug::stats_accumulate_", "")
+                       .typed<void(const at::Tensor&, const at::Tensor&, int64_t,
+                                   const std::optional<at::Tensor>&, int64_t, int64_t,
+                                   std::optional<double>, std::optional<double>)>();
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.call(x, acc, row, gate, bins, hist_mode, lo, hi);
+  }
+  acc.unsafeGetTensorImpl()->bump_version();  // acc was written in place
 }
 
 }  // namespace
@@ -38,11 +60,15 @@ StatsOutputs tensor_stats_autograd(const at::Tensor& x, int64_t bins, int64_t hi
 TORCH_LIBRARY(hookplug, m) {
   m.def(
       "tensor_stats(Tensor x, int bins, int hist_mode, float? lo=None, float? hi=None) "
-      "-> (Tensor counts, Tensor moments, Tensor hist_counts, Tensor hist_edges)");
+      "-> Tensor");
+  m.def(
+      "stats_accumulate_(Tensor x, Tensor(a!) acc, int row, Tensor? gate, int bins, "
+      "int hist_mode, float? lo=None, float? hi=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(hookplug, Autograd, m) {
   m.impl("tensor_stats", &hookplug::tensor_stats_autograd);
+  m.impl("stats_accumulate_", &hookplug::stats_accumulate_autograd);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -57,6 +83,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_isa", &hookplug::cpu::cpu_isa, "The CPU kernel variant in use ('avx2' or 'generic').");
   m.def("set_cpu_isa", &hookplug::cpu::set_cpu_isa,
         "Select the CPU kernel variant: 'auto', 'avx2' or 'generic' (tests, benchmarks).");
+  m.def("row_layout", []() {
+    using namespace hookplug;
+    return std::vector<std::pair<std::string, int>>{
+        {"numel", kNumel}, {"nan_count", kNan}, {"inf_count", kInf}, {"zero_count", kZero},
+        {"min", kMin}, {"max", kMax}, {"mean", kMean}, {"m2", kM2}, {"hist_lo", kHistLo},
+        {"hist_hi", kHistHi}, {"first_bad", kFirstBad}, {"head", kHead}, {"clock", kClock}};
+  }, "The stats row layout: (column name, index) pairs (see csrc/stats_defs.h).");
   m.def("log2_layout", []() {
     return std::make_tuple(hookplug::kLog2MinExp, hookplug::kLog2MaxExp, hookplug::kLog2Bins);
   }, "(min_exp, max_exp, buckets) of the log2 histogram.");

@@ -28,6 +28,7 @@ __all__ = [
     "plugin_names",
     "plugin_info",
     "TensorStats",
+    "StatsBlock",
     "ops",
     "load_capture",
     "load_config",
@@ -39,6 +40,7 @@ __all__ = [
 _LAZY = {
     "ops": ("hookplug.ops", None),
     "TensorStats": ("hookplug._stats", "TensorStats"),
+    "StatsBlock": ("hookplug._stats", "StatsBlock"),
     "load_capture": ("hookplug._capture_io", "load_capture"),
     "load_config": ("hookplug._config", "load_config"),
     "plot_features": ("hookplug._plot", "plot_features"),

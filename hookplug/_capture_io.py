@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Dict, Union
+import warnings
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 
@@ -38,7 +39,7 @@ def _json_key(k: Any):
     return repr(k)
 
 
-def _encode(obj: Any, key: str, tensors: Dict[str, torch.Tensor]) -> Any:
+def _encode(obj: Any, key: str, tensors: Dict[str, torch.Tensor], dropped: Optional[List[str]] = None) -> Any:
     """A JSON-able description of ``obj``; its tensors go into ``tensors``, keyed from ``key``."""
     if isinstance(obj, torch.Tensor):
         tensors[key] = obj
@@ -49,37 +50,79 @@ def _encode(obj: Any, key: str, tensors: Dict[str, torch.Tensor]) -> Any:
         items = []
         for k, v in obj.items():
             sub = f"{key}.{k}" if isinstance(k, str) else f"{key}[{k!r}]"
-            items.append([_json_key(k), _encode(v, sub, tensors)])
+            items.append([_json_key(k), _encode(v, sub, tensors, dropped)])
         return {"dict": items}
     if isinstance(obj, (list, tuple)):
         kind = "list" if isinstance(obj, list) else "tuple"
-        return {kind: [_encode(v, f"{key}[{i}]", tensors) for i, v in enumerate(obj)]}
+        return {kind: [_encode(v, f"{key}[{i}]", tensors, dropped) for i, v in enumerate(obj)]}
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {
             "dict": [
-                [f.name, _encode(getattr(obj, f.name), f"{key}.{f.name}", tensors)]
+                [f.name, _encode(getattr(obj, f.name), f"{key}.{f.name}", tensors, dropped)]
                 for f in dataclasses.fields(obj)
             ]
         }
     if isinstance(obj, (str, int, float, bool)):
         return {"value": obj}
+    if dropped is not None:
+        dropped.append(f"{key} ({type(obj).__name__})")
     return {"value": None, "repr": repr(obj)[:200]}
 
 
-def _decode(desc: Any, tensors: Dict[str, torch.Tensor]) -> Any:
+_MAX_DEPTH = 200  # structures nested deeper are refused when reading
+
+
+class _BadFile(Exception):
+    """What is wrong with a capture file's metadata (becomes one ValueError naming the file)."""
+
+
+def _decode(desc: Any, tensors: Dict[str, torch.Tensor], where: str, depth: int = 0) -> Any:
+    """Rebuild one structure from its JSON description, checking every entry."""
+    if depth > _MAX_DEPTH:
+        raise _BadFile(f"{where}: structures nested more than {_MAX_DEPTH} deep")
     if desc is None:
         return None
+    if not isinstance(desc, dict) or len(desc) not in (1, 2):
+        raise _BadFile(f"{where}: expected an entry such as {{\"t\": key}}, got {_short(desc)}")
     if "t" in desc:
-        return tensors[desc["t"]]
+        key = desc["t"]
+        if not isinstance(key, str) or key not in tensors:
+            raise _BadFile(f"{where}: names tensor {_short(key)}, which the file does not hold")
+        return tensors[key]
     if "dict" in desc:
-        return {k: _decode(v, tensors) for k, v in desc["dict"]}
-    if "list" in desc:
-        return [_decode(v, tensors) for v in desc["list"]]
-    if "tuple" in desc:
-        return tuple(_decode(v, tensors) for v in desc["tuple"])
+        items = desc["dict"]
+        if not isinstance(items, list):
+            raise _BadFile(f"{where}: \"dict\" must be a list of [key, value] pairs, got {_short(items)}")
+        out = {}
+        for i, pair in enumerate(items):
+            if not (isinstance(pair, list) and len(pair) == 2):
+                raise _BadFile(f"{where}.dict[{i}]: expected a [key, value] pair, got {_short(pair)}")
+            k, v = pair
+            if not (isinstance(k, (str, int, float, bool)) or k is None):
+                raise _BadFile(f"{where}.dict[{i}]: a key must be a string or a number, got {_short(k)}")
+            out[k] = _decode(v, tensors, f"{where}.{k}", depth + 1)
+        return out
+    for kind, build in (("list", list), ("tuple", tuple)):
+        if kind in desc:
+            items = desc[kind]
+            if not isinstance(items, list):
+                raise _BadFile(f"{where}: \"{kind}\" must be a list, got {_short(items)}")
+            return build(_decode(v, tensors, f"{where}[{i}]", depth + 1) for i, v in enumerate(items))
     if "value" in desc:
-        return desc["value"]
-    raise ValueError(f"hookplug capture file: unknown structure entry {desc!r}")
+        value = desc["value"]
+        if not (isinstance(value, (str, int, float, bool)) or value is None):
+            raise _BadFile(f"{where}: \"value\" must be a string, number, boolean or null, got "
+                           f"{_short(value)}")
+        return value
+    raise _BadFile(f"{where}: unknown structure entry {_short(desc)}")
+
+
+def _short(value: Any) -> str:
+    try:
+        text = json.dumps(value)[:80] if isinstance(value, (dict, list)) else repr(value)
+    except (RecursionError, TypeError, ValueError):
+        text = f"a deeply nested {type(value).__name__}"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def save_capture(
@@ -88,6 +131,7 @@ def save_capture(
     """Write ``{"features"|"grads"|"inputs": {module: value or [values]}}`` to ``path``."""
     st = _require_safetensors()
     tensors: Dict[str, torch.Tensor] = {}
+    dropped: List[str] = []
     layout: Dict[str, Dict[str, Any]] = {}
     for what, store in stores.items():
         if what not in _WHAT:
@@ -98,11 +142,16 @@ def save_capture(
             if isinstance(value, list):
                 layout[what][name] = {
                     "list": [
-                        _encode(v, f"{name}/{i}/{prefix}", tensors) for i, v in enumerate(value)
+                        _encode(v, f"{name}/{i}/{prefix}", tensors, dropped) for i, v in enumerate(value)
                     ]
                 }
             else:
-                layout[what][name] = {"one": _encode(value, f"{name}/{prefix}", tensors)}
+                layout[what][name] = {"one": _encode(value, f"{name}/{prefix}", tensors, dropped)}
+    if dropped:
+        shown = ", ".join(dropped[:5]) + (f" and {len(dropped) - 5} more" if len(dropped) > 5 else "")
+        warnings.warn(f"save_capture({os.fspath(path)!r}): {len(dropped)} value(s) that are neither "
+                      f"tensors, containers nor plain numbers/strings are written as None: {shown}",
+                      RuntimeWarning, stacklevel=3)
     out: Dict[str, torch.Tensor] = {}
     seen_storage = set()
     for k, t in tensors.items():
@@ -142,28 +191,62 @@ def load_capture(
     st = _require_safetensors()
     from safetensors import safe_open
 
-    with safe_open(os.fspath(path), framework="pt", device=str(device)) as f:
-        meta_raw = (f.metadata() or {}).get(META_KEY)
-        if meta_raw is None:
-            raise ValueError(
-                f"load_capture: {os.fspath(path)!r} is not a hookplug capture file "
-                f"(no {META_KEY!r} metadata)"
-            )
-        meta = json.loads(meta_raw)
-        if meta.get("version", 0) > FORMAT_VERSION:
-            raise ValueError(
-                f"load_capture: {os.fspath(path)!r} has format version {meta.get('version')}, "
-                f"this hookplug reads up to {FORMAT_VERSION}"
-            )
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a dict
+    name = os.fspath(path)
+    if not os.path.isfile(name):
+        raise FileNotFoundError(f"load_capture: no such file {name!r}")
+    try:
+        with safe_open(name, framework="pt", device=str(device)) as f:
+            meta_raw = (f.metadata() or {}).get(META_KEY)
+            if meta_raw is None:
+                raise ValueError(
+                    f"load_capture: {name!r} is not a hookplug capture file (no {META_KEY!r} metadata)"
+                )
+            layout = _read_meta(meta_raw)
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not a dict
+        result = {}
+        for kind in _WHAT:
+            store = {}
+            for module, entry in layout.get(kind, {}).items():
+                where = f"layout.{kind}.{module}"
+                if not isinstance(entry, dict) or not ({"list", "one"} & set(entry)):
+                    raise _BadFile(f"{where}: expected {{\"one\": ...}} or {{\"list\": [...]}}, got "
+                                   f"{_short(entry)}")
+                if "list" in entry:
+                    if not isinstance(entry["list"], list):
+                        raise _BadFile(f"{where}: \"list\" must be a list, got {_short(entry['list'])}")
+                    store[module] = [_decode(d, tensors, f"{where}[{i}]") for i, d in enumerate(entry["list"])]
+                else:
+                    store[module] = _decode(entry["one"], tensors, where)
+            result[kind] = store
+    except _BadFile as exc:
+        raise ValueError(f"load_capture: {name!r} has bad hookplug metadata: {exc}") from None
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - safetensors' own errors (a corrupt header)
+        if type(exc).__name__ != "SafetensorError" and not isinstance(exc, (OSError, RuntimeError)):
+            raise
+        raise ValueError(f"load_capture: {name!r} is not a readable safetensors file: {exc}") from None
     del st
-    result = {}
-    for kind in _WHAT:
-        store = {}
-        for name, entry in meta["layout"].get(kind, {}).items():
-            if "list" in entry:
-                store[name] = [_decode(d, tensors) for d in entry["list"]]
-            else:
-                store[name] = _decode(entry["one"], tensors)
-        result[kind] = store
     return result if what == "all" else result[what]
+
+
+def _read_meta(meta_raw: str) -> Dict[str, Any]:
+    """The checked ``layout`` of the metadata JSON."""
+    try:
+        meta = json.loads(meta_raw)
+    except (ValueError, RecursionError) as exc:
+        raise _BadFile(f"the {META_KEY!r} metadata is not JSON ({type(exc).__name__})") from None
+    if not isinstance(meta, dict):
+        raise _BadFile(f"the metadata must be a JSON object, got {_short(meta)}")
+    version = meta.get("version", 0)
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise _BadFile(f"version must be an integer, got {_short(version)}")
+    if version > FORMAT_VERSION:
+        raise _BadFile(f"format version {version}; this hookplug reads up to {FORMAT_VERSION}")
+    layout = meta.get("layout")
+    if not isinstance(layout, dict):
+        raise _BadFile(f"layout must be an object, got {_short(layout)}")
+    for kind, store in layout.items():
+        if kind in _WHAT and not isinstance(store, dict):
+            raise _BadFile(f"layout.{kind} must be an object, got {_short(store)}")
+    return layout

@@ -1,7 +1,12 @@
 """The ``hookplug`` command: ``plugins``, ``select`` and ``profile``.
 
-User errors (a bad model spec, selector, shape, plugin name or file) print one line on
-stderr and exit with status 2; set ``HOOKPLUG_DEBUG=1`` to see the traceback instead.
+User errors (a bad model spec, selector, shape, plugin name or file, a selector that matches
+nothing) print one line on stderr and exit with status 2; set ``HOOKPLUG_DEBUG=1`` to see
+the traceback instead.
+
+A MODEL given as ``path/to/file.py:factory`` runs that file's code (it is imported, with its
+folder put first on ``sys.path``), and ``package.module:factory`` imports that module: both
+execute code, as ``python file.py`` would. ``--help`` says so.
 """
 from __future__ import annotations
 
@@ -478,9 +483,8 @@ def cmd_select(args) -> int:
     except SelectorError as exc:
         raise UsageError(_selector_message(exc)) from None
     if not matched:
-        print(f"{PROG}: selector {args.selector!r} matched no module of {type(loaded.model).__name__}",
-              file=sys.stderr)
-        return 1
+        raise UsageError(f"selector {args.selector!r} matched no module of {type(loaded.model).__name__}; "
+                         f"try '{PROG} select {args.model} \"*\"' to see its modules")
     if args.names:
         for name, _ in matched:
             print(name)
@@ -656,10 +660,15 @@ def cmd_profile(args) -> int:
 
 # -- the parser ------------------------------------------------------------------------------
 
-_PROFILE_EPILOG = f"""\
-MODEL is a built-in demo ({', '.join(DEMO_MODELS)}), 'package.module:factory' (e.g.
+_MODEL_NOTE = """\
+MODEL is a built-in demo ({demos}), 'package.module:factory' (e.g.
 torchvision.models:resnet18) or 'path/to/file.py:factory'; literal arguments may follow:
-'cnn(width=32)'. --input is optional for the built-in demos.
+'cnn(width=32)'. A file.py:factory RUNS THAT FILE'S CODE (it is imported like 'python
+file.py' would run it, its folder first on sys.path) and package.module:factory imports
+that module: give only code you trust.""".format(demos=", ".join(DEMO_MODELS))
+
+_PROFILE_EPILOG = f"""\
+{_MODEL_NOTE} --input is optional for the built-in demos.
 
 examples:
   hookplug profile cnn
@@ -688,8 +697,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("select", parents=[common], help="show the modules a selector matches (a dry run)",
                        description="Show the modules SELECTOR matches in MODEL as a tree, with class "
-                                   "names and parameter counts. Nothing is run.")
-    p.add_argument("model", metavar="MODEL", help="built-in demo name, package.module:factory or file.py:factory")
+                                   "names and parameter counts. The model is built but not run. A "
+                                   "selector that matches nothing is an error (exit status 2).",
+                       epilog=_MODEL_NOTE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="MODEL", help="built-in demo name, package.module:factory or file.py:factory "
+                        "(runs that file's code)")
     p.add_argument("selector", metavar="SELECTOR",
                    help="e.g. 'Conv2d', 'Conv2d|Linear:layer1.*', '*:re:.*\\.fc\\d'")
     p.add_argument("--names", action="store_true", help="print only the matched names, one per line")
@@ -700,7 +712,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the modules --select picks, and print a per-module table: output shape,\n"
                                    "parameters, FLOPs, min/max/mean/std, NaN/Inf counts, and totals.",
                        epilog=_PROFILE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", metavar="MODEL", help="built-in demo name, package.module:factory or file.py:factory")
+    p.add_argument("model", metavar="MODEL", help="built-in demo name, package.module:factory or file.py:factory "
+                        "(runs that file's code)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--input", metavar="SHAPE", help="random input of this shape, e.g. 8x3x64x64")
     src.add_argument("--input-file", metavar="FILE",

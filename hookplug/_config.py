@@ -41,6 +41,9 @@ options and options whose type differs from the factory's default or annotation.
 error is a :class:`ConfigError` (a ``ValueError``) that names the file, the key and what
 was expected, e.g. ``telemetry.toml: [plugins.stats] bins: expected an int, got "x"``.
 
+Nesting is bounded: tables and arrays nested more than ``MAX_DEPTH`` deep are refused with a
+:class:`ConfigError` before the TOML parser (which recurses) sees them.
+
 TOML is read with ``tomllib`` (Python 3.11+) or, on 3.9/3.10, the ``tomli`` package.
 """
 from __future__ import annotations
@@ -54,6 +57,7 @@ from typing import Any, Dict, Optional, Tuple
 
 __all__ = ["load_config", "ConfigError"]
 
+MAX_DEPTH = 32  # tables/arrays nested deeper are refused
 _TOP_KEYS = ("select", "every", "flush_every", "on_error", "strict", "plugins", "sinks")
 
 
@@ -219,9 +223,57 @@ def _plugin_tables(ctx: _Ctx, table: str, raw: Any) -> Dict[str, Dict[str, Any]]
     return out
 
 
+def _text_depth(text: str) -> int:
+    """How deep ``[``/``{`` nest in TOML text, outside strings and comments (an upper bound
+    on the parsed nesting; table headers count one)."""
+    depth = deepest = 0
+    quote = ""
+    i, n = 0, len(text)
+    while i < n:
+        ch = text[i]
+        if quote:
+            if ch == "\\" and quote == '"':
+                i += 2
+                continue
+            if ch == quote or ch == "\n":
+                quote = ""
+        elif text.startswith(('"""', "'''"), i):  # a multi-line string: skip to its end
+            end = text.find(text[i:i + 3], i + 3)
+            i = n if end < 0 else end + 3
+            continue
+        elif ch in "\"'":
+            quote = ch
+        elif ch == "#":
+            while i < n and text[i] != "\n":
+                i += 1
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth = max(0, depth - 1)
+        i += 1
+    return deepest
+
+
+def _check_depth(ctx: "_Ctx", data: Any) -> None:
+    """Refuse values nested more than ``MAX_DEPTH`` deep (iteratively: no recursion)."""
+    stack = [(data, "", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ctx.error(where.lstrip("."), f"nested more than {MAX_DEPTH} tables/arrays deep")
+        if isinstance(value, dict):
+            stack.extend((v, f"{where}.{k}", depth + 1) for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            stack.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value))
+
+
 def parse_config(data: Dict[str, Any], path: str = "<config>") -> Dict[str, Any]:
     """Validate an already parsed config mapping; see :func:`load_config`."""
     ctx = _Ctx(path)
+    if not isinstance(data, dict):
+        raise ctx.error("", f"expected a table of settings, got {type(data).__name__}")
+    _check_depth(ctx, data)
     for key in data:
         if key not in _TOP_KEYS:
             close = difflib.get_close_matches(key, _TOP_KEYS, n=1)
@@ -275,12 +327,20 @@ def load_config(path: "str | os.PathLike[str]") -> Dict[str, Any]:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the config file: {exc.strerror or exc}") from None
     toml = _toml()
+    name = os.path.basename(path) or path
     try:
-        data = toml.loads(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{os.path.basename(path)}: not UTF-8 text: {exc}") from None
+        raise ConfigError(f"{name}: not UTF-8 text: {exc}") from None
+    depth = _text_depth(text)
+    if depth > MAX_DEPTH:
+        raise ConfigError(f"{name}: tables/arrays nested {depth} deep; at most {MAX_DEPTH} are allowed")
+    try:
+        data = toml.loads(text)
     except toml.TOMLDecodeError as exc:
-        raise ConfigError(f"{os.path.basename(path)}: invalid TOML: {exc}") from None
+        raise ConfigError(f"{name}: invalid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{name}: tables/arrays nested too deep") from None
     return parse_config(data, path)
 
 

@@ -2,23 +2,30 @@
 
 Entry points are read once, lazily; a plugin's module is imported only when a session asks
 for it. First-party plugins (distribution ``hookplug``) register through the same group a
-third party uses. ``HOOKPLUG_DISABLE_PLUGIN_AUTOLOAD=1`` limits discovery to them.
+third party uses; they are taken from the distribution this hookplug was installed from,
+and another distribution named ``hookplug`` (earlier on ``sys.path``) is reported and
+ignored. ``HOOKPLUG_DISABLE_PLUGIN_AUTOLOAD=1`` limits discovery to them.
 """
 from __future__ import annotations
 
 import difflib
 import inspect
+import json
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from importlib import metadata
+from pathlib import Path
 from typing import Any, Dict, List, Optional
+from urllib.parse import unquote, urlparse
 
 import pluggy
 
 from . import hookspecs
 
-__all__ = ["PluginError", "plugin_names", "plugin_info", "create_plugin", "new_plugin_manager"]
+__all__ = ["PluginError", "PluginLoadError", "plugin_names", "plugin_info", "create_plugin",
+           "new_plugin_manager"]
 
 ENTRY_POINT_GROUP = "hookplug.plugins"
 FIRST_PARTY_DIST = "hookplug"
@@ -26,6 +33,12 @@ FIRST_PARTY_DIST = "hookplug"
 
 class PluginError(ValueError):
     """An unknown plugin name, bad plugin options, or a plugin that breaks the contract."""
+
+
+class PluginLoadError(PluginError):
+    """A requested plugin that cannot be had: its import, or its factory, failed.
+
+    ``attach(on_error="raise")`` raises it; ``on_error="warn"`` warns and goes on without."""
 
 
 @dataclass
@@ -38,9 +51,13 @@ class PluginSource:
     entry_point: Any = field(repr=False)
     factory: Any = field(default=None, repr=False)
     error: Optional[str] = None
+    #: from the distribution this hookplug was installed from (None: judged by name)
+    own: Optional[bool] = field(default=None, repr=False)
 
     @property
     def first_party(self) -> bool:
+        if self.own is not None:
+            return self.own
         return self.distribution == FIRST_PARTY_DIST
 
     @property
@@ -50,29 +67,70 @@ class PluginSource:
         return f"{self.distribution} {self.version}".strip()
 
     def load(self):
-        """Import the factory; on failure warn once, naming the distribution, and return None."""
+        """Import the factory once; return None when that failed (``error`` says why).
+
+        ``SystemExit`` at import is a failure like any other: it never escapes."""
         if self.factory is None and self.error is None:
             try:
                 self.factory = self.entry_point.load()
-            except Exception as exc:  # noqa: BLE001 - a broken plugin never stops the others
+            except (Exception, SystemExit) as exc:  # noqa: BLE001 - never stops the others
                 self.error = f"{type(exc).__name__}: {exc}"
-                warnings.warn(
-                    f"hookplug plugin {self.name!r} from distribution {self.distribution!r} "
-                    f"failed to import ({self.entry_point.value}): {self.error}",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
         return self.factory
+
+    def load_error(self) -> "PluginLoadError":
+        return PluginLoadError(
+            f"hookplug plugin {self.name!r} from distribution {self.distribution!r} failed to "
+            f"import ({getattr(self.entry_point, 'value', '?')}): {self.error}"
+        )
 
 
 _sources: Optional[Dict[str, PluginSource]] = None
 
 
 def _entry_points():
-    eps = metadata.entry_points()
-    if hasattr(eps, "select"):
-        return list(eps.select(group=ENTRY_POINT_GROUP))
-    return list(eps.get(ENTRY_POINT_GROUP, []))  # Python < 3.10
+    """Every entry point of the group, each with its ``.dist``.
+
+    Unlike ``metadata.entry_points()``, a distribution is not hidden by another of the same
+    name earlier on ``sys.path`` (that is how a stray ``hookplug`` would shadow this one)."""
+    if sys.version_info < (3, 10):  # no EntryPoint.dist: by name only
+        return list(metadata.entry_points().get(ENTRY_POINT_GROUP, []))
+    found, seen = [], set()
+    for dist in metadata.distributions():
+        key = (dist.metadata["Name"], _location(dist))
+        if key in seen:  # the same directory twice on sys.path
+            continue
+        seen.add(key)
+        found.extend(ep for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP)
+    return found
+
+
+def _location(dist) -> str:
+    try:
+        return str(Path(dist.locate_file("")).resolve())
+    except Exception:  # noqa: BLE001
+        return "<unknown>"
+
+
+def _is_own(dist) -> Optional[bool]:
+    """Whether ``dist`` is the distribution this hookplug package was installed from: its
+    files, or for an editable install its source tree, hold this very package. None when
+    ``dist`` cannot say (no files to look at)."""
+    if not hasattr(dist, "locate_file"):
+        return None
+    here = Path(__file__).resolve().parent
+    try:
+        if Path(dist.locate_file("hookplug/__init__.py")).resolve() == here / "__init__.py":
+            return True
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        info = json.loads(dist.read_text("direct_url.json") or "null") or {}
+        url = urlparse(info.get("url", ""))
+        if url.scheme == "file" and (Path(unquote(url.path)) / "hookplug").resolve() == here:
+            return True
+    except Exception:  # noqa: BLE001
+        pass
+    return False
 
 
 def _discover() -> Dict[str, PluginSource]:
@@ -80,12 +138,26 @@ def _discover() -> Dict[str, PluginSource]:
     if _sources is not None:
         return _sources
     autoload = os.environ.get("HOOKPLUG_DISABLE_PLUGIN_AUTOLOAD", "") in ("", "0")
+    eps = _entry_points()
+    own: Dict[int, Optional[bool]] = {}
+    for ep in eps:
+        dist = getattr(ep, "dist", None)
+        if dist is not None and dist.metadata["Name"] == FIRST_PARTY_DIST and id(dist) not in own:
+            own[id(dist)] = _is_own(dist)
+    have_own = any(v is not False for v in own.values())
+    shadows: Dict[str, List[str]] = {}
     found: Dict[str, PluginSource] = {}
-    for ep in _entry_points():
+    for ep in eps:
         dist = getattr(ep, "dist", None)
         dist_name = dist.metadata["Name"] if dist is not None else "<unknown>"
         version = dist.version if dist is not None else ""
-        src = PluginSource(ep.name, dist_name, version, ep)
+        src = PluginSource(ep.name, dist_name, version, ep, own=own.get(id(dist)))
+        if src.own is False:
+            # a distribution named hookplug that is not this hookplug
+            src.distribution = f"{dist_name} at {_location(dist)}"
+            if have_own:
+                shadows.setdefault(src.distribution, []).append(ep.name)
+                continue
         if not src.first_party and not autoload:
             continue
         prev = found.get(ep.name)
@@ -99,6 +171,14 @@ def _discover() -> Dict[str, PluginSource]:
             )
             src = keep
         found[ep.name] = src
+    for where, names in shadows.items():
+        warnings.warn(
+            f"a distribution {where} is not the hookplug being run ({Path(__file__).resolve().parent}); "
+            f"its plugin entry points ({', '.join(names)}) are ignored and the first-party plugins "
+            "come from this hookplug's own distribution",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     _sources = dict(sorted(found.items()))
     return _sources
 
@@ -142,8 +222,9 @@ def _check_options(name: str, factory, options: Dict[str, Any]) -> None:
 def create_plugin(name: str, options: Optional[Dict[str, Any]] = None):
     """Build the plugin registered under ``name`` with ``options``.
 
-    Returns None (after one warning naming the distribution) when the plugin fails to
-    import or to construct for a reason other than its options.
+    Raises :class:`PluginError` for an unknown name or options the plugin rejects, and
+    :class:`PluginLoadError` (naming the distribution) when the plugin fails to import or to
+    construct, or its factory returns None.
     """
     options = dict(options or {})
     if not isinstance(name, str):
@@ -158,21 +239,24 @@ def create_plugin(name: str, options: Optional[Dict[str, Any]] = None):
         )
     factory = src.load()
     if factory is None:
-        return None
+        raise src.load_error()
     _check_options(name, factory, options)
     try:
         plugin = factory(**options)
     except (TypeError, ValueError) as exc:
         raise PluginError(f"plugin {name!r} rejected its options {options!r}: {exc}") from exc
-    except Exception as exc:  # noqa: BLE001
+    except (Exception, SystemExit) as exc:  # noqa: BLE001
         src.error = f"{type(exc).__name__}: {exc}"
-        warnings.warn(
+        raise PluginLoadError(
             f"hookplug plugin {name!r} from distribution {src.distribution!r} failed to "
-            f"construct: {src.error}",
-            RuntimeWarning,
-            stacklevel=3,
+            f"construct: {src.error}"
+        ) from exc
+    if plugin is None:
+        src.error = f"its factory {getattr(src.entry_point, 'value', factory)!r} returned None"
+        raise PluginLoadError(
+            f"hookplug plugin {name!r} from distribution {src.distribution!r}: {src.error}; "
+            "expected a plugin object"
         )
-        return None
     if getattr(plugin, "name", None) is None:
         try:
             plugin.name = name

@@ -11,22 +11,44 @@ Grammar (see DESIGN.md)::
 A regex runs to the next comma outside character classes, braces and parentheses (write
 ``\\,`` for a literal comma at the top level). Wrappers (``torch.compile``, DataParallel,
 DDP) are looked through: names are those of the wrapped model.
+
+Selectors may come from config files, so they are treated as untrusted text:
+
+- A dotted class path (``torch.nn.Linear``, ``mypkg.models.Block``) is looked up only in
+  modules that are already imported (``sys.modules``); a selector never imports anything.
+  Import the module first to use its classes.
+- Python's ``re`` has no timeout, so a regex is checked before it runs (see
+  :func:`_check_regex`): groups nest at most ``_MAX_REGEX_DEPTH`` deep, a quantified part
+  may not hold another variable-width quantifier or alternatives that can start with the
+  same character (the forms whose backtracking is exponential), and the remaining
+  polynomial worst case is estimated per module name and refused over a budget.
 """
 from __future__ import annotations
 
 import difflib
 import fnmatch
-import importlib
+import math
 import re
+import sys
 import warnings
 from dataclasses import dataclass
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch.nn as nn
 
 __all__ = ["SelectorError", "select", "parse_selector", "unwrap_model"]
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+try:  # Python 3.11+
+    from re import _constants as _sre_c
+    from re import _parser as _sre_parse
+except ImportError:  # pragma: no cover - Python 3.9/3.10
+    import sre_constants as _sre_c
+    import sre_parse as _sre_parse
+
+_MAX_REGEX_DEPTH = 100  # groups nested deeper than this are refused (the parser recurses)
+_REGEX_BUDGET = 5 * 10**7  # estimated backtracking steps one name may cost (about 1 s at worst)
 
 
 class SelectorError(ValueError):
@@ -102,6 +124,170 @@ def _split_terms(selector: str) -> List[Tuple[int, str]]:
     return parts
 
 
+def _group_depth(pattern: str) -> int:
+    """How deep the parentheses of ``pattern`` nest (escapes and character classes skipped)."""
+    depth = deepest = i = 0
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if ch == "[":
+            j = i + 1
+            if j < len(pattern) and pattern[j] == "^":
+                j += 1
+            if j < len(pattern) and pattern[j] == "]":
+                j += 1
+            while j < len(pattern) and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            i = j + 1
+            continue
+        if ch == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch == ")":
+            depth = max(0, depth - 1)
+        i += 1
+    return deepest
+
+
+@dataclass(frozen=True)
+class _RegexCost:
+    """Worst-case backtracking of a regex without nested quantifiers, as a function of the
+    name's length ``n``: ``branches * prod(min(n + 1, w) for w in bounded) * (n + 1)**unbounded
+    / unbounded!`` (each variable-width quantifier picks one of its repeat counts)."""
+
+    branches: float
+    bounded: Tuple[int, ...]
+    unbounded: int
+
+    def log_steps(self, n: int) -> float:
+        out = math.log(self.branches) + self.unbounded * math.log(n + 1) - math.lgamma(self.unbounded + 1)
+        return out + sum(math.log(min(n + 1, w)) for w in self.bounded)
+
+    def max_length(self) -> int:
+        """The longest name this regex may be matched against within ``_REGEX_BUDGET``."""
+        limit, n = math.log(_REGEX_BUDGET), 1
+        if self.log_steps(10**9) <= limit:
+            return 10**9
+        while self.log_steps(n * 2) <= limit:
+            n *= 2
+        step = n // 2
+        while step:
+            if self.log_steps(n + step) <= limit:
+                n += step
+            step //= 2
+        return n
+
+
+_REPEATS = tuple(getattr(_sre_c, op) for op in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT")
+                 if hasattr(_sre_c, op))
+_ATOMIC = getattr(_sre_c, "ATOMIC_GROUP", None)
+
+
+def _first_chars(items) -> Optional[set]:
+    """The characters (case-folded) an alternative can start with; None if it cannot be told."""
+    items = list(items)
+    while items:
+        op, av = items[0]
+        if op is _sre_c.LITERAL:
+            return {chr(av).casefold()}
+        if op is _sre_c.IN:
+            chars = set()
+            for iop, iav in av:
+                if iop is _sre_c.LITERAL:
+                    chars.add(chr(iav).casefold())
+                elif iop is _sre_c.RANGE and iav[1] - iav[0] < 1024:
+                    chars.update(chr(c).casefold() for c in range(iav[0], iav[1] + 1))
+                else:
+                    return None
+            return chars
+        if op is _sre_c.SUBPATTERN:
+            items = list(av[-1])
+            continue
+        return None
+    return None  # an empty alternative
+
+
+def _analyse_regex(parsed) -> Tuple[Optional[str], _RegexCost]:
+    """Walk the parsed regex (iteratively): the reason it can backtrack exponentially (or
+    None), and its polynomial cost model."""
+    branches, bounded, unbounded = 1.0, [], 0
+    stack = [(list(parsed), False)]
+    while stack:
+        items, in_repeat = stack.pop()
+        for op, av in items:
+            if op in _REPEATS:
+                lo, hi, sub = av
+                if lo != hi:
+                    if in_repeat:
+                        return ("a variable-width quantifier inside a quantified group (like (\\w+_?)+) "
+                                "can backtrack exponentially; write it without the nesting "
+                                "(e.g. [\\w_]+)"), _RegexCost(1.0, (), 0)
+                    if hi == _sre_c.MAXREPEAT:
+                        unbounded += 1
+                    else:
+                        bounded.append(hi - lo + 1)
+                stack.append((list(sub), in_repeat or hi > 1))
+            elif op is _sre_c.SUBPATTERN:
+                stack.append((list(av[-1]), in_repeat))
+            elif _ATOMIC is not None and op is _ATOMIC:
+                stack.append((list(av), in_repeat))
+            elif op in (_sre_c.ASSERT, _sre_c.ASSERT_NOT):
+                stack.append((list(av[1]), in_repeat))
+            elif op is _sre_c.BRANCH:
+                alts = av[1]
+                if in_repeat:
+                    seen: set = set()
+                    for alt in alts:
+                        first = _first_chars(alt)
+                        if first is None or first & seen:
+                            return ("alternatives inside a quantified group that can start with the "
+                                    "same character (like (a|ab)+ or (\\w|_)+) can backtrack "
+                                    "exponentially; make them start differently or use a character "
+                                    "class"), _RegexCost(1.0, (), 0)
+                        seen |= first
+                branches *= len(alts)
+                stack.extend((list(alt), in_repeat) for alt in alts)
+            elif op is _sre_c.GROUPREF_EXISTS:
+                branches *= 2
+                stack.extend((list(p), in_repeat) for p in av[1:] if p is not None)
+    return None, _RegexCost(branches, tuple(bounded), unbounded)
+
+
+def _check_regex(selector: str, column: int, pattern: str) -> _RegexCost:
+    """Refuse a regex that could run for unbounded time; return its cost model.
+
+    ``re`` has no timeout, so the check is static and conservative: groups nest at most
+    ``_MAX_REGEX_DEPTH`` deep (deeper, ``re``'s own parser would recurse without bound); no
+    quantified group holds a variable-width quantifier or alternatives that may start with
+    the same character (exponential backtracking: ``(\\w+_?)+!``, ``(a|a)*``). What is left
+    backtracks at most polynomially in the name's length; :class:`_RegexCost` bounds it, and
+    ``select`` refuses to match a name too long for :data:`_REGEX_BUDGET` steps.
+    """
+    depth = _group_depth(pattern)
+    if depth > _MAX_REGEX_DEPTH:
+        raise SelectorError(selector, column, f"regular expression nests groups {depth} deep; "
+                                              f"at most {_MAX_REGEX_DEPTH} levels are allowed")
+    try:
+        re.compile(pattern)
+        parsed = _sre_parse.parse(pattern)
+    except re.error as exc:
+        raise SelectorError(selector, column + (exc.pos or 0),
+                            f"invalid regular expression: {exc.msg}") from None
+    except OverflowError as exc:
+        raise SelectorError(selector, column, f"invalid regular expression: {exc}") from None
+    except RecursionError:
+        raise SelectorError(selector, column, "regular expression is nested too deeply") from None
+    reason, cost = _analyse_regex(parsed)
+    if reason is not None:
+        raise SelectorError(selector, column, f"regular expression refused: {reason}")
+    if cost.log_steps(1) > math.log(_REGEX_BUDGET):
+        raise SelectorError(selector, column, "regular expression refused: its alternatives and "
+                                              "optional parts combine into too many ways to match")
+    return cost
+
+
 def _parse_term(selector: str, offset: int, text: str) -> _Term:
     lead = len(text) - len(text.lstrip())
     body = text.strip()
@@ -142,13 +328,7 @@ def _parse_term(selector: str, offset: int, text: str) -> _Term:
     elif name_part.lstrip().startswith("re:"):
         lead_spaces = len(name_part) - len(name_part.lstrip())
         kind, pattern = "regex", name_part.lstrip()[3:].rstrip()
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise SelectorError(
-                selector, name_col + lead_spaces + 3 + (exc.pos or 0),
-                f"invalid regular expression: {exc.msg}",
-            ) from None
+        _check_regex(selector, name_col + lead_spaces + 3, pattern)
     else:
         kind, pattern = "glob", name_part.strip()
         if any(c.isspace() for c in pattern):
@@ -168,20 +348,40 @@ def parse_selector(selector: str) -> Tuple[_Term, ...]:
     return terms
 
 
+def _imported_class(selector: str, pat: _ClassPattern, known: Sequence[type]) -> type:
+    """The class a dotted path names, found in the model's classes or in a module that is
+    already imported. Never imports: selectors may come from files (``"this.Zen"`` would
+    run the ``this`` module)."""
+    for k in known:
+        if f"{k.__module__}.{k.__qualname__}" == pat.text:
+            return k
+    parts = pat.text.split(".")
+    for cut in range(len(parts) - 1, 0, -1):  # the longest imported module prefix
+        module = sys.modules.get(".".join(parts[:cut]))
+        if module is None:
+            continue
+        obj = vars(module).get(parts[cut])  # not getattr: a module's lazy __getattr__ imports
+        for attr in parts[cut + 1:]:
+            obj = getattr(obj, attr, None) if isinstance(obj, type) else None
+        if isinstance(obj, type):
+            return obj
+        raise SelectorError(
+            selector, pat.column,
+            f"{pat.text!r} is not a class: module {'.'.join(parts[:cut])!r} has no class "
+            f"{'.'.join(parts[cut:])!r}",
+        )
+    raise SelectorError(
+        selector, pat.column,
+        f"cannot find class {pat.text!r}: module {'.'.join(parts[:-1])!r} is not imported, and a "
+        "selector never imports modules; import it before selecting (or name the class "
+        f"without its module: {parts[-1]!r})",
+    )
+
+
 def _class_matcher(selector: str, pat: _ClassPattern, known: Sequence[type]) -> Callable[[nn.Module], bool]:
     if pat.dotted:
-        module_path, _, attr = pat.text.rpartition(".")
-        cls = None
-        try:
-            cls = getattr(importlib.import_module(module_path), attr, None)
-        except Exception:  # noqa: BLE001 - an unimportable path falls back to name matching
-            cls = None
-        if isinstance(cls, type):
-            return lambda m, c=cls: isinstance(m, c)
-        qual = pat.text
-        if any(f"{k.__module__}.{k.__qualname__}" == qual for k in known):
-            return lambda m: any(f"{k.__module__}.{k.__qualname__}" == qual for k in type(m).__mro__)
-        raise SelectorError(selector, pat.column, f"cannot import class {pat.text!r}")
+        cls = _imported_class(selector, pat, known)
+        return lambda m, c=cls: isinstance(m, c)
     name = pat.text
     if not any(k.__name__ == name for k in known) and not isinstance(getattr(nn, name, None), type):
         candidates = sorted({k.__name__ for k in known} | {n for n in dir(nn) if n[:1].isupper()})
@@ -193,14 +393,40 @@ def _class_matcher(selector: str, pat: _ClassPattern, known: Sequence[type]) -> 
     return lambda m: any(k.__name__ == name for k in type(m).__mro__)
 
 
-def _name_matcher(term: _Term) -> Callable[[str], bool]:
+def _name_matcher(selector: str, term: _Term) -> Callable[[str], bool]:
     if term.name_kind == "root":
         return lambda n: n == ""
     if term.name_kind == "regex":
         rx = re.compile(term.name_pattern)
-        return lambda n: n != "" and rx.fullmatch(n) is not None
+        longest = _regex_max_length(term.name_pattern)
+
+        def match(n: str) -> bool:
+            if len(n) > longest:
+                shown = n if len(n) <= 60 else n[:57] + "..."
+                raise SelectorError(
+                    selector, term.column,
+                    f"module name {shown!r} has {len(n)} characters; this regular expression may "
+                    f"be matched against names of at most {longest} (bounded matching time); "
+                    "use a glob or a regex with fewer quantifiers",
+                )
+            return n != "" and rx.fullmatch(n) is not None
+
+        return match
     pat = term.name_pattern
     return lambda n: n != "" and fnmatch.fnmatchcase(n, pat)
+
+
+_MAX_LENGTHS: Dict[str, int] = {}
+
+
+def _regex_max_length(pattern: str) -> int:
+    """The longest name ``pattern`` (already checked) may be matched against."""
+    longest = _MAX_LENGTHS.get(pattern)
+    if longest is None:
+        longest = _analyse_regex(_sre_parse.parse(pattern))[1].max_length()
+        if len(_MAX_LENGTHS) < 1024:
+            _MAX_LENGTHS[pattern] = longest
+    return longest
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -233,7 +459,7 @@ def select(
     chosen: dict = {}
     for term in terms:
         class_ok = [_class_matcher(selector, p, known) for p in term.classes]
-        name_ok = _name_matcher(term)
+        name_ok = _name_matcher(selector, term)
         for name, mod in named:
             if not name_ok(name):
                 continue

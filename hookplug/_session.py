@@ -6,6 +6,7 @@ hook only where that tuple is non-empty. The torch hooks then loop over plain tu
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import os
@@ -17,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from . import hookspecs
-from ._manager import PluginError, create_plugin, new_plugin_manager
+from ._manager import PluginError, PluginLoadError, create_plugin, new_plugin_manager
 from ._selectors import select, unwrap_model
 from .structures import iter_tensors
 
@@ -41,20 +42,92 @@ if "always_call" in inspect.signature(nn.Module.register_forward_hook).parameter
     _POST_HOOK_KWARGS["always_call"] = True
 
 
+_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def _in_recompute() -> bool:
+    """A forward running inside backward: activation checkpointing recomputing it (never
+    asked inside compiled code, where checkpointing is traced as a whole)."""
+    return not _is_compiling() and _graph_task_id() != -1
+
+
+def _phase_of(module: nn.Module) -> str:
+    """``"eval"`` for a module in eval mode or under inference_mode, else ``"train"``
+    (inside compiled code: the module's mode only; dynamo cannot read inference_mode)."""
+    if not module.training:
+        return "eval"
+    return "train" if _is_compiling() or not torch.is_inference_mode_enabled() else "eval"
+
+
 class HookContext:
-    """What a per-call hook knows about the call: module ``name``, ``call_index`` (how many
-    times this module ran before in this session), the session's ``step``, and ``session``."""
+    """What a per-call hook knows about the call: module ``name``, ``phase`` (``"train"``,
+    or ``"eval"`` when the module is in eval mode or under ``torch.inference_mode``),
+    ``call_index`` (how many times this module ran before in this session; -1 inside
+    torch.compile'd code, where Python counters would make dynamo recompile), the session's
+    ``step`` and ``session``."""
 
-    __slots__ = ("name", "call_index", "step", "session")
+    __slots__ = ("name", "call_index", "_step", "session", "phase")
 
-    def __init__(self, name: str, call_index: int, step: int, session: "Session"):
+    def __init__(self, name: str, call_index: int, step: Optional[int], session: "Session",
+                 phase: str = "train"):
         self.name = name
         self.call_index = call_index
-        self.step = step
+        self._step = step
         self.session = session
+        self.phase = phase
+
+    @property
+    def step(self) -> int:
+        """The session's step when the call happened (read lazily inside compiled code)."""
+        return self._step if self._step is not None else self.session._step
 
     def __repr__(self) -> str:
-        return f"HookContext(name={self.name!r}, call_index={self.call_index}, step={self.step})"
+        return (f"HookContext(name={self.name!r}, phase={self.phase!r}, "
+                f"call_index={self.call_index}, step={self.step})")
+
+
+# -- what plugins return ----------------------------------------------------------------------
+
+def _kind(value) -> Optional[str]:
+    """The structure a forward output has, as far as a returned replacement must keep it."""
+    if isinstance(value, torch.Tensor):
+        return "a tensor"
+    if isinstance(value, dict):  # also HF ModelOutput
+        return "a dict"
+    if isinstance(value, (list, tuple)):
+        return "a list or tuple"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return "a dataclass"
+    return None
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
+    return type(value).__name__
+
+
+def _returned_ok(session: "Session", plugin, hook_name: str, where: str, before, result) -> bool:
+    """Check a non-None value a plugin returned from ``hook_name``; report a bad one through
+    ``session._plugin_failed`` (raise, or warn and disable) and return False.
+
+    A forward output keeps its kind (a tensor stays a tensor; values and shapes may change);
+    a gradient keeps the incoming gradient's shape, dtype and device."""
+    if hook_name == "hookplug_forward_output":
+        kind = _kind(before)
+        if kind is None or _kind(result) == kind:
+            return True
+        expected = f"None or {kind} like the module's output ({_describe(before)})"
+    else:
+        if (isinstance(result, torch.Tensor) and result.shape == before.shape
+                and result.dtype == before.dtype and result.device == before.device):
+            return True
+        expected = f"None or a tensor like the incoming grad ({_describe(before)})"
+    name = session._key_of.get(id(plugin), type(plugin).__name__)
+    session._plugin_failed(plugin, hook_name, PluginError(
+        f"plugin {name!r}: {hook_name} for {where} must return {expected}, got {_describe(result)}"))
+    return False
 
 
 # -- plugin specs --------------------------------------------------------------------------
@@ -137,14 +210,27 @@ class _ModuleBinding:
         self.variants: Dict[bool, Tuple[Tuple, Tuple, Tuple]] = {}
         self._pending: List[HookContext] = []  # pushed by pre_hook, popped by post_hook
 
-    def pre_hook(self, module, args, kwargs):
+    def _new_ctx(self, module) -> HookContext:
+        """A call's context. Inside compiled code nothing Python-side that changes per call
+        or per step is read (no recompiles): call_index is -1, step is read lazily."""
+        if _is_compiling():
+            return HookContext(self.name, -1, None, self.session, _phase_of(module))
         index = self.calls
         self.calls = index + 1
+        return HookContext(self.name, index, self.session._step, self.session, _phase_of(module))
+
+    def pre_hook(self, module, args, kwargs):
+        if _in_recompute():
+            if self.has_post:
+                self._pending.append(None)
+            return None
         impls = self.fwd_in
         if not impls and not self.has_post:
+            if not _is_compiling():
+                self.calls += 1
             return None
         s = self.session
-        ctx = HookContext(self.name, index, s._step, s)
+        ctx = self._new_ctx(module)
         if self.has_post:  # the same ctx reaches forward_output for this call
             self._pending.append(ctx)
         if not impls:
@@ -170,17 +256,17 @@ class _ModuleBinding:
     def post_hook(self, module, args, kwargs, output):
         """Also runs (``always_call``) when ``forward`` raised; ``output`` is None then."""
         s = self.session
+        recompute = _in_recompute()
         if self.has_pre and self._pending:
             ctx = self._pending.pop()
         else:
-            ctx = None
-            index = self.calls
-            self.calls = index + 1
+            ctx = None if recompute else self._new_ctx(module)
         fwd_out, out_grad = self.fwd_out, self.out_grad
         if not fwd_out and not out_grad:
             return None
-        if ctx is None:
-            ctx = HookContext(self.name, index, s._step, s)
+        if ctx is None:  # a recompute (activation checkpointing): forward is not observed again,
+            ctx = HookContext(self.name, -1, None, s, _phase_of(module))  # grads still are
+            fwd_out = ()
         changed = False
         for plugin, fn in fwd_out:
             try:
@@ -189,6 +275,8 @@ class _ModuleBinding:
                 s._plugin_failed(plugin, "hookplug_forward_output", exc)
                 continue
             if res is not None:
+                if not _returned_ok(s, plugin, "hookplug_forward_output", f"module {self.name!r}", output, res):
+                    continue
                 output = res
                 changed = True
         if out_grad and torch.is_grad_enabled():
@@ -210,6 +298,8 @@ class _ModuleBinding:
                 s._plugin_failed(plugin, "hookplug_output_grad", exc)
                 continue
             if res is not None:
+                if not _returned_ok(s, plugin, "hookplug_output_grad", f"module {self.name!r} {path}", grad, res):
+                    continue
                 grad = res
                 changed = True
         return grad if changed else None
@@ -232,8 +322,11 @@ class _ParamBinding:
         s = self.session
         if s._removed or not self.impls:
             return None
-        ctx = HookContext(self.name, self.calls, s._step, s)
-        self.calls += 1
+        if _is_compiling():
+            ctx = HookContext(self.name, -1, None, s)
+        else:
+            ctx = HookContext(self.name, self.calls, s._step, s)
+            self.calls += 1
         param = self.param_ref()
         changed = False
         for plugin, fn in self.impls:
@@ -243,9 +336,57 @@ class _ParamBinding:
                 s._plugin_failed(plugin, "hookplug_param_grad", exc)
                 continue
             if res is not None:
+                if not _returned_ok(s, plugin, "hookplug_param_grad", f"parameter {self.name!r}", grad, res):
+                    continue
                 grad = res
                 changed = True
         return grad if changed else None
+
+
+# -- copies of the model ------------------------------------------------------------------------
+
+class _HookFreeState:
+    """Set as ``module.__getstate__`` (an instance attribute) while hookplug hooks are on
+    ``module``: ``copy.deepcopy``, ``copy.copy``, ``pickle`` and ``torch.save`` all take a
+    module's state from it, so a copy carries no hookplug hook (and no session with it).
+
+    ``hook_ids`` are the ids of the hookplug handles on the module (every session's); the
+    entries under those ids are left out of every hook dict of the copied state."""
+
+    __slots__ = ("module_ref", "hook_ids", "__weakref__")
+
+    def __init__(self, module: nn.Module):
+        self.module_ref = weakref.ref(module)
+        self.hook_ids: set = set()
+
+    def __call__(self) -> dict:
+        module = self.module_ref()
+        state = type(module).__getstate__(module)
+        if state is module.__dict__:
+            state = dict(state)
+        state.pop("__getstate__", None)
+        ids = self.hook_ids
+        for key, value in list(state.items()):
+            if isinstance(value, dict) and "hook" in key and not ids.isdisjoint(value):
+                state[key] = type(value)((k, v) for k, v in value.items() if k not in ids)
+        return state
+
+
+def _guard_copies(module: nn.Module, handle) -> None:
+    """Leave the hook behind ``handle`` out of copies and pickles of ``module``."""
+    guard = module.__dict__.get("__getstate__")
+    if guard is None:
+        guard = module.__dict__["__getstate__"] = _HookFreeState(module)
+    if isinstance(guard, _HookFreeState):  # a user's own instance __getstate__ is left alone
+        guard.hook_ids.add(handle.id)
+
+
+def _unguard_copies(module: nn.Module, hook_id: int) -> None:
+    guard = module.__dict__.get("__getstate__")
+    if isinstance(guard, _HookFreeState):
+        guard.hook_ids.discard(hook_id)
+        if not guard.hook_ids:
+            del module.__dict__["__getstate__"]
 
 
 # -- the session ---------------------------------------------------------------------------------
@@ -272,7 +413,9 @@ class Session:
         self.on_error = on_error
         self.flush_every = flush_every
         self._step = 0
+        self._steps_done = 0  # step() calls (flush_every counts these)
         self._sampling = True
+        self._nonfinite: List[dict] = []
         self._removed = False
         self._plugins: Dict[str, Any] = {}
         self._plugin_modules: Dict[str, List[str]] = {}
@@ -282,6 +425,7 @@ class Session:
         self._bindings: Dict[str, _ModuleBinding] = {}
         self._param_bindings: Dict[str, _ParamBinding] = {}
         self._handles: List[Any] = []
+        self._guarded: List[Tuple[weakref.ref, int]] = []  # (module, hook id) left out of copies
         self._impls: Dict[Tuple[str, int], Any] = {}  # (hook name, id(plugin)) -> pluggy HookImpl
         self._call_order: Dict[str, List[Any]] = {}
         self._key_of: Dict[int, str] = {}
@@ -326,6 +470,26 @@ class Session:
         return self._step
 
     @property
+    def sampled(self) -> bool:
+        """Whether the current step is sampled (``every=N``)."""
+        return self._sampling
+
+    @property
+    def has_sinks(self) -> bool:
+        """Whether telemetry has a consumer (a plugin implementing ``hookplug_flush``)."""
+        return bool(self._call_order.get("hookplug_flush"))
+
+    @property
+    def nonfinite(self) -> List[dict]:
+        """Per step (and rank), the first selected module whose output or gradient held a
+        NaN/Inf, in execution order: ``{step, module, site, phase, rank}``, known once the
+        step's telemetry was flushed."""
+        return list(self._nonfinite)
+
+    def _note_nonfinite(self, info: dict) -> None:
+        self._nonfinite.append(info)
+
+    @property
     def disabled(self) -> Dict[str, str]:
         """Plugins switched off under ``on_error="warn"``, with the error that did it."""
         return dict(self._disabled)
@@ -366,12 +530,19 @@ class Session:
             lines += ["", f"!! {name} was disabled: {why}"]
         return "\n".join(lines)
 
-    def step(self) -> "_StepScope":
-        """Mark a training-step boundary: the step counter advances, plugins see
-        ``hookplug_step``, sampling (``every=N``) and ``flush_every`` take effect.
-        Also usable as ``with session.step(): ...`` (the body runs in the new step)."""
+    def step(self, step: Optional[int] = None) -> "_StepScope":
+        """Mark a training-step boundary: the step that ran so far ends (numbered ``step``
+        when given, e.g. a trainer's global step, else the session's counter) and the next
+        one is numbered one more; plugins see ``hookplug_step``, sampling (``every=N``, on
+        step numbers) and ``flush_every`` take effect. A resumed run passes its global step
+        and continues from it. Also usable as ``with session.step(): ...``."""
+        if step is not None:
+            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+                raise ValueError(f"session.step(step=...) expects an int >= 0, got {step!r}")
+            self._step = step
         ended = self._step
         self._step += 1
+        self._steps_done += 1
         sampling = (self._step % self.every) == 0 and not self._removed
         if sampling != self._sampling:
             self._sampling = sampling
@@ -396,16 +567,25 @@ class Session:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for module_ref, hook_id in self._guarded:
+            module = module_ref()
+            if module is not None:
+                _unguard_copies(module, hook_id)
+        self._guarded.clear()
         # the bindings point back at the session: drop them so `del session` frees plugins'
         # data without waiting for the cycle collector
         self._bindings.clear()
         self._param_bindings.clear()
+        model = self.model
+        if model is not None:
+            _forget_compiled_code(model)
         try:
-            if self._telemetry.has_consumers(self):
+            if self.has_sinks:
                 self.flush(wait=True)
         finally:
-            # disabled plugins get their cleanup call too
-            self._call_session_hook("hookplug_session_end", session=self, include_disabled=True)
+            # disabled plugins get their cleanup call too; one failing never skips the others
+            self._call_session_hook("hookplug_session_end", session=self, include_disabled=True,
+                                    run_all=True)
 
     def __enter__(self) -> "Session":
         return self
@@ -431,10 +611,17 @@ class Session:
         self._disabled[name] = why
         warnings.warn(f"hookplug plugin {name!r} failed and is disabled for this session: {why}",
                       RuntimeWarning, stacklevel=3)
-        self._rebind()
+        if not self._removed:  # a removed session has no bindings left to rebuild
+            self._rebind()
 
-    def _call_session_hook(self, hook_name: str, include_disabled: bool = False, **kwargs) -> List[Any]:
+    def _call_session_hook(self, hook_name: str, include_disabled: bool = False, run_all: bool = False,
+                           **kwargs) -> List[Any]:
+        """Call ``hook_name`` on every plugin that implements it, in plugin order.
+
+        ``run_all``: under ``on_error="raise"`` a failing plugin does not stop the others;
+        the first error is raised once all have run (later ones are named in its notes)."""
         results = []
+        failed: List[Tuple[Any, BaseException]] = []
         for plugin in self._call_order.get(hook_name, []):
             if self._key_of.get(id(plugin)) in self._disabled and not include_disabled:
                 continue
@@ -443,14 +630,43 @@ class Session:
             try:
                 res = impl.function(**call_kwargs)
             except Exception as exc:  # noqa: BLE001
-                self._plugin_failed(plugin, hook_name, exc)
+                if run_all and self.on_error == "raise":
+                    failed.append((plugin, exc))
+                else:
+                    self._plugin_failed(plugin, hook_name, exc)
                 continue
             if res is not None:
                 results.append(res)
+        if failed:
+            plugin, exc = failed[0]
+            try:
+                self._plugin_failed(plugin, hook_name, exc)
+            finally:
+                for other, other_exc in failed[1:]:
+                    if hasattr(exc, "add_note"):
+                        exc.add_note(f"(hookplug plugin {self._key_of.get(id(other))!r} also raised in "
+                                     f"{hook_name}: {type(other_exc).__name__}: {other_exc})")
         return results
 
     def _impl_of(self, plugin, hook_name: str):
         return self._impls[(hook_name, id(plugin))]
+
+    def _dispatch(self, hook_name: str, *, on_result=None, skip=None, **kwargs) -> None:
+        """Call a session-level hook on every enabled plugin in order (each given the
+        arguments it asks for); ``on_result(plugin_name, result)`` sees each result;
+        failures go through ``on_error``."""
+        for plugin in self._call_order.get(hook_name, []):
+            name = self._key_of.get(id(plugin))
+            if name in self._disabled or (skip is not None and skip(plugin)):
+                continue
+            impl = self._impl_of(plugin, hook_name)
+            kwargs.setdefault("session", self)
+            try:
+                res = impl.function(**{a: kwargs[a] for a in impl.argnames if a in kwargs})
+                if on_result is not None:
+                    on_result(name, res)
+            except Exception as exc:  # noqa: BLE001 - on_error decides
+                self._plugin_failed(plugin, hook_name, exc)
 
     # -- binding -----------------------------------------------------------------------------
 
@@ -489,12 +705,18 @@ class Session:
             fwd_in, fwd_out, out_grad = binding.variants[True]
             binding.has_pre, binding.has_post = bool(fwd_in), bool(fwd_out or out_grad)
             if binding.has_pre:
-                self._handles.append(mod.register_forward_pre_hook(binding.pre_hook, with_kwargs=True))
+                self._keep_handle(mod, mod.register_forward_pre_hook(binding.pre_hook, with_kwargs=True))
             if binding.has_post:
-                self._handles.append(mod.register_forward_hook(binding.post_hook, **_POST_HOOK_KWARGS))
+                self._keep_handle(mod, mod.register_forward_hook(binding.post_hook, **_POST_HOOK_KWARGS))
         for pname, pb in self._param_bindings.items():
             if pb.variants[True]:
                 self._handles.append(wanted_params[pname].register_hook(pb))
+
+    def _keep_handle(self, module: nn.Module, handle) -> None:
+        """Keep ``handle`` for ``remove()``; copies and pickles of ``module`` leave its hook out."""
+        self._handles.append(handle)
+        _guard_copies(module, handle)
+        self._guarded.append((weakref.ref(module), handle.id))
 
     def _resolve_hooks(self) -> None:
         """Ask pluggy, once, which plugin implements which hook and in what order; keep the
@@ -589,12 +811,35 @@ class _StepScope:
 
 # -- attach ----------------------------------------------------------------------------------
 
+def _forget_compiled_code(model: nn.Module) -> None:
+    """torch.compile does not guard on module hooks (``skip_nnmodule_hook_guards``): code
+    compiled before hooks were added or removed would keep running without (or with) them.
+    Drop dynamo's cache entries for the forward code of the model's module classes, so the
+    next call compiles again, this time with the hooks."""
+    reset = getattr(getattr(torch, "_dynamo", None), "reset_code", None)
+    if reset is None or "torch._dynamo" not in __import__("sys").modules:
+        return  # nothing was ever compiled in this process
+    seen = set()
+    for mod in model.modules():
+        code = getattr(getattr(type(mod), "forward", None), "__code__", None)
+        if code is not None and code not in seen:
+            seen.add(code)
+            reset(code)
+
+
 def _build_plugins(specs, on_error: str) -> List[Tuple[str, Any]]:
+    """Instances for ``[(name, options, instance_or_None)]``. A plugin that fails to load
+    raises under ``on_error="raise"``; under ``"warn"`` it is named in a warning and left out."""
     built = []
     for name, options, instance in specs:
         if instance is None:
-            instance = create_plugin(name, options)
-            if instance is None:  # failed to load: warned already, the rest keep working
+            try:
+                instance = create_plugin(name, options)
+            except PluginLoadError as exc:
+                if on_error == "raise":
+                    raise
+                warnings.warn(f"{exc}; attached without it (on_error='warn')", RuntimeWarning,
+                              stacklevel=3)
                 continue
         built.append((name, instance))
     return built
@@ -677,6 +922,7 @@ def attach(
         session._add_plugin(key, instance, [], sink=True)
     try:
         session._bind(model)
+        _forget_compiled_code(model)
         session._call_session_hook("hookplug_session_start", session=session)
     except BaseException:
         session.remove()

@@ -1,256 +1,313 @@
-"""``TensorStats``: the result of :func:`hookplug.ops.tensor_stats`, mergeable exactly."""
+"""Stats rows and ``TensorStats``: the one layout every part of hookplug reads.
+
+A *row* is a float64 vector of ``HEAD + B`` numbers (``B`` histogram buckets), written by
+the C++/CUDA kernels (``csrc/stats_defs.h`` defines the same columns; ``hookplug.ops``
+checks both agree when the extension loads):
+
+==========================  =====================================================
+``numel, nan_count,``       counts (exact in float64 below 2**53)
+``inf_count, zero_count``
+``min, max``                finite min / max (+inf / -inf while there is none)
+``mean, m2``                mean and sum of squared deviations of the finite values
+``hist_lo, hist_hi``        the histogram's range (0, 0 when there is none)
+``first_bad``               clock of the first call that saw a NaN/Inf (+inf: none)
+``HEAD + i``                histogram bucket ``i``
+==========================  =====================================================
+
+Rows merge exactly with :func:`merge_rows` (counts and buckets add, extremes combine,
+mean/M2 by the parallel formula) — the one merge used by ``TensorStats.merge``, the stats
+plugin's step boundary and the distributed reduction. A bank (``empty_rows``) is a 2-D
+tensor of rows; its row 0 is a meta row whose column ``CLOCK`` counts accumulate calls.
+"""
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional
 
 import torch
 
-__all__ = ["TensorStats"]
+__all__ = ["TensorStats", "StatsBlock", "merge_rows", "empty_rows", "ROW_LAYOUT", "HEAD"]
 
-_COUNTS = ("numel", "nan_count", "inf_count", "zero_count")
-_MOMENTS = ("min", "max", "mean", "std", "absmax")
-_HEAD = len(_COUNTS) + len(_MOMENTS)  # 9
+# -- the layout ------------------------------------------------------------------------
+COUNT_COLUMNS = ("numel", "nan_count", "inf_count", "zero_count")
+ROW_LAYOUT: Dict[str, int] = {
+    "numel": 0, "nan_count": 1, "inf_count": 2, "zero_count": 3, "min": 4, "max": 5,
+    "mean": 6, "m2": 7, "hist_lo": 8, "hist_hi": 9, "first_bad": 10, "head": 11, "clock": 0,
+}
+NUMEL, NAN, INF, ZERO = 0, 1, 2, 3
+MIN, MAX, MEAN, M2 = 4, 5, 6, 7
+HIST_LO, HIST_HI, FIRST_BAD, HEAD = 8, 9, 10, 11
+CLOCK = 0
+
+LOG2_MIN_EXP = -32
+LOG2_MAX_EXP = 32
+LOG2_BINS = 2 * (LOG2_MAX_EXP - LOG2_MIN_EXP + 1) + 1  # 131
 
 
-@dataclasses.dataclass(repr=False, eq=False)
+def empty_rows(n: int, bins: int, lo: float = 0.0, hi: float = 0.0,
+               device=None) -> torch.Tensor:
+    """``n`` empty rows for ``bins`` buckets with histogram range ``(lo, hi)``."""
+    row = torch.zeros(HEAD + bins, dtype=torch.float64)
+    row[MIN], row[MAX] = math.inf, -math.inf
+    row[HIST_LO], row[HIST_HI], row[FIRST_BAD] = lo, hi, math.inf
+    return row.expand(n, -1).contiguous().to(device)
+
+
+def merge_rows(rows: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Merge the rows of ``rows`` along ``dim`` (e.g. ``[K, R, W] -> [R, W]``): exact
+    counts and buckets, combined extremes and ``first_bad``, mean/M2 by the parallel
+    formula about the merged mean. A fixed number of device ops, no host sync."""
+    rows = rows.movedim(dim, 0)
+    n_k = rows[..., NUMEL] - rows[..., NAN] - rows[..., INF]
+    n = n_k.sum(0)
+    safe_n = torch.where(n > 0, n, 1.0)
+    mean_k = rows[..., MEAN]
+    mean = (n_k * mean_k).sum(0) / safe_n
+    dev = torch.where(n_k > 0, mean_k - mean, 0.0)
+    m2 = (rows[..., M2] + n_k * dev * dev).sum(0)
+    out = rows.sum(0)  # counts and buckets
+    out[..., MIN] = rows[..., MIN].amin(0)
+    out[..., MAX] = rows[..., MAX].amax(0)
+    out[..., MEAN] = torch.where(n > 0, mean, 0.0)
+    out[..., M2] = m2
+    out[..., HIST_LO] = rows[0, ..., HIST_LO]
+    out[..., HIST_HI] = rows[0, ..., HIST_HI]
+    out[..., FIRST_BAD] = rows[..., FIRST_BAD].amin(0)
+    return out
+
+
+def log2_edges(device=None) -> torch.Tensor:
+    """The 132 edges of the log2 histogram (float64): -2**33 .. -2**-32, 2**-32 .. 2**33."""
+    neg = [-math.ldexp(1.0, e) for e in range(LOG2_MAX_EXP + 1, LOG2_MIN_EXP - 1, -1)]
+    pos = [math.ldexp(1.0, e) for e in range(LOG2_MIN_EXP, LOG2_MAX_EXP + 2)]
+    return torch.tensor(neg + pos, dtype=torch.float64, device=device)
+
+
 class TensorStats:
-    """Statistics of one tensor (or of several, merged), as 0-d tensors on its device.
+    """Statistics of one tensor (or of several, merged): a view of one stats row on the
+    tensor's device. Every field is a 0-d device tensor computed on access (no host sync).
 
     - ``numel``, ``nan_count``, ``inf_count`` (+Inf and -Inf), ``zero_count`` (+0 and -0):
       int64 counts.
-    - ``min``, ``max``, ``mean``, ``std``, ``absmax``: float64, over the *finite* values only;
-      ``std`` is the population standard deviation (correction 0), so merging is exact.
-      NaN when there is no finite value (empty or all NaN/Inf).
+    - ``min``, ``max``, ``mean``, ``std``, ``absmax``, ``l2`` (L2 norm), ``rms``: float64,
+      over the *finite* values only; ``std`` is the population standard deviation
+      (correction 0), so merging is exact. NaN when there is no finite value.
+      ``zero_fraction`` = ``zero_count / numel``.
     - ``hist_counts`` (int64 ``[B]``) and ``hist_edges`` (float64 ``[B + 1]``, ascending):
-      bucket ``i`` spans ``hist_edges[i]`` to ``hist_edges[i + 1]``. Both empty when the
-      histogram is off (``bins=0``).
-
-      ``log2`` (131 buckets): a nonzero finite ``x`` with ``2**e <= |x| < 2**(e+1)`` goes
-      to the bucket of its sign and ``e`` clamped to ``[-32, 32]`` (smaller magnitudes,
-      subnormals included, in the innermost bucket of their sign; larger ones and +-Inf in
-      the outermost); zeros (+0 and -0) have their own middle bucket; NaN is not counted, so
-      ``hist_counts.sum() == numel - nan_count``. Buckets ascend: 65 negative (``e`` = 32
-      down to -32), zero, 65 positive; ``hist_edges`` are the nominal limits ``-2**33,
-      -2**32, ..., -2**-32, 2**-32, ..., 2**33``. Exact and deterministic, mergeable by
-      addition. ``linear``: ``bins`` equal buckets over the given range or the finite
-      min/max (``floor((x - lo) * (bins / (hi - lo)))`` in float64, ``x == hi`` in the last
-      bucket); values outside the range, +-Inf and NaN are not counted.
+      bucket ``i`` spans ``hist_edges[i]`` to ``hist_edges[i + 1]``; both empty with
+      ``bins=0``. ``log2`` (131 buckets): a nonzero finite ``x`` with
+      ``2**e <= |x| < 2**(e+1)`` goes to the bucket of its sign and ``e`` clamped to
+      ``[-32, 32]`` (subnormals in the innermost bucket of their sign; larger magnitudes and
+      +-Inf in the outermost); zeros have the middle bucket; NaN is not counted, so
+      ``hist_counts.sum() == numel - nan_count``. ``linear``: ``bins`` equal buckets over
+      the given range or the finite min/max (``floor((x - lo) * (bins / (hi - lo)))``,
+      ``x == hi`` in the last bucket); values outside, +-Inf and NaN are not counted.
       TensorBoard: ``add_histogram_raw(..., bucket_limits=hist_edges[1:],
       bucket_counts=hist_counts)``.
 
-    ``merge``/``merge_all`` combine stats exactly (counts add, extremes combine, mean/std by
-    Chan's parallel formula, histograms add) on the device without a host sync; ``pack()``
-    gives one float64 tensor (``unpack`` inverts it) to move many stats to the host in one
-    copy; ``to_dict()`` gives host Python numbers.
+    ``merge``/``merge_all`` combine stats exactly on the device; ``row`` is the packed
+    float64 row (``pack()``; ``TensorStats(row)`` inverts it); ``to_dict()`` gives host
+    numbers (one device-to-host copy).
     """
 
-    numel: torch.Tensor
-    nan_count: torch.Tensor
-    inf_count: torch.Tensor
-    zero_count: torch.Tensor
-    min: torch.Tensor
-    max: torch.Tensor
-    mean: torch.Tensor
-    std: torch.Tensor
-    absmax: torch.Tensor
-    hist_counts: torch.Tensor
-    hist_edges: torch.Tensor
+    __slots__ = ("row", "hist")
 
-    # Histogram kind, an attribute beside the fields (not a dataclass field): "log2", "none",
-    # ("linear", lo, hi) for a given range, "linear" for an automatic one, or None (unknown,
-    # e.g. after dataclasses.replace). It lets merge() skip comparing edges (a host sync);
-    # correctness never depends on it.
-    _hist_kind = None
+    def __init__(self, row: torch.Tensor, hist: Any = None):
+        if not isinstance(row, torch.Tensor) or row.dim() != 1 or row.numel() < HEAD:
+            raise ValueError(f"TensorStats: expected a 1-D float64 stats row of length >= {HEAD}, "
+                             f"got {tuple(row.shape) if isinstance(row, torch.Tensor) else row!r}")
+        self.row = row if row.dtype == torch.float64 else row.to(torch.float64)
+        # the histogram kind when known on the host: "none", "log2", ("linear", lo, hi) for a
+        # given range, "linear" for an automatic one, None (unknown). It lets merge() skip
+        # comparing ranges (a host sync); correctness never depends on it.
+        self.hist = hist if hist is not None else ("none" if row.numel() == HEAD else None)
 
-    # -- construction --------------------------------------------------------------------------
+    # -- fields ------------------------------------------------------------------------
+    def _count(self, col: int) -> torch.Tensor:
+        return self.row[col].to(torch.int64)
 
-    @classmethod
-    def _from_outputs(cls, counts: torch.Tensor, moments: torch.Tensor, hist_counts: torch.Tensor,
-                      hist_edges: torch.Tensor, hist_kind: Any = None) -> "TensorStats":
-        """From the op's four outputs (views, no copy)."""
-        st = cls(*counts.unbind(0), *moments.unbind(0), hist_counts, hist_edges)
-        st._hist_kind = hist_kind
-        return st
+    numel = property(lambda self: self._count(NUMEL))
+    nan_count = property(lambda self: self._count(NAN))
+    inf_count = property(lambda self: self._count(INF))
+    zero_count = property(lambda self: self._count(ZERO))
 
-    # -- merging -------------------------------------------------------------------------------
+    @property
+    def _n(self) -> torch.Tensor:
+        r = self.row
+        return r[NUMEL] - r[NAN] - r[INF]
 
+    def _finite(self, value: torch.Tensor) -> torch.Tensor:
+        return torch.where(self._n > 0, value, math.nan)
+
+    min = property(lambda self: self._finite(self.row[MIN]))
+    max = property(lambda self: self._finite(self.row[MAX]))
+    mean = property(lambda self: self._finite(self.row[MEAN]))
+
+    @property
+    def std(self) -> torch.Tensor:
+        n = self._n
+        return self._finite(torch.sqrt(self.row[M2].clamp_min(0) / torch.where(n > 0, n, 1.0)))
+
+    @property
+    def absmax(self) -> torch.Tensor:
+        return self._finite(torch.maximum(self.row[MIN].abs(), self.row[MAX].abs()))
+
+    @property
+    def _sumsq(self) -> torch.Tensor:
+        r = self.row
+        return r[M2].clamp_min(0) + self._n * r[MEAN] * r[MEAN]
+
+    @property
+    def l2(self) -> torch.Tensor:
+        """L2 norm of the finite values (0 for an empty tensor, as torch.linalg.norm)."""
+        return torch.sqrt(self._sumsq)
+
+    @property
+    def rms(self) -> torch.Tensor:
+        n = self._n
+        return self._finite(torch.sqrt(self._sumsq / torch.where(n > 0, n, 1.0)))
+
+    @property
+    def zero_fraction(self) -> torch.Tensor:
+        numel = self.row[NUMEL]
+        return torch.where(numel > 0, self.row[ZERO] / torch.where(numel > 0, numel, 1.0), math.nan)
+
+    @property
+    def first_bad(self) -> torch.Tensor:
+        """The bank clock of the first call that saw NaN/Inf (+inf: none)."""
+        return self.row[FIRST_BAD]
+
+    @property
+    def hist_counts(self) -> torch.Tensor:
+        return self.row[HEAD:].to(torch.int64)
+
+    @property
+    def hist_edges(self) -> torch.Tensor:
+        b = self.row.numel() - HEAD
+        if b == 0:
+            return self.row[:0]
+        lo, hi = self.row[HIST_LO], self.row[HIST_HI]
+        i = torch.arange(b + 1, dtype=torch.float64, device=self.row.device)
+        linear = lo + ((hi - lo) * i) / b
+        linear[b] = hi
+        if b != LOG2_BINS or self.hist == "linear" or isinstance(self.hist, tuple):
+            return linear
+        is_log2 = (lo == -math.ldexp(1.0, LOG2_MAX_EXP + 1)) & (hi == math.ldexp(1.0, LOG2_MAX_EXP + 1))
+        if self.hist == "log2":
+            return log2_edges(self.row.device)
+        return torch.where(is_log2, log2_edges(self.row.device), linear)
+
+    FIELDS = COUNT_COLUMNS + ("min", "max", "mean", "std", "absmax")
+
+    # -- merging -----------------------------------------------------------------------
     def merge(self, other: "TensorStats") -> "TensorStats":
         """Stats of the union of the values both describe (exact; no host sync unless two
-        linear histograms of unknown ranges must have their edges compared)."""
-        if not isinstance(other, TensorStats):
-            raise TypeError(f"TensorStats.merge: expected a TensorStats, "
-                            f"got {type(other).__name__}")
-        hc, he, kind = _merge_hist(self, other)
-        f64 = torch.float64
-        na = (self.numel - self.nan_count - self.inf_count).to(f64)
-        nb = (other.numel - other.nan_count - other.inf_count).to(f64)
-        n = na + nb
-        a_has, b_has = na > 0, nb > 0
-        ma = torch.where(a_has, self.mean, 0.0)
-        mb = torch.where(b_has, other.mean, 0.0)
-        m2a = torch.where(a_has, self.std * self.std * na, 0.0)
-        m2b = torch.where(b_has, other.std * other.std * nb, 0.0)
-        delta = mb - ma
-        frac_b = nb / torch.where(n > 0, n, 1.0)
-        mean = torch.where(a_has, torch.where(b_has, ma + delta * frac_b, ma), other.mean)
-        m2 = m2a + m2b + delta * delta * na * frac_b
-        std = torch.where(n > 0, torch.sqrt(torch.clamp(m2, min=0.0) / torch.where(n > 0, n, 1.0)),
-                          math.nan)
-        out = TensorStats(
-            numel=self.numel + other.numel,
-            nan_count=self.nan_count + other.nan_count,
-            inf_count=self.inf_count + other.inf_count,
-            zero_count=self.zero_count + other.zero_count,
-            min=torch.fmin(self.min, other.min),
-            max=torch.fmax(self.max, other.max),
-            mean=mean,
-            std=std,
-            absmax=torch.fmax(self.absmax, other.absmax),
-            hist_counts=hc,
-            hist_edges=he,
-        )
-        out._hist_kind = kind
-        return out
+        linear histograms of unknown ranges must have their ranges compared)."""
+        return TensorStats.merge_all([self, other])
 
     __add__ = merge
 
     @classmethod
     def merge_all(cls, stats: Iterable["TensorStats"]) -> "TensorStats":
-        """Merge any number (at least one) of stats at once: a fixed number of device ops
-        whatever their count (mean and M2 by the exact two-level sums), no host sync."""
+        """Merge any number (at least one) of stats at once: a fixed number of device ops."""
         items = list(stats)
         if not items:
             raise ValueError("TensorStats.merge_all: expected at least one TensorStats, got none")
         for st in items:
             if not isinstance(st, TensorStats):
-                raise TypeError(f"TensorStats.merge_all: expected TensorStats, "
-                                f"got {type(st).__name__}")
-        if len(items) <= 2:
-            return items[0] if len(items) == 1 else items[0].merge(items[1])
-        kind = items[0]._hist_kind
+                raise TypeError(f"TensorStats.merge: expected TensorStats, got {type(st).__name__}")
+        if len(items) == 1:
+            return items[0]
+        kind = items[0].hist
         for st in items[1:]:
-            _, _, kind = _merge_hist(items[0], st, kind_only=True)
-        f64 = torch.float64
+            kind = _merged_kind(items[0], st, kind)
+        dev = items[0].row.device
+        return cls(merge_rows(torch.stack([st.row.to(dev) for st in items])), kind)
 
-        def col(name):
-            return torch.stack([getattr(st, name) for st in items])
-
-        numel, nan, inf = col("numel"), col("nan_count"), col("inf_count")
-        n = (numel - nan - inf).to(f64)
-        has = n > 0
-        total = n.sum()
-        safe_total = torch.where(total > 0, total, 1.0)
-        means = torch.where(has, col("mean"), 0.0)
-        stds = torch.where(has, col("std"), 0.0)
-        mean = (n * means).sum() / safe_total
-        dev = torch.where(has, means - mean, 0.0)
-        m2 = (n * stds * stds + n * dev * dev).sum()
-        ok = total > 0
-        hc = items[0].hist_counts
-        if hc.numel():
-            hc = torch.stack([st.hist_counts for st in items]).sum(0)
-        out = TensorStats(
-            numel=numel.sum(),
-            nan_count=nan.sum(),
-            inf_count=inf.sum(),
-            zero_count=col("zero_count").sum(),
-            min=torch.where(ok, torch.where(has, col("min"), math.inf).amin(), math.nan),
-            max=torch.where(ok, torch.where(has, col("max"), -math.inf).amax(), math.nan),
-            mean=torch.where(ok, mean, math.nan),
-            std=torch.where(ok, torch.sqrt(m2 / safe_total), math.nan),
-            absmax=torch.where(ok, torch.where(has, col("absmax"), -math.inf).amax(), math.nan),
-            hist_counts=hc,
-            hist_edges=items[0].hist_edges,
-        )
-        out._hist_kind = kind
-        return out
-
-    # -- host / transport ----------------------------------------------------------------------
-
+    # -- host / transport ----------------------------------------------------------------
     def pack(self) -> torch.Tensor:
-        """One float64 1-D tensor on the device: ``[numel, nan_count, inf_count, zero_count,
-        min, max, mean, std, absmax, hist_counts[B], hist_edges[B+1]]`` (length 9, or
-        ``10 + 2*B`` with a histogram). Counts are exact below 2**53. Concatenate several
-        packs to move them to the host in one copy; split by :meth:`packed_size`."""
-        head = torch.stack([getattr(self, f).to(torch.float64) for f in _COUNTS + _MOMENTS])
-        if self.hist_counts.numel() == 0:
-            return head
-        return torch.cat([head, self.hist_counts.to(torch.float64),
-                          self.hist_edges.to(torch.float64)])
+        """The stats row (float64, ``HEAD + B`` long); ``TensorStats(row)`` inverts it."""
+        return self.row
 
     @staticmethod
     def packed_size(hist_bins: int) -> int:
-        """Length of :meth:`pack`'s tensor for ``hist_bins`` buckets."""
-        return _HEAD + (2 * hist_bins + 1 if hist_bins else 0)
+        return HEAD + hist_bins
 
     @classmethod
     def unpack(cls, t: torch.Tensor) -> "TensorStats":
-        """Inverse of :meth:`pack` (the bucket count follows from the length; no sync)."""
-        n = t.numel() if t.dim() == 1 else -1
-        if n < _HEAD or (n != _HEAD and (n - _HEAD) % 2 != 1):
-            raise ValueError(f"TensorStats.unpack: expected a 1-D tensor of length 9 or 10 + 2*B, "
-                             f"got shape {tuple(t.shape)}")
-        t = t.to(torch.float64)
-        b = (t.numel() - _HEAD - 1) // 2 if t.numel() > _HEAD else 0
-        counts = t[:4].to(torch.int64)
-        hc = t[_HEAD:_HEAD + b].to(torch.int64)
-        he = t[_HEAD + b:] if b else t[:0]
-        st = cls(counts[0], counts[1], counts[2], counts[3], t[4], t[5], t[6], t[7], t[8], hc, he)
-        st._hist_kind = "none" if b == 0 else None
-        return st
+        return cls(t)
 
     def to(self, device, non_blocking: bool = False) -> "TensorStats":
-        """The same stats with every tensor moved to ``device``."""
-        out = dataclasses.replace(
-            self, **{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
-                     for f in dataclasses.fields(self) if f.init})
-        out._hist_kind = self._hist_kind
-        return out
+        return TensorStats(self.row.to(device, non_blocking=non_blocking), self.hist)
 
     def to_dict(self) -> Dict[str, Any]:
         """Host Python numbers and lists (one device-to-host copy)."""
-        vals: List[float] = self.pack().tolist()
-        b = self.hist_counts.numel()
-        d: Dict[str, Any] = {f: int(v) for f, v in zip(_COUNTS, vals[:4])}
-        d.update({f: float(v) for f, v in zip(_MOMENTS, vals[4:_HEAD])})
-        d["hist_counts"] = [int(v) for v in vals[_HEAD:_HEAD + b]]
-        d["hist_edges"] = vals[_HEAD + b:] if b else []
-        return d
+        return row_to_dict(self.row.detach().cpu(), self.hist)
 
     def __repr__(self) -> str:
         try:
             d = self.to_dict()
-        except Exception:  # pragma: no cover - e.g. meta/fake tensors
-            return f"TensorStats(<{self.numel.device}>)"
+        except Exception:  # pragma: no cover - meta/fake tensors
+            return f"TensorStats(<{self.row.device}>)"
         head = ", ".join(f"{k}={d[k]:.6g}" if isinstance(d[k], float) else f"{k}={d[k]}"
-                         for k in _COUNTS + _MOMENTS)
+                         for k in self.FIELDS)
         return f"TensorStats({head}, hist={len(d['hist_counts'])} buckets)"
 
 
-def _merge_hist(a: TensorStats, b: TensorStats, kind_only: bool = False
-                ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Any]:
-    """The merged histogram of a and b (or only its kind), or a ValueError."""
-    ka, kb = a._hist_kind, b._hist_kind
-    na, nb = a.hist_counts.numel(), b.hist_counts.numel()
+class StatsBlock(NamedTuple):
+    """What a telemetry producer may return from ``hookplug_collect`` instead of one
+    ``(meta, TensorStats)`` pair per record: ``metas[i]`` (``{"step", "module", "site",
+    ...}``) describes ``rows[i]`` of a ``[R, HEAD + B]`` float64 device tensor. Rows no call
+    touched (numel 0) produce no record."""
+
+    metas: List[Dict[str, Any]]
+    rows: torch.Tensor
+    hist: Any = None
+
+
+def row_to_dict(row: torch.Tensor, hist: Any = None) -> Dict[str, Any]:
+    """A host row as ``{field: number}`` plus ``hist_counts``/``hist_edges`` lists."""
+    st = TensorStats(row, hist)
+    v = row.tolist()
+    n = v[NUMEL] - v[NAN] - v[INF]
+    d: Dict[str, Any] = {f: int(v[c]) for f, c in zip(COUNT_COLUMNS, (NUMEL, NAN, INF, ZERO))}
+    nan = math.nan
+    if n > 0:
+        mean = v[MEAN]
+        sumsq = max(v[M2], 0.0) + n * mean * mean
+        d.update(min=v[MIN], max=v[MAX], mean=mean, std=math.sqrt(max(v[M2], 0.0) / n),
+                 absmax=max(abs(v[MIN]), abs(v[MAX])), l2=math.sqrt(sumsq), rms=math.sqrt(sumsq / n))
+    else:
+        d.update(min=nan, max=nan, mean=nan, std=nan, absmax=nan, l2=0.0, rms=nan)
+    d["zero_fraction"] = v[ZERO] / v[NUMEL] if v[NUMEL] > 0 else nan
+    d["hist_counts"] = [int(c) for c in v[HEAD:]]
+    d["hist_edges"] = st.hist_edges.tolist() if len(v) > HEAD else []
+    return d
+
+
+def _merged_kind(a: TensorStats, b: TensorStats, kind: Any) -> Any:
+    """The histogram kind of a merge of a and b, or a ValueError when they differ."""
+    na, nb = a.row.numel(), b.row.numel()
     if na != nb:
-        raise ValueError(f"TensorStats.merge: cannot merge a histogram of {na} buckets with one of "
-                         f"{nb} buckets (different bins= or hist= settings)")
-    if na == 0:
-        return (None, None, "none") if kind_only else (a.hist_counts, a.hist_edges, "none")
+        raise ValueError(f"TensorStats.merge: cannot merge a histogram of {na - HEAD} buckets with "
+                         f"one of {nb - HEAD} buckets (different bins= or hist= settings)")
+    if na == HEAD:
+        return "none"
+    ka, kb = a.hist, b.hist
     if ka is not None and ka == kb and ka != "linear":
         same = True  # both log2, or both linear over the same given range
-    elif {ka, kb} & {"log2"} and (ka is not None and kb is not None):
-        same = False  # log2 against linear
-    else:  # an automatic or unknown range: compare the edges (a host sync)
-        same = bool(torch.equal(a.hist_edges, b.hist_edges.to(a.hist_edges.device)))
+    elif ka is not None and kb is not None and "log2" in (ka, kb):
+        same = False
+    else:  # an automatic or unknown range: compare the ranges (a host sync)
+        same = bool(torch.equal(a.row[HIST_LO:HIST_HI + 1], b.row[HIST_LO:HIST_HI + 1].to(a.row.device)))
     if not same:
         raise ValueError(
             "TensorStats.merge: the histograms have different bucket edges (e.g. linear "
             "histograms with automatic ranges, or log2 against linear); pass the same "
             "range=(lo, hi) to hist='linear' or use hist='log2'")
-    kind = ka if ka == kb else (ka if ka is not None else kb)
-    if kind_only:
-        return None, None, kind
-    return a.hist_counts + b.hist_counts, a.hist_edges, kind
+    return kind if kind == kb else (kind if kind is not None else kb)
+
+
+def _stack_rows(items: List[TensorStats], device: Optional[torch.device] = None) -> torch.Tensor:
+    dev = device if device is not None else items[0].row.device
+    return torch.stack([st.row.to(dev) for st in items])

@@ -8,9 +8,18 @@ Backends, tried in this order (``backend()`` says which one is in use):
 - ``"reference"``: :func:`reference_tensor_stats`, pure torch, with one warning.
 
 ``HOOKPLUG_REQUIRE_EXT=1`` turns the fallback into an ``ImportError`` that says why the
-build failed (CI sets it). The op is ``torch.ops.hookplug.tensor_stats(x, bins, hist_mode,
-lo=None, hi=None) -> (counts, moments, hist_counts, hist_edges)``, with a fake kernel so
-``torch.compile`` keeps it as one node. See :class:`hookplug.TensorStats` for the fields.
+build failed (CI sets it). The ops, each with a fake kernel so ``torch.compile`` keeps it
+as one node (row layout: :mod:`hookplug._stats`):
+
+- ``torch.ops.hookplug.tensor_stats(x, bins, hist_mode, lo=None, hi=None) -> row``;
+- ``torch.ops.hookplug.stats_accumulate_(x, acc, row, gate, bins, hist_mode, lo, hi)``:
+  merges the statistics of ``x`` into ``acc[row]`` in place (``gate``: an optional
+  one-element bool device tensor; when false the call does nothing), and advances the
+  bank's clock ``acc[0, CLOCK]``. On CUDA the merge happens in the kernel's last block, on
+  the current stream; calls on one stream merge in stream order, so results are
+  deterministic for a given sequence of calls (the float merge is Chan's formula in that
+  order; counts and buckets are exact). On the CPU a lock serializes the final merge, so
+  threads sharing a bank lose nothing.
 """
 from __future__ import annotations
 
@@ -23,14 +32,12 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from . import _loader
-from ._stats import TensorStats
+from ._stats import (CLOCK, HEAD, HIST_HI, HIST_LO, LOG2_BINS, LOG2_MAX_EXP, LOG2_MIN_EXP,
+                     ROW_LAYOUT, TensorStats, empty_rows, merge_rows)
+from ._stats import log2_edges as _log2_edges
 
-__all__ = ["tensor_stats", "reference_tensor_stats", "backend", "LOG2_MIN_EXP", "LOG2_MAX_EXP",
-           "LOG2_BINS", "log2_edges"]
-
-LOG2_MIN_EXP = -32
-LOG2_MAX_EXP = 32
-LOG2_BINS = 2 * (LOG2_MAX_EXP - LOG2_MIN_EXP + 1) + 1  # 131
+__all__ = ["tensor_stats", "accumulate_", "reference_tensor_stats", "backend", "LOG2_MIN_EXP",
+           "LOG2_MAX_EXP", "LOG2_BINS", "log2_edges", "hist_args"]
 DEFAULT_LINEAR_BINS = 100
 _HIST_MODES = {"log2": 0, "linear": 1}
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -62,10 +69,12 @@ def _load(allow_jit: bool = True) -> Optional[str]:
             return None
         if kind != "reference":
             layout = tuple(mod.log2_layout())
-            if layout != (LOG2_MIN_EXP, LOG2_MAX_EXP, LOG2_BINS):
+            rows = dict(mod.row_layout()) if hasattr(mod, "row_layout") else None
+            if layout != (LOG2_MIN_EXP, LOG2_MAX_EXP, LOG2_BINS) or rows != ROW_LAYOUT:
                 raise ImportError(
-                    f"hookplug: the compiled op's log2 layout {layout} does not match hookplug.ops "
-                    f"({LOG2_MIN_EXP}, {LOG2_MAX_EXP}, {LOG2_BINS}); rebuild it")
+                    f"hookplug: the compiled op's layout (log2 {layout}, row {rows}) does not "
+                    f"match hookplug.ops (log2 {(LOG2_MIN_EXP, LOG2_MAX_EXP, LOG2_BINS)}, row "
+                    f"{ROW_LAYOUT}); rebuild it (pip install --no-build-isolation -e .)")
             _C, _has_cuda = mod, bool(mod.has_cuda())
             _register_fake()
         _backend = kind
@@ -82,18 +91,22 @@ def _register_fake() -> None:
     if register is None:  # pragma: no cover - older torch
         register = getattr(torch.library, "impl_abstract")
 
-    def fake(x, bins, hist_mode, lo=None, hi=None):
+    def fake_stats(x, bins, hist_mode, lo=None, hi=None):
         _check_dtype(x, "hookplug::tensor_stats")
-        nb = _num_buckets(bins, "log2" if hist_mode == 0 else "linear")
-        return (x.new_empty((4,), dtype=torch.int64), x.new_empty((5,), dtype=torch.float64),
-                x.new_empty((nb,), dtype=torch.int64),
-                x.new_empty((nb + 1 if nb else 0,), dtype=torch.float64))
+        return x.new_empty((HEAD + _num_buckets(bins, "log2" if hist_mode == 0 else "linear"),),
+                           dtype=torch.float64)
 
-    try:
-        register("hookplug::tensor_stats", fake)
-    except RuntimeError as e:  # already registered (module reloaded)
-        if "already" not in str(e):
-            raise
+    def fake_accumulate(x, acc, row, gate, bins, hist_mode, lo=None, hi=None):
+        _check_dtype(x, "hookplug::stats_accumulate_")
+        return None
+
+    for name, fn in (("hookplug::tensor_stats", fake_stats),
+                     ("hookplug::stats_accumulate_", fake_accumulate)):
+        try:
+            register(name, fn)
+        except RuntimeError as e:  # already registered (module reloaded)
+            if "already" not in str(e):
+                raise
 
 
 # -- argument handling -----------------------------------------------------------------------
@@ -145,6 +158,19 @@ def _kind(nb: int, hist: str, lo, hi):
     return ("linear", lo, hi) if lo is not None else "linear"
 
 
+def hist_args(bins: Optional[int] = None, hist: str = "log2",
+              range: Optional[Sequence[float]] = None) -> Tuple[int, int, Optional[float], Optional[float]]:
+    """Checked ``(bins, hist_mode, lo, hi)`` for the raw ops, and a bank's row width is
+    ``HEAD + buckets(bins, hist)``."""
+    bins, hist, lo, hi = _parse(torch.empty(0), bins, hist, range)
+    return bins, _HIST_MODES[hist], lo, hi
+
+
+def buckets(bins: int, hist: str = "log2") -> int:
+    """Histogram buckets of a row for these settings."""
+    return _num_buckets(bins, hist)
+
+
 _warned_devices = set()
 
 
@@ -163,7 +189,7 @@ def _warn_no_kernel(dev: str) -> None:
 
 def tensor_stats(x: torch.Tensor, *, bins: Optional[int] = None, hist: str = "log2",
                  range: Optional[Sequence[float]] = None) -> TensorStats:
-    """Statistics of ``x`` in one pass, as a :class:`TensorStats` of device tensors.
+    """Statistics of ``x`` in one pass, as a :class:`TensorStats` (a device row).
 
     ``hist="log2"`` (default): the fixed 131-bucket sign/exponent histogram (any ``bins > 0``
     turns it on, ``bins=0`` off). ``hist="linear"``: ``bins`` (default 100) equal buckets
@@ -171,29 +197,60 @@ def tensor_stats(x: torch.Tensor, *, bins: Optional[int] = None, hist: str = "lo
     never a host copy). No host synchronization; ``x`` is read in its own dtype and layout.
     """
     bins, hist, lo, hi = _parse(x, bins, hist, range)
+    kind = _kind(_num_buckets(bins, hist), hist, lo, hi)
+    if not _compiled_kernel_for(x):
+        return reference_tensor_stats(x, bins=bins, hist=hist, range=range)
+    return TensorStats(torch.ops.hookplug.tensor_stats(x, bins, _HIST_MODES[hist], lo, hi), kind)
+
+
+def _compiled_kernel_for(x: torch.Tensor) -> bool:
     be = _backend if _backend is not None else _load()
     dev = x.device.type
-    if be == "reference" or not (dev in ("cpu", "meta") or (dev == "cuda" and _has_cuda)):
-        if be != "reference":
-            _warn_no_kernel(dev)
-        return reference_tensor_stats(x, bins=bins, hist=hist, range=range)
-    out = torch.ops.hookplug.tensor_stats(x, bins, _HIST_MODES[hist], lo, hi)  # no autograd (C++)
-    return TensorStats._from_outputs(*out, hist_kind=_kind(_num_buckets(bins, hist), hist, lo, hi))
+    if be == "reference":
+        return False
+    if dev in ("cpu", "meta") or (dev == "cuda" and _has_cuda):
+        return True
+    _warn_no_kernel(dev)
+    return False
 
 
-_LOG2_EDGES = {}  # device -> edges, built once per device (a fresh copy is returned)
+def accumulate_(x: torch.Tensor, acc: torch.Tensor, row: int, gate: Optional[torch.Tensor] = None,
+                *, bins: Optional[int] = None, hist: str = "log2",
+                range: Optional[Sequence[float]] = None) -> None:
+    """Merge the statistics of ``x`` into ``acc[row]`` in place (see the module docstring).
+    ``acc`` is a bank from ``hookplug._stats.empty_rows`` on ``x``'s device."""
+    b, mode, lo, hi = hist_args(bins, hist, range)
+    _check_dtype(x, "hookplug.ops.accumulate_")
+    if _compiled_kernel_for(x):
+        torch.ops.hookplug.stats_accumulate_(x, acc, row, gate, b, mode, lo, hi)
+    else:
+        reference_accumulate_(x, acc, row, gate, b, mode, lo, hi)
+
+
+def reference_accumulate_(x, acc, row, gate, bins, hist_mode, lo=None, hi=None) -> None:
+    """Pure-torch ``stats_accumulate_`` (the fallback and the tests' reference)."""
+    if hist_mode == 1 and bins and lo is None:
+        raise ValueError("hookplug.ops.accumulate_: an accumulated linear histogram needs a "
+                         "fixed range (lo, hi)")
+    hist = "log2" if hist_mode == 0 else "linear"
+    rng = (lo, hi) if lo is not None else None
+    new = reference_tensor_stats(x, bins=bins, hist=hist, range=rng).row
+    clock = acc[0, CLOCK].clone()
+    bad = (new[1] + new[2]) > 0
+    new[10] = torch.where(bad, clock, math.inf)
+    merged = merge_rows(torch.stack([acc[row], new]))
+    if gate is not None:
+        merged = torch.where(gate.reshape(()), merged, acc[row])
+        clock = torch.where(gate.reshape(()), clock + 1, clock)
+    else:
+        clock = clock + 1
+    acc[row] = merged
+    acc[0, CLOCK] = clock
 
 
 def log2_edges(device=None) -> torch.Tensor:
     """The 132 edges of the log2 histogram (float64): -2**33 .. -2**-32, 2**-32 .. 2**33."""
-    device = torch.device(device if device is not None else "cpu")
-    edges = _LOG2_EDGES.get(device)
-    if edges is None:
-        neg = [-math.ldexp(1.0, e) for e in range(LOG2_MAX_EXP + 1, LOG2_MIN_EXP - 1, -1)]
-        pos = [math.ldexp(1.0, e) for e in range(LOG2_MIN_EXP, LOG2_MAX_EXP + 2)]
-        edges = torch.tensor(neg + pos, dtype=torch.float64).to(device, non_blocking=True)
-        _LOG2_EDGES[device] = edges
-    return edges.clone()
+    return _log2_edges(torch.device(device if device is not None else "cpu"))
 
 
 def reference_tensor_stats(x: torch.Tensor, *, bins: Optional[int] = None, hist: str = "log2",
@@ -206,8 +263,6 @@ def reference_tensor_stats(x: torch.Tensor, *, bins: Optional[int] = None, hist:
     dev = v.device
     nan_m, inf_m = torch.isnan(v), torch.isinf(v)
     fin = ~(nan_m | inf_m)
-    counts = torch.stack([torch.full((), v.numel(), dtype=i64, device=dev), nan_m.sum(),
-                          inf_m.sum(), (v == 0).sum()])
     nf = fin.sum().to(f64)
     has = nf > 0
     if v.numel():
@@ -216,28 +271,30 @@ def reference_tensor_stats(x: torch.Tensor, *, bins: Optional[int] = None, hist:
     else:
         mn = torch.full((), math.inf, dtype=f64, device=dev)
         mx = torch.full((), -math.inf, dtype=f64, device=dev)
-    safe_n = torch.where(has, nf, 1.0)
-    mean = torch.where(fin, v, 0.0).sum() / safe_n
-    dev_ = torch.where(fin, v - mean, 0.0)
-    std = torch.sqrt((dev_ * dev_).sum() / safe_n)
-    nan = torch.full((), math.nan, dtype=f64, device=dev)
-    mn, mx = torch.where(has, mn, nan), torch.where(has, mx, nan)
-    moments = torch.stack([mn, mx, torch.where(has, mean, nan), torch.where(has, std, nan),
-                           torch.where(has, torch.maximum(mn.abs(), mx.abs()), nan)])
+    mean = torch.where(fin, v, 0.0).sum() / torch.where(has, nf, 1.0)
+    d = torch.where(fin, v - mean, 0.0)
     nb = _num_buckets(bins, hist)
-    hc = torch.zeros(nb, dtype=i64, device=dev)
-    if nb == 0:
-        he = torch.zeros(0, dtype=f64, device=dev)
-    elif hist == "log2":
+    row = empty_rows(1, nb, device=dev)[0]
+    row[0] = v.numel()
+    row[1] = nan_m.sum()
+    row[2] = inf_m.sum()
+    row[3] = (v == 0).sum()
+    row[4], row[5] = mn, mx
+    row[6] = torch.where(has, mean, 0.0)
+    row[7] = (d * d).sum()
+    row[10] = torch.where(row[1] + row[2] > 0, 0.0, math.inf)
+    if nb and hist == "log2":
         _, e = torch.frexp(v)  # v = m * 2**e, 0.5 <= |m| < 1: binary exponent e - 1
         e = (e.to(i64) - 1).clamp(LOG2_MIN_EXP, LOG2_MAX_EXP)
         zero_bin = LOG2_MAX_EXP - LOG2_MIN_EXP + 1
         idx = torch.where(v < 0, LOG2_MAX_EXP - e, zero_bin + 1 + (e - LOG2_MIN_EXP))
         idx = torch.where(v == 0, zero_bin, idx)
         idx = torch.where(inf_m, torch.where(v > 0, LOG2_BINS - 1, 0), idx)
+        hc = torch.zeros(nb, dtype=i64, device=dev)
         hc.scatter_add_(0, torch.where(nan_m, 0, idx), (~nan_m).to(i64))
-        he = log2_edges(dev)
-    else:
+        row[HEAD:] = hc.to(f64)
+        row[HIST_LO], row[HIST_HI] = -math.ldexp(1.0, LOG2_MAX_EXP + 1), math.ldexp(1.0, LOG2_MAX_EXP + 1)
+    elif nb:
         if lo is not None:
             lo_t = torch.full((), lo, dtype=f64, device=dev)
             hi_t = torch.full((), hi, dtype=f64, device=dev)
@@ -249,11 +306,11 @@ def reference_tensor_stats(x: torch.Tensor, *, bins: Optional[int] = None, hist:
         scale = torch.full_like(width, float(nb)) / width  # a true division, as in C++
         inside = (v >= lo_t) & (v <= hi_t)
         b = ((torch.where(inside, v, lo_t) - lo_t) * scale).to(i64).clamp(0, nb - 1)
+        hc = torch.zeros(nb, dtype=i64, device=dev)
         hc.scatter_add_(0, b, inside.to(i64))
-        i = torch.arange(nb + 1, dtype=f64, device=dev)
-        he = lo_t + (width * i) / nb
-        he[nb] = hi_t
-    return TensorStats._from_outputs(counts, moments, hc, he, hist_kind=_kind(nb, hist, lo, hi))
+        row[HEAD:] = hc.to(f64)
+        row[HIST_LO], row[HIST_HI] = lo_t, hi_t
+    return TensorStats(row, _kind(nb, hist, lo, hi))
 
 
 # Import the prebuilt extension now (cheap); a JIT build waits for the first use.

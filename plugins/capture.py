@@ -30,6 +30,12 @@ safetensors holds dense strided tensors only: nested tensors (``torch.nested``, 
 ``nn.TransformerEncoder``'s fast path) and sparse ones are captured like any other, but
 ``save`` leaves them out with one warning naming them (they load back as ``None``).
 
+Objects that are not tensors, containers or dataclasses but hold tensors (HF caches such
+as ``past_key_values``: a ``DynamicCache`` with lists of key/value tensors) are not kept
+live: their tensors are captured (detached, cloned) in a dict of the object's attributes
+(``{"key_cache": [...], "value_cache": [...], ...}``), with one warning per plugin naming
+the class; the dict saves and loads like any other structure.
+
 A call whose ``forward`` raised (``output`` is None) captures nothing and leaves the last
 capture in place. With ``grads=True``, the gradient copies of a call that the kept calls
 have moved past (``keep="last"``/``N``) are dropped; every gradient held is counted in
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import types
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Union
 
@@ -97,6 +104,63 @@ def _map_with_path(fn: Callable[[str, Any], Any], obj: Any, path: str, leaf=torc
         }
         return dataclasses.replace(obj, **changes)
     return obj
+
+
+_PLAIN = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
+_OPAQUE = (torch.nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType)
+_MAX_OBJECT_DEPTH = 8
+
+
+def _objects_as_dicts(obj: Any, found: List[str], depth: int = 0) -> Any:
+    """``obj`` with every object that holds tensors but is no container (an HF cache) replaced
+    by a dict of its tensor-holding (and plain) attributes; ``obj`` itself when nothing
+    changes. The class names replaced are appended to ``found``."""
+    if isinstance(obj, (torch.Tensor, *_PLAIN)) or depth > _MAX_OBJECT_DEPTH:
+        return obj
+    if isinstance(obj, dict):
+        new = {k: _objects_as_dicts(v, found, depth + 1) for k, v in obj.items()}
+        if all(new[k] is v for k, v in obj.items()):
+            return obj
+        try:
+            return type(obj)(new.items())
+        except Exception:  # noqa: BLE001 - dict subclasses with odd constructors
+            return new
+    if isinstance(obj, (list, tuple)):
+        new = [_objects_as_dicts(v, found, depth + 1) for v in obj]
+        if all(a is b for a, b in zip(new, obj)):
+            return obj
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+            return type(obj)(*new)
+        try:
+            return type(obj)(new)
+        except Exception:  # noqa: BLE001
+            return tuple(new) if isinstance(obj, tuple) else new
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: _objects_as_dicts(getattr(obj, f.name), found, depth + 1)
+                   for f in dataclasses.fields(obj) if f.init}
+        if all(v is getattr(obj, k) for k, v in changes.items()):
+            return obj
+        return dataclasses.replace(obj, **changes)
+    if isinstance(obj, _OPAQUE):
+        return obj
+    attrs = getattr(obj, "__dict__", None)
+    if not isinstance(attrs, dict):
+        return obj
+    out: Dict[str, Any] = {}
+    holds_tensors = False
+    for key, value in attrs.items():
+        if not isinstance(key, str) or key.startswith("__"):
+            continue
+        value = _objects_as_dicts(value, found, depth + 1)
+        if next(iter_tensors(value), None) is not None:
+            out[key] = value
+            holds_tensors = True
+        elif isinstance(value, (str, int, float, bool)) or value is None:
+            out[key] = value
+    if not holds_tensors:
+        return obj
+    found.append(type(obj).__name__)
+    return out
 
 
 def _nbytes(obj: Any) -> int:
@@ -171,6 +235,7 @@ class CapturePlugin(hookplug.Plugin):
         self.nbytes = 0  # bytes held (what max_bytes bounds)
         self.skipped = 0
         self._warned = False
+        self._warned_objects = False
 
     def _wait(self) -> None:
         events, self._events = self._events, []
@@ -310,6 +375,17 @@ class CapturePlugin(hookplug.Plugin):
         self.nbytes += _nbytes(value)
 
     def _capture(self, kind: str, name: str, call: int, obj: Any, prefix: str) -> bool:
+        if not isinstance(obj, torch.Tensor):
+            found: List[str] = []
+            obj = _objects_as_dicts(obj, found)
+            if found and not self._warned_objects:
+                self._warned_objects = True
+                warnings.warn(
+                    f"hookplug plugin 'capture': the {prefix} of {name or '<root>'!r} holds "
+                    f"{', '.join(sorted(set(found)))} object(s) (an HF cache?); their tensors are "
+                    "captured as a dict of the object's attributes, not the live object",
+                    RuntimeWarning, stacklevel=4,
+                )
         tensors = list(iter_tensors(obj, prefix))
         if not self._room(kind, name, call, sum(t.numel() * t.element_size() for _, t in tensors)):
             return False

@@ -3,15 +3,27 @@
     with hookplug.attach(model, "*, *:", plugins="flops") as session:   # every module + root
         model(x).sum().backward()
     session["flops"].results()["layer1.0"]   # {"flops", "macs", "params", "backward_flops"}
-    session["flops"].total()                 # the whole session, nothing counted twice
+    session["flops"].total()                 # every selected window, nothing counted twice
     session["flops"].uncounted()             # {"aten.add": 12, ...}: ops with no formula
 
-What is counted. Every aten op the session runs goes through a ``TorchDispatchMode``; an op
-with a formula in ``torch.utils.flop_counter.flop_registry`` (matmuls, convolutions,
-attention kernels: the formulas ``FlopCounterMode`` uses) adds ``formula(args, out)`` FLOPs,
-where FLOPs = 2 x MACs as PyTorch counts them, so ``macs == flops // 2``. Ops without a
-formula are executed as ``FlopCounterMode`` does (a composite op is decomposed first, so its
-matmuls are seen), and every such op that does arithmetic is tallied in ``uncounted()``.
+Windows. A ``TorchDispatchMode`` is on the mode stack only while a selected module runs:
+entered when the outermost selected module's forward starts and left when it returns (also
+when it raises), and, in backward, around each autograd node that a selected forward created
+(node pre/post hooks registered when the outermost selected forward returns). Outside these
+windows no mode is active and torch runs at full speed. One mode per thread serves every
+flops plugin, so sessions that end in any order leave the stack balanced. A forward left by
+``KeyboardInterrupt`` (post hooks do not run) or by another plugin's exception is detected
+from the Python call stack: its ops stop counting, and its mode leaves the stack at the next
+selected forward, ``session.step()``, ``remove()``, or when the dropped session is collected.
+
+What is counted. An op with a formula in ``torch.utils.flop_counter.flop_registry`` (matmuls,
+convolutions, attention kernels: the formulas ``FlopCounterMode`` uses) adds
+``formula(args, out)`` FLOPs, where FLOPs = 2 x MACs as PyTorch counts them, so
+``macs == flops // 2``. A composite op that reaches the mode undecomposed (e.g. ``linear``
+under ``inference_mode``) is counted through its decomposition, but only when its
+decomposition is the kernel torch would run anyway: unlike ``FlopCounterMode``, an op with a
+kernel of its own (``silu_backward``, ``gelu_backward``, ...) runs that kernel, so results
+and gradients are bitwise those of the model without the plugin.
 
 Beyond ``torch.utils.flop_counter`` (``extra_formulas=True``): attention kernels that torch
 runs but its registry has no formula for get the formula of the other SDPA kernels:
@@ -27,25 +39,24 @@ includes recomputing ``q @ k.T`` (5 matmuls), the eager backward runs 4.
 Attribution. Forward: an op counts for every selected module whose forward is running
 (inclusive of children; a module called twice counts twice; a module nested in itself counts
 once per op). Backward: an op counts for every selected module whose forward *created the
-autograd node that runs it* (``torch._C._current_autograd_node()``, matched against the
-autograd sequence numbers handed out during each module call). This is exact also for
+autograd node that runs it* (matched by autograd sequence number). This is exact also for
 branches (q/k/v projections reading one tensor, a residual shortcut), where
 ``FlopCounterMode``'s time-window tracking charges a module for the backward of its siblings.
-Backward ops run outside any module's nodes (the loss, a custom ``backward`` hook) count in
-``total()`` only.
+``total()`` counts every op of every window once: with the root selected (``"*:"``) it is the
+whole model; ops outside all selected modules (the loss, the optimizer) are not seen.
+Forward runs of other threads are not counted; the backward of a counted forward is, on
+whichever thread autograd runs it. With ``every=N`` only sampled steps are counted.
 
-Lifetime. The mode is pushed on the dispatch-mode stack of the thread that calls ``attach``
-(``hookplug_session_start``) and taken off at ``session.remove()``; ops of other threads are
-not seen, except the autograd engine's, which inherits the mode from the thread calling
-``backward()`` (so call ``backward()`` inside the session). If sessions end out of order the
-mode is taken out of the middle of the stack, leaving the others in place. With
-``every=N`` only sampled steps are counted.
-
-``uncounted()`` leaves out ops that only create, move or reinterpret data: views, copies and
-dtype/device conversions, creation/fill ops, random-number generation, concatenation,
-padding, gather/index/select ops and scalar reads, plus the ``hookplug`` namespace (other
-plugins' statistics). Everything else without a formula is listed (pointwise ops, reductions,
-normalizations, softmax, ... : torch counts those as 0 FLOPs and so does this plugin).
+``uncounted()`` lists the ops without a formula that do arithmetic (pointwise ops,
+reductions, normalizations, softmax, ...: torch counts those as 0 FLOPs and so does this
+plugin). Left out, from torch's op tags and schemas: views and view copies (alias
+annotations, ``Tag.view_copy``/``inplace_view``), random-number generation
+(``Tag.nondeterministic_seeded``), scalar reads (``Tag.data_dependent_output``), ops that
+read no tensor (creation, fills, asserts), creation and conversion ops (``device``/``layout``
+or ``memory_format`` arguments: ``*_like``, ``new_*``, ``_to_copy``, ``clone``), and the
+data-movement families torch has no tag for (``_DATA_MOVEMENT``: concatenation, padding,
+gather/scatter/index ops, ``where``/``masked_fill``, ``repeat``/``flip``/``roll``/``tril``,
+copies); plus the ``hookplug`` namespace (other plugins' statistics).
 
 Options (keyword-only):
 
@@ -58,18 +69,21 @@ Options (keyword-only):
 
 ``results()``: ``{module name: {"flops", "macs", "params", "backward_flops"}}`` (ints;
 ``params`` counts the module's parameters including its children's). ``total()``: the same
-keys for the whole session (``params``: the model's). ``reset()`` forgets the counts.
+keys for every window (``params``: the model's). ``reset()`` forgets the counts.
 
-Limitations. The dispatch mode sees every aten op the session's thread (and its autograd
-engine) runs, including the ops that *other plugins' hooks* run inside the session, e.g.
-``gradclamp``'s clamp (and norm) of a gradient in backward, or a third-party plugin's
-arithmetic. Those without a formula show up in ``uncounted()``; a matmul or convolution run
-by another plugin is counted like the model's own (in ``total()``, and in the module it is
-attributed to by the rules above). Only the ``hookplug`` namespace (the ``stats`` op) is
-left out. For an exact count of the model alone, run ``flops`` in a session of its own.
+Limitations. Inside a window the mode sees the ops that *other plugins' hooks* run in
+forward (a third-party plugin's arithmetic in ``forward_input``/``forward_output``); those
+without a formula show up in ``uncounted()``, a matmul is counted like the model's own. In
+backward, other plugins' gradient hooks (tensor hooks on outputs, e.g. ``gradclamp``) run
+before the node's window opens and are not seen. Only the ``hookplug`` namespace (the
+``stats`` op) is left out. Autograd nodes that a selected forward created but that are not
+reachable from the selected modules' outputs (a tensor kept on ``self`` and used later) get
+no backward window.
 """
 from __future__ import annotations
 
+import bisect
+import sys
 import threading
 import warnings
 import weakref
@@ -87,20 +101,44 @@ from hookplug.structures import iter_tensors
 __all__ = ["FlopsPlugin", "count_flops"]
 
 aten = torch.ops.aten
+_DK = torch._C.DispatchKey
 
-_META_KEY = "hookplug_flops"
+# -- torch internals, read only (torch >= 2.4) ----------------------------------------------------
 
-# -- torch internals, guarded (torch >= 2.4) ------------------------------------------------------
-
-_current_node = getattr(torch._C, "_current_autograd_node", None)
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 _peek_seq = getattr(getattr(torch._C, "_autograd", None), "_get_sequence_nr", None) or getattr(
     torch.autograd, "_get_sequence_nr", None)
 _HOP = getattr(getattr(torch, "_ops", None), "HigherOrderOperator", ())
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
 
 
 def _in_backward() -> bool:
     return _graph_task_id is not None and _graph_task_id() != -1
+
+
+def _mode_stack() -> list:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    return _get_current_dispatch_mode_stack()
+
+
+def _module_call_frame():
+    """The frame of the ``nn.Module._call_impl`` that is running the hook calling us."""
+    f = sys._getframe(2)
+    while f is not None and f.f_code is not _CALL_IMPL:
+        f = f.f_back
+    return f
+
+
+def _running(frame) -> bool:
+    """``frame`` is on the current thread's call stack (its function has not returned)."""
+    if frame is None:
+        return True  # unknown (no frame found at entry): trust the hooks
+    f = sys._getframe(1)
+    while f is not None:
+        if f is frame:
+            return True
+        f = f.f_back
+    return False
 
 
 # Ops FlopCounterMode hands back untouched (size/stride queries of tensor subclasses).
@@ -119,32 +157,88 @@ if _PRIM_LAYOUT is not None:
     _PASS_THROUGH.add(_PRIM_LAYOUT)
 _PRIM_DEVICE = torch.ops.prim.device.default
 
-# Ops that only create, move or reinterpret data: never listed in ``uncounted()``.
-_NO_ARITHMETIC = frozenset("""
-    copy_ _to_copy clone contiguous detach detach_ lift lift_fresh lift_fresh_copy alias
-    _copy_from _copy_from_and_resize _to_dense to_dense _unsafe_view view_copy expand_copy
-    permute_copy t_copy transpose_copy _reshape_alias_copy _reshape_copy
-    empty empty_like empty_strided empty_permuted new_empty new_empty_strided zeros zeros_like
-    new_zeros ones ones_like new_ones full full_like new_full scalar_tensor arange eye fill fill_
-    zero_ resize_ resize_as_ set_ _local_scalar_dense item _assert_async _assert_tensor_metadata
-    sym_constrain_range sym_constrain_range_for_size _assert_scalar record_stream
-    rand rand_like randn randn_like randint randint_like randperm normal normal_ uniform_
-    bernoulli bernoulli_ random_ exponential_ geometric_ log_normal_ cauchy_
-    cat stack hstack vstack constant_pad_nd reflection_pad1d reflection_pad2d replication_pad1d
-    replication_pad2d index index_select gather embedding masked_fill masked_fill_ where
-    index_put index_put_ _index_put_impl_ _unsafe_index _unsafe_index_put scatter scatter_
-    slice_scatter select_scatter as_strided_scatter diagonal_scatter repeat roll flip tril triu
-    tril_ triu_ masked_select nonzero view_as_real view_as_complex _conj _neg_view
-    _conj_physical resolve_conj resolve_neg _unsafe_split split_with_sizes_copy unbind_copy
+# -- which ops do arithmetic (for uncounted()) ------------------------------------------------------
+
+_QUIET_TAGS = frozenset(getattr(torch.Tag, t) for t in (
+    "view_copy", "inplace_view", "nondeterministic_seeded", "data_dependent_output")
+    if hasattr(torch.Tag, t))
+# Data movement that torch marks with no tag (base names; in-place and ``_copy`` variants too).
+_DATA_MOVEMENT = frozenset("""
+    cat stack constant_pad_nd reflection_pad1d reflection_pad2d reflection_pad3d
+    replication_pad1d replication_pad2d replication_pad3d index _unsafe_index index_select
+    gather embedding scatter index_put _index_put_impl _unsafe_index_put slice_scatter
+    select_scatter as_strided_scatter diagonal_scatter masked_fill where masked_select
+    repeat roll flip tril triu fill zero copy _copy_from _copy_from_and_resize _unsafe_view
+    _reshape_copy lift to_dense _to_dense _assert_async _assert_tensor_metadata record_stream
 """.split())
 
 
-def _is_view(func) -> bool:
-    try:
-        return bool(func.is_view)
-    except AttributeError:
-        rets = func._schema.returns
-        return bool(rets) and rets[0].alias_info is not None and not rets[0].alias_info.is_write
+def _is_tensor_type(t) -> bool:
+    return isinstance(t, torch.TensorType) or (
+        isinstance(t, (torch.ListType, torch.OptionalType)) and _is_tensor_type(t.getElementType()))
+
+
+def _does_arithmetic(func) -> bool:
+    """False for an op that only creates, moves or reinterprets data, decided from its tags
+    and schema (see the module docstring)."""
+    if _QUIET_TAGS.intersection(getattr(func, "tags", ())):
+        return False
+    schema = func._schema
+    rets = schema.returns
+    if rets and rets[0].alias_info is not None and not rets[0].alias_info.is_write:
+        return False  # a view
+    reads = [a for a in schema.arguments if _is_tensor_type(a.type)
+             and not (a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)]
+    if not reads:
+        return False  # creation, assert: reads no tensor (``out=`` is written, not read)
+    names = {a.name for a in schema.arguments}
+    if {"device", "layout"} <= names or "memory_format" in names:
+        return False  # *_like, new_*, _to_copy, clone: creation and conversion
+    base = schema.name.partition("::")[2].rstrip("_")
+    return base not in _DATA_MOVEMENT and base.removesuffix("_copy") not in _DATA_MOVEMENT
+
+
+# -- which composite ops to decompose --------------------------------------------------------------
+
+_HAS_COMPOSITE: Dict[Any, bool] = {}
+_DECOMPOSES: Dict[Tuple[Any, str], bool] = {}
+_EXPLICIT_KEYS = tuple(getattr(_DK, k) for k in (
+    "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional") if hasattr(_DK, k))
+
+
+def _backend_key(args, kwargs) -> Optional[str]:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a.device.type
+        if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+            return a[0].device.type
+    return None
+
+
+def _decomposes(func, args, kwargs) -> bool:
+    """True when the kernel torch runs for ``func`` on these arguments is its
+    CompositeImplicitAutograd decomposition: counting through it changes no numerics."""
+    composite = _HAS_COMPOSITE.get(func)
+    if composite is None:
+        composite = _HAS_COMPOSITE[func] = torch._C._dispatch_has_kernel_for_dispatch_key(
+            func.name(), _DK.CompositeImplicitAutograd)
+    if not composite:
+        return False
+    device = _backend_key(args, kwargs)
+    if device is None:
+        return False
+    key = (func, device)
+    hit = _DECOMPOSES.get(key)
+    if hit is None:
+        name = func.name()
+        has = torch._C._dispatch_has_kernel_for_dispatch_key
+        try:
+            backend = torch._C._parse_dispatch_key(torch._C._dispatch_key_for_device(device))
+        except Exception:  # noqa: BLE001 - an unknown device: never decompose
+            backend = None
+        hit = (backend is not None and not has(name, backend) and not any(has(name, k) for k in _EXPLICIT_KEYS))
+        _DECOMPOSES[key] = hit
+    return hit
 
 
 def _shift(formula: Callable, n: int = 1) -> Callable:
@@ -212,101 +306,192 @@ def _formula_table(formulas: Optional[Dict[Any, Callable]], extra: bool) -> Dict
     return table
 
 
-# -- the dispatch mode ----------------------------------------------------------------------------
+# -- the dispatch mode and its windows -------------------------------------------------------------
 
-class _CountingMode(TorchDispatchMode):
-    """Counts FLOPs for ``plugin``; a pass-through once ``plugin`` is None."""
+class _Window:
+    """One open counting window of one plugin: a selected forward (``owners`` is None: the
+    plugin's running modules count) or one autograd node's backward (``owners``: the modules
+    whose forward created the node)."""
+
+    __slots__ = ("plugin_ref", "owners", "dispatcher")
+
+    def __init__(self, plugin: "FlopsPlugin", owners: Optional[Tuple[str, ...]]):
+        self.plugin_ref = weakref.ref(plugin)  # the mode stack never keeps a plugin alive
+        self.owners = owners
+        self.dispatcher: Optional[_Dispatcher] = None
+
+    def close(self) -> None:
+        """Close this window if it is open on the calling thread; elsewhere stop it counting
+        (that thread's mode leaves at its next window change)."""
+        d, self.dispatcher = self.dispatcher, None
+        if d is None:
+            return
+        if d is getattr(_local, "dispatcher", None):
+            d.close(self)
+        else:
+            d.windows = [w for w in d.windows if w is not self]
+
+
+class _Dispatcher(TorchDispatchMode):
+    """The one dispatch mode of a thread: on the mode stack while any window is open there,
+    it hands every op to the innermost open window of each plugin."""
 
     supports_higher_order_operators = True
 
-    def __init__(self, plugin: "FlopsPlugin"):
+    def __init__(self):
         super().__init__()
-        self.plugin: Optional[FlopsPlugin] = plugin
+        self.windows: List[_Window] = []
+        self.entered = False
+        self.dispatching = 0  # inside __torch_dispatch__ we are off the stack for a moment
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        plugin = self.plugin
-        if plugin is None or not plugin._counting or plugin._session_gone():
-            return func(*args, **kwargs)
+        self.dispatching += 1
+        try:
+            return self._dispatch(func, args, kwargs or {})
+        finally:
+            self.dispatching -= 1
+
+    def _dispatch(self, func, args, kwargs):
+        windows = self._live_windows()
+        if not windows:
+            return func(*args, **kwargs)  # windows ended while we dispatched (see settle)
         if func in _PASS_THROUGH:
             return NotImplemented
         if isinstance(func, _HOP):
             out = func(*args, **kwargs)
-            self._count(plugin, func, func, args, kwargs, out)
-            return out
-        packet = func._overloadpacket
-        if packet not in plugin._formulas and func is not _PRIM_DEVICE:
-            # as FlopCounterMode: a composite op is counted through its decomposition
-            with self:
-                r = func.decompose(*args, **kwargs)
-            if r is not NotImplemented:
-                return r
-        out = func(*args, **kwargs)
-        self._count(plugin, func, packet, args, kwargs, out)
+            packet = func
+        else:
+            packet = func._overloadpacket
+            if func is not _PRIM_DEVICE and _decomposes(func, args, kwargs) and not any(
+                    packet in p._formulas for p, _ in windows):
+                with self:  # count the matmuls inside, as FlopCounterMode does
+                    return func._op_dk(_DK.CompositeImplicitAutograd, *args, **kwargs)
+            out = func(*args, **kwargs)
+        for plugin, w in windows:
+            plugin._count(w, func, packet, args, kwargs, out)
         return out
 
-    def _count(self, plugin, func, packet, args, kwargs, out) -> None:
-        try:
-            formula = plugin._formulas.get(packet)
-            if formula is not None:
-                plugin._add(packet, formula, args, kwargs, out)
-            elif func not in plugin._quiet:
-                plugin._note_uncounted(func, packet)
-        except Exception as exc:  # noqa: BLE001 - never alter the model's computation
-            self.plugin = None
-            warnings.warn(f"flops: counting failed on {func} ({type(exc).__name__}: {exc}); the "
-                          "plugin stops counting for this session", RuntimeWarning, stacklevel=2)
+    def _live_windows(self) -> List[Tuple["FlopsPlugin", _Window]]:
+        """``(plugin, window)``: the innermost open window of each plugin still counting."""
+        seen, out = set(), []
+        for w in reversed(self.windows):
+            p = w.plugin_ref()
+            if p is None or id(p) in seen or not p._counting:
+                continue
+            seen.add(id(p))
+            out.append((p, w))
+        return out
+
+    def open(self, window: _Window) -> None:
+        if self.entered and not self.dispatching and not any(m is self for m in _mode_stack()):
+            self._forget()  # autograd dropped us with the TLS of a node that raised
+        window.dispatcher = self
+        self.windows.append(window)
+        if not self.entered:
+            self.__enter__()
+            self.entered = True
+
+    def close(self, window: _Window) -> None:
+        for i in range(len(self.windows) - 1, -1, -1):
+            if self.windows[i] is window:
+                del self.windows[i]
+                break
+        self.settle()
+
+    def settle(self) -> None:
+        """Leave the mode stack if no window is open (and we are on top of it)."""
+        if self.windows or not self.entered or self.dispatching:
+            return  # (while dispatching: the next open or close settles)
+        stack = _mode_stack()
+        if stack and stack[-1] is self:
+            self.__exit__(None, None, None)
+            self.entered = False
+        elif not any(m is self for m in stack):
+            self._forget()
+        # else: a mode entered inside a window is still above us; we stay, passing through,
+        # and leave at the next settle()
+
+    def _forget(self) -> None:
+        """Autograd restored a thread state without us (a backward node raised): undo what
+        ``__enter__`` recorded by entering and leaving once more."""
+        from torch.utils._python_dispatch import _push_mode
+        self.windows.clear()
+        _push_mode(self)
+        self.__exit__(None, None, None)
+        self.entered = False
 
 
-class _Call:
-    """One call of a selected module: the autograd sequence numbers ``[lo, hi)`` of the nodes
-    its forward created. Kept alive by the metadata of its output's ``grad_fn``, so it lives
-    exactly as long as the graph that can run its backward."""
-
-    __slots__ = ("name", "lo", "hi", "__weakref__")
-
-    def __init__(self, name: str, lo: int, hi: int):
-        self.name, self.lo, self.hi = name, lo, hi
+_local = threading.local()
 
 
-def _stack_of_modes() -> list:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-    return _get_current_dispatch_mode_stack()
+def _dispatcher() -> _Dispatcher:
+    d = getattr(_local, "dispatcher", None)
+    if d is None:
+        d = _local.dispatcher = _Dispatcher()
+    return d
 
 
-def _leave_mode(mode: TorchDispatchMode) -> bool:
-    """Take ``mode`` off this thread's dispatch-mode stack, wherever it is. False if it is not
-    on this thread's stack."""
-    from torch.utils._python_dispatch import _pop_mode, _push_mode
-    stack = _stack_of_modes()
-    if not any(m is mode for m in stack):
-        return False
-    if stack[-1] is mode:
-        mode.__exit__(None, None, None)
-        return True
-    above = []
-    while True:
-        m = _pop_mode()
-        if m is mode:
-            break
-        above.append(m)
-    for m in reversed(above):
-        _push_mode(m)
-    # Modes above are still active: keep the "in a mode" flags set, only drop what our
-    # __enter__ saved so the bookkeeping stays balanced.
-    for attr in ("old_dispatch_mode_flags", "old_non_infra_dispatch_mode_flags",
-                 "old_without_ignore_compile_internals_dispatch_mode_flags"):
-        saved = getattr(mode, attr, None)
-        if saved:
-            saved.pop()
-    return True
+def _settle_this_thread() -> None:
+    """Take this thread's mode off the stack if a window ended while it was dispatching."""
+    d = getattr(_local, "dispatcher", None)
+    if d is not None:
+        d.settle()
+
+
+class _NodeWindow:
+    """Node pre/post hooks opening and closing a backward window around one autograd node."""
+
+    __slots__ = ("plugin_ref", "owners", "open_windows")
+
+    def __init__(self, plugin: "FlopsPlugin", owners: Tuple[str, ...]):
+        self.plugin_ref = weakref.ref(plugin)
+        self.owners = owners
+        self.open_windows: List[_Window] = []
+
+    def pre(self, grad_outputs):
+        plugin = self.plugin_ref()
+        if plugin is None or not plugin._counting or plugin._session_gone():
+            return None
+        window = _Window(plugin, self.owners)
+        _dispatcher().open(window)
+        self.open_windows.append(window)
+        return None
+
+    def post(self, grad_inputs, grad_outputs):
+        if self.open_windows:
+            self.open_windows.pop().close()
+        return None
+
+
+class _Lease:
+    """What a plugin has open on a mode stack, without a reference to the plugin or the
+    session, so that a finalizer of a dropped session can close it."""
+
+    __slots__ = ("window",)
+
+    def __init__(self):
+        self.window: Optional[_Window] = None
+
+    def release(self) -> None:
+        window, self.window = self.window, None
+        if window is not None:
+            window.close()
+
+
+class _OpenCall:
+    """A selected module's forward that has started and not returned."""
+
+    __slots__ = ("ctx", "name", "frame")
+
+    def __init__(self, ctx, frame):
+        self.ctx, self.name, self.frame = ctx, ctx.name, frame
 
 
 # -- the plugin -----------------------------------------------------------------------------------
 
 class FlopsPlugin(hookplug.Plugin):
     """FLOPs (and MACs) of the selected modules, forward and backward, inclusive of children.
-    See the module docstring for what is counted and the options."""
+    See the module docstring for what is counted, the windows and the options."""
 
     name = "flops"
 
@@ -319,16 +504,16 @@ class FlopsPlugin(hookplug.Plugin):
         self._formulas = _formula_table(formulas, self.extra_formulas)
         self._quiet: set = set()          # op overloads that never go to uncounted()
         self._counting = False
-        self._mode: Optional[_CountingMode] = None
+        self._ended = True
         self._thread: Optional[int] = None
         self._names: List[str] = []
         self._params: Dict[str, int] = {}
         self._model_params = 0
         self._warned: set = set()
-        self._live: "weakref.WeakSet[_Call]" = weakref.WeakSet()
         self._session_ref: Callable[[], Any] = lambda: None
-        self._stack: List[Tuple[Any, int]] = []   # (ctx, sequence number at entry) per open call
-        self._active: Tuple[str, ...] = ()        # names of the selected modules running now
+        self._finalizer: Optional[weakref.finalize] = None
+        self._lease = _Lease()  # the open forward window, shared with the finalizer
+        self._clear_forward()
         self._reset_state()
 
     # -- public -----------------------------------------------------------------------------------
@@ -341,8 +526,8 @@ class FlopsPlugin(hookplug.Plugin):
                 for n in names}
 
     def total(self) -> Dict[str, int]:
-        """The whole session (every op counted once, whatever the selection): the same keys as
-        a row of ``results()``; ``params`` is the model's parameter count."""
+        """Every window of the session (each op counted once, however many selected modules
+        it belongs to): the same keys as a row of ``results()``; ``params`` is the model's."""
         return self._row(self._total_fwd, self._total_bwd, self._model_params)
 
     def uncounted(self) -> Dict[str, int]:
@@ -390,92 +575,160 @@ class FlopsPlugin(hookplug.Plugin):
 
     @hookimpl
     def hookplug_session_start(self, session):
+        self._end_windows()
         self._reset_state()
-        self._live = weakref.WeakSet()
         self._session_ref = weakref.ref(session)
         mods = session.modules_of(self)
         self._names = list(mods)
         self._params = {n: sum(p.numel() for p in m.parameters()) for n, m in mods.items()}
         model = session.model
         self._model_params = sum(p.numel() for p in model.parameters()) if model is not None else 0
-        self._stack = []
-        self._active = ()
         self._thread = threading.get_ident()
+        self._ended = False
         self._counting = session.step_index % session.every == 0
-        if _peek_seq is None or _current_node is None:
-            warnings.warn("flops: this torch has no autograd node introspection; backward FLOPs "
-                          "are counted in total() only", RuntimeWarning, stacklevel=2)
-        self._mode = _CountingMode(self)
-        self._mode.__enter__()
+        if _peek_seq is None:
+            warnings.warn("flops: this torch has no autograd sequence numbers; backward FLOPs "
+                          "are not counted", RuntimeWarning, stacklevel=2)
+        # a session dropped without remove(): close what a broken forward left open
+        self._lease = _Lease()
+        self._finalizer = weakref.finalize(session, self._lease.release)
 
     @hookimpl
     def hookplug_session_end(self, session):
-        mode, self._mode = self._mode, None
-        self._counting = False
-        self._stack = []
-        self._active = ()
-        if mode is None:
-            return
-        mode.plugin = None  # a pass-through from now on, wherever it is
-        if not _leave_mode(mode):
-            warnings.warn(
-                "flops: the session ended in another thread than the one that attached it; its "
-                "(now inactive) dispatch mode stays on that thread's mode stack", RuntimeWarning,
-                stacklevel=2)
+        self._end_windows()
 
     @hookimpl
     def hookplug_step(self, session):
-        self._counting = self._mode is not None and session.step_index % session.every == 0
+        self._prune_stale_calls()
+        _settle_this_thread()
+        self._counting = not self._ended and session.step_index % session.every == 0
 
     # -- per-call hooks ---------------------------------------------------------------------------
 
     @hookimpl
     def hookplug_forward_input(self, ctx):
-        if self._mode is None or threading.get_ident() != self._thread or _in_backward():
+        if not self._counting or threading.get_ident() != self._thread or _in_backward():
             return None
-        self._stack.append((ctx, _peek_seq() if _peek_seq is not None else 0))
-        self._active = tuple(dict.fromkeys(c.name for c, _ in self._stack))
+        if self._calls:
+            self._prune_stale_calls()
+        seq = _peek_seq() if _peek_seq is not None else 0
+        if not self._calls:  # the outermost selected module: open the forward window
+            if self._session_gone():
+                return None
+            self._window = self._lease.window = _Window(self, None)
+            self._window_lo = seq
+            _dispatcher().open(self._window)
+        self._calls.append(_OpenCall(ctx, _module_call_frame()))
+        self._set_active(seq)
         return None
 
     @hookimpl
     def hookplug_forward_output(self, ctx, output):
-        if self._mode is None or threading.get_ident() != self._thread or _in_backward():
-            return None
-        stack = self._stack
-        for i in range(len(stack) - 1, -1, -1):
-            if stack[i][0] is ctx:
+        calls = self._calls
+        for i in range(len(calls) - 1, -1, -1):
+            if calls[i].ctx is ctx:
                 break
         else:
             return None
-        lo = stack[i][1]
-        del stack[i:]  # drops entries left by a forward that raised, too
-        self._active = tuple(dict.fromkeys(c.name for c, _ in stack))
-        if _peek_seq is None or not torch.is_grad_enabled():
-            return None
-        hi = _peek_seq()
-        if hi <= lo:
-            return None
-        call = None
-        for _, t in iter_tensors(output):
-            fn = t.grad_fn
-            if fn is None:
-                continue
-            if call is None:
-                call = _Call(ctx.name, lo, hi)
-                self._live.add(call)
-            fn.metadata.setdefault(_META_KEY, []).append(call)
+        del calls[i:]  # drops entries left by a forward that raised, too
+        seq = _peek_seq() if _peek_seq is not None else 0
+        self._set_active(seq)
+        if output is not None and _peek_seq is not None and torch.is_grad_enabled():
+            self._roots.extend(t.grad_fn for _, t in iter_tensors(output) if t.grad_fn is not None)
+        if not calls:
+            self._end_forward(hook_backward=True)
         return None
 
-    # -- counting ---------------------------------------------------------------------------------
+    # -- windows ----------------------------------------------------------------------------------
+
+    def _set_active(self, seq: int) -> None:
+        """The running selected modules changed at autograd sequence number ``seq``."""
+        self._active = tuple(dict.fromkeys(c.name for c in self._calls))
+        if self._timeline_seq and self._timeline_seq[-1] == seq:
+            self._timeline_owners[-1] = self._active
+        else:
+            self._timeline_seq.append(seq)
+            self._timeline_owners.append(self._active)
+
+    def _clear_forward(self) -> None:
+        self._calls: List[_OpenCall] = []
+        self._active: Tuple[str, ...] = ()
+        self._window: Optional[_Window] = None
+        if getattr(self, "_lease", None) is not None:
+            self._lease.window = None
+        self._window_lo = 0
+        self._timeline_seq: List[int] = []
+        self._timeline_owners: List[Tuple[str, ...]] = []
+        self._roots: List[Any] = []
+
+    def _end_forward(self, hook_backward: bool) -> None:
+        """Close the forward window; give the autograd nodes it created backward windows."""
+        window, lo, hi = self._window, self._window_lo, _peek_seq() if _peek_seq else 0
+        roots, seqs, owners = self._roots, self._timeline_seq, self._timeline_owners
+        self._clear_forward()
+        if window is not None:
+            window.close()
+        if hook_backward and roots and hi > lo:
+            self._hook_nodes(roots, lo, hi, seqs, owners)
+
+    def _hook_nodes(self, roots, lo, hi, seqs, owners) -> None:
+        """Node pre/post hooks on every node with sequence number in ``[lo, hi)`` reachable from
+        ``roots``, each owned by the modules that were running when it was created."""
+        seen = set()
+        todo = list(roots)
+        while todo:
+            node = todo.pop()
+            if node is None:
+                continue
+            seq = node._sequence_nr()
+            if seq < lo or seq >= hi or seq in seen:
+                continue
+            seen.add(seq)
+            names = owners[bisect.bisect_right(seqs, seq) - 1] if seqs and seq >= seqs[0] else ()
+            if names:
+                hooks = _NodeWindow(self, names)
+                node.register_prehook(hooks.pre)
+                node.register_hook(hooks.post)
+            todo.extend(fn for fn, _ in node.next_functions)
+
+    def _prune_stale_calls(self) -> None:
+        """Drop the open calls whose forward is gone (left by an exception that skipped our
+        post hook, or by KeyboardInterrupt); close the window if none is left."""
+        calls = self._calls
+        if not calls or threading.get_ident() != self._thread:
+            return
+        if _running(calls[-1].frame):
+            return
+        while calls and not _running(calls[-1].frame):
+            calls.pop()
+        if calls:
+            self._set_active(_peek_seq() if _peek_seq is not None else 0)
+        else:
+            self._end_forward(hook_backward=False)
+
+    def _end_windows(self) -> None:
+        """Session over (or dropped): count nothing more; leave no window open."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        self._ended = True
+        self._counting = False
+        self._lease.release()
+        self._clear_forward()
+        _settle_this_thread()
 
     def _session_gone(self) -> bool:
-        """The session was removed without ending this plugin (a plugin disabled under
-        ``on_error="warn"`` gets no ``hookplug_session_end``): stop counting."""
+        """The session was removed without ending this plugin (its ``session_end`` was not
+        called): stop counting."""
         s = self._session_ref()
         if s is None or s.removed:
-            self._counting = False
+            if not self._ended:
+                self._ended = True
+                self._counting = False
             return True
         return False
+
+    # -- counting ---------------------------------------------------------------------------------
 
     def _reset_state(self) -> None:
         self._fwd: Dict[str, int] = defaultdict(int)
@@ -485,15 +738,34 @@ class FlopsPlugin(hookplug.Plugin):
         self._total_fwd = 0
         self._total_bwd = 0
         self._uncounted: Counter = Counter()
-        self._bw_task = None
-        self._bw_cache: Dict[int, Tuple[str, ...]] = {}
 
     @staticmethod
     def _row(fwd: int, bwd: int, params: int) -> Dict[str, int]:
         return {"flops": int(fwd), "macs": int(fwd) // 2, "params": int(params),
                 "backward_flops": int(bwd)}
 
-    def _add(self, op, formula, args, kwargs, out) -> None:
+    def _count(self, window: _Window, func, packet, args, kwargs, out) -> None:
+        """One op in one of this plugin's windows."""
+        try:
+            formula = self._formulas.get(packet)
+            if formula is None:
+                if func not in self._quiet:
+                    self._note_uncounted(func, packet)
+                return
+            if window.owners is None:  # forward: is the window still a running forward?
+                if self._session_gone():
+                    return
+                self._prune_stale_calls()
+                if window is not self._window:
+                    return
+            self._add(window, packet, formula, args, kwargs, out)
+        except Exception as exc:  # noqa: BLE001 - never alter the model's computation
+            self._ended = True
+            self._counting = False
+            warnings.warn(f"flops: counting failed on {func} ({type(exc).__name__}: {exc}); the "
+                          "plugin stops counting for this session", RuntimeWarning, stacklevel=2)
+
+    def _add(self, window: _Window, op, formula, args, kwargs, out) -> None:
         try:
             flops = int(formula(*args, **kwargs, out_val=out))
         except Exception as exc:  # noqa: BLE001 - a formula that cannot handle these inputs
@@ -506,10 +778,10 @@ class FlopsPlugin(hookplug.Plugin):
                               stacklevel=2)
             return
         key = str(op)
-        if _in_backward():
+        if window.owners is not None:
             self._total_bwd += flops
             self._op_bwd[key] += flops
-            for name in self._backward_owners():
+            for name in window.owners:
                 self._bwd[name] += flops
         else:
             self._total_fwd += flops
@@ -517,30 +789,12 @@ class FlopsPlugin(hookplug.Plugin):
             for name in self._active:
                 self._fwd[name] += flops
 
-    def _backward_owners(self) -> Tuple[str, ...]:
-        """The selected modules whose forward created the autograd node now running."""
-        if _current_node is None:
-            return ()
-        node = _current_node()
-        if node is None:
-            return ()
-        task = _graph_task_id()
-        if task != self._bw_task:
-            self._bw_task, self._bw_cache = task, {}
-        seq = node._sequence_nr()
-        owners = self._bw_cache.get(seq)
-        if owners is None:
-            owners = tuple(dict.fromkeys(c.name for c in list(self._live) if c.lo <= seq < c.hi))
-            self._bw_cache[seq] = owners
-        return owners
-
     def _note_uncounted(self, func, packet) -> None:
         if isinstance(func, _HOP):
             self._uncounted[f"higher_order.{getattr(func, '_name', func)}"] += 1
             return
-        ns, _, name = packet._qualified_op_name.partition("::")
-        if ns in ("hookplug", "prim") or (ns == "aten" and name in _NO_ARITHMETIC) \
-                or _is_view(func):
+        ns = packet._qualified_op_name.partition("::")[0]
+        if ns in ("hookplug", "prim") or not _does_arithmetic(func):
             self._quiet.add(func)
             return
         self._uncounted[str(packet)] += 1

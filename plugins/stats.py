@@ -12,60 +12,64 @@ Options (keyword-only):
   ``forward``), ``"output"``, ``"grad"`` (the gradient of each output tensor, seen in
   backward). A single string is accepted.
 - ``bins``: passed to :func:`hookplug.ops.tensor_stats`: ``0`` turns the histogram off;
-  for ``hist="linear"`` the number of buckets (``None``: the op's default, 100). The log2
-  histogram always has its fixed sign/exponent buckets.
+  for ``hist="linear"`` the number of buckets (``None``: 100; at most 65,536). The log2
+  histogram always has its fixed 131 sign/exponent buckets.
 - ``hist="log2"|"linear"`` and ``range=(lo, hi)``: the histogram kind and, for ``"linear"``,
-  its fixed range. A linear histogram is merged over calls, so it needs a fixed ``range``.
-- ``max_pending_steps=1024``: how many steps of per-step stats wait for telemetry
-  (``hookplug_collect``) when the session has a sink that is never flushed; older steps are
-  folded into ``results()`` only, with one warning. With no telemetry consumer (no sink, and
-  ``session.flush()`` never called) nothing piles up: at each ``session.step()`` the steps
-  before the one that just ended are folded into the totals on the device (no sync, no
-  warning), so ``session.flush()`` right after ``step()`` still returns that step's records.
+  its fixed range (required: per-call histograms are merged into one row).
+- ``max_pending_steps=1024``: how many ended steps wait for telemetry (``hookplug_collect``)
+  when nobody flushes; older ones stay in ``results()`` only (one warning if a sink exists).
+
+**The device-resident engine.** Every ``(module, path, phase)`` owns a row of a
+persistent float64 bank on the tensor's device (layout: :mod:`hookplug._stats`), assigned
+the first time it is seen. A hook call is one ``hookplug::stats_accumulate_`` op that
+merges the tensor's statistics into its row in place: no Python object per call, no host
+sync, a constant row index (so ``torch.compile`` keeps one graph and CUDA graphs can
+replay it). ``session.step()`` acts on the bank as a whole: it snapshots the rows of the
+step that ended (one clone), resets the bank in place (same memory), and folds the
+snapshot into the totals with one :func:`hookplug._stats.merge_rows`. Sampling
+(``every=N``) is a one-element device flag the op reads (inside compiled code) and a Python
+check in eager code: no recompiles.
 
 Every floating tensor of the structure is measured and keyed by its path: ``"output"``,
 ``"output[1]"``, ``"output.logits"``; ``"input[0]"``, ``"input.mask"`` (keyword argument
 ``mask``); ``"grad"``, ``"grad[1]"`` (the gradient of ``output``, ``output[1]``). Integer,
-bool and complex tensors are skipped.
+bool and complex tensors are skipped. Phases: forwards of a module in eval mode or under
+``torch.inference_mode`` are kept apart (``phase="eval"`` in records); activation
+checkpointing's recomputed forwards are not counted (the session does not call forward
+hooks during a recompute).
 
-``results()`` is ``{module: {path: TensorStats}}`` merged exactly over every call and step
-(the merge runs lazily, at ``results()`` time, on the device). The hooks never synchronize
-with the device: each call appends the op's device-side result; at ``session.step()`` (and
-every 16 calls of one module within a step) those are merged on the device into one
-``TensorStats`` per ``(step, module, path)``, which ``hookplug_collect`` hands to telemetry.
+``results(phase=None)`` is ``{module: {path: TensorStats}}`` over every call and step of
+every phase (``phase="train"``/``"eval"``: one phase); telemetry records are per phase.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
 import hookplug
 from hookplug import hookimpl
+from hookplug._bank import MAX_BINS, StatsBank
+from hookplug._stats import TensorStats
 from hookplug.structures import iter_tensors
 
 __all__ = ["StatsPlugin"]
 
 _SITES = ("input", "output", "grad")
 _HISTS = ("log2", "linear")
+_PHASES = ("train", "eval")
 _STRIDED = torch.strided
-_COMPACT_AT = 16  # per-call stats of one (step, module, path) merged on device at this length
-
-
-def _merge_all(items: Sequence[Any]):
-    if len(items) == 1:
-        return items[0]
-    return type(items[0]).merge_all(items)
 
 
 class StatsPlugin(hookplug.Plugin):
     """Per module and site, a :class:`hookplug.TensorStats` of every floating tensor, merged
-    over calls and steps. See the module docstring for the options."""
+    over calls and steps on the device. See the module docstring for the options."""
 
     name = "stats"
+    sampled = False  # sampling is the bank's gate: the hooks stay bound on every step
 
     def __init__(
         self,
@@ -87,8 +91,9 @@ class StatsPlugin(hookplug.Plugin):
         bad = [s for s in sites if s not in _SITES]
         if bad or not sites:
             raise ValueError(f"stats: sites must be a non-empty subset of {_SITES}, got {sites!r}")
-        if bins is not None and (not isinstance(bins, int) or isinstance(bins, bool) or bins < 0):
-            raise ValueError(f"stats: bins must be None or an int >= 0, got {bins!r}")
+        if bins is not None and (not isinstance(bins, int) or isinstance(bins, bool) or bins < 0
+                                 or bins > MAX_BINS):
+            raise ValueError(f"stats: bins must be None or an int in [0, {MAX_BINS}], got {bins!r}")
         if hist not in _HISTS:
             raise ValueError(f"stats: hist must be one of {_HISTS}, got {hist!r}")
         if range is not None:
@@ -118,13 +123,8 @@ class StatsPlugin(hookplug.Plugin):
         self.hist = hist
         self.range = range
         self.max_pending_steps = max_pending_steps
-        kw: Dict[str, Any] = {"hist": hist}
-        if bins is not None:
-            kw["bins"] = bins
-        if range is not None:
-            kw["range"] = range
-        self._op_kwargs = kw
-        self._op = None
+        self.bank = StatsBank(bins=bins, hist=hist, range=range,
+                              max_pending_steps=max_pending_steps, who=self.name)
         # Switch off the hooks of sites not asked for, so the core registers no torch hook
         # for them (pluggy ignores an instance attribute that is not a function).
         if "input" not in sites:
@@ -134,29 +134,21 @@ class StatsPlugin(hookplug.Plugin):
         if "grad" not in sites:
             self.hookplug_output_grad = None
         self._module_order: Dict[str, int] = {}
-        self.reset()
+        self._warned_layout = False
 
     # -- state ---------------------------------------------------------------------------------
 
     def reset(self) -> None:
-        """Forget every stat gathered so far (pending telemetry included)."""
-        # step -> {(module, path): [per-call TensorStats]} not yet collected by telemetry
-        self._pending: Dict[int, Dict[Tuple[str, str], List[Any]]] = {}
-        # (module, path) -> stats already collected (or folded), merged on device now and then
-        self._done: Dict[Tuple[str, str], List[Any]] = {}
-        self._seen: Dict[Tuple[str, str], int] = {}  # first-seen order of (module, path)
-        self._folded_steps = 0
-        self._warned_fold = False
-        self._collected = False  # hookplug_collect was called: someone consumes per-step stats
-        self._warned_layout = False
+        """Forget every stat gathered so far (pending telemetry included), in place."""
+        self.bank.reset()
 
-    def _stats_op(self):
-        op = self._op
-        if op is None:
-            from hookplug import ops
+    @property
+    def _keys(self):
+        return self.bank.keys
 
-            op = self._op = ops.tensor_stats
-        return op
+    @property
+    def _pending(self):
+        return self.bank.pending
 
     def _record(self, ctx, path: str, t) -> None:
         if not t.is_floating_point():
@@ -165,20 +157,7 @@ class StatsPlugin(hookplug.Plugin):
             t = self._strided(ctx, path, t)
             if t is None:
                 return
-        st = (self._op or self._stats_op())(t.detach(), **self._op_kwargs)
-        bucket = self._pending.get(ctx.step)
-        if bucket is None:
-            bucket = self._pending[ctx.step] = {}
-        key = (ctx.name, path)
-        lst = bucket.get(key)
-        if lst is None:
-            bucket[key] = [st]
-            if key not in self._seen:
-                self._seen[key] = len(self._seen)
-        else:
-            lst.append(st)
-            if len(lst) >= _COMPACT_AT:
-                bucket[key] = [_merge_all(lst)]
+        self.bank.accumulate(t, (ctx.name, path, ctx.phase))
 
     def _strided(self, ctx, path: str, t):
         """What the op measures of a tensor that is not a plain strided one: a nested
@@ -228,94 +207,50 @@ class StatsPlugin(hookplug.Plugin):
     @hookimpl
     def hookplug_session_start(self, session):
         self._module_order = {n: i for i, n in enumerate(session.modules_of(self))}
+        # The usual keys get their rows now, so compiled code finds them on its first trace
+        # (a row assigned while tracing costs one recompile at warm-up).
+        first_path = {"input": "input[0]", "output": "output", "grad": "grad"}
+        for name in self._module_order:
+            for site in self.sites:
+                self.bank.row_of((name, first_path[site], "train"))
+        model = session.model
+        param = next(iter(model.parameters()), None) if model is not None else None
+        self.bank.prepare(param.device if param is not None else None)
+        self.bank.set_live(session.sampled)
 
     @hookimpl
     def hookplug_step(self, session, step):
-        """Merge the ended step's per-call stats on the device (no sync) and bound what waits."""
-        bucket = self._pending.get(step)
-        if bucket:
-            for key, lst in bucket.items():
-                if len(lst) > 1:
-                    bucket[key] = [_merge_all(lst)]
-        if not self._collected and not _has_consumer(session):
-            # nobody reads per-step stats: keep only the step that just ended (for a
-            # session.flush() right after step()), fold the older ones into the totals
-            old = [s for s in self._pending if s < step]
-            if old:
-                self._fold(old)
-        elif len(self._pending) > self.max_pending_steps:
-            self._fold_oldest()
-
-    def _fold(self, steps) -> None:
-        """Move the pending ``steps`` into the totals (device ops only, no sync)."""
-        done = self._done
-        for step in steps:
-            for key, lst in self._pending.pop(step).items():
-                st = _merge_all(lst)
-                acc = done.get(key)
-                if acc is None:
-                    done[key] = [st]
-                else:
-                    acc.append(st)
-                    if len(acc) >= 4 * _COMPACT_AT:  # merge_all: a fixed number of device ops
-                        done[key] = [_merge_all(acc)]
-        self._folded_steps += len(steps)
-
-    def _fold_oldest(self) -> None:
-        """A sink exists but no telemetry was collected for too long: move the oldest half of
-        the pending steps into the totals (kept for ``results()``, no longer emitted)."""
-        steps = sorted(self._pending)
-        self._fold(steps[: max(len(steps) - self.max_pending_steps, len(steps) // 2)])
-        if not self._warned_fold:
-            self._warned_fold = True
-            warnings.warn(
-                f"hookplug plugin 'stats': more than {self.max_pending_steps} steps of stats were "
-                "not collected by telemetry (no session.flush()); older steps are kept in "
-                "results() only. Set flush_every= or call session.flush().",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        """The bank as a whole: snapshot the ended step, reset in place, fold into totals."""
+        self.bank.end_step(step, warn_unflushed=session.has_sinks)
+        self.bank.set_live(session.sampled)
 
     @hookimpl
     def hookplug_collect(self, session, step):
-        """Per ``(step, module, path)`` stats gathered since the last collection, each merged
-        on the device: ``[({"step", "module", "site"}, TensorStats), ...]``."""
-        self._collected = True
-        pending, self._pending = self._pending, {}
-        out = []
-        done = self._done
-        for st_step in sorted(pending):
-            for (mod, site), lst in pending[st_step].items():
-                st = _merge_all(lst)
-                out.append(({"step": st_step, "module": mod, "site": site}, st))
-                acc = done.get((mod, site))
-                if acc is None:
-                    done[(mod, site)] = [st]
-                else:
-                    acc.append(st)
-                    if len(acc) >= 4 * _COMPACT_AT:  # merge_all: a fixed number of device ops
-                        done[(mod, site)] = [_merge_all(acc)]
-        return out or None
+        """The ended steps not yet collected: one :class:`hookplug.StatsBlock` per step and
+        device (rows stay on the device; telemetry drops rows no call touched). A step is
+        emitted once, when it ends (``session.step()``) or at ``remove()``: flushing
+        mid-step (e.g. per micro-batch) never splits a step into duplicate records."""
+        if session.removed:  # the final flush of remove(): the step still running ends here
+            self.bank.end_step(session.step_index)
+        return self.bank.collect(
+            lambda key, st: {"step": st, "module": key[0], "site": key[1], "phase": key[2]}) or None
 
     # -- results ----------------------------------------------------------------------------------
 
-    def _merged(self) -> Dict[Tuple[str, str], Any]:
-        groups: Dict[Tuple[str, str], List[Any]] = {k: list(v) for k, v in self._done.items()}
-        for bucket in self._pending.values():
-            for key, lst in bucket.items():
-                groups.setdefault(key, []).extend(lst)
-        order = self._module_order
-        big = len(order)
-        seen = self._seen
-        keys = sorted(
-            groups, key=lambda k: (order.get(k[0], big), _site_rank(k[1]), seen.get(k, 0))
-        )
-        return {k: _merge_all(groups[k]) for k in keys}
+    def _merged(self, phase: Optional[str] = None) -> Dict[Tuple[str, str], TensorStats]:
+        if phase is not None and phase not in _PHASES:
+            raise ValueError(f"stats.results: phase must be None or one of {_PHASES}, got {phase!r}")
+        merged = self.bank.merged(lambda k: k[:2] if phase is None or k[2] == phase else None)
+        order, big = self._module_order, len(self._module_order)
+        first = {k[:2]: i for i, k in reversed(list(enumerate(self.bank.keys)))}
+        keys = sorted(merged, key=lambda k: (order.get(k[0], big), _site_rank(k[1]), first[k]))
+        return {k: merged[k] for k in keys}
 
-    def results(self) -> Dict[str, Dict[str, Any]]:
-        """``{module: {path: TensorStats}}`` merged over every call and step (device tensors)."""
+    def results(self, phase: Optional[str] = None) -> Dict[str, Dict[str, Any]]:
+        """``{module: {path: TensorStats}}`` over every call and step (device rows);
+        ``phase="train"``/``"eval"``: that phase only."""
         out: Dict[str, Dict[str, Any]] = {}
-        for (mod, site), st in self._merged().items():
+        for (mod, site), st in self._merged(phase).items():
             out.setdefault(mod, {})[site] = st
         return out
 
@@ -360,14 +295,6 @@ class StatsPlugin(hookplug.Plugin):
             if j == 0:
                 lines.append("  ".join("-" * w for w in widths))
         return "\n".join(lines)
-
-
-def _has_consumer(session) -> bool:
-    """Whether the session's telemetry has a sink (``hookplug_flush``) to hand records to."""
-    tel = getattr(session, "_telemetry", None)
-    if tel is None:  # not a hookplug.Session: assume someone collects
-        return True
-    return bool(tel.has_consumers(session))
 
 
 def _site_rank(site: str) -> int:

@@ -1,4 +1,6 @@
+import json
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -46,6 +48,14 @@ class ExplodingPlugin(hookplug.Plugin):
         raise RuntimeError("cannot reach license server")
 
 
+def exiting_import():
+    sys.exit(3)  # a plugin module that calls sys.exit() at import
+
+
+def returns_none(**options):
+    return None
+
+
 @pytest.fixture
 def fake_eps(monkeypatch, fresh_discovery):
     eps = [
@@ -53,6 +63,8 @@ def fake_eps(monkeypatch, fresh_discovery):
         FakeEntryPoint("broken", "thirdparty_broken:Plugin", "thirdparty-broken", broken_import),
         FakeEntryPoint("exploding", "thirdparty_x:Plugin", "thirdparty-x", lambda: ExplodingPlugin),
         FakeEntryPoint("firstparty_fake", "hookplug_plugins.fake:P", "hookplug", lambda: Quiet),
+        FakeEntryPoint("exiting", "thirdparty_exit:Plugin", "thirdparty-exit", exiting_import),
+        FakeEntryPoint("none", "thirdparty_none:make", "thirdparty-none", lambda: returns_none),
     ]
     monkeypatch.setattr(_manager, "_entry_points", lambda: eps)
     return {ep.name: ep for ep in eps}
@@ -70,10 +82,10 @@ def test_discovery_is_lazy_and_names_origin(fake_eps):
     assert isinstance(s["quiet"], Quiet)
 
 
-def test_broken_plugin_warns_naming_distribution_and_others_work(fake_eps):
+def test_broken_plugin_under_warn_warns_naming_distribution_and_others_work(fake_eps):
     model = MLP()
     with pytest.warns(RuntimeWarning, match="thirdparty-broken.*missing_dependency"):
-        s = hookplug.attach(model, "Linear", plugins=["broken", "quiet"])
+        s = hookplug.attach(model, "Linear", plugins=["broken", "quiet"], on_error="warn")
     model(torch.randn(2, 32))
     s.remove()
     assert list(s.plugins) == ["quiet"] and s["quiet"].seen == 4
@@ -81,11 +93,77 @@ def test_broken_plugin_warns_naming_distribution_and_others_work(fake_eps):
     assert "missing_dependency" in info["broken"].error
 
 
-def test_plugin_failing_to_construct_warns(fake_eps):
+def test_plugin_failing_to_construct_warns_under_warn(fake_eps):
     with pytest.warns(RuntimeWarning, match="thirdparty-x.*license server"):
-        s = hookplug.attach(MLP(), "Linear", plugins=["exploding", "quiet"])
+        s = hookplug.attach(MLP(), "Linear", plugins=["exploding", "quiet"], on_error="warn")
     assert list(s.plugins) == ["quiet"]
     s.remove()
+
+
+@pytest.mark.parametrize("name, message", [
+    ("broken", r"'broken' from distribution 'thirdparty-broken' failed to import "
+               r"\(thirdparty_broken:Plugin\): ImportError: No module named 'missing_dependency'"),
+    ("exploding", "'exploding' from distribution 'thirdparty-x' failed to construct: "
+                  "RuntimeError: cannot reach license server"),
+    ("exiting", r"'exiting' from distribution 'thirdparty-exit' failed to import "
+                r"\(thirdparty_exit:Plugin\): SystemExit: 3"),
+    ("none", "'none' from distribution 'thirdparty-none': its factory 'thirdparty_none:make' "
+             "returned None; expected a plugin object"),
+])
+def test_requested_plugin_that_cannot_be_had_raises_under_raise(fake_eps, name, message):
+    model = MLP()
+    for attempt in range(2):  # the second attach fails the same way (the failure is remembered)
+        with pytest.raises(_manager.PluginLoadError, match=message):
+            hookplug.attach(model, "Linear", plugins=[name, "quiet"])
+    assert not any(vars(m).get("_forward_hooks") for m in model.modules())
+    with pytest.warns(RuntimeWarning, match=message):
+        s = hookplug.attach(model, "Linear", plugins=[name, "quiet"], on_error="warn")
+    assert list(s.plugins) == ["quiet"]
+    s.remove()
+    assert {p.name: p for p in hookplug.plugin_info()}[name].error
+
+
+def test_cli_lists_a_plugin_that_exits_at_import(fake_eps, capsys):
+    from hookplug.__main__ import main
+
+    capsys.readouterr()
+    assert main(["plugins", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["exiting"]["status"] == "failed: SystemExit: 3"
+    assert rows["quiet"]["status"] == "ok"
+
+
+def test_third_party_claiming_a_first_party_name_is_reported(monkeypatch, fresh_discovery):
+    real = _manager._entry_points()
+    impostor = FakeEntryPoint("stats", "evil_stats:Stats", "evil-stats", lambda: Quiet)
+    monkeypatch.setattr(_manager, "_entry_points", lambda: [impostor, *real])
+    with pytest.warns(RuntimeWarning, match="'stats' is provided by both 'evil-stats' and 'hookplug'; "
+                                            "using the one from 'hookplug'"):
+        names = hookplug.plugin_names()
+    assert names["stats"] == "first-party"
+    assert type(_manager.create_plugin("stats")).__module__ == "hookplug_plugins.stats"
+
+
+def test_shadowing_hookplug_distribution_is_reported_and_ignored(tmp_path, monkeypatch, fresh_discovery):
+    """A distribution named hookplug earlier on sys.path cannot replace the first-party plugins."""
+    info = tmp_path / "hookplug-9.9.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: hookplug\nVersion: 9.9\n")
+    (info / "entry_points.txt").write_text(textwrap.dedent("""\
+        [hookplug.plugins]
+        stats = shadow_stats:Stats
+        shadowonly = shadow_stats:Other
+    """))
+    (tmp_path / "shadow_stats.py").write_text("import hookplug\nclass Stats(hookplug.Plugin):\n    pass\n"
+                                              "Other = Stats\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.warns(RuntimeWarning, match=r"distribution hookplug at .*"
+                                            + str(tmp_path.name) + r".* is not the hookplug being run.*"
+                                            r"\(stats, shadowonly\) are ignored"):
+        names = hookplug.plugin_names()
+    assert names["stats"] == "first-party" and "shadowonly" not in names
+    assert type(_manager.create_plugin("stats")).__module__ == "hookplug_plugins.stats"
+    assert "shadow_stats" not in sys.modules
 
 
 def test_options_are_validated(fake_eps):
@@ -98,7 +176,8 @@ def test_options_are_validated(fake_eps):
 
 
 def test_unknown_name_lists_available(fake_eps):
-    with pytest.raises(PluginError, match="Did you mean 'quiet'.*Available: broken, exploding, firstparty_fake, quiet"):
+    with pytest.raises(PluginError, match="Did you mean 'quiet'.*Available: broken, exiting, exploding, "
+                                          "firstparty_fake, none, quiet"):
         hookplug.attach(MLP(), "Linear", plugins="quite")
 
 

@@ -446,7 +446,7 @@ def test_pack_unpack_round_trip():
     for s, chunk in zip(many, buf.split(sizes)):
         assert same(TensorStats.unpack(chunk).to_dict(), s.to_dict())
     with pytest.raises(ValueError, match="length"):
-        TensorStats.unpack(torch.zeros(11, dtype=torch.float64))
+        TensorStats.unpack(torch.zeros(10, dtype=torch.float64))
 
 
 # -- determinism, threads ----------------------------------------------------------------------------------
@@ -582,6 +582,17 @@ def test_opcheck():
     ]  # (no empty or all-NaN sample: opcheck compares outputs with NaN != NaN)
     for args in samples:
         torch.library.opcheck(op, args)
+    acc_op = torch.ops.hookplug.stats_accumulate_.default
+    from hookplug._stats import empty_rows
+
+    for x, bins, mode, lo, hi in samples:
+        if mode == 1 and lo is None:
+            continue  # accumulating needs a fixed linear range
+        nb = ops.buckets(bins, "log2" if mode == 0 else "linear")
+        for gate in (None, torch.tensor([True]), torch.tensor([False])):
+            acc = empty_rows(3, nb, *(ops.log2_edges()[[0, -1]].tolist() if mode == 0 and bins
+                                      else ((lo, hi) if lo is not None else (0.0, 0.0))))
+            torch.library.opcheck(acc_op, (x, acc, 2, gate, bins, mode, lo, hi))
 
 
 @needs_ext

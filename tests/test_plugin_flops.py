@@ -14,6 +14,7 @@ import threading
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import hookplug
@@ -216,8 +217,9 @@ def test_nested_selection_is_inclusive_and_not_double_counted():
     assert res["layer2.0.conv1"]["flops"] == fwd[fcm_key(model, "layer2.0.conv1")]
     assert res["layer2.0"]["flops"] > res["layer2.0.conv1"]["flops"] > 0
     assert res["layer2.0"]["backward_flops"] > res["layer2.0.conv1"]["backward_flops"] > 0
-    # the total is the model's, whatever is selected, and counts nested ops once
-    assert plugin.total()["flops"] == fwd["Global"]
+    # the total is the selected windows' (layer2.0 holds conv1): nested ops count once
+    assert plugin.total()["flops"] == res["layer2.0"]["flops"] < fwd["Global"]
+    assert plugin.total()["backward_flops"] == res["layer2.0"]["backward_flops"]
     full = run(model, x, backward=True).results()
     for name in res:
         assert res[name] == full[name]
@@ -302,23 +304,24 @@ def test_uncounted_lists_ops_without_formula():
     assert broken.total()["flops"] == 2 * 4 * 8 * 8
 
 
-def test_mode_lifetime_and_out_of_order_end():
+def test_sessions_end_in_any_order_and_count_their_windows_only():
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-    before = len(_get_current_dispatch_mode_stack())
     model, x = MLP(), torch.randn(4, 32)
     a = hookplug.attach(model, "*:fc1", plugins=FlopsPlugin())
     b = hookplug.attach(model, "*:fc2", plugins=FlopsPlugin())
-    assert len(_get_current_dispatch_mode_stack()) == before + 2
+    assert _get_current_dispatch_mode_stack() == []  # no mode outside a selected forward
     model(x)
-    a.remove()  # not the innermost: taken out of the middle of the stack
-    assert len(_get_current_dispatch_mode_stack()) == before + 1
+    a.remove()  # the first attached ends first
+    assert _get_current_dispatch_mode_stack() == []
     model(x)
     b.remove()
-    assert len(_get_current_dispatch_mode_stack()) == before
-    assert a["flops"].results()["fc1"]["flops"] == 2 * 4 * 32 * 64
-    assert b["flops"].results()["fc2"]["flops"] == 2 * (2 * 2 * 4 * 64 * 64)
+    assert _get_current_dispatch_mode_stack() == []
+    fc1 = 2 * 4 * 32 * 64          # one fc1 call
+    fc2 = 2 * 2 * 4 * 64 * 64      # fc2 runs twice per model call
+    assert a["flops"].results()["fc1"]["flops"] == a["flops"].total()["flops"] == fc1
+    assert b["flops"].results()["fc2"]["flops"] == b["flops"].total()["flops"] == 2 * fc2
     model(x)  # nothing counts after the end
-    assert b["flops"].total()["flops"] == 2 * a["flops"].total()["flops"]
+    assert b["flops"].total()["flops"] == 2 * fc2 and a["flops"].total()["flops"] == fc1
     a.remove()  # idempotent
 
 
@@ -372,3 +375,44 @@ def test_cuda_sdpa_and_backward_thread():
     fcm = fcm_counts(sdpa, x, backward=True)["Global"]
     assert ps.total()["flops"] + ps.total()["backward_flops"] >= fcm
     assert ps.results()["ff1"]["backward_flops"] == 2 * ps.results()["ff1"]["flops"] > 0
+
+
+class DataAndArithmetic(nn.Module):
+    """Ops that only create or move data beside ops that compute."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, idx):
+        x = self.emb(idx)                                       # embedding
+        x = torch.cat([x, torch.zeros_like(x)], dim=-1)[..., :8]  # cat, zeros_like, slice
+        x = F.pad(x, (1, 1))[..., 1:-1].clone()                 # constant_pad_nd, clone
+        pick = torch.zeros_like(idx[:2]).unsqueeze(-1).expand(2, idx.shape[1], 8)
+        x = x.index_select(0, torch.tensor([0, 1])).gather(-1, pick)  # index_select, gather
+        x = torch.where(x > 0, x, x.flip(-1)).repeat(1, 1, 1).tril()  # gt, where, flip, tril
+        x = x.masked_fill(x < -1, 0.0).to(torch.float64).float()  # masked_fill, _to_copy
+        x = F.relu(x + torch.rand_like(x), inplace=True)         # rand_like, add, relu_
+        x = x + torch.empty_like(x).fill_(1.0)                   # empty_like, fill_ (add again)
+        return F.silu(self.norm(x)).softmax(-1).sum()            # layer_norm, silu, softmax, sum
+
+
+def test_uncounted_classified_from_tags_and_schemas():
+    plugin = run(DataAndArithmetic(), torch.randint(0, 10, (3, 5)))
+    listed = set(plugin.uncounted())
+    arithmetic = {"aten.native_layer_norm", "aten.silu", "aten._softmax", "aten.sum",
+                  "aten.add", "aten.gt", "aten.lt", "aten.relu_"}
+    assert arithmetic <= listed, arithmetic - listed
+    moving = {"aten.embedding", "aten.cat", "aten.zeros_like", "aten.slice", "aten.constant_pad_nd",
+              "aten.clone", "aten.index_select", "aten.gather", "aten.expand", "aten.where",
+              "aten.flip", "aten.repeat", "aten.tril", "aten.masked_fill", "aten._to_copy",
+              "aten.rand_like", "aten.uniform_", "aten.empty_like", "aten.lift_fresh",
+              "aten.unsqueeze", "aten.view", "aten._unsafe_view", "aten.fill_"}
+    assert not (moving & listed), moving & listed
+    # everything listed is arithmetic by torch's own tags, or has no tag saying otherwise
+    for name in listed:
+        packet = getattr(torch.ops.aten, name.split(".", 1)[1])
+        tags = {t for ov in packet.overloads() for t in getattr(packet, ov).tags}
+        assert not tags & {torch.Tag.view_copy, torch.Tag.nondeterministic_seeded,
+                           torch.Tag.data_dependent_output, torch.Tag.inplace_view}, name

@@ -15,7 +15,7 @@ import hookplug
 from hookplug import _manager
 from hookplug.models import MLP
 
-STATS = ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "mean", "std", "absmax")
+from hookplug._telemetry import STAT_FIELDS as STATS  # noqa: E402
 
 
 class ListSink:
@@ -245,9 +245,11 @@ def test_missing_optional_dependency_names_the_extra(monkeypatch, name, module, 
     factory = getattr(__import__(mod_name, fromlist=[attr]), attr)
     with pytest.raises(ImportError, match=rf"pip install '?hookplug\[{extra}\]"):
         factory()
-    # through attach: the core warns, names the sink and goes on without it
+    # through attach: raises naming the sink (on_error="raise"), or warns and goes on without it
+    with pytest.raises(_manager.PluginLoadError, match=rf"{name}.*hookplug\[{extra}\]"):
+        hookplug.attach(MLP(), "Linear", plugins="stats", sink=name)
     with pytest.warns(RuntimeWarning, match=rf"{name}.*hookplug\[{extra}\]"):
-        s = hookplug.attach(MLP(), "Linear", plugins="stats", sink=name)
+        s = hookplug.attach(MLP(), "Linear", plugins="stats", sink=name, on_error="warn")
     assert name not in s.sinks
     s.remove()
 

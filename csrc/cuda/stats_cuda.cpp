@@ -1,4 +1,4 @@
-// CUDA implementation of hookplug::tensor_stats: checks the arguments (stats_checks.h),
+// CUDA implementation of hookplug::tensor_stats and stats_accumulate_: checks the arguments (stats_checks.h),
 // describes the tensor's memory to the torch-free launcher (stats_kernels.cu) and
 // enqueues it on torch's current stream. Built only when torch has CUDA and CUDA_HOME is
 // set (setup.py); never synchronizes with the host.
@@ -27,9 +27,9 @@ cuda::DType cuda_dtype(at::ScalarType t) {
   }
 }
 
-StatsOutputs tensor_stats_cuda(const at::Tensor& x_in, int64_t bins, int64_t hist_mode,
-                               std::optional<double> lo, std::optional<double> hi) {
-  const StatsArgs a = check_stats_args(x_in, bins, hist_mode, lo, hi);
+// Describes x to the launcher and enqueues the launch on torch's current stream.
+void launch(const at::Tensor& x_in, const StatsArgs& a, double* row, double* clock,
+            const bool* gate, bool fresh) {
   const c10::cuda::CUDAGuard guard(x_in.device());
   at::Tensor x = x_in;
   MemLayout L = mem_layout(x);
@@ -37,8 +37,6 @@ StatsOutputs tensor_stats_cuda(const at::Tensor& x_in, int64_t bins, int64_t his
     x = x.contiguous();
     L = mem_layout(x);
   }
-  StatsOutputs outs = empty_stats_outputs(x, a);
-
   cuda::StatsLaunch s{};
   s.data = x.data_ptr();
   s.dtype = cuda_dtype(x.scalar_type());
@@ -49,24 +47,40 @@ StatsOutputs tensor_stats_cuda(const at::Tensor& x_in, int64_t bins, int64_t his
     s.strides[d] = L.strides[d];
   }
   s.nbins = a.nbins;
-  s.hist_mode = static_cast<int>(hist_mode);
+  s.hist_mode = a.log2 ? static_cast<int>(kHistLog2) : static_cast<int>(kHistLinear);
   s.has_range = a.has_range ? 1 : 0;
   s.lo = a.lo;
   s.hi = a.hi;
   s.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  s.counts = std::get<0>(outs).data_ptr<int64_t>();
-  s.moments = std::get<1>(outs).data_ptr<double>();
-  s.hist_counts = a.nbins ? std::get<2>(outs).data_ptr<int64_t>() : nullptr;
-  s.hist_edges = a.nbins ? std::get<3>(outs).data_ptr<double>() : nullptr;
+  s.row = row;
+  s.clock = clock;
+  s.gate = gate;
+  s.fresh = fresh ? 1 : 0;
   // Stream-ordered scratch: the caching allocator reuses it only after this stream's work.
   at::Tensor workspace = at::empty({static_cast<int64_t>(cuda::stats_workspace_bytes(s))},
                                    x.options().dtype(at::kByte));
   s.workspace = workspace.data_ptr();
-
   const cudaError_t err = cuda::launch_tensor_stats(s, at::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "hookplug::tensor_stats: CUDA launch failed on ", x.device(),
-              ": ", cudaGetErrorString(err));
-  return outs;
+  TORCH_CHECK(err == cudaSuccess, "hookplug: stats CUDA launch failed on ", x.device(), ": ",
+              cudaGetErrorString(err));
+}
+
+at::Tensor tensor_stats_cuda(const at::Tensor& x, int64_t bins, int64_t hist_mode,
+                             std::optional<double> lo, std::optional<double> hi) {
+  const StatsArgs a = check_stats_args(x, bins, hist_mode, lo, hi);
+  at::Tensor row = empty_stats_row(x, a);
+  launch(x, a, row.data_ptr<double>(), nullptr, nullptr, true);
+  return row;
+}
+
+void stats_accumulate_cuda(const at::Tensor& x, const at::Tensor& acc, int64_t row,
+                           const std::optional<at::Tensor>& gate, int64_t bins, int64_t hist_mode,
+                           std::optional<double> lo, std::optional<double> hi) {
+  const StatsArgs a = check_stats_args(x, bins, hist_mode, lo, hi);
+  check_bank(x, acc, row, gate, a);
+  double* base = acc.data_ptr<double>();
+  launch(x, a, base + row * acc.size(1), base + kClock,
+         gate.has_value() ? gate->data_ptr<bool>() : nullptr, false);
 }
 
 }  // namespace
@@ -74,4 +88,5 @@ StatsOutputs tensor_stats_cuda(const at::Tensor& x_in, int64_t bins, int64_t his
 
 TORCH_LIBRARY_IMPL(hookplug, CUDA, m) {
   m.impl("tensor_stats", &hookplug::tensor_stats_cuda);
+  m.impl("stats_accumulate_", &hookplug::stats_accumulate_cuda);
 }

@@ -1,4 +1,4 @@
-// hookplug::tensor_stats on CUDA: the launcher interface between the torch binding
+// hookplug::tensor_stats / stats_accumulate_ on CUDA: the launcher interface between the torch binding
 // (stats_cuda.cpp) and the kernels (stats_kernels.cu). Torch-free: only CUDA headers, so
 // the kernels compile with plain nvcc (.ci/nvcc_check.sh).
 #pragma once
@@ -26,11 +26,13 @@ struct StatsLaunch {
   int has_range;              // linear: lo/hi given (else read from the pass-1 min/max)
   double lo, hi;
   int num_sms;
-  // outputs (device memory), see stats_defs.h
-  int64_t* counts;
-  double* moments;
-  int64_t* hist_counts;
-  double* hist_edges;
+  // The row the statistics are merged into (device memory, width kHead + nbins; see
+  // stats_defs.h). fresh: the kernels initialize it first (hookplug::tensor_stats); else
+  // they merge into it and advance *clock (hookplug::stats_accumulate_).
+  double* row;
+  double* clock;     // the bank's call counter (acc[0][kClock]), or nullptr
+  const bool* gate;  // nullptr, or a device flag: when false the launch does nothing
+  int fresh;
   void* workspace;  // stats_workspace_bytes() bytes of device memory
 };
 

@@ -200,7 +200,9 @@ struct ThreadAcc {
 struct Work {
   double* part_d;               // 5 per block: n, mean, m2, mn, mx
   unsigned long long* part_c;   // 3 per block: nan, inf, zero
-  unsigned* done;               // blocks finished
+  unsigned long long* hist;     // nbins counters (zeroed per launch), folded into the row
+  unsigned* done;               // blocks of pass 1 finished
+  unsigned* done2;              // blocks of the linear pass finished
 };
 
 // ---- traversal -----------------------------------------------------------------------
@@ -264,11 +266,37 @@ __device__ __forceinline__ void for_each_element(const StatsLaunch& s, Visit& vi
   }
 }
 
-__device__ __forceinline__ void write_edges(const StatsLaunch& s, bool log2, double lo, double hi) {
-  if (blockIdx.x != 0) return;
-  for (int64_t i = threadIdx.x; i <= s.nbins; i += kThreads) {
-    s.hist_edges[i] = log2 ? log2_edge(static_cast<int>(i)) : linear_edge(lo, hi, i, s.nbins);
+// The histogram range columns of the row for a launch (0, 0: none, or not known yet).
+__device__ __forceinline__ void range_columns(const StatsLaunch& s, double* lo, double* hi) {
+  if (s.nbins > 0 && s.hist_mode == kHistLog2) {
+    *lo = log2_edge(0);
+    *hi = log2_edge(kLog2Bins);
+  } else if (s.nbins > 0 && s.has_range) {
+    *lo = s.lo;
+    *hi = s.hi;
+  } else {
+    *lo = *hi = 0.0;
   }
+}
+
+// The last block of a pass: adds (or, for a fresh row, stores) the pass's histogram
+// counters into the row's buckets.
+__device__ __forceinline__ void fold_buckets(const StatsLaunch& s, const Work& w) {
+  for (int64_t k = threadIdx.x; k < s.nbins; k += kThreads) {
+    const double c = static_cast<double>(__ldcg(w.hist + k));
+    s.row[kHead + k] = s.fresh ? c : s.row[kHead + k] + c;
+  }
+}
+
+// Every thread's global writes (histogram atomics included) are made visible, then thread
+// 0 counts the block as done; true in the block that finished last.
+__device__ __forceinline__ bool finish_block(unsigned* done, bool* last) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) *last = atomicAdd(done, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (*last) __threadfence();
+  return *last;
 }
 
 // Adds a block's shared-memory histogram (nsh counters, `copies` private copies of
@@ -293,16 +321,15 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   __shared__ bool last;
   extern __shared__ unsigned sh[];
 
+  if (s.gate != nullptr && !*s.gate) return;  // the whole launch is off (uniform branch)
   const int warp = threadIdx.x >> 5;
   const bool linear_smem = MODE == 2 && s.nbins <= kSmemLinearBins;
   const int nsh = MODE == 1 ? kWarps * kLog2Bins : (linear_smem ? static_cast<int>(s.nbins) : 0);
   for (int k = threadIdx.x; k < nsh; k += kThreads) sh[k] = 0;
-  if (MODE == 1) write_edges(s, true, 0.0, 0.0);
-  if (MODE == 2) write_edges(s, false, s.lo, s.hi);
   __syncthreads();
 
   unsigned* hsh = MODE == 1 ? sh + warp * kLog2Bins : (nsh ? sh : nullptr);
-  unsigned long long* hgl = reinterpret_cast<unsigned long long*>(s.hist_counts);
+  unsigned long long* hgl = w.hist;
   double shift = 0.0;
   if (s.numel > 0) {
     const auto* first = static_cast<const typename E::storage*>(s.data);
@@ -337,14 +364,10 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     c[0] = bp.nan;
     c[1] = bp.inf;
     c[2] = bp.zero;
-    __threadfence();
-    last = atomicAdd(w.done, 1u) == gridDim.x - 1;
   }
-  __syncthreads();
-  if (!last) return;
+  if (!finish_block(w.done, &last)) return;
 
-  // The last block: merge the partials in block order, write the outputs.
-  __threadfence();
+  // The last block: merge the partials in block order, fold them into the row.
   Partial p = empty_partial();
   for (unsigned b = threadIdx.x; b < gridDim.x; b += kThreads) {
     Partial q;
@@ -363,34 +386,45 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   __syncthreads();  // tmp is reused
   const Partial t = Reduce(tmp).Reduce(p, MergeOp());
   if (threadIdx.x == 0) {
-    const double nan = __longlong_as_double(0x7ff8000000000000ll);
-    const bool any = t.n > 0;
-    s.counts[0] = s.numel;
-    s.counts[1] = static_cast<int64_t>(t.nan);
-    s.counts[2] = static_cast<int64_t>(t.inf);
-    s.counts[3] = static_cast<int64_t>(t.zero);
-    s.moments[0] = any ? t.mn : nan;
-    s.moments[1] = any ? t.mx : nan;
-    s.moments[2] = any ? t.mean : nan;
-    s.moments[3] = any ? sqrt((t.m2 > 0.0 ? t.m2 : 0.0) / t.n) : nan;
-    s.moments[4] = any ? fmax(fabs(t.mn), fabs(t.mx)) : nan;
+    double lo, hi;
+    range_columns(s, &lo, &hi);
+    if (s.fresh) init_row(s.row, 0, lo, hi);  // buckets: stored by fold_buckets
+    const double now = s.clock != nullptr ? *s.clock : 0.0;
+    if (s.clock != nullptr) *s.clock = now + 1.0;
+    Summary S;
+    S.numel = static_cast<double>(s.numel);
+    S.nan = static_cast<double>(t.nan);
+    S.inf = static_cast<double>(t.inf);
+    S.zero = static_cast<double>(t.zero);
+    S.n = t.n;
+    S.mean = t.mean;
+    S.m2 = t.m2 > 0.0 ? t.m2 : 0.0;
+    S.mn = t.mn;
+    S.mx = t.mx;
+    fold_summary(s.row, S, now);
+    s.row[kHistLo] = lo;
+    s.row[kHistHi] = hi;
   }
+  if (MODE != 0) fold_buckets(s, w);  // (an automatic linear range: the linear pass does it)
 }
 
 // Linear histogram whose range is pass 1's finite min/max, read from device memory.
+// (hookplug::tensor_stats only: the row is fresh and holds this tensor's pass 1.)
 template <class E, bool CONTIG>
-__global__ void __launch_bounds__(kThreads, kBlocksPerSm) linear_pass(const StatsLaunch s) {
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+    linear_pass(const StatsLaunch s, const Work w) {
   typedef typename E::acc A;
   extern __shared__ unsigned sh[];
-  const double nf = static_cast<double>(s.counts[0] - s.counts[1] - s.counts[2]);
+  __shared__ bool last;
+  const double* row = s.row;
+  const double nf = row[kNumel] - row[kNan] - row[kInf];
   double lo, hi;
-  linear_auto_range(nf, s.moments[0], s.moments[1], &lo, &hi);
+  linear_auto_range(nf, row[kMin], row[kMax], &lo, &hi);
   const double scale = static_cast<double>(s.nbins) / (hi - lo);
   const int nsh = s.nbins <= kSmemLinearBins ? static_cast<int>(s.nbins) : 0;
   for (int k = threadIdx.x; k < nsh; k += kThreads) sh[k] = 0;
-  write_edges(s, false, lo, hi);
   __syncthreads();
-  unsigned long long* hgl = reinterpret_cast<unsigned long long*>(s.hist_counts);
+  unsigned long long* hgl = w.hist;
   unsigned* hsh = nsh ? sh : nullptr;
   auto visit = [&](A x, bool valid) {
     const int64_t b = valid ? linear_bucket(static_cast<double>(x), lo, hi, scale, s.nbins) : -1;
@@ -398,6 +432,13 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) linear_pass(const Stat
   };
   for_each_element<E, CONTIG>(s, visit);
   if (nsh) flush_hist(sh, nsh, 1, hgl);
+  if (!finish_block(w.done2, &last)) return;
+  __syncthreads();  // every thread of this block has read the range from the row
+  if (threadIdx.x == 0) {
+    s.row[kHistLo] = lo;
+    s.row[kHistHi] = hi;
+  }
+  fold_buckets(s, w);
 }
 
 int grid_size(const StatsLaunch& s) {
@@ -436,9 +477,9 @@ cudaError_t launch_typed(const StatsLaunch& s, const Work& w, int grid, cudaStre
   if (s.nbins > 0 && s.hist_mode == kHistLinear && !s.has_range) {
     const size_t smem2 = s.nbins <= kSmemLinearBins ? sizeof(unsigned) * s.nbins : 0;
     if (contig) {
-      linear_pass<E, true><<<grid, kThreads, smem2, st>>>(s);
+      linear_pass<E, true><<<grid, kThreads, smem2, st>>>(s, w);
     } else {
-      linear_pass<E, false><<<grid, kThreads, smem2, st>>>(s);
+      linear_pass<E, false><<<grid, kThreads, smem2, st>>>(s, w);
     }
     err = cudaGetLastError();
   }
@@ -448,7 +489,7 @@ cudaError_t launch_typed(const StatsLaunch& s, const Work& w, int grid, cudaStre
 }  // namespace
 
 size_t stats_workspace_bytes(const StatsLaunch& s) {
-  return static_cast<size_t>(grid_size(s)) * 8 * sizeof(double) + 16;
+  return (static_cast<size_t>(grid_size(s)) * 8 + static_cast<size_t>(s.nbins)) * 8 + 16;
 }
 
 cudaError_t launch_tensor_stats(const StatsLaunch& s, cudaStream_t stream) {
@@ -456,11 +497,12 @@ cudaError_t launch_tensor_stats(const StatsLaunch& s, cudaStream_t stream) {
   Work w;
   w.part_d = static_cast<double*>(s.workspace);
   w.part_c = reinterpret_cast<unsigned long long*>(w.part_d + 5 * static_cast<int64_t>(grid));
-  w.done = reinterpret_cast<unsigned*>(w.part_c + 3 * static_cast<int64_t>(grid));
-  cudaError_t err = cudaMemsetAsync(w.done, 0, sizeof(unsigned), stream);
-  if (err == cudaSuccess && s.nbins > 0) {
-    err = cudaMemsetAsync(s.hist_counts, 0, sizeof(int64_t) * s.nbins, stream);
-  }
+  w.hist = w.part_c + 3 * static_cast<int64_t>(grid);
+  w.done = reinterpret_cast<unsigned*>(w.hist + s.nbins);
+  w.done2 = w.done + 1;
+  // one memset: the histogram counters and both block counters
+  cudaError_t err = cudaMemsetAsync(w.hist, 0, sizeof(unsigned long long) * s.nbins +
+                                    2 * sizeof(unsigned), stream);
   if (err != cudaSuccess) return err;
   switch (s.dtype) {
     case kF32: return launch_typed<F32>(s, w, grid, stream);

@@ -7,13 +7,26 @@
 and ``{run_id}`` in ``path`` are filled in (a file per rank with ``all_ranks=True`` on a
 network file system).
 
+The path is checked when the session starts (at ``attach``), not at the first flush: an
+unknown ``{placeholder}`` raises ``ValueError`` when the sink is built, and a file where a
+folder must be, a folder where the file must be, or a folder that cannot be written fails
+the sink at attach (raised, or warned under ``on_error="warn"``). Nothing is created then.
+
 The file is opened with ``O_APPEND`` and every flush goes out in ``os.write`` calls that each
-carry whole lines, so a line is never torn or interleaved with another writer's, a reader
+carry whole lines, so a line is never interleaved with another writer's, a reader
 (``tail -f``) sees the records as soon as the flush is written, and a killed run loses only
-what was not flushed yet. ``fsync=True`` also forces them to disk.
+what was not flushed yet. Each flush's writes hold an exclusive ``flock`` on the file (where
+the file system has locks), so writers take turns. A write that fails part way (a full disk) is rolled back to the
+last whole line (the file is truncated to where that write began) and the ``OSError`` is
+raised, naming the file, to the session, whose ``on_error`` decides. ``fsync=True`` also
+forces them to disk. A run killed mid-write can still leave a torn last line: the next sink
+to open the file ends it with a newline (warning), and :func:`read_jsonl` skips torn lines
+with one warning.
 
 One JSON object a line: the record as the session emits it (``step, time, rank, module,
-site, numel, nan_count, inf_count, zero_count, min, max, mean, std, absmax, hist``), strict
+site, numel, nan_count, inf_count, zero_count, min, max, mean, std, absmax, hist``) plus
+``run_id`` (the session's ``run_id``, unless the record has one), so the runs that append to
+one file can be told apart (``read_jsonl(path, run_id=...)`` keeps one); strict
 JSON: a float that is NaN or infinite is written as ``null`` (``nan_count``/``inf_count``
 and ``numel`` say why). ``hist_edges`` is written on the first line of each
 ``(module, site)`` and again only when it changes (the log2 layout never does); a reader
@@ -24,10 +37,15 @@ file (or every session's part of an appended file) starts with its own ``hist_ed
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
+
+import torch
 
 import hookplug
 
@@ -37,6 +55,65 @@ _SUFFIXES = (".jsonl", ".json", ".ndjson")
 _CHUNK = 1 << 20  # bytes per os.write (whole lines)
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 _FLOATS = ("min", "max", "mean", "std", "absmax", "time")
+_PLACEHOLDERS = ("rank", "run_id")
+
+
+@contextlib.contextmanager
+def _locked(fd: int):
+    """Hold an exclusive ``flock`` on ``fd`` (where the platform has one): the writers of one
+    file take turns, so a torn-tail check or a rollback never sees another writer mid-write."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:  # a file system without locks: appends stay whole lines, unlocked
+        yield
+        return
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def _check_placeholders(path: str) -> None:
+    """Raise ``ValueError`` unless ``path`` formats with ``{rank}`` and ``{run_id}`` only."""
+    try:
+        path.format(rank=0, run_id="run")
+    except (KeyError, IndexError) as exc:
+        raise ValueError(
+            f"jsonl sink: path {path!r} has the placeholder {{{exc.args[0]}}}; only "
+            f"{', '.join('{' + p + '}' for p in _PLACEHOLDERS)} are filled in (write {{{{ and }}}} "
+            "for literal braces)"
+        ) from None
+    except ValueError as exc:  # a lone brace, a bad format spec
+        raise ValueError(f"jsonl sink: path {path!r} is not a valid template: {exc}; only "
+                         f"{', '.join('{' + p + '}' for p in _PLACEHOLDERS)} are filled in "
+                         "(write {{ and }} for literal braces)") from None
+
+
+def _check_writable(path: str) -> None:
+    """Raise ``OSError`` naming ``path`` if a file cannot be created or appended there (without
+    creating anything): the nearest existing ancestor must be a writable folder."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "jsonl sink: a folder is where the file must be", path)
+    if os.path.exists(path):
+        if not os.access(path, os.W_OK):
+            raise PermissionError(errno.EACCES, "jsonl sink: the file is not writable", path)
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        up = os.path.dirname(parent)
+        if up == parent:
+            break
+        parent = up
+    if not os.path.isdir(parent):
+        raise NotADirectoryError(errno.ENOTDIR, "jsonl sink: a file is where a folder must be", parent)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, "jsonl sink: cannot create the file, the folder is not "
+                              "writable", parent)
 
 
 def _clean(value: Any) -> Any:
@@ -57,12 +134,15 @@ class JsonlSink:
 
     def __init__(self, path: Optional[str] = None, *, all_ranks: bool = False, fsync: bool = False):
         self.path_option = None if path is None else os.fspath(path)
+        if self.path_option is not None:
+            _check_placeholders(self.path_option)
         self.all_ranks = bool(all_ranks)
         self.fsync = bool(fsync)
         self.path: Optional[str] = None
         self.lines = 0
         self._fd: Optional[int] = None
         self._edges: Dict[Tuple[str, str], Any] = {}
+        self.run_id: Optional[str] = None
 
     def _resolve(self, session, rank: int) -> str:
         from hookplug._telemetry import default_run_dir
@@ -80,14 +160,43 @@ class JsonlSink:
             parent = os.path.dirname(self.path)
             if parent:
                 os.makedirs(parent, exist_ok=True)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+            with _locked(self._fd):
+                self._end_torn_line(self._fd)
             self._edges = {}  # a new file (or a new session's records): write the edges again
             self.lines = 0
         return self._fd
 
+    @hookplug.hookimpl
+    def hookplug_session_start(self, session) -> None:
+        """Check at attach that the file can be written (creates nothing)."""
+        self.run_id = getattr(session, "run_id", None)
+        rank = 0
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank()
+        if rank != 0 and not self.all_ranks:
+            return
+        _check_writable(self._resolve(session, rank))
+
+    def _end_torn_line(self, fd: int) -> None:
+        """A file left ending in a partial line (a run that stopped mid-write) gets a newline,
+        with a warning, so the records appended now start on a line of their own (the torn
+        line is left for :func:`read_jsonl` to skip; never truncated: another writer may be
+        appending to the same file)."""
+        end = os.lseek(fd, 0, os.SEEK_END)
+        if end == 0 or os.pread(fd, 1, end - 1) == b"\n":
+            return
+        os.write(fd, b"\n")
+        warnings.warn(f"jsonl sink: {self.path!r} ended in a torn line (a run that stopped "
+                      "mid-write); ended it with a newline before appending (read_jsonl skips it)",
+                      RuntimeWarning, stacklevel=4)
+
     def encode(self, record: Dict[str, Any]) -> str:
         """One record as a JSON line (with its newline)."""
         out = dict(record)
+        if "run_id" not in out and self.run_id is not None:
+            out["run_id"] = self.run_id
         edges = out.pop("hist_edges", None)
         if edges:
             key = (record.get("module"), record.get("site"))
@@ -109,27 +218,53 @@ class JsonlSink:
     def hookplug_flush(self, session, records: List[Dict[str, Any]]) -> None:
         if not records:
             return
+        self.run_id = getattr(session, "run_id", None) or self.run_id
         fd = self._open(session, records[0].get("rank", 0))
         chunk: List[bytes] = []
         size = 0
         for rec in records:
             line = self.encode(rec).encode("utf-8")
             if size and size + len(line) > _CHUNK:
-                self._write(fd, b"".join(chunk))
+                self._write(fd, b"".join(chunk), len(chunk))
                 chunk, size = [], 0
             chunk.append(line)
             size += len(line)
         if chunk:
-            self._write(fd, b"".join(chunk))
-        self.lines += len(records)
+            self._write(fd, b"".join(chunk), len(chunk))
         if self.fsync:
             os.fsync(fd)
 
-    @staticmethod
-    def _write(fd: int, data: bytes) -> None:
+    def _write(self, fd: int, data: bytes, lines: int) -> None:
+        """Append ``data`` (whole lines); on an error part way, truncate the file back to
+        where this write began, so it still ends with a whole line, and raise naming it."""
+        with _locked(fd):
+            self._write_locked(fd, data, lines)
+
+    def _write_locked(self, fd: int, data: bytes, lines: int) -> None:
         view = memoryview(data)
-        while view:  # a short write happens only on a full disk or a signal
-            view = view[os.write(fd, view):]
+        written = 0
+        try:
+            while written < len(data):  # a short write happens only on a full disk or a signal
+                n = os.write(fd, view[written:])
+                if n <= 0:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                written += n
+        except OSError as exc:
+            rolled = ""
+            if written:
+                try:
+                    end = os.lseek(fd, 0, os.SEEK_CUR)
+                    os.ftruncate(fd, end - written)
+                    rolled = f"; the {written} bytes written of them were truncated away"
+                except OSError as undo:
+                    rolled = (f"; truncating the {written} bytes written failed ({undo.strerror}), "
+                              "the last line may be torn")
+            raise OSError(
+                exc.errno,
+                f"jsonl sink: cannot write {lines} record(s) to {self.path!r}: "
+                f"{exc.strerror or exc}{rolled}",
+            ) from exc
+        self.lines += lines
 
     @hookplug.hookimpl
     def hookplug_session_end(self, session) -> None:
@@ -148,25 +283,45 @@ class JsonlSink:
         return f"<JsonlSink {self.path or self.path_option or '(runs/<run-id>)'}>"
 
 
-def read_jsonl(path: str) -> List[Dict[str, Any]]:
+def read_jsonl(path: str, *, run_id: Optional[str] = None) -> List[Dict[str, Any]]:
     """Read a telemetry file back, carrying ``hist_edges`` forward to every record and
-    turning ``null`` statistics back into NaN."""
+    turning ``null`` statistics back into NaN. ``run_id`` keeps only that run's records.
+
+    Torn lines (a run that stopped mid-write: not valid JSON) are skipped with one warning
+    naming them; a line that is JSON but not a record raises ``ValueError`` naming the file
+    and the line."""
+    path = os.fspath(path)
     if not path.endswith(_SUFFIXES):
         path = os.path.join(path, "telemetry.jsonl")
-    edges: Dict[Tuple[str, str], Any] = {}
+    edges: Dict[Tuple[Any, str, str], Any] = {}
     out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            key = (rec.get("module"), rec.get("site"))
-            if "hist_edges" in rec:
-                edges[key] = rec["hist_edges"]
-            elif rec.get("hist"):
-                rec["hist_edges"] = edges.get(key)
-            for k in ("min", "max", "mean", "std", "absmax"):
-                if k in rec and rec[k] is None:
-                    rec[k] = math.nan
-            out.append(rec)
+    torn: List[int] = []
+    with open(path, "rb") as f:
+        data = f.read()
+    for number, raw in enumerate(data.split(b"\n"), 1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw.decode("utf-8"))
+        except (ValueError, RecursionError):
+            torn.append(number)
+            continue
+        if not isinstance(rec, dict):
+            raise ValueError(f"read_jsonl: {path}: line {number} is not a record: expected a JSON "
+                             f"object, got {type(rec).__name__}")
+        if run_id is not None and rec.get("run_id") != run_id:
+            continue
+        key = (rec.get("run_id"), rec.get("module"), rec.get("site"))
+        if "hist_edges" in rec:
+            edges[key] = rec["hist_edges"]
+        elif rec.get("hist"):
+            rec["hist_edges"] = edges.get(key)
+        for k in ("min", "max", "mean", "std", "absmax"):
+            if k in rec and rec[k] is None:
+                rec[k] = math.nan
+        out.append(rec)
+    if torn:
+        shown = ", ".join(map(str, torn[:5])) + (f" and {len(torn) - 5} more" if len(torn) > 5 else "")
+        warnings.warn(f"read_jsonl: {path}: skipped {len(torn)} torn line(s) (not valid JSON, from a "
+                      f"run that stopped mid-write): line {shown}", RuntimeWarning, stacklevel=2)
     return out

@@ -1,0 +1,189 @@
+"""``StatsBank``: device-resident stats rows for a set of keys, the engine of every plugin
+that measures tensors (``stats`` for activations and gradients, ``params`` for weights).
+
+Each key (a tuple, e.g. ``(module, path, phase)``) owns a row, assigned the first time it
+is seen; every device a key's tensors live on has a ``[capacity, HEAD + B]`` float64 bank
+(row 0: the meta row with the call clock). ``accumulate`` is one
+``hookplug::stats_accumulate_`` call on preallocated memory; ``end_step`` snapshots the
+bank (one clone), resets it in place (same memory: CUDA graphs stay valid) and folds the
+snapshot into the totals with one ``merge_rows``; ``collect`` hands the snapshots to
+telemetry as ``StatsBlock``s. Sampling is ``live``: a Python check in eager code and a
+one-element device flag the op reads inside compiled code (no recompiles).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ._stats import HEAD, StatsBlock, TensorStats, empty_rows, merge_rows
+
+__all__ = ["StatsBank"]
+
+_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+MAX_BINS = 1 << 16
+
+
+class _DeviceRows:
+    """One device's rows: ``acc`` (the step being filled), ``gate`` (the sampling flag the
+    op reads), ``empty`` (what a reset copies in) and ``totals`` (ended steps, merged)."""
+
+    __slots__ = ("acc", "gate", "empty", "totals")
+
+    def __init__(self, device, capacity: int, width: int, lo: float, hi: float, live: bool):
+        self.empty = empty_rows(capacity, width - HEAD, lo, hi, device=device)
+        self.acc = self.empty.clone()
+        self.totals = self.empty.clone()
+        self.gate = torch.tensor([live], dtype=torch.bool, device=device)
+
+    def grow(self, capacity: int) -> None:
+        fresh = self.empty[:1].expand(capacity - self.acc.shape[0], -1)
+        self.empty = torch.cat([self.empty, fresh])
+        self.acc = torch.cat([self.acc, fresh])
+        self.totals = torch.cat([self.totals, fresh])
+
+
+class StatsBank:
+    """Rows of statistics on the device, one per key (see the module docstring)."""
+
+    def __init__(self, *, bins: Optional[int] = None, hist: str = "log2",
+                 range: Optional[Sequence[float]] = None,  # noqa: A002 - the op's own name
+                 max_pending_steps: int = 1024, who: str = "stats"):
+        from . import ops
+
+        self.who = who
+        self.max_pending_steps = max_pending_steps
+        self.op_args = ops.hist_args(bins, hist, range)  # (bins, hist_mode, lo, hi)
+        nb = ops.buckets(self.op_args[0], hist)
+        self.width = HEAD + nb
+        if nb == 0:
+            self.kind, self._range_cols = "none", (0.0, 0.0)
+        elif hist == "log2":
+            edge = math.ldexp(1.0, ops.LOG2_MAX_EXP + 1)
+            self.kind, self._range_cols = "log2", (-edge, edge)
+        else:
+            self.kind, self._range_cols = ("linear", *range), tuple(range)
+        self._capacity = 64
+        self._devices: Dict[torch.device, _DeviceRows] = {}
+        self._accumulate: Optional[Callable] = None
+        self.live = True
+        self._warned = False
+        self.rows: Dict[Tuple, int] = {}
+        self.keys: List[Tuple] = []  # row r holds keys[r - 1]
+        self.pending: List[Tuple[int, Dict[torch.device, torch.Tensor]]] = []
+
+    # -- rows --------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget every value (pending telemetry included), in place: rows keep their keys
+        and memory, so compiled code and captured CUDA graphs stay valid."""
+        for dev in self._devices.values():
+            dev.acc.copy_(dev.empty)
+            dev.totals.copy_(dev.empty)
+        self.pending = []
+
+    def row_of(self, key: Tuple) -> int:
+        row = self.rows.get(key)
+        if row is None:
+            row = len(self.keys) + 1
+            if row >= self._capacity:
+                self._capacity *= 2
+                for dev in self._devices.values():
+                    dev.grow(self._capacity)
+            self.keys.append(key)
+            self.rows[key] = row
+        return row
+
+    def device_rows(self, device) -> _DeviceRows:
+        dev = self._devices.get(device)
+        if dev is None:
+            dev = self._devices[device] = _DeviceRows(device, self._capacity, self.width,
+                                                      *self._range_cols, self.live)
+        return dev
+
+    def prepare(self, device=None) -> None:
+        """Before the first call (e.g. at session start): the op and the likely device's
+        bank, so compiled code never creates them while tracing."""
+        from . import ops
+
+        if ops.backend() != "reference":
+            self._accumulate = torch.ops.hookplug.stats_accumulate_
+        else:
+            self._accumulate = ops.reference_accumulate_
+        if device is not None:
+            self.device_rows(device)
+
+    # -- the hot path ------------------------------------------------------------------------
+    def accumulate(self, t: torch.Tensor, key: Tuple) -> None:
+        """Merge the statistics of ``t`` (strided, floating) into ``key``'s row."""
+        if not _is_compiling() and not self.live:
+            return  # an unsampled step (eager); compiled code reads the gate instead
+        row = self.rows.get(key)
+        if row is None:
+            row = self.row_of(key)
+        dev = self._devices.get(t.device)
+        if dev is None:
+            dev = self.device_rows(t.device)
+        if self._accumulate is None:
+            self.prepare()
+        self._accumulate(t.detach(), dev.acc, row, dev.gate, *self.op_args)
+
+    def set_live(self, live: bool) -> None:
+        if live != self.live:
+            self.live = live
+            for dev in self._devices.values():
+                dev.gate.fill_(live)  # a device op: no sync; never inside a CUDA graph
+
+    # -- step boundary and telemetry ---------------------------------------------------------
+    def end_step(self, step: int, *, warn_unflushed: bool = False) -> None:
+        """Snapshot the step that ended, reset the bank in place, fold into the totals."""
+        if not self.live or not self._devices:
+            return
+        snaps = {}
+        for device, dev in self._devices.items():
+            snap = dev.acc.clone()
+            dev.acc.copy_(dev.empty)
+            dev.totals = merge_rows(torch.stack([dev.totals, snap]))
+            snaps[device] = snap
+        self.pending.append((step, snaps))
+        if len(self.pending) > self.max_pending_steps:
+            del self.pending[: len(self.pending) - self.max_pending_steps]
+            if warn_unflushed and not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"hookplug plugin {self.who!r}: more than {self.max_pending_steps} steps of "
+                    "stats were not collected by telemetry (no session.flush()); older steps are "
+                    "kept in results() only. Set flush_every= or call session.flush().",
+                    RuntimeWarning, stacklevel=4)
+
+    def collect(self, meta: Callable[[Tuple, int], Dict[str, Any]]) -> List[StatsBlock]:
+        """The ended steps not yet collected, one block per step and device; ``meta(key,
+        step)`` describes a row."""
+        pending, self.pending = self.pending, []
+        n = len(self.keys)
+        out = []
+        for step, snaps in pending:
+            metas = [meta(key, step) for key in self.keys]
+            for snap in snaps.values():
+                out.append(StatsBlock(metas, snap[1:n + 1], self.kind))
+        return out
+
+    def merged(self, select: Callable[[Tuple], Optional[Tuple]]) -> Dict[Tuple, TensorStats]:
+        """Totals plus the running step, merged over devices and over the keys ``select``
+        maps to one group (``None``: left out); rows never touched are left out."""
+        n = len(self.keys)
+        if not n or not self._devices:
+            return {}
+        per_dev = [merge_rows(torch.stack([d.totals[1:n + 1], d.acc[1:n + 1]]))
+                   for d in self._devices.values()]
+        rows = per_dev[0] if len(per_dev) == 1 else merge_rows(
+            torch.stack([r.to(per_dev[0].device) for r in per_dev]))
+        touched = (rows[:, 0] > 0).tolist()  # rows assigned in advance may never be used
+        groups: Dict[Tuple, List[int]] = {}
+        for i, key in enumerate(self.keys):
+            group = select(key) if touched[i] else None
+            if group is not None:
+                groups.setdefault(group, []).append(i)
+        return {g: TensorStats(rows[idx[0]] if len(idx) == 1 else merge_rows(rows[idx]), self.kind)
+                for g, idx in groups.items()}

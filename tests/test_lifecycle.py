@@ -1,0 +1,284 @@
+"""Lifecycle under faults: session_end for every plugin, values plugins return, copies and
+pickles of an attached model (issue 13, items 2, 6, 10, 11)."""
+import copy
+import io
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import hookplug
+from hookplug import PluginError, hookimpl
+from hookplug.models import MLP
+
+
+def hook_dicts(model):
+    """Every hook dict of every module and parameter, as plain dicts."""
+    snap = {}
+    for n, m in model.named_modules():
+        for attr, value in vars(m).items():
+            if isinstance(value, dict) and "hook" in attr:
+                snap[(n, attr)] = dict(value)
+    for n, p in model.named_parameters():
+        snap[(n, "param_hooks")] = dict(p._backward_hooks or {})
+    return snap
+
+
+# -- item 2: every plugin's session_end runs ---------------------------------------------------
+
+class Ender(hookplug.Plugin):
+    """Enters a global mode at session start and leaves it at session end (as flops does)."""
+
+    def __init__(self, name, fail=False, log=None):
+        self.name, self.fail, self.log = name, fail, log if log is not None else []
+        self.active = False
+
+    @hookimpl
+    def hookplug_session_start(self):
+        self.active = True
+
+    @hookimpl
+    def hookplug_forward_output(self, ctx):
+        pass
+
+    @hookimpl
+    def hookplug_session_end(self):
+        self.log.append(self.name)
+        if self.fail:
+            raise RuntimeError(f"{self.name} cannot clean up")
+        self.active = False
+
+
+def test_session_end_runs_for_every_plugin_when_one_raises():
+    log = []
+    model = MLP()
+    plugins = [Ender("first", log=log), Ender("bad", fail=True, log=log), Ender("last", log=log)]
+    before = hook_dicts(model)
+    s = hookplug.attach(model, "Linear", plugins=plugins)
+    with pytest.raises(RuntimeError, match="bad cannot clean up") as info:
+        s.remove()
+    assert log == ["first", "bad", "last"], "a failing session_end stopped the others"
+    assert not plugins[0].active and not plugins[2].active
+    assert "hookplug plugin 'bad' in hookplug_session_end" in "".join(getattr(info.value, "__notes__", []))
+    assert hook_dicts(model) == before
+    s.remove()  # a second remove is a no-op: no second session_end, nothing raised
+    assert log == ["first", "bad", "last"]
+
+
+def test_session_end_errors_after_the_first_are_named_too():
+    log = []
+    s = hookplug.attach(MLP(), "Linear", plugins=[Ender("a", fail=True, log=log), Ender("b", fail=True, log=log)])
+    with pytest.raises(RuntimeError, match="a cannot clean up") as info:
+        s.remove()
+    notes = "".join(getattr(info.value, "__notes__", []))
+    assert log == ["a", "b"] and "plugin 'b' also raised in hookplug_session_end" in notes
+
+
+def test_session_end_failure_under_warn_warns_and_ends_the_others():
+    log = []
+    model = MLP()
+    plugins = [Ender("bad", fail=True, log=log), Ender("good", log=log)]
+    s = hookplug.attach(model, "Linear", plugins=plugins, on_error="warn")
+    model(torch.randn(2, 32))
+    with pytest.warns(RuntimeWarning, match="'bad' failed.*hookplug_session_end.*cannot clean up"):
+        s.remove()  # used to raise KeyError: '0' from rebuilding the removed bindings
+    assert log == ["bad", "good"] and not plugins[1].active
+    assert "bad" in s.disabled
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s.remove()
+
+
+# -- item 6: values returned by forward_output / output_grad / param_grad are checked -----------
+
+class Returns(hookplug.Plugin):
+    """Returns ``value(x)`` from one hook."""
+
+    def __init__(self, hook, value, name="bad"):
+        self.name, self.hook, self.value = name, hook, value
+        self.calls = 0
+
+    @hookimpl
+    def hookplug_forward_output(self, output):
+        if self.hook == "forward_output":
+            self.calls += 1
+            return self.value(output)
+
+    @hookimpl
+    def hookplug_output_grad(self, grad):
+        if self.hook == "output_grad":
+            self.calls += 1
+            return self.value(grad)
+
+    @hookimpl
+    def hookplug_param_grad(self, grad):
+        if self.hook == "param_grad":
+            self.calls += 1
+            return self.value(grad)
+
+
+def relu_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3))
+
+
+def run_step(model):
+    model.zero_grad(set_to_none=True)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    out = model(x)
+    out.square().sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+BAD_RETURNS = [
+    ("forward_output", lambda out: "not a tensor", "hookplug_forward_output for module '0' must return "
+     r"None or a tensor like the module's output \(Tensor\(shape=\(4, 6\), dtype=torch.float32, "
+     r"device=cpu\)\), got str"),
+    ("forward_output", lambda out: (out,), "hookplug_forward_output for module '0' must return None or a "
+     "tensor .*got tuple"),
+    ("output_grad", lambda g: g[:, :2], r"hookplug_output_grad for module '0' output must return None or a "
+     r"tensor like the incoming grad \(Tensor\(shape=\(4, 6\).*got Tensor\(shape=\(4, 2\)"),
+    ("output_grad", lambda g: g.double(), "hookplug_output_grad .*got Tensor.*dtype=torch.float64"),
+    ("output_grad", lambda g: g.tolist(), "hookplug_output_grad .*got list"),
+    ("param_grad", lambda g: g.sum(), r"hookplug_param_grad for parameter '0.(weight|bias)' must return "
+     r"None or a tensor like the incoming grad .*got Tensor\(shape=\(\)"),
+]
+
+
+@pytest.mark.parametrize("hook, value, message", BAD_RETURNS)
+def test_bad_return_raises_naming_plugin_hook_expected_and_received(hook, value, message):
+    model = relu_model()
+    with hookplug.attach(model, "*:0", plugins=Returns(hook, value)):
+        with pytest.raises(PluginError, match="plugin 'bad': " + message):
+            run_step(model)
+
+
+@pytest.mark.parametrize("hook, value, message", BAD_RETURNS)
+def test_bad_return_under_warn_disables_plugin_and_step_is_unaltered(hook, value, message):
+    model = relu_model()
+    expected_out, expected_grads = run_step(model)
+    bad = Returns(hook, value)
+    with hookplug.attach(model, "*:0", plugins=bad, on_error="warn") as s:
+        with pytest.warns(RuntimeWarning, match="'bad' failed and is disabled"):
+            out, grads = run_step(model)
+        assert "bad" in s.disabled
+        calls = bad.calls
+        run_step(model)
+        assert bad.calls == calls, "a disabled plugin was called again"
+    torch.testing.assert_close(out, expected_out)
+    for name, g in expected_grads.items():
+        torch.testing.assert_close(grads[name], g)
+
+
+def test_good_returns_still_change_values():
+    model = relu_model()
+    _, plain = run_step(model)
+    with hookplug.attach(model, "*:0", plugins=[Returns("output_grad", lambda g: g * 0, name="zero")]):
+        _, grads = run_step(model)
+    assert grads["0.weight"].abs().sum() == 0 and plain["0.weight"].abs().sum() > 0
+    with hookplug.attach(model, "*:0", plugins=[Returns("forward_output", lambda o: o[:, :2] + 1, name="narrow")]):
+        with pytest.raises(RuntimeError, match="shape"):  # a narrower output is allowed by hookplug,
+            run_step(model)                                # the next layer refuses it
+
+
+# -- items 10, 11: copies and pickles of an attached model carry no hooks ------------------------
+
+class Counting(hookplug.Plugin):
+    def __init__(self):
+        self.name = "counting"
+        self.forward = 0
+        self.param = 0
+        self.ended = 0
+
+    @hookimpl
+    def hookplug_forward_input(self, ctx):
+        self.forward += 1
+
+    @hookimpl
+    def hookplug_forward_output(self, ctx):
+        pass
+
+    @hookimpl
+    def hookplug_param_grad(self, grad):
+        self.param += 1
+
+    @hookimpl
+    def hookplug_session_end(self):
+        self.ended += 1
+
+
+def attached_mlp():
+    model = MLP()
+    before = hook_dicts(model)
+    plugin = Counting()
+    session = hookplug.attach(model, "Linear", plugins=plugin)
+    assert hook_dicts(model) != before
+    return model, before, plugin, session
+
+
+def check_copy(copied, before, plugin, session, model):
+    assert hook_dicts(copied) == before
+    assert not any("__getstate__" in vars(m) for m in copied.modules())
+    plugin.forward = plugin.param = 0
+    copied(torch.randn(2, 32)).sum().backward()
+    assert plugin.forward == 0 and plugin.param == 0, "the copy calls the plugin"
+    model(torch.randn(2, 32)).sum().backward()
+    assert plugin.forward == 4 and plugin.param == 6, "the original lost its hooks"  # fc2 runs twice
+    session.remove()
+    assert plugin.ended == 1
+    assert hook_dicts(model) == before
+    assert not any("__getstate__" in vars(m) for m in model.modules())
+
+
+def test_deepcopy_of_attached_model_has_no_hooks():
+    model, before, plugin, session = attached_mlp()
+    ema = copy.deepcopy(model)
+    torch.testing.assert_close(ema.fc1.weight, model.fc1.weight)
+    check_copy(ema, before, plugin, session, model)
+
+
+def test_shallow_copy_of_attached_module_has_no_hooks():
+    model = MLP()  # a shallow copy shares submodules and parameters; its own dicts are clean
+    with hookplug.attach(model, "*:", plugins=Counting()):
+        shallow = copy.copy(model)
+        assert model._forward_hooks and model._forward_pre_hooks
+        assert not shallow._forward_hooks and not shallow._forward_pre_hooks
+        assert not shallow._forward_hooks_always_called and not shallow._forward_pre_hooks_with_kwargs
+
+
+def test_pickle_of_attached_model():
+    model, before, plugin, session = attached_mlp()
+    copied = pickle.loads(pickle.dumps(model))
+    check_copy(copied, before, plugin, session, model)
+
+
+def test_torch_save_load_of_attached_model():
+    model, before, plugin, session = attached_mlp()
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "backward hook ... will not be serialized"
+        torch.save(model, buf)
+    buf.seek(0)
+    copied = torch.load(buf, weights_only=False)
+    torch.testing.assert_close(copied.fc2.bias, model.fc2.bias)
+    check_copy(copied, before, plugin, session, model)
+
+
+def test_copy_keeps_hooks_of_others_and_two_sessions_share_one_guard():
+    model = MLP()
+    seen = []
+    own = model.fc1.register_forward_hook(lambda m, i, o: seen.append("user"))
+    s1 = hookplug.attach(model, "Linear", plugins=Counting())
+    s2 = hookplug.attach(model, "Linear", plugins=Returns("forward_output", lambda o: None, name="other"))
+    copied = copy.deepcopy(model)
+    assert list(copied.fc1._forward_hooks) == [own.id]
+    copied(torch.randn(2, 32))
+    assert seen == ["user"]
+    s1.remove()
+    assert "__getstate__" in vars(model.fc1), "s2's hooks are still on fc1"
+    assert list(copy.deepcopy(model).fc1._forward_hooks) == [own.id]
+    s2.remove()
+    assert "__getstate__" not in vars(model.fc1)
+    own.remove()
