@@ -126,6 +126,23 @@ inline void check_bank(const at::Tensor& x, const at::Tensor& acc, int64_t row,
   }
 }
 
+// Where hookplug::stats_accumulate_ merges: the checked arguments, acc[row] and the clock.
+struct BankTarget {
+  StatsArgs a;
+  double* row;
+  double* clock;
+};
+
+inline BankTarget bank_target(const at::Tensor& x, const at::Tensor& acc, int64_t row,
+                              const std::optional<at::Tensor>& gate, int64_t bins,
+                              int64_t hist_mode, std::optional<double> lo,
+                              std::optional<double> hi) {
+  const StatsArgs a = check_stats_args(x, bins, hist_mode, lo, hi);
+  check_bank(x, acc, row, gate, a);
+  double* base = acc.data_ptr<double>();
+  return BankTarget{a, base + row * acc.size(1), base + kClock};
+}
+
 // The tensor's elements as an iteration over memory: dimensions of size 1 dropped, the
 // rest ordered by decreasing stride and merged where they are contiguous with each other
 // (so transposed, permuted and channels-last dense tensors become one flat run).

@@ -328,11 +328,9 @@ at::Tensor tensor_stats_cpu(const at::Tensor& x, int64_t bins, int64_t hist_mode
 void stats_accumulate_cpu(const at::Tensor& x, const at::Tensor& acc, int64_t row,
                           const std::optional<at::Tensor>& gate, int64_t bins, int64_t hist_mode,
                           std::optional<double> lo, std::optional<double> hi) {
-  const StatsArgs a = check_stats_args(x, bins, hist_mode, lo, hi);
-  check_bank(x, acc, row, gate, a);
+  const BankTarget t = bank_target(x, acc, row, gate, bins, hist_mode, lo, hi);
   if (gate.has_value() && !gate->data_ptr<bool>()[0]) return;
-  double* base = acc.data_ptr<double>();
-  accumulate_cpu(x, a, base + row * acc.size(1), base + kClock, false);
+  accumulate_cpu(x, t.a, t.row, t.clock, false);
 }
 
 }  // namespace

@@ -17,6 +17,7 @@ import sys
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ._optional import optional_import
+from ._tb import hist_tag, scalar_tag
 
 __all__ = [
     "Collector",
@@ -34,8 +35,6 @@ __all__ = [
 
 STATS_FIELDS = ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "mean", "std", "absmax",
                 "hist_counts", "hist_edges")
-FLOPS_FIELDS = ("flops", "macs", "params", "backward_flops")
-
 
 # -- host numbers ----------------------------------------------------------------------------
 
@@ -1098,7 +1097,8 @@ def _raw_sort_values(doc: Dict[str, Any], cols) -> List[List[Optional[str]]]:
 
 class TensorBoardWriter:
     """Scalars (min/max/mean/std/absmax, NaN/Inf counts, FLOPs) and raw histograms per step,
-    written with ``torch.utils.tensorboard.SummaryWriter``."""
+    written with ``torch.utils.tensorboard.SummaryWriter`` in the layout of the
+    ``tensorboard`` sink (:mod:`hookplug._tb`: ``hookplug/<stat>/<module>/<site>``)."""
 
     def __init__(self, logdir: str):
         _, tb = optional_import("tensorboard", "torch.utils.tensorboard",
@@ -1114,20 +1114,19 @@ class TensorBoardWriter:
             for path, d in (paths or {}).items():
                 if not d:
                     continue
-                tag = f"{mod or '(root)'}/{path}"
                 for k in ("min", "max", "mean", "std", "absmax"):
                     v = _num(d.get(k))
                     if v is not None:
-                        w.add_scalar(f"stats/{tag}/{k}", v, step)
+                        w.add_scalar(scalar_tag(k, mod, path), v, step)
                 for k in ("nan_count", "inf_count"):
                     if k in d:
-                        w.add_scalar(f"stats/{tag}/{k}", _int(d.get(k)), step)
-                self._histogram(f"hist/{tag}", d, step)
+                        w.add_scalar(scalar_tag(k, mod, path), _int(d.get(k)), step)
+                self._histogram(hist_tag(mod, path), d, step)
         for mod, f in (snap.get("flops") or {}).items():
             if "flops" in f:
-                w.add_scalar(f"flops/{mod or '(root)'}", _int(f["flops"]), step)
+                w.add_scalar(scalar_tag("flops", mod), _int(f["flops"]), step)
         if snap.get("flops_total") and "flops" in snap["flops_total"]:
-            w.add_scalar("flops/(total)", _int(snap["flops_total"]["flops"]), step)
+            w.add_scalar("hookplug/flops_total", _int(snap["flops_total"]["flops"]), step)
         w.flush()
 
     def _histogram(self, tag: str, d: Dict[str, Any], step: int) -> None:

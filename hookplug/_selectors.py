@@ -36,7 +36,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch.nn as nn
 
-__all__ = ["SelectorError", "select", "parse_selector", "unwrap_model"]
+__all__ = ["SelectorError", "select", "parse_selector", "unwrap_model", "clean_name",
+           "named_modules", "named_parameters"]
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 
@@ -430,16 +431,47 @@ def _regex_max_length(pattern: str) -> int:
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The user's model inside ``torch.compile``'s ``OptimizedModule`` and
-    ``DataParallel``/``DistributedDataParallel``, so names do not depend on the wrapper."""
+    """The user's model inside ``torch.compile``'s ``OptimizedModule``,
+    ``DataParallel``/``DistributedDataParallel``, FSDP1 and ``checkpoint_wrapper`` at the
+    root, so names do not depend on the wrapper (FSDP2's ``fully_shard`` wraps nothing)."""
     while True:
         inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            inner = next((model._modules[a] for a in _WRAPPED_ATTRS
+                          if isinstance(model._modules.get(a), nn.Module)), None)
         if isinstance(inner, nn.Module):
             model = inner
         elif isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
             model = model.module
         else:
             return model
+
+
+# the child attributes of wrappers that are left out of names (FSDP1, checkpoint_wrapper)
+_WRAPPED_ATTRS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def clean_name(name: str) -> str:
+    """A qualified name without the ``_fsdp_wrapped_module.`` and
+    ``_checkpoint_wrapped_module.`` segments wrappers insert."""
+    if "_wrapped_module" not in name:
+        return name
+    parts = [p for p in name.split(".") if p not in _WRAPPED_ATTRS]
+    return ".".join(parts)
+
+
+def named_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """``model.named_modules()`` with wrapper segments removed from the names; a wrapper
+    and the module it wraps share a name, which goes to the wrapped (innermost) module."""
+    out: Dict[str, nn.Module] = {}
+    for name, mod in model.named_modules():
+        out[clean_name(name)] = mod  # the wrapped module comes after its wrapper
+    return list(out.items())
+
+
+def named_parameters(model: nn.Module) -> List[Tuple[str, nn.Parameter]]:
+    """``model.named_parameters()`` with wrapper segments removed from the names."""
+    return [(clean_name(n), p) for n, p in model.named_parameters()]
 
 
 def select(
@@ -454,7 +486,7 @@ def select(
         raise TypeError(f"select() expects a torch.nn.Module, got {type(model).__name__}")
     model = unwrap_model(model)
     terms = parse_selector(selector)
-    named = list(model.named_modules())
+    named = named_modules(model)
     known = list({k for _, m in named for k in type(m).__mro__})
     chosen: dict = {}
     for term in terms:

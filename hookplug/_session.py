@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from . import hookspecs
 from ._manager import PluginError, PluginLoadError, create_plugin, new_plugin_manager
-from ._selectors import select, unwrap_model
+from ._selectors import named_modules, named_parameters, select, unwrap_model
 from .structures import iter_tensors
 
 __all__ = ["attach", "Session", "HookContext"]
@@ -547,7 +547,7 @@ class Session:
         if sampling != self._sampling:
             self._sampling = sampling
             self._apply_sampling()
-        self._call_session_hook("hookplug_step", session=self, step=ended)
+        self._dispatch("hookplug_step", step=ended)
         self._telemetry.on_step(self, ended)  # polls flushes in flight; never waits
         return _StepScope(self)
 
@@ -584,8 +584,7 @@ class Session:
                 self.flush(wait=True)
         finally:
             # disabled plugins get their cleanup call too; one failing never skips the others
-            self._call_session_hook("hookplug_session_end", session=self, include_disabled=True,
-                                    run_all=True)
+            self._dispatch("hookplug_session_end", include_disabled=True, run_all=True)
 
     def __enter__(self) -> "Session":
         return self
@@ -614,29 +613,32 @@ class Session:
         if not self._removed:  # a removed session has no bindings left to rebuild
             self._rebind()
 
-    def _call_session_hook(self, hook_name: str, include_disabled: bool = False, run_all: bool = False,
-                           **kwargs) -> List[Any]:
-        """Call ``hook_name`` on every plugin that implements it, in plugin order.
+    def _impl_of(self, plugin, hook_name: str):
+        return self._impls[(hook_name, id(plugin))]
 
-        ``run_all``: under ``on_error="raise"`` a failing plugin does not stop the others;
-        the first error is raised once all have run (later ones are named in its notes)."""
-        results = []
+    def _dispatch(self, hook_name: str, *, on_result=None, skip=None, include_disabled: bool = False,
+                  run_all: bool = False, **kwargs) -> None:
+        """Call a session-level hook on every plugin that implements it, in plugin order,
+        each given the arguments it asks for (``session`` always offered);
+        ``on_result(plugin_name, result)`` sees each result; failures go through
+        ``on_error``. ``run_all``: under ``on_error="raise"`` a failing plugin does not stop
+        the others; the first error is raised once all have run (later ones in its notes)."""
+        kwargs.setdefault("session", self)
         failed: List[Tuple[Any, BaseException]] = []
         for plugin in self._call_order.get(hook_name, []):
-            if self._key_of.get(id(plugin)) in self._disabled and not include_disabled:
+            name = self._key_of.get(id(plugin))
+            if (name in self._disabled and not include_disabled) or (skip is not None and skip(plugin)):
                 continue
             impl = self._impl_of(plugin, hook_name)
-            call_kwargs = {a: kwargs[a] for a in impl.argnames if a in kwargs}
             try:
-                res = impl.function(**call_kwargs)
-            except Exception as exc:  # noqa: BLE001
+                res = impl.function(**{a: kwargs[a] for a in impl.argnames if a in kwargs})
+                if on_result is not None:
+                    on_result(name, res)
+            except Exception as exc:  # noqa: BLE001 - on_error decides
                 if run_all and self.on_error == "raise":
                     failed.append((plugin, exc))
                 else:
                     self._plugin_failed(plugin, hook_name, exc)
-                continue
-            if res is not None:
-                results.append(res)
         if failed:
             plugin, exc = failed[0]
             try:
@@ -646,27 +648,6 @@ class Session:
                     if hasattr(exc, "add_note"):
                         exc.add_note(f"(hookplug plugin {self._key_of.get(id(other))!r} also raised in "
                                      f"{hook_name}: {type(other_exc).__name__}: {other_exc})")
-        return results
-
-    def _impl_of(self, plugin, hook_name: str):
-        return self._impls[(hook_name, id(plugin))]
-
-    def _dispatch(self, hook_name: str, *, on_result=None, skip=None, **kwargs) -> None:
-        """Call a session-level hook on every enabled plugin in order (each given the
-        arguments it asks for); ``on_result(plugin_name, result)`` sees each result;
-        failures go through ``on_error``."""
-        for plugin in self._call_order.get(hook_name, []):
-            name = self._key_of.get(id(plugin))
-            if name in self._disabled or (skip is not None and skip(plugin)):
-                continue
-            impl = self._impl_of(plugin, hook_name)
-            kwargs.setdefault("session", self)
-            try:
-                res = impl.function(**{a: kwargs[a] for a in impl.argnames if a in kwargs})
-                if on_result is not None:
-                    on_result(name, res)
-            except Exception as exc:  # noqa: BLE001 - on_error decides
-                self._plugin_failed(plugin, hook_name, exc)
 
     # -- binding -----------------------------------------------------------------------------
 
@@ -681,11 +662,11 @@ class Session:
 
     def _bind(self, model: nn.Module) -> None:
         self._resolve_hooks()
-        mods = dict(model.named_modules())
+        mods = dict(named_modules(model))
         for name in self._module_refs:
             self._bindings[name] = _ModuleBinding(name, self)
         params_by_id: Dict[int, str] = {}
-        for pname, p in model.named_parameters():
+        for pname, p in named_parameters(model):
             params_by_id.setdefault(id(p), pname)
         wanted_params: Dict[str, torch.Tensor] = {}
         param_plugins = set(id(p) for p in self._call_order["hookplug_param_grad"])
@@ -788,8 +769,8 @@ class Session:
             names = set()
             if model is not None:
                 ids = {id(p) for mn in self._plugin_modules.get(self._key_of[id(plugin)], [])
-                       for p in model.get_submodule(mn).parameters()}
-                names = {n for n, p in model.named_parameters() if id(p) in ids}
+                       for p in dict(named_modules(model))[mn].parameters()}
+                names = {n for n, p in named_parameters(model) if id(p) in ids}
             cache[key] = names
         return cache[key]
 
@@ -910,7 +891,7 @@ def attach(
                 plan[key] = (instance, [n for n, _ in matched], options)
         for n, m in matched:
             chosen.setdefault(n, m)
-    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    order = {n: i for i, (n, _) in enumerate(named_modules(model))}
     for n in sorted(chosen, key=order.__getitem__):
         session._module_refs[n] = weakref.ref(chosen[n])
 
@@ -923,7 +904,7 @@ def attach(
     try:
         session._bind(model)
         _forget_compiled_code(model)
-        session._call_session_hook("hookplug_session_start", session=session)
+        session._dispatch("hookplug_session_start")
     except BaseException:
         session.remove()
         raise

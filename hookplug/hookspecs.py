@@ -80,10 +80,12 @@ def hookplug_param_grad(ctx, name, param, grad):
 @hookspec
 def hookplug_collect(session, step):
     """Telemetry producers: return what was gathered since the last collection as a list
-    of ``(meta, TensorStats)`` pairs, ``meta`` being ``{"step": int, "module": str, "site":
-    str}``, or ``None``. The stats stay on the device: the session packs every pair into one
-    buffer, reduces it across ranks under ``torch.distributed``, copies it to the host in one
-    non-blocking transfer and turns it into flat records for the sinks."""
+    of :class:`hookplug.StatsBlock` (``metas`` + a ``[R, HEAD + B]`` tensor of stats rows,
+    e.g. a :class:`hookplug._bank.StatsBank` snapshot) and/or ``(meta, TensorStats)`` pairs,
+    ``meta`` being ``{"step": int, "module": str, "site": str, ...}``; or ``None``. The rows
+    stay on the device: the session concatenates them into one buffer, merges it across
+    ranks under ``torch.distributed``, copies it to the host in one non-blocking transfer
+    and turns it into flat records for the sinks (rows with numel 0 give no record)."""
 
 
 @hookspec

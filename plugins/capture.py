@@ -75,7 +75,7 @@ class _Slot:
 
 
 def _map_with_path(fn: Callable[[str, Any], Any], obj: Any, path: str, leaf=torch.Tensor) -> Any:
-    """``structures.map_tensors`` that also passes each leaf's ``iter_tensors`` path to ``fn``."""
+    """Rebuild a structure with ``fn`` applied to each tensor, also passing each leaf's ``iter_tensors`` path to ``fn``."""
     if isinstance(obj, leaf):
         return fn(path, obj)
     if isinstance(obj, dict):

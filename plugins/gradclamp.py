@@ -129,13 +129,15 @@ class GradClampPlugin(hookplug.Plugin):
 
     # -- the transform ---------------------------------------------------------------------------
 
-    def _apply(self, key: str, what: str, grad: torch.Tensor) -> torch.Tensor:
+    def _apply(self, key: str, what, grad: torch.Tensor) -> torch.Tensor:
+        """Steer ``grad``; ``what()`` names it in an error (built only then: reading
+        ctx.step per call would make compiled code recompile every step)."""
         if not grad.is_floating_point():
             return None
         g = grad
         if self.nan == "raise":
             if bool(torch.isnan(g).any()):  # the one deliberate sync
-                raise FloatingPointError(f"gradclamp: NaN in the gradient of {what}")
+                raise FloatingPointError(f"gradclamp: NaN in the gradient of {what()}")
         elif self.nan == "zero":
             g = torch.nan_to_num(g, nan=0.0, posinf=float("inf"), neginf=float("-inf"))
         if self.min is not None or self.max is not None:
@@ -193,14 +195,16 @@ class GradClampPlugin(hookplug.Plugin):
     @hookimpl
     def hookplug_output_grad(self, ctx, grad, path):
         return self._apply(
-            ctx.name, f"module {ctx.name!r} ({path}, call {ctx.call_index}, step {ctx.step})", grad
+            ctx.name,
+            lambda: f"module {ctx.name!r} ({path}, call {ctx.call_index}, step {ctx.step})",
+            grad,
         )
 
     @hookimpl
     def hookplug_param_grad(self, name, grad):
         if not self._matches(name):
             return None
-        return self._apply(name, f"parameter {name!r}", grad)
+        return self._apply(name, lambda: f"parameter {name!r}", grad)
 
     # -- results ---------------------------------------------------------------------------------
 

@@ -18,6 +18,15 @@ Options (keyword-only):
   its fixed range (required: per-call histograms are merged into one row).
 - ``max_pending_steps=1024``: how many ended steps wait for telemetry (``hookplug_collect``)
   when nobody flushes; older ones stay in ``results()`` only (one warning if a sink exists).
+- ``nonfinite="record"|"raise"``: ``"record"`` (default) reports the first NaN/Inf of a
+  step through telemetry (``first_nonfinite`` records, ``session.nonfinite``); ``"raise"``
+  also raises ``FloatingPointError`` at ``session.step()`` naming the module, site, phase
+  and step of the first non-finite value (execution order, forward and backward) of the
+  step that ended. On the CPU that step is checked at once; on an accelerator the bank's
+  ``first_bad`` column is copied to the host without blocking when the step ends and read
+  at the following ``step()`` (the error comes one step later, the loop never syncs).
+  The error goes through the session's ``on_error`` like any plugin error: under
+  ``on_error="warn"`` it becomes a warning and switches the stats plugin off.
 
 **The device-resident engine.** Every ``(module, path, phase)`` owns a row of a
 persistent float64 bank on the tensor's device (layout: :mod:`hookplug._stats`), assigned
@@ -53,7 +62,7 @@ import torch
 import hookplug
 from hookplug import hookimpl
 from hookplug._bank import MAX_BINS, StatsBank
-from hookplug._stats import TensorStats
+from hookplug._stats import FIRST_BAD, TensorStats
 from hookplug.structures import iter_tensors
 
 __all__ = ["StatsPlugin"]
@@ -61,6 +70,7 @@ __all__ = ["StatsPlugin"]
 _SITES = ("input", "output", "grad")
 _HISTS = ("log2", "linear")
 _PHASES = ("train", "eval")
+_NONFINITE = ("record", "raise")
 _STRIDED = torch.strided
 
 
@@ -79,6 +89,7 @@ class StatsPlugin(hookplug.Plugin):
         hist: str = "log2",
         range: Optional[Tuple[float, float]] = None,  # noqa: A002 - the op's own name
         max_pending_steps: int = 1024,
+        nonfinite: str = "record",
     ):
         if isinstance(sites, str):
             sites = (sites,)
@@ -118,7 +129,11 @@ class StatsPlugin(hookplug.Plugin):
             raise ValueError(
                 f"stats: max_pending_steps must be an int >= 1, got {max_pending_steps!r}"
             )
+        if nonfinite not in _NONFINITE:
+            raise ValueError(f"stats: nonfinite must be one of {_NONFINITE}, got {nonfinite!r}")
         self.sites = sites
+        self.nonfinite = nonfinite
+        self._bad_in_flight: list = []  # [(step, [(host column, event)])] copies not yet read
         self.bins = bins
         self.hist = hist
         self.range = range
@@ -141,6 +156,7 @@ class StatsPlugin(hookplug.Plugin):
     def reset(self) -> None:
         """Forget every stat gathered so far (pending telemetry included), in place."""
         self.bank.reset()
+        self._bad_in_flight.clear()
 
     @property
     def _keys(self):
@@ -221,8 +237,50 @@ class StatsPlugin(hookplug.Plugin):
     @hookimpl
     def hookplug_step(self, session, step):
         """The bank as a whole: snapshot the ended step, reset in place, fold into totals."""
+        before = self.bank.pending[-1] if self.bank.pending else None
         self.bank.end_step(step, warn_unflushed=session.has_sinks)
         self.bank.set_live(session.sampled)
+        if self.nonfinite == "raise":
+            ended = self.bank.pending[-1] if self.bank.pending else None
+            self._check_nonfinite(ended if ended is not before else None)
+
+    # -- nonfinite="raise" ---------------------------------------------------------------------
+
+    def _check_nonfinite(self, ended) -> None:
+        """Raise for the first non-finite value of an ended step: the step that just ended
+        when its rows are host memory, else the one whose ``first_bad`` column was copied to
+        the host at an earlier ``step()`` (read only once its copy is done: never a sync)."""
+        n = len(self.bank.keys)
+        found, now = [], []  # (clock, row, step)
+        if ended is not None and n:
+            step, snaps = ended
+            copies = []
+            for snap in snaps.values():
+                col = snap[1:n + 1, FIRST_BAD]
+                if col.device.type == "cpu":
+                    now += [(c, r, step) for r, c in enumerate(col.tolist()) if math.isfinite(c)]
+                else:
+                    copies.append(_host_copy(col))
+        else:
+            step, copies = None, []
+        # the copies started at earlier step()s (the one started now is read next time)
+        while self._bad_in_flight and not found:
+            old_step, old = self._bad_in_flight[0]
+            if not all(ev is None or ev.query() for _, ev in old):
+                break  # not there yet: look again at the next step()
+            self._bad_in_flight.pop(0)
+            for host, _ in old:
+                found += [(c, r, old_step) for r, c in enumerate(host.tolist()) if math.isfinite(c)]
+        if copies:
+            self._bad_in_flight.append((step, copies))
+        found = found or now  # an earlier step's first NaN/Inf is named first
+        if found:
+            _, row, step = min(found, key=lambda f: (f[2], f[0]))
+            module, site, phase = self.bank.keys[row]
+            raise FloatingPointError(
+                f"hookplug stats: step {step}: the first non-finite value (NaN/Inf) of the step "
+                f"appeared in module {module or '<root>'!r}, {site} ({phase}) "
+                "(stats option nonfinite='raise')")
 
     @hookimpl
     def hookplug_collect(self, session, step):
@@ -295,6 +353,18 @@ class StatsPlugin(hookplug.Plugin):
             if j == 0:
                 lines.append("  ".join("-" * w for w in widths))
         return "\n".join(lines)
+
+
+def _host_copy(col: torch.Tensor):
+    """``col`` copied into pinned host memory without blocking, and an event behind it."""
+    if col.is_cuda:
+        host = torch.empty(col.shape, dtype=col.dtype, pin_memory=True)
+        with torch.cuda.device(col.device):
+            host.copy_(col, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        return host, event
+    return col.to("cpu"), None  # other accelerators: their own copy semantics
 
 
 def _site_rank(site: str) -> int:

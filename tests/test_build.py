@@ -314,3 +314,19 @@ def test_module_level_imports_are_runtime_dependencies():
                     bad += [f"{os.path.relpath(path, ROOT)}: {m}" for m in mods
                             if m.split(".")[0] not in allowed]
     assert not bad, f"module-level imports outside the runtime dependencies: {bad}"
+
+
+@needs_checkout
+def test_every_package_is_listed_for_the_wheel():
+    """A package missing from [tool.setuptools] packages imports in a checkout but not from a wheel."""
+    meta = _toml(os.path.join(ROOT, "pyproject.toml"))["tool"]["setuptools"]
+    dirs = {name: os.path.join(ROOT, path) for name, path in meta["package-dir"].items()}
+    found = set()
+    for top in ("hookplug", "hookplug_plugins"):
+        base = dirs.get(top, os.path.join(ROOT, top))
+        for dirpath, _, files in os.walk(base):
+            if "__init__.py" in files and "__pycache__" not in dirpath:
+                rel = os.path.relpath(dirpath, base)
+                found.add(top if rel == "." else f"{top}.{rel.replace(os.sep, '.')}")
+    missing = sorted(found - set(meta["packages"]))
+    assert not missing, f"packages with an __init__.py missing from pyproject's packages: {missing}"

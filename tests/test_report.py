@@ -238,9 +238,11 @@ def test_tensorboard_writer(tmp_path, mlp_doc):
     writer.close()
     ea = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "histograms": 0})
     ea.Reload()
-    assert [e.step for e in ea.Scalars("stats/fc1/output/max")] == [0, 1]
-    assert "flops/fc2" in ea.Tags()["scalars"]
-    h = ea.Histograms("hist/fc1/output")[0].histogram_value
+    # the tensorboard sink's layout (hookplug._tb): one stat across layers in one group
+    assert [e.step for e in ea.Scalars("hookplug/max/fc1/output")] == [0, 1]
+    assert "hookplug/flops/fc2" in ea.Tags()["scalars"]
+    assert not [t for t in ea.Tags()["scalars"] if t.endswith("/numel")]
+    h = ea.Histograms("hookplug/hist/fc1/output")[0].histogram_value
     assert h.num == 16 * 64 and sum(h.bucket) == 16 * 64
 
 

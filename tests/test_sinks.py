@@ -16,6 +16,7 @@ from hookplug import _manager
 from hookplug.models import MLP
 
 from hookplug._telemetry import STAT_FIELDS as STATS  # noqa: E402
+from hookplug._tb import DEFAULT_SCALARS as TB_STATS  # noqa: E402
 
 
 class ListSink:
@@ -161,20 +162,48 @@ def test_tensorboard_event_files_read_back(tmp_path):
     acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0, "histograms": 0})
     acc.Reload()
     tags = acc.Tags()
-    assert len(tags["scalars"]) == 3 * len(STATS) and len(tags["histograms"]) == 3
+    # one stat across layers in one group: hookplug/<stat>/<module>/<site>; no constant numel
+    assert len(tags["scalars"]) == 3 * len(TB_STATS) and len(tags["histograms"]) == 3
+    assert "numel" not in TB_STATS and {"nan_count", "inf_count"} <= set(TB_STATS)
+    assert not [t for t in tags["scalars"] if "/numel/" in t]
     for rec in truth:
-        prefix = f"{rec['module']}/{rec['site']}"
-        for stat in STATS:
-            events = {e.step: e.value for e in acc.Scalars(f"{prefix}/{stat}")}
+        for stat in TB_STATS:
+            tag = f"hookplug/{stat}/{rec['module']}/{rec['site']}"
+            events = {e.step: e.value for e in acc.Scalars(tag)}
             want = float(rec[stat])
-            assert math.isclose(events[rec["step"]], want, rel_tol=1e-6, abs_tol=1e-30), (prefix, stat)
-        hist = {e.step: e.histogram_value for e in acc.Histograms(f"{prefix}/hist")}[rec["step"]]
+            assert math.isclose(events[rec["step"]], want, rel_tol=1e-6, abs_tol=1e-30), tag
+        tag = f"hookplug/hist/{rec['module']}/{rec['site']}"
+        hist = {e.step: e.histogram_value for e in acc.Histograms(tag)}[rec["step"]]
         assert list(hist.bucket) == rec["hist"]
         assert list(hist.bucket_limit) == rec["hist_edges"][1:]
         assert hist.num == rec["numel"] - rec["nan_count"]
         assert hist.min == rec["min"] and hist.max == rec["max"]
         n = rec["numel"] - rec["nan_count"] - rec["inf_count"]
         assert math.isclose(hist.sum, rec["mean"] * n, rel_tol=1e-9, abs_tol=1e-9)
+
+
+def test_tensorboard_sink_uses_a_given_writer_and_tags_eval(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(log_dir=str(tmp_path / "own"))
+    sink = _manager.create_plugin("tensorboard", {"writer": writer, "stats": ("max",)})
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with hookplug.attach(m, "Linear", plugins="stats", sink=sink) as s:
+        m(torch.randn(2, 4))
+        m.eval()
+        m(torch.randn(2, 4))
+        s.step()
+    writer.add_scalar("user/after", 1.0, 0)  # the sink flushed the writer, never closed it
+    writer.close()
+    acc = EventAccumulator(str(tmp_path / "own"), size_guidance={"scalars": 0, "histograms": 0})
+    acc.Reload()
+    scalars = set(acc.Tags()["scalars"])
+    assert {"hookplug/max/0/output", "hookplug_eval/max/0/output", "user/after"} <= scalars
+    assert {"hookplug/hist/0/output", "hookplug_eval/hist/0/output"} <= set(acc.Tags()["histograms"])
+    with pytest.raises(ValueError, match="not both"):
+        _manager.create_plugin("tensorboard", {"writer": writer, "path": str(tmp_path)})
 
 
 # -- prometheus --------------------------------------------------------------------------------------

@@ -76,11 +76,8 @@ at::Tensor tensor_stats_cuda(const at::Tensor& x, int64_t bins, int64_t hist_mod
 void stats_accumulate_cuda(const at::Tensor& x, const at::Tensor& acc, int64_t row,
                            const std::optional<at::Tensor>& gate, int64_t bins, int64_t hist_mode,
                            std::optional<double> lo, std::optional<double> hi) {
-  const StatsArgs a = check_stats_args(x, bins, hist_mode, lo, hi);
-  check_bank(x, acc, row, gate, a);
-  double* base = acc.data_ptr<double>();
-  launch(x, a, base + row * acc.size(1), base + kClock,
-         gate.has_value() ? gate->data_ptr<bool>() : nullptr, false);
+  const BankTarget t = bank_target(x, acc, row, gate, bins, hist_mode, lo, hi);
+  launch(x, t.a, t.row, t.clock, gate.has_value() ? gate->data_ptr<bool>() : nullptr, false);
 }
 
 }  // namespace

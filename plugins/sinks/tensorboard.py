@@ -3,13 +3,17 @@
     hookplug.attach(model, "Linear", plugins="stats", sink=("tensorboard", {"path": "runs/exp1"}))
 
 Writes through ``torch.utils.tensorboard.SummaryWriter`` into ``path`` (the log dir;
-unset: ``runs/<run-id>``; ``{rank}``/``{run_id}`` are filled in): one ``add_scalar`` per
-statistic under the tag ``<module>/<site>/<stat>`` (``stats=`` picks which; all of ``numel,
-nan_count, inf_count, zero_count, min, max, mean, std, absmax`` by default) and, when the
-record has a histogram, one ``add_histogram_raw`` under ``<module>/<site>/hist`` built from
-its buckets (``bucket_limits`` = the right edges; ``sum``/``sum_squares`` from the finite
-mean and std). ``global_step`` is the record's step and ``walltime`` its time. The writer is
-flushed after every telemetry flush, so TensorBoard sees the data while the run goes on.
+unset: ``runs/<run-id>``; ``{rank}``/``{run_id}`` are filled in), or through an existing
+writer (``writer=``, e.g. a Lightning ``TensorBoardLogger``'s ``experiment``; it is flushed,
+never closed, by the sink). The layout (:mod:`hookplug._tb`, shared with ``hookplug profile
+--tensorboard``) groups one statistic across layers: one ``add_scalar`` per statistic under
+``hookplug/<stat>/<module>/<site>`` (``hookplug_eval/...`` for eval-phase records; ``stats=``
+picks which: by default ``min, max, mean, std, absmax, rms, zero_fraction, nan_count,
+inf_count``, no constant ``numel``) and, when the record has a histogram, one
+``add_histogram_raw`` under ``hookplug/hist/<module>/<site>`` built from its buckets
+(``bucket_limits`` = the right edges; ``sum``/``sum_squares`` from the finite mean and std).
+``global_step`` is the record's step and ``walltime`` its time. The writer is flushed after
+every telemetry flush, so TensorBoard sees the data while the run goes on.
 
 Needs the ``tensorboard`` package: ``pip install hookplug[tensorboard]``.
 """
@@ -21,11 +25,12 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import hookplug
 from hookplug._optional import optional_import
+from hookplug._tb import DEFAULT_SCALARS, hist_tag, scalar_tag
 from hookplug._telemetry import STAT_FIELDS
 
 __all__ = ["TensorBoardSink"]
 
-STATS = STAT_FIELDS
+STATS = STAT_FIELDS  # what stats= may name
 
 
 def _summary_writer():
@@ -41,19 +46,34 @@ class TensorBoardSink:
 
     name = "tensorboard"
 
-    def __init__(self, path: Optional[str] = None, *, stats: Sequence[str] = STATS,
-                 histogram: bool = True, all_ranks: bool = False, flush_secs: int = 30):
+    def __init__(self, path: Optional[str] = None, *, stats: Sequence[str] = DEFAULT_SCALARS,
+                 histogram: bool = True, all_ranks: bool = False, flush_secs: int = 30,
+                 writer: Any = None):
+        if isinstance(stats, str):
+            stats = (stats,)
         unknown = [s for s in stats if s not in STATS]
         if unknown:
             raise ValueError(f"tensorboard sink: unknown stats {unknown}; choose from {list(STATS)}")
-        self._writer_cls = _summary_writer()  # fail at attach time, not at the first flush
+        if writer is not None:
+            if path is not None:
+                raise ValueError("tensorboard sink: give path= or writer=, not both")
+            if not (hasattr(writer, "add_scalar") and hasattr(writer, "add_histogram_raw")):
+                raise TypeError("tensorboard sink: writer= must be a SummaryWriter (add_scalar, "
+                                f"add_histogram_raw), got {type(writer).__name__}")
+            self._writer_cls = None
+        else:
+            self._writer_cls = _summary_writer()  # fail at attach time, not at the first flush
+        self._own_writer = writer is None
         self.path_option = None if path is None else os.fspath(path)
         self.stats = tuple(stats)
         self.histogram = bool(histogram)
         self.all_ranks = bool(all_ranks)
         self.flush_secs = flush_secs
         self.path: Optional[str] = None
-        self.writer = None
+        self.writer = writer
+        if writer is not None:
+            log_dir = getattr(writer, "log_dir", None) or getattr(writer, "logdir", None)
+            self.path = None if log_dir is None else os.fspath(log_dir)
 
     def _open(self, session, rank: int):
         if self.writer is None:
@@ -72,14 +92,16 @@ class TensorBoardSink:
             return
         w = self._open(session, records[0].get("rank", 0))
         for rec in records:
-            prefix = f"{rec['module'] or '<root>'}/{rec['site']}"
+            module, site, phase = rec["module"], rec["site"], rec.get("phase", "train")
             step, walltime = rec["step"], rec.get("time")
             for stat in self.stats:
-                w.add_scalar(f"{prefix}/{stat}", rec[stat], global_step=step, walltime=walltime)
+                w.add_scalar(scalar_tag(stat, module, site, phase), rec[stat], global_step=step,
+                             walltime=walltime)
             counts = rec.get("hist")
             edges = rec.get("hist_edges")
             if self.histogram and counts and edges:
-                self._histogram(w, f"{prefix}/hist", rec, counts, edges, step, walltime)
+                self._histogram(w, hist_tag(module, site, phase), rec, counts, edges, step,
+                                walltime)
         w.flush()
 
     @staticmethod
@@ -102,9 +124,14 @@ class TensorBoardSink:
         self.close()
 
     def close(self) -> None:
-        if self.writer is not None:
+        """Close the writer the sink opened (a ``writer=`` given to it is only flushed)."""
+        if self.writer is None:
+            return
+        if self._own_writer:
             self.writer.close()
             self.writer = None
+        else:
+            self.writer.flush()
 
     def __repr__(self) -> str:
         return f"<TensorBoardSink {self.path or self.path_option or '(runs/<run-id>)'}>"

@@ -1,0 +1,104 @@
+"""``HookplugCallback``: hookplug in a Lightning ``Trainer``.
+
+    from hookplug.integrations.lightning import HookplugCallback
+    cb = HookplugCallback("Linear", plugins=["stats"], sink="tensorboard", flush_every=10)
+    trainer = lightning.Trainer(callbacks=[cb], logger=TensorBoardLogger("tb_logs"), ...)
+    trainer.fit(model, ...)
+    cb.session.nonfinite            # also after fit: the session is removed, its data kept
+
+- attaches to the ``LightningModule`` when training starts (``on_train_start``: after the
+  sanity check, whose forwards are not training), with ``selector``, ``plugins`` and any
+  :func:`hookplug.attach` keyword (``config=``, ``every=``, ``sink=``, ``flush_every=``...);
+- ends a hookplug step on every optimizer step (``trainer.global_step`` advanced; with
+  ``accumulate_grad_batches=k`` once per k batches), numbered as Lightning logs it: the
+  step ending with global step ``g`` is ``g - 1`` (Lightning's ``self.log`` step of that
+  batch). The step is ended when the next batch starts or training ends, so validation
+  run right after it is recorded with the same step and ``phase="eval"`` (Lightning puts
+  the module in eval mode; the core tags it);
+- a ``"tensorboard"`` sink given no ``path``/``writer`` writes through the trainer's
+  TensorBoard ``SummaryWriter`` (``trainer.logger.experiment`` of a ``TensorBoardLogger``),
+  so hookplug's ``hookplug/<stat>/<module>/<site>`` scalars sit beside the run's own;
+- removes the session when fitting ends (or on an exception); ``callback.session`` stays
+  readable (results, ``nonfinite``).
+
+Needs ``lightning`` (or ``pytorch_lightning``): ``pip install 'hookplug[lightning]'``.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from hookplug._optional import optional_import
+
+from . import _PendingStep, _sink_with_writer
+
+try:  # the unified package first, then the standalone one
+    import lightning.pytorch as _pl
+except ImportError:
+    try:
+        import pytorch_lightning as _pl
+    except ImportError:
+        (_pl,) = optional_import("lightning.pytorch", feature="hookplug.integrations.lightning",
+                                 extra="lightning", package="lightning")
+
+__all__ = ["HookplugCallback"]
+
+
+def _tensorboard_writer(trainer) -> Optional[Any]:
+    loggers = list(getattr(trainer, "loggers", None) or [])
+    for logger in loggers:
+        if type(logger).__name__ == "TensorBoardLogger":
+            return logger.experiment
+    return None
+
+
+class HookplugCallback(_pl.Callback):
+    """Attach hookplug for the length of ``trainer.fit`` (see the module docstring)."""
+
+    def __init__(self, selector: Any = "*", plugins: Any = None, **attach_kwargs: Any):
+        super().__init__()
+        self.selector = selector
+        self.plugins = plugins
+        self.attach_kwargs = dict(attach_kwargs)
+        self.session = None
+        self._steps = _PendingStep()
+        self._seen_global_step = 0
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def on_train_start(self, trainer, pl_module) -> None:
+        import hookplug
+
+        if self.session is not None and not self.session.removed:
+            return
+        kwargs = dict(self.attach_kwargs)
+        if "sink" in kwargs:
+            kwargs["sink"], _ = _sink_with_writer(kwargs["sink"], _tensorboard_writer(trainer))
+        self.session = hookplug.attach(pl_module, self.selector, self.plugins, **kwargs)
+        self._steps = _PendingStep()
+        self._steps.session = self.session
+        self._seen_global_step = trainer.global_step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._steps.commit()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        g = trainer.global_step
+        if g != self._seen_global_step:  # an optimizer step happened in this batch
+            self._seen_global_step = g
+            self._steps.end(g - 1)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._steps.commit()
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self._remove()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._remove()
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        self._remove()
+
+    def _remove(self) -> None:
+        if self.session is not None and not self.session.removed:
+            self._steps.commit()
+            self.session.remove()

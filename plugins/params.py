@@ -1,0 +1,480 @@
+"""``params``: statistics of the parameters of selected modules — weights, gradients and
+updates — exact under DDP, FSDP2 and HSDP without gathering a tensor.
+
+    opt = torch.optim.AdamW(model.parameters())
+    with hookplug.attach(model, "Linear", plugins=("params", {"params": "*.weight"})) as s:
+        for x in data:
+            model(x).sum().backward()
+            opt.step()          # params measures here: weight + grad before, update after
+            opt.zero_grad()
+            s.step()            # the training step ends after optimizer.step()
+    st = s["params"].results()["fc1.weight"]["grad"]       # a hookplug.TensorStats
+    st.l2, st.rms, st.zero_fraction                         # device tensors
+    s["params"].update_to_weight()["fc1.weight"]            # update.l2 / weight.l2
+
+Options (keyword-only):
+
+- ``sites=("weight", "grad", "update")``: any subset; a single string is accepted.
+- ``params="*"``: a glob (``fnmatch``) or a list of globs on the qualified parameter name
+  (``"*.weight"``, ``"encoder.*"``). The parameters are those of the selected modules
+  (their children's included), named as in the unwrapped model.
+- ``bins``, ``hist``, ``range``, ``max_pending_steps``: as for ``stats``.
+- ``optimizer=None``: by default every ``torch.optim.Optimizer`` that holds a selected
+  parameter is observed through torch's global optimizer step hooks; pass an optimizer (or
+  a list) to observe only those.
+- ``plain_tensors="replicated"``: how a plain (non-DTensor) parameter is counted under
+  ``torch.distributed``: ``"replicated"`` (DDP, or any data-parallel copy: one rank
+  counts it) or ``"distinct"`` (each rank's tensor is a different piece, e.g. hand-made
+  model parallelism: every rank counts its own).
+
+**When it measures (the call order).** Weights and gradients are measured in the
+optimizer's step pre-hook: after backward, after DDP's all-reduce / FSDP2's
+reduce-scatter, after gradient accumulation over micro-batches, after clipping and
+``GradScaler`` unscaling — i.e. the gradient the optimizer is about to use. The update is
+``weight after - weight before`` the optimizer step (the step post-hook). Call
+``session.step()`` after ``optimizer.step()``: what the optimizer did belongs to the step
+that ends there. A parameter no optimizer step touched during a training step (no
+optimizer, or ``GradScaler`` skipping a step) is measured at ``session.step()`` (weight and
+``p.grad`` if it is still set); without any optimizer the update is the change between two
+``session.step()`` calls. The per-micro-batch gradient tensor hook is not used: it sees the
+local, not yet reduced gradient, and FSDP2's sharded parameters get none.
+
+**Memory.** ``"update"`` keeps one copy of the (local shard of the) selected parameters
+between the two optimizer hooks; leave it out of ``sites`` to save that memory. Under
+replication the copy is kept only on the rank that counts the parameter.
+
+**Sharding-exact.** Every rank measures what it holds and telemetry merges the rows across
+ranks (one packed collective per flush, with every other producer's rows): counts add,
+min/max combine, mean and M2 by the parallel formula — exactly the statistics of the whole
+parameter, with no gather. A DTensor contributes its local shard (``to_local()``) on the
+ranks whose coordinate on each ``Replicate()`` mesh dimension is the parameter's owner
+(parameters are spread round-robin over replicas); a plain tensor under DDP is counted on
+its owner rank only, so a replicated tensor is never counted once per rank. A rank whose
+shard is empty keeps its (empty) rows, so every rank flushes the same layout.
+``results()`` is this rank's part only (unmerged under torch.distributed): the exact
+numbers are in the telemetry records (``session.flush()`` returns them; records have
+``module`` = the parameter name, ``site`` = ``"weight"``/``"grad"``/``"update"``,
+``phase="train"``, and ``update_to_weight`` on ``"update"`` records when ``"weight"`` is
+measured too).
+
+**Compile and CUDA graphs.** Nothing runs in the model's forward or backward, so a
+compiled model is unaffected. Measurement is eager Python in the optimizer hooks (one
+``stats_accumulate_`` op per parameter and site into preallocated rows, no host sync; the
+update copy is preallocated and reused), so a CUDA-graph-captured or ``torch.compile``'d
+``optimizer.step`` is not observed from inside the graph: measured only at
+``session.step()`` then (weight and grad; update without optimizer hooks).
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+import hookplug
+from hookplug import hookimpl
+from hookplug._bank import MAX_BINS, StatsBank
+from hookplug._selectors import clean_name
+from hookplug._stats import NUMEL, TensorStats
+
+__all__ = ["ParamsPlugin"]
+
+_SITES = ("weight", "grad", "update")
+_HISTS = ("log2", "linear")
+_PLAIN = ("replicated", "distinct")
+
+try:  # torch >= 2.4
+    from torch.distributed.tensor import DTensor as _DTensor
+except Exception:  # pragma: no cover - older torch / no distributed
+    try:
+        from torch.distributed._tensor import DTensor as _DTensor
+    except Exception:
+        _DTensor = None
+
+
+def _dist():
+    d = torch.distributed
+    if d.is_available() and d.is_initialized():
+        return d
+    return None
+
+
+class _Param:
+    """One selected parameter: where to find it (the module and attribute, so wrappers
+    that swap parameter objects, like FSDP2, are followed), its row keys and its owner."""
+
+    __slots__ = ("name", "module_ref", "attr", "index", "prev", "done", "keys")
+
+    def __init__(self, name: str, module, attr: str, index: int):
+        self.name = name
+        self.module_ref = weakref.ref(module)
+        self.attr = attr
+        self.index = index
+        self.prev: Optional[torch.Tensor] = None  # the weight before the update (local part)
+        self.done = False  # measured in the current step
+        self.keys = {s: (name, s) for s in _SITES}
+
+    def tensor(self) -> Optional[torch.Tensor]:
+        mod = self.module_ref()
+        return None if mod is None else getattr(mod, self.attr, None)
+
+
+class ParamsPlugin(hookplug.Plugin):
+    """Per parameter and site, a :class:`hookplug.TensorStats` of the weight, its gradient
+    and its update. See the module docstring for the options and the call order."""
+
+    name = "params"
+    sampled = False  # sampling is the bank's gate
+    all_ranks = True  # hookplug_flush adds update_to_weight to every rank's records
+
+    def __init__(
+        self,
+        *,
+        sites: Sequence[str] = _SITES,
+        params: Any = "*",
+        bins: Optional[int] = None,
+        hist: str = "log2",
+        range: Optional[Tuple[float, float]] = None,  # noqa: A002 - the op's own name
+        max_pending_steps: int = 1024,
+        optimizer: Any = None,
+        plain_tensors: str = "replicated",
+    ):
+        if isinstance(sites, str):
+            sites = (sites,)
+        try:
+            sites = tuple(sites)
+        except TypeError:
+            raise ValueError(f"params: sites must be a string or a sequence of {_SITES}, "
+                             f"got {sites!r}") from None
+        if not sites or any(s not in _SITES for s in sites):
+            raise ValueError(f"params: sites must be a non-empty subset of {_SITES}, got {sites!r}")
+        if isinstance(params, str):
+            params = (params,)
+        try:
+            params = tuple(params)
+        except TypeError:
+            params = None
+        if not params or not all(isinstance(g, str) for g in params):
+            raise ValueError(f"params: params must be a glob or a list of globs on parameter "
+                             f"names, got {params!r}")
+        if bins is not None and (not isinstance(bins, int) or isinstance(bins, bool) or bins < 0
+                                 or bins > MAX_BINS):
+            raise ValueError(f"params: bins must be None or an int in [0, {MAX_BINS}], got {bins!r}")
+        if hist not in _HISTS:
+            raise ValueError(f"params: hist must be one of {_HISTS}, got {hist!r}")
+        if range is not None:
+            try:
+                lo, hi = (float(v) for v in range)
+            except (TypeError, ValueError):
+                raise ValueError(f"params: range must be None or (lo, hi), got {range!r}") from None
+            if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+                raise ValueError(f"params: range must be finite with lo < hi, got {range!r}")
+            range = (lo, hi)
+        if hist == "linear" and range is None and bins != 0:
+            raise ValueError("params: hist='linear' needs range=(lo, hi) (rows merge over steps "
+                             "and ranks, which needs the same bucket edges), or use hist='log2'")
+        if plain_tensors not in _PLAIN:
+            raise ValueError(f"params: plain_tensors must be one of {_PLAIN}, got {plain_tensors!r}")
+        if optimizer is not None:
+            opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+            bad = [o for o in opts if not isinstance(o, torch.optim.Optimizer)]
+            if bad:
+                raise ValueError(f"params: optimizer must be None, a torch.optim.Optimizer or a "
+                                 f"list of them, got {type(bad[0]).__name__}")
+            optimizer = opts
+        self.sites = sites
+        self.globs = params
+        self.plain_tensors = plain_tensors
+        self._optimizers = optimizer
+        self.bank = StatsBank(bins=bins, hist=hist, range=range,
+                              max_pending_steps=max_pending_steps, who=self.name)
+        self._params: List[_Param] = []
+        self._by_id: Dict[int, _Param] = {}
+        self._opt_cache: Dict[int, Tuple[int, List[_Param]]] = {}
+        self._handles: List[Any] = []
+        self._session_ref = None
+        self._opt_seen = False
+        self._last: Optional[Dict[torch.device, torch.Tensor]] = None
+        self._warned_partial = False
+
+    # -- which parameters ------------------------------------------------------------------------
+
+    def _select(self, session) -> None:
+        model = session.model
+        seen = set()
+        found: List[Tuple[str, Any, str]] = []
+        owner: Dict[int, Tuple[str, Any, str]] = {}
+        if model is not None:
+            for mname, mod in model.named_modules(remove_duplicate=False):
+                for attr, p in mod.named_parameters(recurse=False, remove_duplicate=False):
+                    if id(p) not in owner:
+                        owner[id(p)] = (clean_name(f"{mname}.{attr}" if mname else attr), mod, attr)
+        for mod in session.modules_of(self).values():
+            for p in mod.parameters():
+                if id(p) in seen or id(p) not in owner:
+                    continue
+                seen.add(id(p))
+                name, m, attr = owner[id(p)]
+                if any(fnmatch.fnmatchcase(name, g) for g in self.globs):
+                    found.append((name, m, attr))
+        found.sort(key=lambda f: f[0])  # the same order (and rows) on every rank
+        self._params = [_Param(n, m, a, i) for i, (n, m, a) in enumerate(found)]
+
+    def _local(self, pr: _Param, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The part of ``t`` this rank counts (None: nothing)."""
+        if t is None:
+            return None
+        if _DTensor is not None and isinstance(t, _DTensor):
+            coord = t.device_mesh.get_coordinate()
+            if coord is None:
+                return None
+            for dim, pl in enumerate(t.placements):
+                if pl.is_replicate():
+                    if coord[dim] != pr.index % t.device_mesh.size(dim):
+                        return None
+                elif pl.is_partial():
+                    if not self._warned_partial:
+                        self._warned_partial = True
+                        import warnings
+                        warnings.warn(f"hookplug plugin 'params': {pr.name} is a DTensor with a "
+                                      f"Partial placement ({t.placements}); partial sums have no "
+                                      "mergeable statistics, it is skipped", RuntimeWarning)
+                    return None
+            t = t.to_local()
+        elif self._world > 1 and self.plain_tensors == "replicated":
+            if self._rank != pr.index % self._world:
+                return None
+        if not t.is_floating_point() or t.layout is not torch.strided:
+            return None
+        return t.detach()
+
+    # -- measuring ---------------------------------------------------------------------------------
+
+    def _measure(self, prs, *, snapshot: bool) -> None:
+        """Weight and grad of ``prs`` (and the weight copy for the update)."""
+        bank, sites = self.bank, self.sites
+        for pr in prs:
+            pr.done = True
+            p = pr.tensor()
+            w = self._local(pr, p)
+            if w is None:
+                continue
+            if "weight" in sites:
+                bank.accumulate(w, pr.keys["weight"])
+            if "grad" in sites:
+                g = self._local(pr, p.grad)
+                if g is not None:
+                    bank.accumulate(g, pr.keys["grad"])
+            if snapshot:
+                self._snapshot(pr, w)
+
+    def _snapshot(self, pr: _Param, w: torch.Tensor) -> None:
+        prev = pr.prev
+        if prev is None or prev.shape != w.shape or prev.dtype != w.dtype or prev.device != w.device:
+            pr.prev = w.clone()
+        else:
+            prev.copy_(w)
+
+    def _update(self, prs) -> None:
+        for pr in prs:
+            prev = pr.prev
+            if prev is None:
+                continue
+            w = self._local(pr, pr.tensor())
+            if w is None or w.shape != prev.shape:
+                continue
+            torch.sub(w, prev, out=prev)  # prev now holds the update (refilled before the next)
+            self.bank.accumulate(prev, pr.keys["update"])
+
+    def _of_optimizer(self, opt) -> List[_Param]:
+        n = sum(len(g["params"]) for g in opt.param_groups)
+        hit = self._opt_cache.get(id(opt))
+        if hit is not None and hit[0] == n:
+            return hit[1]
+        ids = {id(p) for g in opt.param_groups for p in g["params"]}
+        prs = []
+        for pr in self._params:
+            t = pr.tensor()
+            if t is not None and id(t) in ids:
+                prs.append(pr)
+        self._opt_cache[id(opt)] = (n, prs)
+        return prs
+
+    def _opt_pre(self, opt, args=None, kwargs=None):
+        if not self.bank.live or self._removed():
+            return None
+        prs = self._of_optimizer(opt)
+        if prs:
+            self._opt_seen = True
+            self._measure(prs, snapshot="update" in self.sites)
+        return None
+
+    def _opt_post(self, opt, args=None, kwargs=None):
+        if not self.bank.live or "update" not in self.sites or self._removed():
+            return None
+        prs = self._of_optimizer(opt)
+        if prs:
+            self._update(prs)
+        return None
+
+    def _removed(self) -> bool:
+        s = self._session_ref() if self._session_ref is not None else None
+        return s is None or s.removed
+
+    # -- session -----------------------------------------------------------------------------------
+
+    @hookimpl
+    def hookplug_session_start(self, session):
+        self._session_ref = weakref.ref(session)
+        d = _dist()
+        self._rank = d.get_rank() if d is not None else 0
+        self._world = d.get_world_size() if d is not None else 1
+        self._select(session)
+        # every row now, in name order: the same layout on every rank, whatever each holds
+        for pr in self._params:
+            for s in self.sites:
+                self.bank.row_of(pr.keys[s])
+        device = None
+        for pr in self._params:
+            t = pr.tensor()
+            if t is not None:
+                device = t.device if not (_DTensor is not None and isinstance(t, _DTensor)) \
+                    else t.to_local().device
+                break
+        self.bank.prepare(device)
+        self.bank.set_live(session.sampled)
+        if self._optimizers is None:
+            from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                               register_optimizer_step_pre_hook)
+            self._handles = [register_optimizer_step_pre_hook(self._opt_pre),
+                             register_optimizer_step_post_hook(self._opt_post)]
+        else:
+            self._handles = []
+            for opt in self._optimizers:
+                self._handles += [opt.register_step_pre_hook(self._opt_pre),
+                                  opt.register_step_post_hook(self._opt_post)]
+        if "update" in self.sites and session.sampled:  # the baseline without an optimizer
+            for pr in self._params:
+                w = self._local(pr, pr.tensor())
+                if w is not None:
+                    self._snapshot(pr, w)
+
+    @hookimpl
+    def hookplug_step(self, session, step):
+        if self.bank.live:
+            todo = [pr for pr in self._params if not pr.done]
+            if todo:
+                if not self._opt_seen and "update" in self.sites:
+                    self._update(todo)  # no optimizer: the change since the last step()
+                self._measure(todo, snapshot=False)
+        for pr in self._params:
+            pr.done = False
+        self.bank.end_step(step, warn_unflushed=self._other_sinks(session))
+        if self.bank.pending:
+            self._last = self.bank.pending[-1][1]
+        live_next = session.sampled
+        if "update" in self.sites and not self._opt_seen and live_next:
+            for pr in self._params:  # the baseline of the next step's update
+                w = self._local(pr, pr.tensor())
+                if w is not None:
+                    self._snapshot(pr, w)
+        self.bank.set_live(live_next)
+
+    def _other_sinks(self, session) -> bool:
+        return any(p is not self for p in session._call_order.get("hookplug_flush", ()))
+
+    @hookimpl
+    def hookplug_session_end(self, session):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for pr in self._params:
+            pr.prev = None  # the update copies' memory
+
+    @hookimpl
+    def hookplug_collect(self, session, step):
+        if session.removed:
+            self.bank.end_step(session.step_index)
+        return self.bank.collect(
+            lambda key, st: {"step": st, "module": key[0], "site": key[1], "phase": "train"}) or None
+
+    @hookimpl
+    def hookplug_flush(self, records):
+        """Adds ``update_to_weight`` (update.l2 / weight.l2, from the merged rows) to the
+        ``"update"`` records of this plugin before the sinks see them."""
+        names = self._names
+        weight = {(r["step"], r["module"]): r["l2"] for r in records
+                  if r.get("site") == "weight" and r["module"] in names}
+        for r in records:
+            if r.get("site") == "update" and r["module"] in names:
+                w = weight.get((r["step"], r["module"]))
+                if w is not None:
+                    r["update_to_weight"] = r["l2"] / w if w > 0 else math.nan
+
+    @property
+    def _names(self) -> set:
+        return {pr.name for pr in self._params}
+
+    # -- results -----------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        self.bank.reset()
+        self._last = None
+        for pr in self._params:
+            for s in self.sites:
+                self.bank.row_of(pr.keys[s])
+
+    def _rows(self, over: str) -> Optional[torch.Tensor]:
+        n = len(self.bank.keys)
+        if not n or not self.bank._devices:
+            return None
+        dev = next(iter(self.bank._devices.values()))  # parameters live on one device
+        if over == "all":
+            from hookplug._stats import merge_rows
+            return merge_rows(torch.stack([dev.totals[1:n + 1], dev.acc[1:n + 1]]))
+        cur = dev.acc[1:n + 1]
+        if self._last is None:
+            return cur
+        last = next(iter(self._last.values()))[1:n + 1]
+        return torch.where((cur[:, NUMEL] > 0)[:, None], cur, last)
+
+    def results(self, over: str = "step") -> Dict[str, Dict[str, TensorStats]]:
+        """``{param: {site: TensorStats}}`` of this rank (unmerged under torch.distributed:
+        the exact merged numbers are in the telemetry records). ``over="step"``: the step
+        in progress if it measured anything, else the last one that ended; ``over="all"``:
+        merged over every step."""
+        if over not in ("step", "all"):
+            raise ValueError(f"params.results: over must be 'step' or 'all', got {over!r}")
+        rows = self._rows(over)
+        if rows is None:
+            return {}
+        touched = (rows[:, NUMEL] > 0).tolist()
+        out: Dict[str, Dict[str, TensorStats]] = {}
+        for i, key in enumerate(self.bank.keys):
+            if touched[i]:
+                out.setdefault(key[0], {})[key[1]] = TensorStats(rows[i], self.bank.kind)
+        return out
+
+    def update_to_weight(self, over: str = "step") -> Dict[str, torch.Tensor]:
+        """``{param: update.l2 / weight.l2}`` (0-d device tensors) where both are measured."""
+        out = {}
+        for name, sites in self.results(over).items():
+            if "update" in sites and "weight" in sites:
+                out[name] = sites["update"].l2 / sites["weight"].l2
+        return out
+
+    def report(self) -> str:
+        res = self.results()
+        if not res:
+            return ""
+        lines = [f"{'parameter':<40} {'site':<7} {'numel':>10} {'l2':>11} {'rms':>11} "
+                 f"{'absmax':>11} {'zero%':>7}"]
+        for name, sites in res.items():
+            for site, st in sites.items():
+                d = st.to_dict()
+                lines.append(f"{name:<40} {site:<7} {d['numel']:>10} {d['l2']:>11.4g} "
+                             f"{d['rms']:>11.4g} {d['absmax']:>11.4g} "
+                             f"{100 * d['zero_fraction']:>6.2f}%")
+        return "\n".join(lines)

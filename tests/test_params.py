@@ -1,0 +1,173 @@
+"""The ``params`` plugin in one process: weight / grad / update stats equal plain torch."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import hookplug
+
+
+def model_and_data(seed=0):
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(32, 8)
+    return m, x
+
+
+def ref(t):
+    t = t.detach().double().reshape(-1)
+    return {"numel": t.numel(), "zero_count": int((t == 0).sum()), "min": float(t.min()),
+            "max": float(t.max()), "mean": float(t.mean()), "std": float(t.std(correction=0)),
+            "l2": float(torch.linalg.vector_norm(t)), "rms": float(t.square().mean().sqrt()),
+            "absmax": float(t.abs().max())}
+
+
+def check(st, want):
+    d = st.to_dict()
+    assert d["numel"] == want["numel"] and d["zero_count"] == want["zero_count"]
+    for k in ("min", "max", "absmax"):
+        assert d[k] == want[k], (k, d[k], want[k])
+    for k in ("mean", "std", "l2", "rms"):
+        assert math.isclose(d[k], want[k], rel_tol=1e-6, abs_tol=1e-9), (k, d[k], want[k])
+    assert math.isclose(d["zero_fraction"], want["zero_count"] / want["numel"])
+
+
+def test_registered():
+    assert "params" in hookplug.plugin_names()
+
+
+@pytest.mark.parametrize("opt_kind", ["sgd", "adamw"])
+def test_weight_grad_update_equal_plain_torch(opt_kind):
+    m, x = model_and_data()
+    opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) if opt_kind == "sgd"
+           else torch.optim.AdamW(m.parameters(), lr=1e-2))
+    with hookplug.attach(m, "Linear", plugins="params") as s:
+        for step in range(3):
+            opt.zero_grad()
+            m(x * (step + 1)).square().mean().backward()
+            before = {n: p.detach().clone() for n, p in m.named_parameters()}
+            grads = {n: p.grad.detach().clone() for n, p in m.named_parameters()}
+            opt.step()
+            res = s["params"].results()
+            assert set(res) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+            for n, p in m.named_parameters():
+                check(res[n]["weight"], ref(before[n]))
+                check(res[n]["grad"], ref(grads[n]))
+                check(res[n]["update"], ref(p.detach() - before[n]))
+                ratio = s["params"].update_to_weight()[n]
+                want = torch.linalg.vector_norm((p.detach() - before[n]).double()) / \
+                    torch.linalg.vector_norm(before[n].double())
+                assert math.isclose(float(ratio), float(want), rel_tol=1e-6)
+            s.step()
+            # after the step ended, results() shows that step until the next measures
+            check(s["params"].results()["0.weight"]["weight"], ref(before["0.weight"]))
+        recs = s.flush()
+    by = {(r["step"], r["module"], r["site"]): r for r in recs}
+    assert len(recs) == 3 * 4 * 3
+    assert {r["phase"] for r in recs} == {"train"}
+    for (step, name, site), r in by.items():
+        if site == "update":
+            w = by[(step, name, "weight")]
+            assert math.isclose(r["update_to_weight"], r["l2"] / w["l2"])
+        else:
+            assert "update_to_weight" not in r
+
+
+def test_glob_and_sites_and_grad_accumulation():
+    m, x = model_and_data()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with hookplug.attach(m, "Linear", plugins=("params", {"params": "*.weight", "sites": "grad"})) as s:
+        for xb in x.chunk(4):  # 4 micro-batches, one optimizer step
+            m(xb).square().mean().backward()
+        grads = {n: p.grad.detach().clone() for n, p in m.named_parameters()}
+        opt.step()
+        res = s["params"].results()
+        assert set(res) == {"0.weight", "2.weight"}
+        assert all(set(v) == {"grad"} for v in res.values())
+        for n in res:  # the accumulated gradient, the one the optimizer used
+            check(res[n]["grad"], ref(grads[n]))
+        s.step()
+
+
+def test_l2_equals_total_norm_reference():
+    m, x = model_and_data(3)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with hookplug.attach(m, "*", plugins=("params", {"sites": ("grad",)})) as s:
+        m(x).sum().backward()
+        total = torch.nn.utils.get_total_norm([p.grad for p in m.parameters()]) \
+            if hasattr(torch.nn.utils, "get_total_norm") else \
+            torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in m.parameters()]))
+        opt.step()
+        res = s["params"].results()
+        for n, p in m.named_parameters():
+            assert math.isclose(float(res[n]["grad"].l2), float(torch.linalg.vector_norm(p.grad)),
+                                rel_tol=1e-6)
+        mine = math.sqrt(sum(float(v["grad"].l2) ** 2 for v in res.values()))
+        assert math.isclose(mine, float(total), rel_tol=1e-6)
+
+
+def test_without_optimizer_measures_at_step_and_update_between_steps():
+    m, x = model_and_data()
+    with hookplug.attach(m, "Linear", plugins=("params", {"params": "0.weight"})) as s:
+        w0 = m[0].weight.detach().clone()
+        m(x).sum().backward()
+        with torch.no_grad():
+            for p in m.parameters():
+                p -= 0.5 * p.grad
+        g = m[0].weight.grad.detach().clone()
+        s.step()
+        res = s["params"].results()["0.weight"]
+        check(res["weight"], ref(m[0].weight))
+        check(res["grad"], ref(g))
+        check(res["update"], ref(m[0].weight.detach() - w0))
+
+
+def test_every_n_samples_steps_and_bad_options():
+    m, x = model_and_data()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with hookplug.attach(m, "Linear", plugins="params", every=2) as s:
+        for _ in range(4):
+            m(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            s.step()
+        recs = s.flush()
+    assert sorted({r["step"] for r in recs}) == [0, 2]
+    with pytest.raises(ValueError, match="sites"):
+        hookplug.attach(m, "Linear", plugins=("params", {"sites": "output"}))
+    with pytest.raises(ValueError, match="plain_tensors"):
+        hookplug.attach(m, "Linear", plugins=("params", {"plain_tensors": "x"}))
+
+
+def test_explicit_optimizer_only_that_one_and_hooks_removed():
+    m, x = model_and_data()
+    opt_a = torch.optim.SGD(m[0].parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(m[2].parameters(), lr=0.1)
+    s = hookplug.attach(m, "Linear", plugins=("params", {"optimizer": opt_a, "sites": "update"}))
+    m(x).sum().backward()
+    opt_a.step()
+    opt_b.step()
+    assert set(s["params"].results()) == {"0.weight", "0.bias"}
+    s.remove()
+    assert not opt_a._optimizer_step_pre_hooks and not opt_a._optimizer_step_post_hooks
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+    n_global = len(_global_optimizer_pre_hooks)
+    s2 = hookplug.attach(m, "Linear", plugins="params")
+    assert len(_global_optimizer_pre_hooks) == n_global + 1
+    s2.remove()
+    assert len(_global_optimizer_pre_hooks) == n_global
+
+
+def test_wrapper_names_are_cleaned():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    m, x = model_and_data()
+    m[0] = checkpoint_wrapper(m[0])
+    assert [n for n, _ in hookplug.select(m, "Linear")] == ["0", "2"]
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with hookplug.attach(m, "Linear", plugins=["params", "stats"]) as s:
+        m(x).sum().backward()
+        opt.step()
+        assert set(s["params"].results()) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+        assert set(s["stats"].results()) == {"0", "2"}

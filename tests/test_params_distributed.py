@@ -1,0 +1,161 @@
+"""The ``params`` plugin under torch.distributed (gloo, CPU processes on 127.0.0.1): the
+records of a DDP / FSDP2 / HSDP run equal those of the same model trained unsharded in one
+process (counts exact, float fields to 1e-6 relative), with one packed collective per flush
+and no gather of parameters or gradients. ``head`` has one output row, so under FSDP2 a rank
+holds an empty shard of it and still takes part in every collective."""
+import json
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+import hookplug
+
+STEPS = 3
+BATCH = 16
+SITES = ("weight", "grad", "update")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(12, 16)
+        self.fc2 = nn.Linear(16, 8)
+        self.head = nn.Linear(8, 1)  # fewer rows than ranks: an empty shard under FSDP2
+
+    def forward(self, x):
+        return self.head(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def make_model():
+    torch.manual_seed(0)
+    return Net().double()
+
+
+def batches():
+    g = torch.Generator().manual_seed(1234)
+    return [(torch.randn(BATCH, 12, generator=g, dtype=torch.float64),
+             torch.randn(BATCH, 1, generator=g, dtype=torch.float64)) for _ in range(STEPS)]
+
+
+class DumpSink:
+    name = "dump"
+    all_ranks = True
+
+    def __init__(self):
+        self.records = []
+
+    @hookplug.hookimpl
+    def hookplug_flush(self, records):
+        self.records.extend(records)
+
+
+def train(model, wrapped, chunk, world):
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
+    sink = DumpSink()
+    calls = {"gather": 0}
+    real = dist.all_gather_into_tensor
+    with hookplug.attach(wrapped, "Linear", plugins=["params", ("stats", {"sites": "output"})],
+                         sink=sink) as s:
+        for x, y in batches():
+            xc, yc = x.chunk(world)[chunk], y.chunk(world)[chunk]
+            (wrapped(xc) - yc).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            s.step()
+
+        def counting(*a, **k):
+            calls["gather"] += 1
+            return real(*a, **k)
+
+        dist.all_gather_into_tensor = counting
+        try:
+            s.flush()
+        finally:
+            dist.all_gather_into_tensor = real
+    return sink.records, calls["gather"]
+
+
+def worker(rank, mode, world, port, out):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        torch.set_num_threads(1)
+        model = make_model()
+        if mode == "ddp":
+            wrapped = nn.parallel.DistributedDataParallel(model)
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = (init_device_mesh("cpu", (world,)) if mode == "fsdp"
+                    else init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "shard")))
+            for m in (model.fc1, model.fc2, model.head):
+                fully_shard(m, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            wrapped = model
+        records, gathers = train(model, wrapped, rank, world)
+        with open(os.path.join(out, f"r{rank}.json"), "w") as f:
+            json.dump({"records": records, "gathers": gathers}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def reference():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sink = DumpSink()
+    norms = []
+    with hookplug.attach(model, "Linear", plugins="params", sink=sink) as s:
+        for x, y in batches():
+            (model(x) - y).square().mean().backward()
+            norms.append({n: float(torch.nn.utils.get_total_norm([p.grad]))
+                          for n, p in model.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+            s.step()
+        s.flush()
+    return sink.records, norms
+
+
+def close(a, b):
+    if isinstance(a, float) and math.isnan(a):
+        return isinstance(b, float) and math.isnan(b)
+    return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+@pytest.mark.parametrize("mode,world", [("ddp", 2), ("fsdp", 2), ("hsdp", 4)])
+def test_sharded_param_stats_equal_unsharded(tmp_path, mode, world):
+    mp.spawn(worker, args=(mode, world, free_port(), str(tmp_path)), nprocs=world, join=True)
+    want, norms = reference()
+    want = {(r["step"], r["module"], r["site"]): r for r in want}
+    assert len(want) == STEPS * 6 * 3
+    for rank in range(world):
+        got = json.load(open(tmp_path / f"r{rank}.json"))
+        assert got["gathers"] == 1  # one packed collective round for params + stats rows
+        recs = [r for r in got["records"] if r["site"] in SITES]
+        assert len(recs) == len(want)
+        for r in recs:
+            w = want[(r["step"], r["module"], r["site"])]
+            for k in ("numel", "nan_count", "inf_count", "zero_count"):
+                assert r[k] == w[k], (mode, rank, r["module"], r["site"], k, r[k], w[k])
+            for k in ("min", "max", "mean", "std", "absmax", "l2", "rms", "zero_fraction",
+                      "update_to_weight"):
+                if k in w or k in r:
+                    assert close(r[k], w[k]), (mode, rank, r["module"], r["site"], k, r[k], w[k])
+            assert r["hist"] == w["hist"]
+            if r["site"] == "grad":
+                assert close(r["l2"], norms[r["step"]][r["module"]])

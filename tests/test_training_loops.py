@@ -1,0 +1,438 @@
+"""Right numbers inside real training loops (issue 12): phases, explicit global steps,
+activation checkpointing, NaN provenance without host syncs, the raise option, and real
+Lightning and 🤗 Trainer runs on CPU with tiny models."""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+import hookplug
+
+
+class Collect:
+    """A sink keeping every record in memory."""
+
+    name = "collect"
+
+    def __init__(self):
+        self.records = []
+
+    @hookplug.hookimpl
+    def hookplug_flush(self, records):
+        self.records.extend(records)
+
+
+# -- models --------------------------------------------------------------------------------------
+
+class PoisonLinear(nn.Linear):
+    """A Linear whose output gets ``poison`` added (0 or NaN): the planted forward NaN."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.register_buffer("poison", torch.zeros(()))
+
+    def forward(self, x):
+        return super().forward(x) + self.poison
+
+
+class _NanGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("nan")
+
+
+class TenNet(nn.Module):
+    """Ten Linear modules in a chain. ``plant_grad=k``: the gradient reaching layer k's
+    output becomes NaN (an op right after layer k); the forward stays finite."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.layers = nn.ModuleList(PoisonLinear(width, width) for _ in range(10))
+        self.plant_grad = None
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x))
+            if i == self.plant_grad:
+                x = _NanGrad.apply(x)
+        return x
+
+
+class NoSync(TorchDispatchMode):
+    """Fails on any op that reads a device value on the host (``.item()``, ``bool(t)``,
+    ``.tolist()``, a device-to-host copy) while active."""
+
+    BAD = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        if func in self.BAD:
+            raise AssertionError(f"host sync on the hot path: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def no_host_reads(monkeypatch):
+    """Inside: the dispatch mode above, and Tensor methods that read values on the host
+    raise (they would sync a device)."""
+    def refuse(name):
+        def method(self, *a, **k):
+            raise AssertionError(f"Tensor.{name}() on the hot path")
+        return method
+
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__"):
+            m.setattr(torch.Tensor, name, refuse(name))
+        mode = NoSync()
+        with mode:
+            yield mode
+        assert mode.ops > 0  # the mode did see the step's ops
+
+
+# -- phases ---------------------------------------------------------------------------------------
+
+def test_eval_between_steps_is_kept_apart_and_tagged():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    sink = Collect()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hookplug.attach(model, "Linear", plugins="stats", sink=sink, flush_every=1) as s:
+        for step in range(3):
+            model.train()
+            model(torch.randn(5, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            model.eval()
+            with torch.no_grad():
+                model(torch.randn(3, 4))
+            with torch.inference_mode():
+                model.train()  # train mode, but under inference_mode: still eval
+                model(torch.randn(2, 4))
+            s.step()
+        train, ev = s["stats"].results(phase="train"), s["stats"].results(phase="eval")
+        both = s["stats"].results()
+    by = {(r["step"], r["module"], r["phase"]): r for r in sink.records}
+    assert len(by) == len(sink.records) == 3 * 2 * 2
+    for step in range(3):
+        assert by[(step, "0", "train")]["numel"] == 5 * 8
+        assert by[(step, "0", "eval")]["numel"] == (3 + 2) * 8
+    assert int(train["0"]["output"].numel) == 3 * 5 * 8
+    assert int(ev["0"]["output"].numel) == 3 * 5 * 8
+    assert int(both["0"]["output"].numel) == 3 * 10 * 8
+
+
+def test_explicit_global_step_and_resume_continue_numbering():
+    model = nn.Sequential(nn.Linear(4, 4))
+    sink = Collect()
+    with hookplug.attach(model, "Linear", plugins="stats", sink=sink, flush_every=2) as s:
+        for _ in range(2):
+            model(torch.randn(2, 4))
+            s.flush()  # flushing per micro-batch never duplicates a step
+            model(torch.randn(2, 4))
+            s.step()
+    assert [r["step"] for r in sink.records] == [0, 1]
+    # a resumed run: the trainer's global step 100 labels the step that just ended
+    sink2 = Collect()
+    with hookplug.attach(model, "Linear", plugins="stats", sink=sink2, flush_every=1) as s:
+        model(torch.randn(2, 4))
+        s.step(step=100)
+        for _ in range(2):
+            model(torch.randn(2, 4))
+            s.step()
+        assert s.step_index == 103
+    assert [r["step"] for r in sink2.records] == [100, 101, 102]
+    assert all(r["numel"] == 8 for r in sink2.records)  # one call each: never merged twice
+    with pytest.raises(ValueError):
+        hookplug.attach(model, "Linear", plugins="stats").step(step=-1)
+
+
+# -- activation checkpointing ---------------------------------------------------------------------
+
+class Blocks(nn.Module):
+    def __init__(self, use_ckpt=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(6, 6), nn.GELU(), nn.Linear(6, 6)) for _ in range(3))
+        self.use_ckpt = use_ckpt  # None: plain; True/False: checkpoint(use_reentrant=...)
+
+    def forward(self, x):
+        for b in self.blocks:
+            if self.use_ckpt is None:
+                x = b(x)
+            else:
+                x = checkpoint(b, x, use_reentrant=self.use_ckpt)
+        return x
+
+
+def _run_blocks(use_ckpt):
+    model = Blocks(use_ckpt)
+    plugins = [("stats", {"sites": ("output", "grad")}), ("capture", {"keep": "all", "grads": True}),
+               "flops"]
+    with hookplug.attach(model, "Linear", plugins=plugins) as s:
+        for _ in range(2):
+            x = torch.randn(4, 6, requires_grad=True)
+            model(x).square().sum().backward()
+            s.step()
+        stats = {(m, p): int(st.numel) for m, d in s["stats"].results().items() for p, st in d.items()}
+        captured = {m: len(v) for m, v in s["capture"].features.items()}
+        grads = {m: len([g for g in v if g is not None]) for m, v in s["capture"].grads.items()}
+        flops = {m: r["flops"] for m, r in s["flops"].results().items()}
+        out = s["stats"].results()["blocks.2.2"]["output"]
+        maxes = (float(out.max), float(out.mean))
+    return stats, captured, grads, flops, maxes
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpoint_recompute_is_not_counted_twice(use_reentrant):
+    plain = _run_blocks(None)
+    ckpt = _run_blocks(use_reentrant)
+    stats, captured, grads, flops, maxes = ckpt
+    assert stats == plain[0] and len(stats) == 12  # 6 Linear x (output, grad)
+    assert all(n == 2 * 4 * 6 for n in stats.values())
+    assert captured == plain[1] and set(captured.values()) == {2}
+    assert flops == plain[3] and all(f > 0 for f in flops.values())
+    assert maxes == pytest.approx(plain[4])
+    if not use_reentrant:
+        assert grads == plain[2] and set(grads.values()) == {2}
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known gap: under checkpoint(use_reentrant=True) the first forward runs under no_grad "
+    "(no grad hooks), and the grads arrive on the recompute's outputs, whose ctx has "
+    "call_index -1; capture(grads=True) cannot tie them to the captured call (stats, keyed by "
+    "module and site, are right). Needs the session to hand the recompute the original "
+    "call's ctx."))
+def test_checkpoint_reentrant_capture_grads_match_their_calls():
+    plain, ckpt = _run_blocks(None), _run_blocks(True)
+    assert ckpt[2] == plain[2]
+
+
+# -- NaN provenance ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["forward", "backward"])
+def test_planted_nan_is_reported_as_that_module_without_sync(case, monkeypatch):
+    torch.manual_seed(0)
+    model = TenNet()
+    sink = Collect()
+    planted = 6
+    with hookplug.attach(model, "Linear", plugins=("stats", {"sites": ("output", "grad")}),
+                         sink=sink) as s:
+        for step in range(3):
+            bad = step == 1
+            if case == "forward":
+                model.layers[planted].poison.fill_(math.nan if bad else 0.0)
+            else:
+                model.plant_grad = planted if bad else None
+            x = torch.randn(4, 8)
+            with no_host_reads(monkeypatch):  # the step itself: forward, backward
+                model(x).sum().backward()
+            s.step()
+        s.flush()
+    assert s.nonfinite == [{"step": 1, "module": f"layers.{planted}",
+                            "site": "output" if case == "forward" else "grad",
+                            "phase": "train", "rank": 0}]
+    marked = [r for r in sink.records if r["first_nonfinite"]]
+    assert [(r["step"], r["module"]) for r in marked] == [(1, f"layers.{planted}")]
+    bad_records = [r for r in sink.records if r["nan_count"] > 0]
+    assert {r["step"] for r in bad_records} == {1}
+    if case == "forward":  # everything after the planted layer is NaN too: the clock decides
+        assert {r["module"] for r in bad_records if r["site"] == "output"} == {
+            f"layers.{i}" for i in range(planted, 10)}
+    else:  # the forward is finite; the grads of the layers before it are NaN too
+        assert not [r for r in bad_records if r["site"] == "output"]
+        assert {r["module"] for r in bad_records} == {f"layers.{i}" for i in range(planted + 1)}
+
+
+def test_nonfinite_raise_names_module_site_phase_and_step():
+    torch.manual_seed(0)
+    model = TenNet()
+    with pytest.raises(ValueError, match="nonfinite"):
+        hookplug.attach(model, "Linear", plugins=("stats", {"nonfinite": "explode"}))
+    s = hookplug.attach(model, "Linear", plugins=("stats", {"sites": ("output", "grad"),
+                                                             "nonfinite": "raise"}))
+    try:
+        model(torch.randn(2, 8)).sum().backward()
+        s.step(step=41)  # a clean step: no error
+        model.plant_grad = 3
+        model(torch.randn(2, 8)).sum().backward()
+        with pytest.raises(FloatingPointError, match=r"step 42.*'layers\.3', grad \(train\)"):
+            s.step()
+        model.plant_grad = None
+        model(torch.randn(2, 8)).sum().backward()
+        s.step()  # the next clean step raises nothing
+        model.layers[8].poison.fill_(math.inf)
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(2, 8))
+        with pytest.raises(FloatingPointError, match=r"step 44.*'layers\.8', output \(eval\)"):
+            s.step()
+    finally:
+        s.remove()
+
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nonfinite_raise_on_cuda_comes_one_step_later_without_sync(monkeypatch):
+    torch.manual_seed(0)
+    model = TenNet().cuda()
+    s = hookplug.attach(model, "Linear", plugins=("stats", {"sites": ("output", "grad"),
+                                                             "nonfinite": "raise"}))
+    try:
+        model.layers[2].poison.fill_(math.nan)
+        with no_host_reads(monkeypatch):
+            model(torch.randn(2, 8, device="cuda")).sum().backward()
+        s.step()  # the copy of step 0's first_bad column starts here: nothing is read yet
+        model.layers[2].poison.fill_(0.0)
+        with no_host_reads(monkeypatch):
+            model(torch.randn(2, 8, device="cuda")).sum().backward()
+        torch.cuda.synchronize()  # the test's own wait, so the copy has surely landed
+        with pytest.raises(FloatingPointError, match=r"step 0.*'layers\.2', output \(train\)"):
+            s.step()
+    finally:
+        s.remove()
+
+# -- real trainers -----------------------------------------------------------------------------------
+
+def test_lightning_trainer_steps_phases_and_tensorboard(tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
+    pytest.importorskip("tensorboard")
+    from lightning.pytorch.loggers import Logger, TensorBoardLogger
+    from lightning.pytorch.utilities import rank_zero_only
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from hookplug.integrations.lightning import HookplugCallback
+
+    class StepLogger(Logger):
+        """What Lightning logs, and at which step."""
+
+        def __init__(self):
+            super().__init__()
+            self.steps = {}
+
+        name, version = "steps", 0
+
+        @rank_zero_only
+        def log_metrics(self, metrics, step=None):
+            for k in metrics:
+                self.steps.setdefault(k, set()).add(step)
+
+        def log_hyperparams(self, params, *a, **k):
+            pass
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+        def training_step(self, batch, idx):
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            self.log("train_loss", loss)
+            return loss
+
+        def validation_step(self, batch, idx):
+            x, y = batch
+            self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    sink = Collect()
+    cb = HookplugCallback("Linear", ["stats"], sink=[sink, "tensorboard"], flush_every=1)
+    steps, tb = StepLogger(), TensorBoardLogger(str(tmp_path), name="tb", version=0)
+    trainer = pl.Trainer(max_steps=6, accumulate_grad_batches=2, val_check_interval=4,
+                         check_val_every_n_epoch=None, limit_val_batches=2,
+                         num_sanity_val_steps=2, log_every_n_steps=1, logger=[steps, tb],
+                         callbacks=[cb], enable_progress_bar=False, enable_checkpointing=False,
+                         enable_model_summary=False, accelerator="cpu", devices=1)
+    trainer.fit(Tiny(), DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))
+    assert trainer.global_step == 6 and cb.session.removed
+    train = [r for r in sink.records if r["phase"] == "train"]
+    ev = [r for r in sink.records if r["phase"] == "eval"]
+    # one record per optimizer step and module, numbered as Lightning logs the step
+    assert sorted(r["step"] for r in train if r["module"] == "net.0") == sorted(steps.steps["train_loss"])
+    assert sorted(steps.steps["train_loss"]) == [0, 1, 2, 3, 4, 5]
+    assert all(r["numel"] == 2 * 4 * 8 for r in train if r["module"] == "net.0")  # 2 micro-batches
+    # validation (every 4 batches = 2 optimizer steps) is apart, with Lightning's step; the
+    # sanity check runs before training starts and is not recorded
+    assert sorted({r["step"] for r in ev}) == sorted(steps.steps["val_loss"]) == [1, 3, 5]
+    assert all(r["numel"] == 2 * 4 * 8 for r in ev if r["module"] == "net.0")
+    # the "tensorboard" sink wrote through the TensorBoardLogger's own writer
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(tb.log_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train_loss", "hookplug/max/net.0/output", "hookplug_eval/max/net.0/output"} <= tags
+    assert [e.step for e in acc.Scalars("hookplug/max/net.2/output")] == [0, 1, 2, 3, 4, 5]
+
+
+def test_transformers_trainer_steps_and_eval_phase(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from hookplug.integrations.transformers import HookplugTrainerCallback
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2,
+                                     n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)  # from config: no weights downloaded
+
+    class Data(torch.utils.data.Dataset):
+        def __init__(self, n):
+            g = torch.Generator().manual_seed(n)
+            self.ids = torch.randint(0, 64, (n, 12), generator=g)
+
+        def __len__(self):
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    sink = Collect()
+    cb = HookplugTrainerCallback("Conv1D|Linear", ["stats"], sink=sink, flush_every=1)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=8, per_device_train_batch_size=4,
+        gradient_accumulation_steps=2, per_device_eval_batch_size=4, eval_strategy="steps",
+        eval_steps=4, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+        disable_tqdm=True, learning_rate=1e-3)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Data(64),
+                                   eval_dataset=Data(8), callbacks=[cb])
+    trainer.train()
+    assert trainer.state.global_step == 8 and cb.session.removed
+    logged = {e["step"] for e in trainer.state.log_history if "loss" in e}
+    logged_eval = {e["step"] for e in trainer.state.log_history if "eval_loss" in e}
+    assert logged == set(range(1, 9)) and logged_eval == {4, 8}
+    first = next(iter(cb.session.modules))
+    train = [r for r in sink.records if r["phase"] == "train" and r["module"] == first]
+    ev = [r for r in sink.records if r["phase"] == "eval" and r["module"] == first]
+    assert sorted(r["step"] for r in train) == sorted(logged)  # one record per optimizer step
+    assert sorted(r["step"] for r in ev) == sorted(logged_eval)
+    # a step holds its 2 micro-batches of 4 sequences; an eval holds its 8 sequences
+    assert {r["numel"] for r in train} == {r["numel"] for r in ev} == {8 * 12 * 3 * 16}  # c_attn
+
+
+def test_integrations_are_imported_lazily():
+    import subprocess
+    import sys
+
+    code = ("import sys, hookplug, hookplug.integrations as i; "
+            "assert not {'lightning', 'pytorch_lightning', 'transformers'} & set(sys.modules); "
+            "assert i.__all__ == ['lightning', 'transformers']")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
