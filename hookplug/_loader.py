@@ -147,8 +147,9 @@ def _toolkit_problem(cuda_home: str, torch_cuda: str) -> Optional[str]:
     missing = [h for h in _CUDA_HEADERS
                if not any(os.path.isfile(os.path.join(d, h)) for d in dirs)]
     if missing:
-        return (f"the CUDA toolkit at {cuda_home} lacks {', '.join(missing)} "
-                "(compiler and runtime only)")
+        what = ("no CUDA headers: set CUDA_HOME to the toolkit" if "cuda_runtime_api.h" in missing
+                else "an incomplete toolkit, e.g. compiler and runtime only")
+        return f"the CUDA toolkit at {cuda_home} lacks {', '.join(missing)} ({what})"
     nvcc = _nvcc_version(cuda_home)
     if nvcc is None:
         return f"no working nvcc in {os.path.join(cuda_home, 'bin')}"
