@@ -23,16 +23,15 @@ as one node (row layout: :mod:`hookplug._stats`):
 """
 from __future__ import annotations
 
-import glob
 import math
 import os
-import sys
 import threading
 import warnings
 from typing import Optional, Sequence, Tuple
 
 import torch
 
+from . import _loader
 from ._stats import (CLOCK, HEAD, HIST_HI, HIST_LO, LOG2_BINS, LOG2_MAX_EXP, LOG2_MIN_EXP,
                      ROW_LAYOUT, TensorStats, empty_rows, merge_rows)
 from ._stats import log2_edges as _log2_edges
@@ -52,75 +51,31 @@ _load_error: Optional[str] = None
 
 # -- loading ---------------------------------------------------------------------------------
 
-def _csrc_dir() -> Optional[str]:
-    here = os.path.dirname(os.path.abspath(__file__))
-    for cand in (os.path.join(os.path.dirname(here), "csrc"), os.path.join(here, "csrc")):
-        if glob.glob(os.path.join(cand, "*.cpp")):
-            return cand
-    return None
-
-
 def _jit_build():
-    """Build csrc/ with torch.utils.cpp_extension.load (ninja) into the extensions cache."""
-    from torch.utils import cpp_extension
-
-    src = _csrc_dir()
-    if src is None:
-        raise RuntimeError("the C++ sources (csrc/*.cpp) are not installed beside hookplug")
-    sources = sorted(glob.glob(os.path.join(src, "*.cpp")))
-    # at::parallel_for is inline OpenMP in torch's headers: without -fopenmp it is serial.
-    omp = ["-fopenmp"] if sys.platform.startswith("linux") else []
-    cflags = ["-O3", "-std=c++17"] + omp
-    kw = {"extra_ldflags": omp}
-    if (torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
-            and os.environ.get("HOOKPLUG_NO_CUDA", "0") != "1"):
-        sources += sorted(glob.glob(os.path.join(src, "cuda", "*.cpp")))
-        sources += sorted(glob.glob(os.path.join(src, "cuda", "*.cu")))
-        cflags.append("-DHOOKPLUG_WITH_CUDA=1")
-        kw["extra_cuda_cflags"] = ["-O3", "-std=c++17"]
-    return cpp_extension.load(name="hookplug_C", sources=sources, extra_include_paths=[src],
-                              extra_cflags=cflags,
-                              verbose=os.environ.get("HOOKPLUG_VERBOSE") == "1", **kw)
+    """Build csrc/ for the running torch with the JIT (see :mod:`hookplug._loader`)."""
+    return _loader.jit_build()
 
 
 def _load(allow_jit: bool = True) -> Optional[str]:
     """Find a backend (once). Returns it, or None when only the JIT build is left to try."""
-    global _backend, _C, _has_cuda, _load_error
+    global _backend, _C, _has_cuda
     if _backend is not None:
         return _backend
     with _lock:
         if _backend is not None:
             return _backend
-        errors = []
-        try:
-            from . import _C as mod  # noqa: N811
-
-            _C, kind = mod, "compiled"
-        except ImportError as e:
-            errors.append(f"import hookplug._C failed: {e}")
-            if not allow_jit:
-                return None
-            try:
-                _C, kind = _jit_build(), "jit"
-            except Exception as e:  # compiler missing, build error, ...
-                errors.append(f"JIT build failed: {type(e).__name__}: {e}")
-                kind = "reference"
-        if kind == "reference":
-            _load_error = "; ".join(errors)
-            msg = ("hookplug: the compiled stats op is unavailable, using the pure-torch "
-                   f"reference (slower). {_load_error}")
-            if os.environ.get("HOOKPLUG_REQUIRE_EXT", "0") == "1":
-                raise ImportError(msg + " (HOOKPLUG_REQUIRE_EXT=1 forbids the fallback)")
-            warnings.warn(msg, RuntimeWarning, stacklevel=3)
-        else:
-            layout = tuple(_C.log2_layout())
-            rows = dict(_C.row_layout()) if hasattr(_C, "row_layout") else None
+        mod, kind = _loader.load(allow_jit, build=lambda: _jit_build())
+        if kind is None:
+            return None
+        if kind != "reference":
+            layout = tuple(mod.log2_layout())
+            rows = dict(mod.row_layout()) if hasattr(mod, "row_layout") else None
             if layout != (LOG2_MIN_EXP, LOG2_MAX_EXP, LOG2_BINS) or rows != ROW_LAYOUT:
                 raise ImportError(
                     f"hookplug: the compiled op's layout (log2 {layout}, row {rows}) does not "
                     f"match hookplug.ops (log2 {(LOG2_MIN_EXP, LOG2_MAX_EXP, LOG2_BINS)}, row "
                     f"{ROW_LAYOUT}); rebuild it (pip install --no-build-isolation -e .)")
-            _has_cuda = bool(_C.has_cuda())
+            _C, _has_cuda = mod, bool(mod.has_cuda())
             _register_fake()
         _backend = kind
         return kind
