@@ -214,10 +214,12 @@ class _ModuleBinding:
         """A call's context. Inside compiled code nothing Python-side that changes per call
         or per step is read (no recompiles): call_index is -1, step is read lazily."""
         if _is_compiling():
-            return HookContext(self.name, -1, None, self.session, _phase_of(module))
+            return HookContext(self.name, -1, None, self.session,
+                               "train" if module.training else "eval")
         index = self.calls
         self.calls = index + 1
-        return HookContext(self.name, index, self.session._step, self.session, _phase_of(module))
+        phase = "train" if module.training and not torch.is_inference_mode_enabled() else "eval"
+        return HookContext(self.name, index, self.session._step, self.session, phase)
 
     def pre_hook(self, module, args, kwargs):
         if _in_recompute():

@@ -200,8 +200,10 @@ class StatsPlugin(hookplug.Plugin):
 
     # -- hooks (hot path) ------------------------------------------------------------------------
 
+    # The hooks take the specs' full argument lists: the core then calls them directly.
+
     @hookimpl
-    def hookplug_forward_input(self, ctx, args, kwargs):
+    def hookplug_forward_input(self, ctx, module, args, kwargs):
         for path, t in iter_tensors(args, "input"):
             self._record(ctx, path, t)
         if kwargs:
@@ -209,13 +211,16 @@ class StatsPlugin(hookplug.Plugin):
                 self._record(ctx, path, t)
 
     @hookimpl
-    def hookplug_forward_output(self, ctx, output):
+    def hookplug_forward_output(self, ctx, module, args, kwargs, output):
+        if isinstance(output, torch.Tensor):  # the common case, without the walker
+            self._record(ctx, "output", output)
+            return
         # output is None when forward raised: iter_tensors yields nothing
         for path, t in iter_tensors(output):
             self._record(ctx, path, t)
 
     @hookimpl
-    def hookplug_output_grad(self, ctx, grad, path):
+    def hookplug_output_grad(self, ctx, module, grad, path):
         self._record(ctx, "grad" + path[6:] if path.startswith("output") else f"grad.{path}", grad)
 
     # -- session and telemetry -------------------------------------------------------------------

@@ -649,7 +649,7 @@ def test_forward_that_raises_reaches_the_caller_untouched():
         y = m.lin(x)
     assert_stats_match(res["output[0]"], y)  # the failed call added nothing
     assert_stats_match(res["input[0]"], torch.cat([x, x]))  # read before forward, both calls
-    assert s["stats"].hookplug_forward_output(ctx=None, output=None) is None
+    assert s["stats"].hookplug_forward_output(None, None, (), {}, None) is None
 
 
 def test_threads_sharing_a_model_lose_nothing():
