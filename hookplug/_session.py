@@ -192,11 +192,14 @@ class _ModuleBinding:
     """The torch hooks of one module: tuples of ``(plugin, fn)`` per hook kind.
 
     ``variants[sampling]`` holds the tuples for sampled and unsampled steps (plugins with
-    ``sampled = False`` run on both); ``Session._apply_sampling`` swaps them in.
+    ``sampled = False`` run on both); ``Session._apply_sampling`` swaps them in for eager
+    code. Compiled code always uses the sampled tuples (``all_*``: swapping would make
+    dynamo recompile); plugins that sample there gate themselves on the device (stats).
     """
 
-    __slots__ = ("name", "session", "fwd_in", "fwd_out", "out_grad", "calls", "has_pre",
-                 "has_post", "variants", "_pending", "__weakref__")
+    __slots__ = ("name", "session", "fwd_in", "fwd_out", "out_grad", "all_in", "all_out",
+                 "all_grad", "calls", "has_pre", "has_post", "variants", "_pending",
+                 "__weakref__")
 
     def __init__(self, name: str, session: "Session"):
         self.name = name
@@ -204,6 +207,9 @@ class _ModuleBinding:
         self.fwd_in: Tuple = ()
         self.fwd_out: Tuple = ()
         self.out_grad: Tuple = ()
+        self.all_in: Tuple = ()
+        self.all_out: Tuple = ()
+        self.all_grad: Tuple = ()
         self.calls = 0  # every call, sampled or not
         self.has_pre = False
         self.has_post = False
@@ -226,7 +232,7 @@ class _ModuleBinding:
             if self.has_post:
                 self._pending.append(None)
             return None
-        impls = self.fwd_in
+        impls = self.all_in if _is_compiling() else self.fwd_in
         if not impls and not self.has_post:
             if not _is_compiling():
                 self.calls += 1
@@ -263,7 +269,10 @@ class _ModuleBinding:
             ctx = self._pending.pop()
         else:
             ctx = None if recompute else self._new_ctx(module)
-        fwd_out, out_grad = self.fwd_out, self.out_grad
+        if _is_compiling():
+            fwd_out, out_grad = self.all_out, self.all_grad
+        else:
+            fwd_out, out_grad = self.fwd_out, self.out_grad
         if not fwd_out and not out_grad:
             return None
         if ctx is None:  # a recompute (activation checkpointing): forward is not observed again,
@@ -293,7 +302,7 @@ class _ModuleBinding:
         if s._removed:
             return None
         changed = False
-        for plugin, fn in self.out_grad:
+        for plugin, fn in (self.all_grad if _is_compiling() else self.out_grad):
             try:
                 res = fn(ctx, module, grad, path)
             except Exception as exc:  # noqa: BLE001
@@ -750,6 +759,7 @@ class Session:
                 sampling: tuple(impls_for(h, allowed, sampling) for h in _PER_CALL_HOOKS[:3])
                 for sampling in (True, False)
             }
+            binding.all_in, binding.all_out, binding.all_grad = binding.variants[True]
         live = [p for n, p in self._plugins.items() if n not in self._disabled]
         for pb in self._param_bindings.values():
             covering = [p for p in live if pb.name in self._params_of(p)]

@@ -78,8 +78,8 @@ class StatsPlugin(hookplug.Plugin):
     """Per module and site, a :class:`hookplug.TensorStats` of every floating tensor, merged
     over calls and steps on the device. See the module docstring for the options."""
 
-    name = "stats"
-    sampled = False  # sampling is the bank's gate: the hooks stay bound on every step
+    name = "stats"  # sampled (every=N): unbound on unsampled steps in eager code; in
+    # compiled code (always bound) the bank's device gate skips them
 
     def __init__(
         self,
