@@ -264,17 +264,21 @@ class _ModuleBinding:
     def post_hook(self, module, args, kwargs, output):
         """Also runs (``always_call``) when ``forward`` raised; ``output`` is None then."""
         s = self.session
-        recompute = _in_recompute()
-        if self.has_pre and self._pending:
-            ctx = self._pending.pop()
-        else:
-            ctx = None if recompute else self._new_ctx(module)
-        if _is_compiling():
+        compiling = _is_compiling()
+        if compiling:
             fwd_out, out_grad = self.all_out, self.all_grad
         else:
             fwd_out, out_grad = self.fwd_out, self.out_grad
-        if not fwd_out and not out_grad:
+        if self.has_pre and self._pending:
+            ctx = self._pending.pop()
+            if not fwd_out and not out_grad:
+                return None
+        elif not fwd_out and not out_grad:  # e.g. an unsampled step: count the call, no more
+            if not compiling:
+                self.calls += 1
             return None
+        else:
+            ctx = None if _in_recompute() else self._new_ctx(module)
         if ctx is None:  # a recompute (activation checkpointing): forward is not observed again,
             ctx = HookContext(self.name, -1, None, s, _phase_of(module))  # grads still are
             fwd_out = ()

@@ -76,11 +76,27 @@ def merge_rows(rows: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return out
 
 
+_LOG2_EDGES = tuple([-math.ldexp(1.0, e) for e in range(LOG2_MAX_EXP + 1, LOG2_MIN_EXP - 1, -1)]
+                    + [math.ldexp(1.0, e) for e in range(LOG2_MIN_EXP, LOG2_MAX_EXP + 2)])
+_LOG2_EDGES_LIST = list(_LOG2_EDGES)  # shared by records (read-only by convention)
+
+
 def log2_edges(device=None) -> torch.Tensor:
     """The 132 edges of the log2 histogram (float64): -2**33 .. -2**-32, 2**-32 .. 2**33."""
-    neg = [-math.ldexp(1.0, e) for e in range(LOG2_MAX_EXP + 1, LOG2_MIN_EXP - 1, -1)]
-    pos = [math.ldexp(1.0, e) for e in range(LOG2_MIN_EXP, LOG2_MAX_EXP + 2)]
-    return torch.tensor(neg + pos, dtype=torch.float64, device=device)
+    return torch.tensor(_LOG2_EDGES, dtype=torch.float64, device=device)
+
+
+def host_edges(values: List[float], hist: Any = None) -> List[float]:
+    """The bucket edges of a host row (its values as a list), computed on the host; log2
+    rows share one list."""
+    b = len(values) - HEAD
+    if b <= 0:
+        return []
+    lo, hi = values[HIST_LO], values[HIST_HI]
+    if b == LOG2_BINS and (hist == "log2" or (hist is None and lo == _LOG2_EDGES[0]
+                                              and hi == _LOG2_EDGES[-1])):
+        return _LOG2_EDGES_LIST
+    return [lo + ((hi - lo) * i) / b for i in range(b)] + [hi]
 
 
 class TensorStats:
@@ -267,7 +283,6 @@ class StatsBlock(NamedTuple):
 
 def row_to_dict(row: torch.Tensor, hist: Any = None) -> Dict[str, Any]:
     """A host row as ``{field: number}`` plus ``hist_counts``/``hist_edges`` lists."""
-    st = TensorStats(row, hist)
     v = row.tolist()
     n = v[NUMEL] - v[NAN] - v[INF]
     d: Dict[str, Any] = {f: int(v[c]) for f, c in zip(COUNT_COLUMNS, (NUMEL, NAN, INF, ZERO))}
@@ -281,7 +296,7 @@ def row_to_dict(row: torch.Tensor, hist: Any = None) -> Dict[str, Any]:
         d.update(min=nan, max=nan, mean=nan, std=nan, absmax=nan, l2=0.0, rms=nan)
     d["zero_fraction"] = v[ZERO] / v[NUMEL] if v[NUMEL] > 0 else nan
     d["hist_counts"] = [int(c) for c in v[HEAD:]]
-    d["hist_edges"] = st.hist_edges.tolist() if len(v) > HEAD else []
+    d["hist_edges"] = host_edges(v, hist)
     return d
 
 

@@ -289,7 +289,7 @@ class Telemetry:
                 if numel[i] <= 0:
                     continue
                 d = row_to_dict(rows[i], hist)
-                if d["hist_edges"]:
+                if d["hist_edges"] and d["hist_edges"] is not _stats._LOG2_EDGES_LIST:
                     key = tuple(d["hist_edges"])
                     d["hist_edges"] = edges_cache.setdefault(key, d["hist_edges"])
                 rec = {"step": meta["step"], "time": meta["time"], "rank": rank,
