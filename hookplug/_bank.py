@@ -26,6 +26,46 @@ _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 MAX_BINS = 1 << 16
 
 
+_HISTS = ("log2", "linear")
+
+
+def check_hist_options(who: str, bins, hist, range):  # noqa: A002 - the op's own name
+    """The histogram options of a measuring plugin, checked: ``(bins, hist, range)`` with
+    ``range`` as floats, or a ValueError naming the plugin, the option and the value."""
+    if bins is not None and (not isinstance(bins, int) or isinstance(bins, bool) or bins < 0
+                             or bins > MAX_BINS):
+        raise ValueError(f"{who}: bins must be None or an int in [0, {MAX_BINS}], got {bins!r}")
+    if hist not in _HISTS:
+        raise ValueError(f"{who}: hist must be one of {_HISTS}, got {hist!r}")
+    if range is not None:
+        try:
+            lo, hi = (float(v) for v in range)
+        except (TypeError, ValueError):
+            raise ValueError(f"{who}: range must be None or (lo, hi), got {range!r}") from None
+        if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+            raise ValueError(f"{who}: range must be finite with lo < hi, got {range!r}")
+        range = (lo, hi)
+    if hist == "linear" and range is None and bins != 0:
+        raise ValueError(
+            f"{who}: hist='linear' needs range=(lo, hi): rows are merged over calls, steps and "
+            "ranks, which needs the same bucket edges every time (or use hist='log2', which "
+            "needs no range)")
+    return bins, hist, range
+
+
+def host_copy(t: torch.Tensor):
+    """``t`` on the host without blocking: ``(host tensor, CUDA event or None)``; the copy
+    has landed once the event is done (CPU tensors: at once)."""
+    if t.is_cuda:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        with torch.cuda.device(t.device):
+            host.copy_(t, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        return host, event
+    return (t if t.device.type == "cpu" else t.to("cpu")), None
+
+
 class _DeviceRows:
     """One device's rows: ``acc`` (the step being filled), ``gate`` (the sampling flag the
     op reads), ``empty`` (what a reset copies in) and ``totals`` (ended steps, merged)."""

@@ -54,6 +54,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 import torch
 
 from . import _stats
+from ._bank import host_copy
 from ._stats import FIRST_BAD, HEAD, NUMEL, StatsBlock, TensorStats, merge_rows, row_to_dict
 
 __all__ = ["Telemetry", "new_run_id", "default_run_dir", "STAT_FIELDS"]
@@ -227,15 +228,8 @@ class Telemetry:
         return flights
 
     def _copy(self, buf: torch.Tensor, groups, rank: int) -> _Flight:
-        if buf.is_cuda:
-            host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
-            with torch.cuda.device(buf.device):
-                host.copy_(buf, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-            return _Flight(host, event, groups, rank, buf)
-        host = buf if buf.device.type == "cpu" else buf.to("cpu")
-        return _Flight(host, None, groups, rank, None)
+        host, event = host_copy(buf)
+        return _Flight(host, event, groups, rank, buf if event is not None else None)
 
     def _prune_times(self, session) -> None:
         cur = session.step_index

@@ -75,14 +75,13 @@ import torch
 
 import hookplug
 from hookplug import hookimpl
-from hookplug._bank import MAX_BINS, StatsBank
+from hookplug._bank import StatsBank, check_hist_options
 from hookplug._selectors import clean_name
 from hookplug._stats import NUMEL, TensorStats
 
 __all__ = ["ParamsPlugin"]
 
 _SITES = ("weight", "grad", "update")
-_HISTS = ("log2", "linear")
 _PLAIN = ("replicated", "distinct")
 
 try:  # torch >= 2.4
@@ -160,22 +159,7 @@ class ParamsPlugin(hookplug.Plugin):
         if not params or not all(isinstance(g, str) for g in params):
             raise ValueError(f"params: params must be a glob or a list of globs on parameter "
                              f"names, got {params!r}")
-        if bins is not None and (not isinstance(bins, int) or isinstance(bins, bool) or bins < 0
-                                 or bins > MAX_BINS):
-            raise ValueError(f"params: bins must be None or an int in [0, {MAX_BINS}], got {bins!r}")
-        if hist not in _HISTS:
-            raise ValueError(f"params: hist must be one of {_HISTS}, got {hist!r}")
-        if range is not None:
-            try:
-                lo, hi = (float(v) for v in range)
-            except (TypeError, ValueError):
-                raise ValueError(f"params: range must be None or (lo, hi), got {range!r}") from None
-            if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
-                raise ValueError(f"params: range must be finite with lo < hi, got {range!r}")
-            range = (lo, hi)
-        if hist == "linear" and range is None and bins != 0:
-            raise ValueError("params: hist='linear' needs range=(lo, hi) (rows merge over steps "
-                             "and ranks, which needs the same bucket edges), or use hist='log2'")
+        bins, hist, range = check_hist_options("params", bins, hist, range)
         if plain_tensors not in _PLAIN:
             raise ValueError(f"params: plain_tensors must be one of {_PLAIN}, got {plain_tensors!r}")
         if optimizer is not None:

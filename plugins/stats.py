@@ -61,14 +61,13 @@ import torch
 
 import hookplug
 from hookplug import hookimpl
-from hookplug._bank import MAX_BINS, StatsBank
+from hookplug._bank import StatsBank, check_hist_options, host_copy
 from hookplug._stats import FIRST_BAD, TensorStats
 from hookplug.structures import iter_tensors
 
 __all__ = ["StatsPlugin"]
 
 _SITES = ("input", "output", "grad")
-_HISTS = ("log2", "linear")
 _PHASES = ("train", "eval")
 _NONFINITE = ("record", "raise")
 _STRIDED = torch.strided
@@ -102,25 +101,7 @@ class StatsPlugin(hookplug.Plugin):
         bad = [s for s in sites if s not in _SITES]
         if bad or not sites:
             raise ValueError(f"stats: sites must be a non-empty subset of {_SITES}, got {sites!r}")
-        if bins is not None and (not isinstance(bins, int) or isinstance(bins, bool) or bins < 0
-                                 or bins > MAX_BINS):
-            raise ValueError(f"stats: bins must be None or an int in [0, {MAX_BINS}], got {bins!r}")
-        if hist not in _HISTS:
-            raise ValueError(f"stats: hist must be one of {_HISTS}, got {hist!r}")
-        if range is not None:
-            try:
-                lo, hi = (float(v) for v in range)
-            except (TypeError, ValueError):
-                raise ValueError(f"stats: range must be None or (lo, hi), got {range!r}") from None
-            if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
-                raise ValueError(f"stats: range must be finite with lo < hi, got {range!r}")
-            range = (lo, hi)
-        if hist == "linear" and range is None and bins != 0:
-            raise ValueError(
-                "stats: hist='linear' needs range=(lo, hi): per-call linear histograms are merged "
-                "over calls and steps, which needs the same bucket edges every time "
-                "(or use hist='log2', which needs no range)"
-            )
+        bins, hist, range = check_hist_options("stats", bins, hist, range)
         if (
             not isinstance(max_pending_steps, int)
             or isinstance(max_pending_steps, bool)
@@ -265,7 +246,7 @@ class StatsPlugin(hookplug.Plugin):
                 if col.device.type == "cpu":
                     now += [(c, r, step) for r, c in enumerate(col.tolist()) if math.isfinite(c)]
                 else:
-                    copies.append(_host_copy(col))
+                    copies.append(host_copy(col))
         else:
             step, copies = None, []
         # the copies started at earlier step()s (the one started now is read next time)
@@ -359,17 +340,6 @@ class StatsPlugin(hookplug.Plugin):
                 lines.append("  ".join("-" * w for w in widths))
         return "\n".join(lines)
 
-
-def _host_copy(col: torch.Tensor):
-    """``col`` copied into pinned host memory without blocking, and an event behind it."""
-    if col.is_cuda:
-        host = torch.empty(col.shape, dtype=col.dtype, pin_memory=True)
-        with torch.cuda.device(col.device):
-            host.copy_(col, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        return host, event
-    return col.to("cpu"), None  # other accelerators: their own copy semantics
 
 
 def _site_rank(site: str) -> int:
