@@ -29,6 +29,20 @@ MAX_BINS = 1 << 16
 _HISTS = ("log2", "linear")
 
 
+def check_sites(who: str, sites, allowed) -> tuple:
+    """``sites`` (a name or a sequence of names) as a non-empty tuple drawn from ``allowed``."""
+    if isinstance(sites, str):
+        sites = (sites,)
+    try:
+        sites = tuple(sites)
+    except TypeError:
+        raise ValueError(f"{who}: sites must be a string or a sequence of {allowed}, "
+                         f"got {sites!r}") from None
+    if not sites or any(s not in allowed for s in sites):
+        raise ValueError(f"{who}: sites must be a non-empty subset of {allowed}, got {sites!r}")
+    return sites
+
+
 def check_hist_options(who: str, bins, hist, range):  # noqa: A002 - the op's own name
     """The histogram options of a measuring plugin, checked: ``(bins, hist, range)`` with
     ``range`` as floats, or a ValueError naming the plugin, the option and the value."""

@@ -85,6 +85,19 @@ class _Term:
     column: int
 
 
+
+def _class_end(text: str, i: int) -> int:
+    """Index of the ``]`` closing the regex character class that opens at ``text[i]``
+    (a leading ``^`` and a first ``]`` are part of the class; backslashes escape)."""
+    j = i + 1
+    if j < len(text) and text[j] == "^":
+        j += 1
+    if j < len(text) and text[j] == "]":
+        j += 1
+    while j < len(text) and text[j] != "]":
+        j += 2 if text[j] == "\\" else 1
+    return j
+
 def _split_terms(selector: str) -> List[Tuple[int, str]]:
     """Split on top-level commas; inside a ``re:`` part, escapes, character classes and
     brackets protect commas."""
@@ -95,14 +108,7 @@ def _split_terms(selector: str) -> List[Tuple[int, str]]:
             i += 2
             continue
         if in_regex and ch == "[":  # a character class: brackets inside it are literal
-            j = i + 1
-            if j < len(selector) and selector[j] == "^":
-                j += 1
-            if j < len(selector) and selector[j] == "]":
-                j += 1
-            while j < len(selector) and selector[j] != "]":
-                j += 2 if selector[j] == "\\" else 1
-            i = j + 1
+            i = _class_end(selector, i) + 1
             continue
         if not in_regex and ch == ":" and not seen_colon:
             seen_colon = True
@@ -134,14 +140,7 @@ def _group_depth(pattern: str) -> int:
             i += 2
             continue
         if ch == "[":
-            j = i + 1
-            if j < len(pattern) and pattern[j] == "^":
-                j += 1
-            if j < len(pattern) and pattern[j] == "]":
-                j += 1
-            while j < len(pattern) and pattern[j] != "]":
-                j += 2 if pattern[j] == "\\" else 1
-            i = j + 1
+            i = _class_end(pattern, i) + 1
             continue
         if ch == "(":
             depth += 1

@@ -75,7 +75,7 @@ import torch
 
 import hookplug
 from hookplug import hookimpl
-from hookplug._bank import StatsBank, check_hist_options
+from hookplug._bank import StatsBank, check_hist_options, check_sites
 from hookplug._selectors import clean_name
 from hookplug._stats import NUMEL, TensorStats
 
@@ -141,15 +141,7 @@ class ParamsPlugin(hookplug.Plugin):
         optimizer: Any = None,
         plain_tensors: str = "replicated",
     ):
-        if isinstance(sites, str):
-            sites = (sites,)
-        try:
-            sites = tuple(sites)
-        except TypeError:
-            raise ValueError(f"params: sites must be a string or a sequence of {_SITES}, "
-                             f"got {sites!r}") from None
-        if not sites or any(s not in _SITES for s in sites):
-            raise ValueError(f"params: sites must be a non-empty subset of {_SITES}, got {sites!r}")
+        sites = check_sites("params", sites, _SITES)
         if isinstance(params, str):
             params = (params,)
         try:

@@ -61,7 +61,7 @@ import torch
 
 import hookplug
 from hookplug import hookimpl
-from hookplug._bank import StatsBank, check_hist_options, host_copy
+from hookplug._bank import StatsBank, check_hist_options, check_sites, host_copy
 from hookplug._stats import FIRST_BAD, TensorStats
 from hookplug.structures import iter_tensors
 
@@ -90,17 +90,7 @@ class StatsPlugin(hookplug.Plugin):
         max_pending_steps: int = 1024,
         nonfinite: str = "record",
     ):
-        if isinstance(sites, str):
-            sites = (sites,)
-        try:
-            sites = tuple(sites)
-        except TypeError:
-            raise ValueError(
-                f"stats: sites must be a string or a sequence of {_SITES}, got {sites!r}"
-            ) from None
-        bad = [s for s in sites if s not in _SITES]
-        if bad or not sites:
-            raise ValueError(f"stats: sites must be a non-empty subset of {_SITES}, got {sites!r}")
+        sites = check_sites("stats", sites, _SITES)
         bins, hist, range = check_hist_options("stats", bins, hist, range)
         if (
             not isinstance(max_pending_steps, int)
