@@ -167,12 +167,11 @@ struct Partial {  // one chunk
 };
 
 // Maps the raw (sign, exponent field) table to the kLog2Bins buckets (stats_defs.h).
-void raw_to_log2(const std::vector<int64_t>& raw, int exp_bits, int bias, const Partial& t,
-                 int64_t* out) {
+void raw_to_log2(const int64_t* raw, int exp_bits, int bias, const Partial& t, int64_t* out) {
   const int64_t half = int64_t{1} << exp_bits;
   const int64_t emax = half - 1;  // Inf / NaN field: taken from the exact counts instead
   for (int s = 0; s < 2; ++s) {
-    const int64_t* r = raw.data() + s * half;
+    const int64_t* r = raw + s * half;
     for (int64_t ef = 1; ef < emax; ++ef) {
       if (r[ef]) out[log2_bucket(s == 1, static_cast<int>(ef - bias))] += r[ef];
     }
@@ -187,6 +186,66 @@ void raw_to_log2(const std::vector<int64_t>& raw, int exp_bits, int bias, const 
 // (the heavy part, reading the tensor, runs outside the lock).
 std::mutex g_fold_mutex;
 
+// Folds a tensor's totals and histogram counts into `row` (width kHead + nbins); fresh: the
+// row is uninitialized and gets them alone, else *clock (the bank's call counter) advances.
+void fold_into_row(const Partial& total, int64_t N, const int64_t* hist, int64_t nbins,
+                   double col_lo, double col_hi, double* row, double* clock, bool fresh) {
+  Summary S;
+  S.numel = static_cast<double>(N);
+  S.nan = static_cast<double>(total.nan);
+  S.inf = static_cast<double>(total.pos_inf + total.neg_inf);
+  S.zero = static_cast<double>(total.zeros);
+  S.n = total.m.n;
+  S.mean = total.m.mean;
+  S.m2 = std::max(total.m.m2, 0.0);
+  S.mn = total.mn;  // +inf / -inf when there is no finite value
+  S.mx = total.mx;
+  std::lock_guard<std::mutex> lock(g_fold_mutex);
+  if (fresh) init_row(row, nbins, col_lo, col_hi);
+  const double now = clock ? *clock : 0.0;
+  if (clock) *clock = now + 1.0;
+  fold_summary(row, S, now);
+  row[kHistLo] = col_lo;
+  row[kHistHi] = col_hi;
+  for (int64_t i = 0; i < nbins; ++i) row[kHead + i] += static_cast<double>(hist[i]);
+}
+
+// The small-tensor path: at most one block whose elements are one dense run of memory
+// (most activations of a small layer), log2 histogram or none. Read on this thread with
+// per-thread scratch: no thread pool, no allocation, no table wider than the tensor's
+// dtype needs. Same arithmetic as the general path (one block in one chunk).
+void accumulate_one_block(const char* p, int64_t N, DType dt, const StatsArgs& a,
+                          const KernelTable* K, double* row, double* clock, bool fresh) {
+  const bool is_f64 = dt == kF64;
+  const int R = is_f64 ? kRawF64 : kRawF32;
+  const int NS = is_f64 ? kRawSubF64 : kRawSubF32;
+  thread_local std::vector<uint32_t> sub;  // all zero between calls
+  if (a.log2 && sub.empty()) sub.assign(std::max(kRawF64 * kRawSubF64, kRawF32 * kRawSubF32), 0);
+  BlockResult r;
+  double shift = std::numeric_limits<double>::quiet_NaN();
+  K->block[dt](p, N, &r, a.log2 ? sub.data() : nullptr, &shift);
+  Partial part, total;
+  part.add(r);
+  total.add(part);
+  int64_t hist[kLog2Bins] = {};
+  if (a.log2) {
+    int64_t raw[kRawF64];
+    for (int j = 0; j < R; ++j) {
+      int64_t v = 0;
+      for (int k = 0; k < NS; ++k) {
+        v += sub[k * R + j];
+        sub[k * R + j] = 0;
+      }
+      raw[j] = v;
+    }
+    raw_to_log2(raw, is_f64 ? kRawBitsF64 : kRawBitsF32, is_f64 ? kRawBiasF64 : kRawBiasF32,
+                total, hist);
+  }
+  double col_lo, col_hi;
+  hist_range_columns(a, &col_lo, &col_hi);
+  fold_into_row(total, N, hist, a.nbins, col_lo, col_hi, row, clock, fresh);
+}
+
 // Reads x once (twice for a linear histogram with an automatic range) and merges its
 // statistics into `row` (width kHead + a.nbins). fresh: row is uninitialized and gets x's
 // statistics alone; else it is merged into, and *clock (the bank's call counter) advances.
@@ -197,8 +256,12 @@ void accumulate_cpu(const at::Tensor& x, const StatsArgs& a, double* row, double
   const DType dt = dtype_code(x.scalar_type());
   const bool is_f64 = dt == kF64;
   const int64_t es = x.element_size();
-  const MemLayout L = mem_layout(x);
   const char* base = static_cast<const char*>(x.data_ptr());
+  if (N > 0 && N <= kBlock && !a.linear && x.is_non_overlapping_and_dense()) {
+    accumulate_one_block(base, N, dt, a, K, row, clock, fresh);
+    return;
+  }
+  const MemLayout L = mem_layout(x);
   const BlockFn block_fn = K->block[dt];
   const LinearFn linear_fn = K->linear[dt];
 
@@ -284,37 +347,20 @@ void accumulate_cpu(const at::Tensor& x, const StatsArgs& a, double* row, double
     });
   }
 
-  Summary S;
-  S.numel = static_cast<double>(N);
-  S.nan = static_cast<double>(total.nan);
-  S.inf = static_cast<double>(total.pos_inf + total.neg_inf);
-  S.zero = static_cast<double>(total.zeros);
-  S.n = nf;
-  S.mean = total.m.mean;
-  S.m2 = std::max(total.m.m2, 0.0);
-  S.mn = total.mn;  // +inf / -inf when there is no finite value
-  S.mx = total.mx;
-  std::vector<int64_t> hist(a.nbins, 0);
-  if (a.log2) {
-    raw_to_log2(raw, is_f64 ? kRawBitsF64 : kRawBitsF32, is_f64 ? kRawBiasF64 : kRawBiasF32,
-                total, hist.data());
-  } else if (a.linear) {
-    std::copy(lin.begin(), lin.end(), hist.begin());
-  }
   double col_lo, col_hi;
   hist_range_columns(a, &col_lo, &col_hi);
   if (a.linear && !a.has_range) {
     col_lo = lin_lo;
     col_hi = lin_hi;
   }
-  std::lock_guard<std::mutex> lock(g_fold_mutex);
-  if (fresh) init_row(row, a.nbins, col_lo, col_hi);
-  const double now = clock ? *clock : 0.0;
-  if (clock) *clock = now + 1.0;
-  fold_summary(row, S, now);
-  row[kHistLo] = col_lo;
-  row[kHistHi] = col_hi;
-  for (int64_t i = 0; i < a.nbins; ++i) row[kHead + i] += static_cast<double>(hist[i]);
+  std::vector<int64_t> hist(a.nbins, 0);
+  if (a.log2) {
+    raw_to_log2(raw.data(), is_f64 ? kRawBitsF64 : kRawBitsF32,
+                is_f64 ? kRawBiasF64 : kRawBiasF32, total, hist.data());
+  } else if (a.linear) {
+    std::copy(lin.begin(), lin.end(), hist.begin());
+  }
+  fold_into_row(total, N, hist.data(), a.nbins, col_lo, col_hi, row, clock, fresh);
 }
 
 at::Tensor tensor_stats_cpu(const at::Tensor& x, int64_t bins, int64_t hist_mode,

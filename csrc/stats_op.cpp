@@ -83,6 +83,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_isa", &hookplug::cpu::cpu_isa, "The CPU kernel variant in use ('avx2' or 'generic').");
   m.def("set_cpu_isa", &hookplug::cpu::set_cpu_isa,
         "Select the CPU kernel variant: 'auto', 'avx2' or 'generic' (tests, benchmarks).");
+  // The eager hot path: the op without the Python operator-call layer (torch.ops parses
+  // every argument against the schema: ~5 us a call). Same dispatch below autograd as the
+  // Autograd kernel; torch.compile'd code calls torch.ops.hookplug.stats_accumulate_.
+  m.def("accumulate", [](const at::Tensor& x, const at::Tensor& acc, int64_t row,
+                         const std::optional<at::Tensor>& gate, int64_t bins, int64_t hist_mode,
+                         std::optional<double> lo, std::optional<double> hi) {
+    std::optional<pybind11::gil_scoped_release> no_gil;
+    if (x.numel() >= (int64_t{1} << 16)) no_gil.emplace();  // large reads let threads run
+    hookplug::stats_accumulate_autograd(x, acc, row, gate, bins, hist_mode, lo, hi);
+  }, "hookplug::stats_accumulate_ for eager callers (see hookplug._bank).");
   m.def("row_layout", []() {
     using namespace hookplug;
     return std::vector<std::pair<std::string, int>>{

@@ -24,6 +24,7 @@ __all__ = ["StatsBank"]
 
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 MAX_BINS = 1 << 16
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 _HISTS = ("log2", "linear")
@@ -122,6 +123,7 @@ class StatsBank:
         self._capacity = 64
         self._devices: Dict[torch.device, _DeviceRows] = {}
         self._accumulate: Optional[Callable] = None
+        self._eager: Optional[Callable] = None
         self.live = True
         self._warned = False
         self.rows: Dict[Tuple, int] = {}
@@ -162,7 +164,8 @@ class StatsBank:
         from . import ops
 
         if ops.backend() != "reference":
-            self._accumulate = torch.ops.hookplug.stats_accumulate_
+            self._accumulate = torch.ops.hookplug.stats_accumulate_.default
+            self._eager = ops.eager_accumulate()
         else:
             self._accumulate = ops.reference_accumulate_
         if device is not None:
@@ -171,17 +174,22 @@ class StatsBank:
     # -- the hot path ------------------------------------------------------------------------
     def accumulate(self, t: torch.Tensor, key: Tuple) -> None:
         """Merge the statistics of ``t`` (strided, floating) into ``key``'s row."""
-        if not _is_compiling() and not self.live:
-            return  # an unsampled step (eager); compiled code reads the gate instead
-        row = self.rows.get(key)
-        if row is None:
-            row = self.row_of(key)
-        dev = self._devices.get(t.device)
-        if dev is None:
-            dev = self.device_rows(t.device)
-        if self._accumulate is None:
-            self.prepare()
-        self._accumulate(t.detach(), dev.acc, row, dev.gate, *self.op_args)
+        if _is_compiling():  # traced: the op reads the device gate (sampling, no recompiles)
+            dev = self._devices.get(t.device) or self.device_rows(t.device)
+            self._accumulate(t.detach(), dev.acc, self.rows.get(key) or self.row_of(key),
+                             dev.gate, *self.op_args)
+            return
+        if not self.live:
+            return  # an unsampled step
+        row = self.rows.get(key) or self.row_of(key)
+        dev = self._devices.get(t.device) or self.device_rows(t.device)
+        eager = self._eager
+        if eager is not None and type(t) in _PLAIN_TENSORS:
+            eager(t, dev.acc, row, None, *self.op_args)  # runs below autograd: no detach
+        else:  # subclasses keep torch.ops' __torch_function__ handling; the reference op
+            if self._accumulate is None:
+                self.prepare()
+            self._accumulate(t.detach(), dev.acc, row, None, *self.op_args)
 
     def set_live(self, live: bool) -> None:
         if live != self.live:

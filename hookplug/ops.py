@@ -86,6 +86,12 @@ def backend() -> str:
     return _load()
 
 
+def eager_accumulate():
+    """The compiled op's eager entry point (``stats_accumulate_`` without the torch.ops
+    argument parsing), or None on the reference backend or an extension that lacks it."""
+    return getattr(_C, "accumulate", None) if _load() != "reference" else None
+
+
 def _register_fake() -> None:
     register = getattr(torch.library, "register_fake", None)  # torch >= 2.4
     if register is None:  # pragma: no cover - older torch

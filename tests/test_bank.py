@@ -1,0 +1,140 @@
+"""The eager hot path of the stats engine: ``_C.accumulate`` (the op without torch.ops'
+argument parsing) and the CPU one-block path for small dense tensors, each checked against
+the general path and a float64 reference."""
+import math
+
+import pytest
+import torch
+
+import hookplug
+from hookplug import ops
+from hookplug._bank import StatsBank
+from hookplug._stats import HEAD, TensorStats, empty_rows
+
+pytestmark = pytest.mark.skipif(ops.eager_accumulate() is None, reason="needs the compiled op")
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+KINDS = [(None, "log2", None), (0, "log2", None), (10, "linear", (-2.0, 2.0))]
+
+
+def _values(n, dtype, gen):
+    x = torch.randn(n, generator=gen, dtype=torch.float64) * 3
+    if n > 8:
+        x[::7] = 0.0
+        x[3] = -0.0
+        x[5], x[6], x[8] = math.nan, math.inf, -math.inf
+        x[-1] = 1e-30  # subnormal / underflow in the small dtypes
+    return x.to(dtype)
+
+
+def _rows(x, kind, via):
+    bins, hist, rng = kind
+    b, mode, lo, hi = ops.hist_args(bins, hist, rng)
+    acc = empty_rows(2, ops.buckets(b, hist), *(rng or (0.0, 0.0)))
+    if hist == "log2" and b != 0:
+        edge = math.ldexp(1.0, ops.LOG2_MAX_EXP + 1)
+        acc[:, 8], acc[:, 9] = -edge, edge
+    via(x, acc, 1, None, b, mode, lo, hi)
+    return acc
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=["log2", "bins0", "linear"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 7, 512, 2048, 2049, 70000])
+def test_eager_entry_equals_torch_ops_bitwise(n, dtype, kind):
+    x = _values(n, dtype, torch.Generator().manual_seed(n))
+    a = _rows(x, kind, ops.eager_accumulate())
+    b = _rows(x, kind, torch.ops.hookplug.stats_accumulate_)
+    assert torch.equal(a.nan_to_num(nan=7.0), b.nan_to_num(nan=7.0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [2, 5, 64, 2048])
+def test_one_block_path_equals_general_path_and_reference(n, dtype):
+    """A dense tensor of <= 2048 elements takes the one-block path; the same values in a
+    strided view take the general path. Counts, extremes and buckets are equal exactly;
+    mean and M2 agree with a float64 reference."""
+    gen = torch.Generator().manual_seed(100 + n)
+    x = _values(n, dtype, gen)
+    spread = torch.zeros(2 * n, dtype=dtype)
+    spread[::2] = x
+    strided = spread[::2]  # not dense: the general (chunked) path
+    assert not strided.is_contiguous()
+    eager = ops.eager_accumulate()
+    for kind in KINDS[:2]:
+        fast = _rows(x, kind, eager)[1]
+        slow = _rows(strided, kind, eager)[1]
+        exact = [0, 1, 2, 3, 4, 5, 8, 9] + list(range(HEAD, fast.numel()))
+        assert torch.equal(fast[exact], slow[exact])
+        ref = ops.reference_tensor_stats(x.double(), bins=kind[0], hist=kind[1]).row
+        finite = x.double()[torch.isfinite(x.double())]
+        if finite.numel():
+            assert fast[6].item() == pytest.approx(finite.mean().item(), rel=1e-5, abs=1e-6 * finite.abs().max().item())
+            assert fast[7].item() == pytest.approx(ref[7].item(), rel=1e-4, abs=1e-9)
+        assert torch.equal(fast[:4], ref[:4])
+
+
+def test_permuted_dense_tensor_takes_the_fast_path_with_the_same_values():
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(3))
+    t = x.t()  # dense, not contiguous
+    eager = ops.eager_accumulate()
+    a = _rows(t, KINDS[0], eager)[1]
+    b = _rows(t.contiguous(), KINDS[0], eager)[1]
+    exact = [0, 1, 2, 3, 4, 5] + list(range(HEAD, a.numel()))
+    assert torch.equal(a[exact], b[exact])
+    assert a[6].item() == pytest.approx(x.double().mean().item(), abs=1e-6)
+
+
+def test_bank_needs_no_detach_and_leaves_autograd_alone():
+    bank = StatsBank()
+    bank.prepare(torch.device("cpu"))
+    w = torch.randn(4, 8, requires_grad=True)
+    y = w * 2
+    bank.accumulate(y, ("m", "output", "train"))
+    bank.accumulate(w, ("p", "weight", "train"))  # a leaf that requires grad
+    y.sum().backward()
+    assert torch.equal(w.grad, torch.full_like(w, 2.0))
+    got = bank.merged(lambda k: k)
+    assert got[("m", "output", "train")].numel.item() == 32
+    ref = TensorStats(ops.reference_tensor_stats(w.detach().double()).row, "log2")
+    assert got[("p", "weight", "train")].mean.item() == pytest.approx(ref.mean.item(), rel=1e-6)
+
+
+def test_subclass_inputs_take_the_torch_ops_path():
+    class Tagged(torch.Tensor):
+        pass
+
+    bank = StatsBank()
+    bank.prepare(torch.device("cpu"))
+    x = torch.randn(3, 5).as_subclass(Tagged)
+    bank.accumulate(x, ("m", "output", "train"))
+    got = bank.merged(lambda k: k)[("m", "output", "train")]
+    assert got.numel.item() == 15
+    assert got.max.item() == pytest.approx(x.as_subclass(torch.Tensor).max().item())
+
+
+def test_stats_plugin_records_equal_reference_on_small_layers():
+    """End to end on the eager path: 3 small layers, 2 calls each, totals equal a float64
+    reference of the outputs recorded without hooks."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    xs = [torch.randn(5, 8), torch.randn(3, 8)]
+    outs = {n: [] for n in ("0", "1", "2")}
+    hs = [model[int(n)].register_forward_hook(lambda m, i, o, n=n: outs[n].append(o.detach()))
+          for n in outs]
+    with torch.no_grad():
+        for x in xs:
+            model(x)
+    for h in hs:
+        h.remove()
+    with hookplug.attach(model, "*", plugins="stats") as s, torch.no_grad():
+        for x in xs:
+            model(x)
+        res = s["stats"].results()
+    for n, parts in outs.items():
+        v = torch.cat([p.reshape(-1) for p in parts]).double()
+        st = res[n]["output"]
+        assert st.numel.item() == v.numel()
+        assert st.min.item() == v.min().item() and st.max.item() == v.max().item()
+        assert st.mean.item() == pytest.approx(v.mean().item(), abs=1e-6)
+        assert st.std.item() == pytest.approx(v.std(unbiased=False).item(), rel=1e-5)
