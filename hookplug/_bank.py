@@ -25,6 +25,7 @@ __all__ = ["StatsBank"]
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 MAX_BINS = 1 << 16
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_FOLD_EVERY = 16  # ended steps merged into the totals in one batch
 
 
 _HISTS = ("log2", "linear")
@@ -83,17 +84,28 @@ def host_copy(t: torch.Tensor):
 
 class _DeviceRows:
     """One device's rows: ``acc`` (the step being filled), ``gate`` (the sampling flag the
-    op reads), ``empty`` (what a reset copies in) and ``totals`` (ended steps, merged)."""
+    op reads), ``empty`` (what a reset copies in), ``totals`` (ended steps, merged) and
+    ``unfolded`` (snapshots of ended steps not merged into ``totals`` yet: they are merged
+    in one batch, at most every ``_FOLD_EVERY`` steps or when read)."""
 
-    __slots__ = ("acc", "gate", "empty", "totals")
+    __slots__ = ("acc", "gate", "empty", "totals", "unfolded")
 
     def __init__(self, device, capacity: int, width: int, lo: float, hi: float, live: bool):
         self.empty = empty_rows(capacity, width - HEAD, lo, hi, device=device)
         self.acc = self.empty.clone()
         self.totals = self.empty.clone()
+        self.unfolded: List[torch.Tensor] = []
         self.gate = torch.tensor([live], dtype=torch.bool, device=device)
 
+    def fold(self) -> torch.Tensor:
+        """``totals`` with every unfolded snapshot merged in (one ``merge_rows``)."""
+        if self.unfolded:
+            self.totals = merge_rows(torch.stack([self.totals, *self.unfolded]))
+            self.unfolded = []
+        return self.totals
+
     def grow(self, capacity: int) -> None:
+        self.fold()
         fresh = self.empty[:1].expand(capacity - self.acc.shape[0], -1)
         self.empty = torch.cat([self.empty, fresh])
         self.acc = torch.cat([self.acc, fresh])
@@ -137,6 +149,7 @@ class StatsBank:
         for dev in self._devices.values():
             dev.acc.copy_(dev.empty)
             dev.totals.copy_(dev.empty)
+            dev.unfolded = []
         self.pending = []
 
     def row_of(self, key: Tuple) -> int:
@@ -206,7 +219,9 @@ class StatsBank:
         for device, dev in self._devices.items():
             snap = dev.acc.clone()
             dev.acc.copy_(dev.empty)
-            dev.totals = merge_rows(torch.stack([dev.totals, snap]))
+            dev.unfolded.append(snap)
+            if len(dev.unfolded) >= _FOLD_EVERY:
+                dev.fold()
             snaps[device] = snap
         self.pending.append((step, snaps))
         if len(self.pending) > self.max_pending_steps:
@@ -223,6 +238,8 @@ class StatsBank:
         """The ended steps not yet collected, one block per step and device; ``meta(key,
         step)`` describes a row."""
         pending, self.pending = self.pending, []
+        for dev in self._devices.values():
+            dev.fold()  # once per flush: the steps' snapshots are in hand now
         n = len(self.keys)
         out = []
         for step, snaps in pending:
@@ -237,7 +254,7 @@ class StatsBank:
         n = len(self.keys)
         if not n or not self._devices:
             return {}
-        per_dev = [merge_rows(torch.stack([d.totals[1:n + 1], d.acc[1:n + 1]]))
+        per_dev = [merge_rows(torch.stack([d.fold()[1:n + 1], d.acc[1:n + 1]]))
                    for d in self._devices.values()]
         rows = per_dev[0] if len(per_dev) == 1 else merge_rows(
             torch.stack([r.to(per_dev[0].device) for r in per_dev]))

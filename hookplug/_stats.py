@@ -281,9 +281,10 @@ class StatsBlock(NamedTuple):
     hist: Any = None
 
 
-def row_to_dict(row: torch.Tensor, hist: Any = None) -> Dict[str, Any]:
-    """A host row as ``{field: number}`` plus ``hist_counts``/``hist_edges`` lists."""
-    v = row.tolist()
+def row_to_dict(row, hist: Any = None, counts: Optional[List[int]] = None) -> Dict[str, Any]:
+    """A host row (a tensor or its values as a list) as ``{field: number}`` plus
+    ``hist_counts``/``hist_edges`` lists; ``counts``: the buckets as ints, if at hand."""
+    v = row.tolist() if isinstance(row, torch.Tensor) else row
     n = v[NUMEL] - v[NAN] - v[INF]
     d: Dict[str, Any] = {f: int(v[c]) for f, c in zip(COUNT_COLUMNS, (NUMEL, NAN, INF, ZERO))}
     nan = math.nan
@@ -295,7 +296,7 @@ def row_to_dict(row: torch.Tensor, hist: Any = None) -> Dict[str, Any]:
     else:
         d.update(min=nan, max=nan, mean=nan, std=nan, absmax=nan, l2=0.0, rms=nan)
     d["zero_fraction"] = v[ZERO] / v[NUMEL] if v[NUMEL] > 0 else nan
-    d["hist_counts"] = [int(c) for c in v[HEAD:]]
+    d["hist_counts"] = counts if counts is not None else [int(c) for c in v[HEAD:]]
     d["hist_edges"] = host_edges(v, hist)
     return d
 

@@ -278,11 +278,12 @@ class Telemetry:
         for metas, off, r, width, hist in flight.groups:
             rows = host[off:off + r * width].view(r, width)
             local_bad = host[off + r * width:off + r * width + r].tolist()
-            numel = rows[:, NUMEL].tolist()
+            values = rows.tolist()  # one conversion per block, buckets as ints
+            counts = rows[:, HEAD:].to(torch.int64).tolist() if width > HEAD else [[]] * r
             for i, meta in enumerate(metas):
-                if numel[i] <= 0:
+                if values[i][NUMEL] <= 0:
                     continue
-                d = row_to_dict(rows[i], hist)
+                d = row_to_dict(values[i], hist, counts[i])
                 if d["hist_edges"] and d["hist_edges"] is not _stats._LOG2_EDGES_LIST:
                     key = tuple(d["hist_edges"])
                     d["hist_edges"] = edges_cache.setdefault(key, d["hist_edges"])
