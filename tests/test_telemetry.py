@@ -446,3 +446,68 @@ def test_cuda_flush_in_flight_is_emitted_later_in_order():
         s.step()  # polls: everything finished is emitted now, without waiting
         assert not s._telemetry.in_flight
     assert [r["step"] for r in sink.records] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+
+
+# -- torch.compile on real models ------------------------------------------------------------------------
+
+def _train_steps(model, s, make_loss, steps):
+    for _ in range(steps):
+        make_loss(model).backward()
+        s.step()
+
+
+def _compare_compiled_with_eager(model, select, make_loss, steps=3, backend="aot_eager"):
+    """Graphs and recompiles of the compiled model with stats attached against the same model
+    compiled without hooks; records of compiled training steps against eager ones."""
+    from torch._dynamo.utils import counters
+
+    eager = ListSink()
+    with hookplug.attach(model, select, plugins="stats", sink=eager) as s:
+        _train_steps(model, s, make_loss, steps)
+    torch._dynamo.reset()
+    counters.clear()
+    plain = torch.compile(model, backend=backend)
+    for _ in range(2):
+        make_loss(plain)
+    graphs_plain = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = ListSink()
+    hooked = torch.compile(model, backend=backend)
+    with hookplug.attach(model, select, plugins="stats", sink=compiled) as s:
+        _train_steps(hooked, s, make_loss, steps)
+    assert counters["stats"]["unique_graphs"] == graphs_plain, dict(counters["stats"])
+    assert sum(counters["recompiles"].values()) == 0, dict(counters["recompiles"])
+    e, c = by_key(eager.records), by_key(compiled.records)
+    assert set(e) == set(c) and len(e) >= steps * 4
+    for k in e:
+        for f in ("numel", "nan_count", "inf_count"):
+            assert e[k][f] == c[k][f], (k, f)
+        scale = max(abs(e[k]["min"]), abs(e[k]["max"]), 1e-3)
+        assert math.isclose(e[k]["mean"], c[k]["mean"], rel_tol=1e-4, abs_tol=1e-5 * scale), k
+        assert math.isclose(e[k]["std"], c[k]["std"], rel_tol=1e-4, abs_tol=1e-5 * scale), k
+
+
+def test_compiled_gpt2_training_steps_equal_eager_without_extra_graphs():
+    """A GPT-2 from config (transformers' Conv1D projections and the LM head), compiled
+    (aot_eager) and trained: stats add no graph and no recompile, records equal eager."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=2,
+                                     n_head=2, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     bos_token_id=0, eos_token_id=0, loss_type="ForCausalLM")
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 100, (2, 16))
+    _compare_compiled_with_eager(model, "Linear|Conv1D", lambda m: m(ids, labels=ids).loss)
+
+
+def test_compiled_resnet18_training_steps_equal_eager_without_extra_graphs():
+    try:
+        import torchvision
+    except Exception as exc:  # noqa: BLE001 - PyPI torchvision does not import beside torch 2.13 CPU
+        pytest.skip(f"torchvision does not import here: {exc}")
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10)
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 2])
+    _compare_compiled_with_eager(model, "Conv2d|Linear",
+                                 lambda m: nn.functional.cross_entropy(m(x), y), steps=2)
