@@ -216,10 +216,10 @@ class _ModuleBinding:
         self.variants: Dict[bool, Tuple[Tuple, Tuple, Tuple]] = {}
         self._pending: List[HookContext] = []  # pushed by pre_hook, popped by post_hook
 
-    def _new_ctx(self, module) -> HookContext:
+    def _new_ctx(self, module, compiling: bool) -> HookContext:
         """A call's context. Inside compiled code nothing Python-side that changes per call
         or per step is read (no recompiles): call_index is -1, step is read lazily."""
-        if _is_compiling():
+        if compiling:
             return HookContext(self.name, -1, None, self.session,
                                "train" if module.training else "eval")
         index = self.calls
@@ -232,13 +232,14 @@ class _ModuleBinding:
             if self.has_post:
                 self._pending.append(None)
             return None
-        impls = self.all_in if _is_compiling() else self.fwd_in
+        compiling = _is_compiling()
+        impls = self.all_in if compiling else self.fwd_in
         if not impls and not self.has_post:
-            if not _is_compiling():
+            if not compiling:
                 self.calls += 1
             return None
         s = self.session
-        ctx = self._new_ctx(module)
+        ctx = self._new_ctx(module, compiling)
         if self.has_post:  # the same ctx reaches forward_output for this call
             self._pending.append(ctx)
         if not impls:
@@ -278,7 +279,7 @@ class _ModuleBinding:
                 self.calls += 1
             return None
         else:
-            ctx = None if _in_recompute() else self._new_ctx(module)
+            ctx = None if not compiling and _graph_task_id() != -1 else self._new_ctx(module, compiling)
         if ctx is None:  # a recompute (activation checkpointing): forward is not observed again,
             ctx = HookContext(self.name, -1, None, s, _phase_of(module))  # grads still are
             fwd_out = ()
