@@ -302,6 +302,9 @@ def render_html(doc: Dict[str, Any]) -> str:
                       bool(_int(t.get("nan_count")))))
         cards.append(("Inf values", f"{_int(t.get('inf_count')):,}", "in selected outputs",
                       bool(_int(t.get("inf_count")))))
+        if has_grads(doc):
+            bad = _int(t.get("grad_nan_count")) + _int(t.get("grad_inf_count"))
+            cards.append(("NaN/Inf gradients", f"{bad:,}", "in output gradients", bool(bad)))
     ms = _ms_per_step(doc)
     if ms is not None:
         cards.append(("time / step", f"{ms:.1f} ms", "median, hooks attached", False))
