@@ -171,10 +171,12 @@ def build_document(session, records: Sequence[Dict[str, Any]], meta: Dict[str, A
     hidden = set(hidden)
     extra = {n: {k: v for k, v in s.items() if k not in _KINDS + ("flops_total", "summary")}
              for n, s in sections.items() if n not in hidden}
-    results = session.results()
-    for n in session.plugins:
-        if n not in hidden and n not in sections and n in results:
-            extra[n] = _jsonable(results[n])
+    for n, plugin in session.plugins.items():  # no section: the plugin's results as they are
+        if n not in hidden and n not in sections and hasattr(plugin, "results"):
+            try:
+                extra[n] = plugin.results()
+            except Exception as exc:  # noqa: BLE001 - a report never dies of a plugin
+                extra[n] = {"error": f"{type(exc).__name__}: {exc}"}
     doc = {
         "hookplug_version": hookplug.__version__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
