@@ -98,6 +98,29 @@ def test_document_stats_equal_a_float64_reference_of_outputs_and_grads(backward_
             assert sum(got["hist_counts"]) == got["numel"]
 
 
+def test_profile_json_equals_a_float64_reference_of_the_same_run(tmp_path, capsys):
+    """`hookplug profile mlp --backward --steps 2 --json`: rebuild the model and inputs as the
+    command does (seed 0) and compare its JSON with plain torch hooks' float64 numbers."""
+    assert _commands.main(["profile", "mlp", "--backward", "--steps", "2", "--plain", "--json",
+                           str(tmp_path / "r.json")]) == 0
+    doc = json.loads((tmp_path / "r.json").read_text())
+    torch.manual_seed(0)
+    model, gen, seen = MLP(), torch.Generator().manual_seed(0), {}
+    for name in ("fc1", "fc3"):  # fc2 runs twice per step; the selector's Linear layers
+        def hook(mod, args, out, name=name):
+            seen.setdefault((name, "output"), []).append(out.detach().clone())
+            out.register_hook(lambda g: seen.setdefault((name, "grad"), []).append(g.clone()))
+        getattr(model, name).register_forward_hook(hook)
+    for _ in range(2):
+        model(torch.randn(16, 32, generator=gen)).float().mean().backward()
+    assert len(seen) == 4
+    for (name, site), tensors in seen.items():
+        want, got = _reference(tensors), doc["modules"][name]["stats"][site]
+        assert (got["numel"], got["min"], got["max"]) == (want["numel"], want["min"], want["max"])
+        for k in ("mean", "std"):
+            assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6 * want["std"]), (name, site, k)
+
+
 def test_document_stats_are_the_stats_plugins_own_results(mlp_doc):
     model, xs, doc = mlp_doc
     with hookplug.attach(model, "*", plugins="stats") as s:
