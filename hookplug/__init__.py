@@ -43,7 +43,7 @@ _LAZY = {
     "StatsBlock": ("hookplug._stats", "StatsBlock"),
     "load_capture": ("hookplug._capture_io", "load_capture"),
     "load_config": ("hookplug._config", "load_config"),
-    "plot_features": ("hookplug._plot", "plot_features"),
+    "plot_features": ("hookplug.cli._plot", "plot_features"),
 }
 
 

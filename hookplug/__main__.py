@@ -7,7 +7,7 @@ from typing import List, Optional
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the ``hookplug`` command with ``argv`` (default ``sys.argv[1:]``); return its exit status."""
-    from ._cli import main as _main
+    from .cli import main as _main
 
     return _main(argv)
 

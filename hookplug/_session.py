@@ -548,6 +548,14 @@ class Session:
             lines += ["", f"!! {name} was disabled: {why}"]
         return "\n".join(lines)
 
+    def report_sections(self) -> Dict[str, Any]:
+        """``{plugin name: section}`` from every plugin implementing
+        ``hookplug_report_section`` (plain data; see ``hookplug.hookspecs``), in plugin order."""
+        out: Dict[str, Any] = {}
+        self._dispatch("hookplug_report_section",
+                       on_result=lambda name, res: None if res is None else out.__setitem__(name, res))
+        return out
+
     def step(self, step: Optional[int] = None) -> "_StepScope":
         """Mark a training-step boundary: the step that ran so far ends (numbered ``step``
         when given, e.g. a trainer's global step, else the session's counter) and the next

@@ -1,11 +1,11 @@
-"""The TensorBoard tag layout shared by the ``tensorboard`` sink and ``hookplug profile
---tensorboard``: one stat across layers sits in one group, as HF's ``train/...`` does.
+"""The TensorBoard tag layout of the ``tensorboard`` sink (which ``hookplug profile
+--tensorboard`` attaches): one stat across layers sits in one group, as HF's ``train/...`` does.
 
 - scalars: ``hookplug/<stat>/<module>/<site>`` (``hookplug_eval/...`` for eval-phase records),
   e.g. ``hookplug/max/encoder.layer.0.fc1/output``: TensorBoard groups by the first two
   parts, so the ``hookplug/max`` card compares every layer's max at a glance;
 - histograms: ``hookplug/hist/<module>/<site>``;
-- per-module numbers without a site (FLOPs): ``hookplug/<stat>/<module>``.
+- per-module numbers without a site: ``hookplug/<stat>/<module>``.
 
 Constant scalars (``numel``, ``zero_count``...) are not written by default:
 :data:`DEFAULT_SCALARS` are the stats that move.

@@ -92,3 +92,15 @@ def hookplug_collect(session, step):
 def hookplug_flush(session, records):
     """Sinks: write ``records`` (a list of flat dicts ``{step, time, rank, module, site,
     stat...}``). Result ignored."""
+
+
+# -- reports ----------------------------------------------------------------------------
+
+@hookspec
+def hookplug_report_section(session):
+    """Reports (``session.report_sections()``, ``hookplug profile``): return this plugin's
+    section as plain data (a JSON-able dict, host numbers only) or ``None``. Known keys:
+    ``"stats"`` ``{module: {site: TensorStats.to_dict()}}``, ``"flops"`` ``{module: {"flops",
+    "macs", "params", "backward_flops"}}`` with ``"flops_total"``, ``"outputs"`` ``{module:
+    {"calls", "outputs": {path: {"shape", "dtype"}}}}``, ``"summary"`` (lines of text); other
+    keys are kept as they are. Every plugin's result is collected (not firstresult)."""

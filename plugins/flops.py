@@ -571,6 +571,11 @@ class FlopsPlugin(hookplug.Plugin):
             lines.append(f"ops without a FLOP formula (counted as 0): {shown}{more}")
         return "\n".join(lines)
 
+    @hookimpl
+    def hookplug_report_section(self, session):
+        """FLOPs per module and in total over the session, and the ops without a formula."""
+        return {"flops": self.results(), "flops_total": self.total(), "uncounted": self.uncounted()}
+
     # -- session hooks ----------------------------------------------------------------------------
 
     @hookimpl

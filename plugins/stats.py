@@ -288,6 +288,12 @@ class StatsPlugin(hookplug.Plugin):
             out.setdefault(mod, {})[site] = st
         return out
 
+    @hookimpl
+    def hookplug_report_section(self, session):
+        """``{"stats": {module: {site: dict}}}`` over the whole session (host numbers)."""
+        return {"stats": {mod: {site: st.to_dict() for site, st in sites.items()}
+                          for mod, sites in self.results().items()}}
+
     def report(self) -> str:
         merged = self._merged()
         if not merged:

@@ -193,6 +193,10 @@ def test_profile_backward_steps_and_a_module_called_twice_in_rich(tmp_path):
     assert set(fc2["stats"]) == {"output", "grad"}  # with --backward the gradients are measured too
     assert fc2["stats"]["output"]["numel"] == 3 * 2 * 16 * 64  # three steps, two calls each
     assert STAT_KEYS <= set(fc2["stats"]["grad"])
+    header = next(line for line in proc.stdout.splitlines() if line.lstrip().startswith("module"))
+    assert "grad std" in header and "grad NaN" in header  # gradient stats in the table too
+    assert {r["site"] for r in doc["telemetry"]} == {"output", "grad"}
+    assert sorted({r["step"] for r in doc["telemetry"]}) == [0, 1, 2]
 
 
 class _Page(HTMLParser):
@@ -273,7 +277,13 @@ def test_profile_tensorboard(tmp_path, call):
         assert proc.returncode == 2 and "pip install tensorboard" in proc.stderr
         return
     ok(proc)
-    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 1
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    ea.Reload()  # the tensorboard sink's layout (hookplug._tb); forward-only runs in eval mode
+    assert [e.step for e in ea.Scalars("hookplug_eval/max/fc1/output")] == [0, 1]
+    assert "hookplug_eval/hist/fc3/output" in ea.Tags()["histograms"]
 
 
 # -- user errors: one line on stderr, exit status 2, no traceback ---------------------------------
@@ -358,7 +368,7 @@ def test_tensorboard_folder_that_cannot_be_created(where, call, tmp_path):
 
 
 def test_parse_plugins_keeps_distinct_plugins_in_order():
-    from hookplug._cli import UsageError, _parse_plugins
+    from hookplug.cli._commands import UsageError, _parse_plugins
 
     assert _parse_plugins("stats(bins=0),flops") == [("stats", {"bins": 0}), ("flops", {})]
     with pytest.raises(UsageError, match="given twice"):

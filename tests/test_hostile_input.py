@@ -475,7 +475,7 @@ def test_item19_not_a_safetensors_file(tmp_path):
 # -- 20. the CLI says that file.py:factory runs code; select with no match is an error --------------
 
 def test_item20_help_says_a_file_factory_runs_code(capsys):
-    from hookplug._cli import main
+    from hookplug.cli import main
 
     for command in ("profile", "select"):
         assert main([command, "--help"]) == 0
@@ -486,7 +486,7 @@ def test_item20_help_says_a_file_factory_runs_code(capsys):
 
 
 def test_item20_select_with_no_match_is_a_usage_error(capsys):
-    from hookplug._cli import main
+    from hookplug.cli import main
 
     rc = main(["select", "cnn", "Conv2d:nothing.*"])
     err = capsys.readouterr().err.strip().splitlines()

@@ -1,5 +1,7 @@
-"""Reports in this process: the run collector, stats merging, the terminal table (rich and
-plain text with the same content), JSON, the self-contained HTML, TensorBoard, plot_features."""
+"""Reports in this process: the run document built from the plugins' report sections and
+the telemetry records (checked against a float64 reference), the terminal table (rich and
+plain text with the same content), JSON, the self-contained HTML, TensorBoard through the
+sink, plot_features."""
 from __future__ import annotations
 
 import io
@@ -12,35 +14,40 @@ import pytest
 import torch
 
 import hookplug
-from hookplug import _report
-from hookplug._cli import ShapeRecorder
+from hookplug.cli import _commands, _html, _report
+from hookplug.cli._commands import RunRecords, ShapeRecorder
 from hookplug.models import MLP, tiny_cnn
 
 
 def _run(model, x, selector="*", plugins=("stats", "flops"), steps=2, backward=False):
     """What `hookplug profile` does, in this process: the document of a run."""
-    recorder = ShapeRecorder()
-    session = hookplug.attach(model, selector, plugins=[*plugins, recorder])
-    collector = _report.Collector(session, skip=(recorder.name,))
+    recorder, records = ShapeRecorder(), RunRecords()
+    if backward:
+        plugins = [("stats", {"sites": ("output", "grad")}) if p == "stats" else p for p in plugins]
+    session = hookplug.attach(model, selector, plugins=[*plugins, recorder], sink=records, flush_every=1)
     try:
         for step in range(steps):
             out = model(x[step] if isinstance(x, list) else x)
             if backward:
                 out.float().mean().backward()
-            collector.after_step(step)
             session.step()
-        return _report.build_document(
-            session=session, collector=collector, recorder=recorder,
-            meta={"model": {"spec": "mlp", "label": "mlp", "class": type(model).__name__,
-                            "params": sum(p.numel() for p in model.parameters()),
-                            "modules": sum(1 for _ in model.modules())},
-                  "input": {"description": "16x32 float32", "shape": [16, 32], "dtype": "float32",
-                            "source": "random"},
-                  "selector": selector, "plugins": list(plugins), "device": "cpu", "seed": 0,
-                  "steps": steps, "backward": backward, "step_seconds": [0.01] * steps},
-            param_count=lambda m: sum(p.numel() for p in m.parameters()))
+        session.flush()
+        return _report.build_document(session, records.records, hidden=(recorder.name,), meta={
+            "model": {"spec": "mlp", "label": "mlp", "class": type(model).__name__,
+                      "params": sum(p.numel() for p in model.parameters()),
+                      "modules": sum(1 for _ in model.modules())},
+            "input": {"description": "16x32 float32", "shape": [16, 32], "dtype": "float32", "source": "random"},
+            "selector": selector, "plugins": [p if isinstance(p, str) else getattr(p, "name", None) or p[0] for p in plugins],
+            "device": "cpu", "seed": 0, "steps": steps, "backward": backward, "step_seconds": [0.01] * steps})
     finally:
         session.remove()
+
+
+def _reference(tensors):
+    """float64 stats of the concatenation of ``tensors`` (plain torch)."""
+    x = torch.cat([t.detach().reshape(-1).double() for t in tensors])
+    return {"numel": x.numel(), "nan_count": int(x.isnan().sum()), "min": x.min().item(),
+            "max": x.max().item(), "mean": x.mean().item(), "std": x.std(correction=0).item()}
 
 
 @pytest.fixture(scope="module")
@@ -51,24 +58,87 @@ def mlp_doc():
     return model, xs, _run(model, xs)
 
 
-# -- collecting a run ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def backward_run():
+    """A 2-step forward+backward run, with every Linear output and output grad kept by plain
+    torch hooks: the float64 reference for the document's stats."""
+    torch.manual_seed(0)
+    model = MLP()
+    xs = [torch.randn(16, 32), torch.randn(16, 32) * 3]
+    seen = {}
 
-def test_steps_merged_on_the_host_equal_the_plugins_own_merge(mlp_doc):
+    def keep(name):
+        def hook(mod, args, out):
+            seen.setdefault((name, "output"), []).append(out.detach().clone())
+            out.register_hook(lambda g: seen.setdefault((name, "grad"), []).append(g.clone()))
+        return hook
+
+    handles = [m.register_forward_hook(keep(n)) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        doc = _run(model, xs, selector="Linear", backward=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return doc, seen
+
+
+# -- the run document --------------------------------------------------------------------------
+
+def test_document_stats_equal_a_float64_reference_of_outputs_and_grads(backward_run):
+    doc, seen = backward_run
+    assert list(doc["modules"]) == ["fc1", "fc2", "fc3"]
+    for name, m in doc["modules"].items():
+        assert set(m["stats"]) == {"output", "grad"}
+        for site in ("output", "grad"):
+            want, got = _reference(seen[(name, site)]), m["stats"][site]
+            for k in ("numel", "nan_count", "min", "max"):
+                assert got[k] == want[k], (name, site, k)
+            for k in ("mean", "std"):  # the op sums float32 values in float32 lanes before float64
+                assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6 * want["std"]), (name, site, k)
+            assert sum(got["hist_counts"]) == got["numel"]
+
+
+def test_profile_json_equals_a_float64_reference_of_the_same_run(tmp_path, capsys):
+    """`hookplug profile mlp --backward --steps 2 --json`: rebuild the model and inputs as the
+    command does (seed 0) and compare its JSON with plain torch hooks' float64 numbers."""
+    assert _commands.main(["profile", "mlp", "--backward", "--steps", "2", "--plain", "--json",
+                           str(tmp_path / "r.json")]) == 0
+    doc = json.loads((tmp_path / "r.json").read_text())
+    torch.manual_seed(0)
+    model, gen, seen = MLP(), torch.Generator().manual_seed(0), {}
+    for name in ("fc1", "fc3"):  # fc2 runs twice per step; the selector's Linear layers
+        def hook(mod, args, out, name=name):
+            seen.setdefault((name, "output"), []).append(out.detach().clone())
+            out.register_hook(lambda g: seen.setdefault((name, "grad"), []).append(g.clone()))
+        getattr(model, name).register_forward_hook(hook)
+    for _ in range(2):
+        model(torch.randn(16, 32, generator=gen)).float().mean().backward()
+    assert len(seen) == 4
+    for (name, site), tensors in seen.items():
+        want, got = _reference(tensors), doc["modules"][name]["stats"][site]
+        assert (got["numel"], got["min"], got["max"]) == (want["numel"], want["min"], want["max"])
+        for k in ("mean", "std"):
+            assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6 * want["std"]), (name, site, k)
+
+
+def test_document_stats_are_the_stats_plugins_own_results(mlp_doc):
     model, xs, doc = mlp_doc
-    with hookplug.attach(model, "*", plugins="stats") as s:  # no reset: the plugin merges itself
+    with hookplug.attach(model, "*", plugins="stats") as s:
         for x in xs:
             model(x)
             s.step()
         own = {m: {p: ts.to_dict() for p, ts in paths.items()} for m, paths in s["stats"].results().items()}
-    assert list(doc["modules"]) == ["fc1", "fc2", "fc3"]
-    for name, paths in own.items():
-        mine = doc["modules"][name]["stats"]
-        assert set(mine) == set(paths)
-        for path, d in paths.items():
-            for k in ("numel", "nan_count", "inf_count", "zero_count", "hist_counts", "hist_edges"):
-                assert mine[path][k] == d[k], (name, path, k)
-            for k in ("min", "max", "mean", "std", "absmax"):
-                assert mine[path][k] == pytest.approx(d[k], rel=1e-9, abs=1e-12), (name, path, k)
+    assert {m: doc["modules"][m]["stats"] for m in own} == _report._clean_floats(own)
+
+
+def test_telemetry_records_are_in_the_document_per_step(mlp_doc):
+    _, _, doc = mlp_doc
+    recs = doc["telemetry"]
+    assert sorted({(r["step"], r["module"], r["site"]) for r in recs}) == [
+        (s, m, "output") for s in (0, 1) for m in ("fc1", "fc2", "fc3")]
+    fc1 = {r["step"]: r for r in recs if r["module"] == "fc1"}
+    assert fc1[0]["numel"] + fc1[1]["numel"] == doc["modules"]["fc1"]["stats"]["output"]["numel"]
+    assert max(fc1[0]["max"], fc1[1]["max"]) == doc["modules"]["fc1"]["stats"]["output"]["max"]
 
 
 def test_flops_are_per_step_and_calls_per_first_step(mlp_doc):
@@ -79,24 +149,27 @@ def test_flops_are_per_step_and_calls_per_first_step(mlp_doc):
     assert doc["totals"]["flops"] == sum(m["flops"]["flops"] for m in doc["modules"].values())
     assert doc["totals"]["model_flops"]["flops"] == doc["totals"]["flops"]
     assert fc2["output_shape"] == [16, 64]
+    assert doc["kinds"] == ["stats", "flops"]
 
 
-def test_merge_stats_matches_stats_of_the_concatenation():
-    a = torch.randn(1000, dtype=torch.float64)
-    b = torch.randn(300, dtype=torch.float64) * 5 + 2
-    b[:3] = float("nan")
-    b[3] = float("inf")
-    a[:10] = 0
-    from hookplug.ops import reference_tensor_stats as ts
+class Noted(hookplug.Plugin):
+    name = "noted"
 
-    merged = _report.merge_stats(ts(a).to_dict(), ts(b).to_dict())
-    whole = ts(torch.cat([a, b])).to_dict()
-    for k in ("numel", "nan_count", "inf_count", "zero_count", "hist_counts", "hist_edges"):
-        assert merged[k] == whole[k], k
-    for k in ("min", "max", "mean", "std", "absmax"):
-        assert merged[k] == pytest.approx(whole[k], rel=1e-12), k
-    assert _report.merge_stats(None, whole) == whole
-    assert _report.merge_stats(whole, {}) == whole
+    @hookplug.hookimpl
+    def hookplug_report_section(self, session):
+        return {"summary": [f"noted saw {len(session.modules)} modules"], "count": 3}
+
+
+def test_a_plugins_report_section_reaches_the_document():
+    model = MLP()
+    doc = _run(model, torch.randn(16, 32), selector="Linear", plugins=("flops", Noted()), steps=1)
+    assert "noted saw 3 modules" in doc["notes"]
+    assert doc["extra"]["noted"] == {"count": 3}
+    assert "uncounted" in doc["extra"]["flops"]
+    assert doc["kinds"] == ["flops"] and all(m["stats"] is None for m in doc["modules"].values())
+    plain = io.StringIO()
+    _report.print_profile(doc, use_rich=False, file=plain)
+    assert "noted saw 3 modules" in plain.getvalue()
 
 
 def test_top_level_modules_do_not_count_children_twice():
@@ -147,10 +220,23 @@ def test_formatting():
 
 def test_table_leaves_out_columns_of_plugins_not_run(mlp_doc):
     _, _, doc = mlp_doc
-    bare = dict(doc, plugins_active=[])
+    bare = dict(doc, kinds=[])
     cols, rows, total, _ = _report.profile_table(bare)
     assert [c for c, _ in cols] == ["module", "class", "output", "params"]
     assert all(len(r) == 4 for r in rows)
+
+
+def test_grad_stats_are_in_the_table_and_the_html(backward_run):
+    doc, _ = backward_run
+    cols, rows, total, _ = _report.profile_table(doc)
+    titles = [c for c, _ in cols]
+    assert titles[-4:] == ["grad absmax", "grad std", "grad NaN", "grad Inf"]
+    fc3 = rows[list(doc["modules"]).index("fc3")]
+    assert fc3[titles.index("grad std")] == _report.fmt_float(doc["modules"]["fc3"]["stats"]["grad"]["std"])
+    assert total[-2:] == ["0", "0"]
+    page = _html.render_html(doc)
+    assert page.count('<svg class="hist grad"') == len(doc["modules"]) == 3
+    assert "Gradient distributions" in page and "grad std</th>" in page
 
 
 def test_select_tree():
@@ -185,7 +271,7 @@ def test_html_escapes_names_and_has_no_urls(mlp_doc):
     evil = dict(doc)
     evil["modules"] = {f"<img src=http://x/{k}>": v for k, v in doc["modules"].items()}
     evil["selector"] = "<script src='https://e.vil/x.js'></script>"
-    page = _report.render_html(evil)
+    page = _html.render_html(evil)
     assert "<img" not in page and "<script src" not in page
 
     class Attrs(HTMLParser):
@@ -202,10 +288,10 @@ def test_html_escapes_names_and_has_no_urls(mlp_doc):
 
 
 def test_histogram_svg_handles_empty_and_missing_stats():
-    assert "no values recorded" in _report._hist_svg("m", None)
-    assert "bins=0" in _report._hist_svg("m", {"numel": 4, "hist_counts": [], "hist_edges": []})
+    assert "no values recorded" in _html._hist_svg("m", None)
+    assert "bins=0" in _html._hist_svg("m", {"numel": 4, "hist_counts": [], "hist_edges": []})
     edges = [-4.0, -2.0, -1.0, 1.0, 2.0, 4.0]
-    svg = _report._hist_svg("m", {"hist_counts": [0, 1, 3, 0, 2], "hist_edges": edges})
+    svg = _html._hist_svg("m", {"hist_counts": [0, 1, 3, 0, 2], "hist_edges": edges})
     assert svg.count("<rect") == 4  # trimmed to the first and last non-empty bucket
     assert 'class="zero"' in svg and 'class="neg"' in svg and 'class="pos"' in svg
 
@@ -215,41 +301,43 @@ def test_log2_histogram_collapses_long_empty_runs():
 
     x = torch.cat([torch.full((10,), 1e-9), torch.full((10,), 100.0)])
     d = reference_tensor_stats(x).to_dict()
-    svg = _report._hist_svg("m", d)
+    svg = _html._hist_svg("m", d)
     assert 'class="gap"' in svg  # the ~35 empty buckets between 2^-30 and 2^6 become one break
     assert svg.count('class="pos"') == 2
 
 
 # -- TensorBoard -----------------------------------------------------------------------------
 
-def test_tensorboard_writer(tmp_path, mlp_doc):
-    pytest.importorskip("tensorboard")
+def _tb_tags(logdir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    model, xs, _ = mlp_doc
-    recorder = ShapeRecorder()
-    writer = _report.TensorBoardWriter(str(tmp_path))
-    with hookplug.attach(model, "Linear", plugins=["stats", "flops", recorder]) as s:
-        collector = _report.Collector(s, skip=(recorder.name,))
-        for step, x in enumerate(xs):
-            model(x)
-            writer.write_step(step, collector.after_step(step))
-            s.step()
-    writer.close()
-    ea = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "histograms": 0})
+    ea = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "histograms": 0})
     ea.Reload()
-    # the tensorboard sink's layout (hookplug._tb): one stat across layers in one group
-    assert [e.step for e in ea.Scalars("hookplug/max/fc1/output")] == [0, 1]
-    assert "hookplug/flops/fc2" in ea.Tags()["scalars"]
-    assert not [t for t in ea.Tags()["scalars"] if t.endswith("/numel")]
-    h = ea.Histograms("hookplug/hist/fc1/output")[0].histogram_value
-    assert h.num == 16 * 64 and sum(h.bucket) == 16 * 64
+    return ea
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_profile_tensorboard_writes_the_sinks_tags(tmp_path, capsys, backward):
+    pytest.importorskip("tensorboard")
+    from hookplug._tb import DEFAULT_SCALARS, hist_tag, scalar_tag
+
+    args = ["profile", "mlp", "--steps", "2", "--tensorboard", tmp_path, "--plain"] + ["--backward"] * backward
+    assert _commands.main([str(a) for a in args]) == 0
+    ea = _tb_tags(tmp_path)
+    phase = "train" if backward else "eval"  # forward-only profiling runs the model in eval mode
+    sites = ("output", "grad") if backward else ("output",)
+    want = {scalar_tag(k, m, site, phase) for k in DEFAULT_SCALARS for m in ("fc1", "fc2", "fc3") for site in sites}
+    assert set(ea.Tags()["scalars"]) == want
+    assert set(ea.Histograms(hist_tag("fc1", "output", phase))[i].step for i in range(2)) == {0, 1}
+    assert [e.step for e in ea.Scalars(scalar_tag("max", "fc1", "output", phase))] == [0, 1]
+    h = ea.Histograms(hist_tag("fc2", "output", phase))[0].histogram_value
+    assert h.num == 2 * 16 * 64 and sum(h.bucket) == 2 * 16 * 64  # fc2 runs twice per step
 
 
 def test_tensorboard_missing_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    with pytest.raises(ImportError, match="pip install tensorboard"):
-        _report.TensorBoardWriter("unused")
+    with pytest.raises(_commands.UsageError, match="pip install tensorboard"):
+        _commands._tensorboard_writer("unused")
 
 
 # -- plot_features ---------------------------------------------------------------------------

@@ -5,8 +5,8 @@
 Writes through ``torch.utils.tensorboard.SummaryWriter`` into ``path`` (the log dir;
 unset: ``runs/<run-id>``; ``{rank}``/``{run_id}`` are filled in), or through an existing
 writer (``writer=``, e.g. a Lightning ``TensorBoardLogger``'s ``experiment``; it is flushed,
-never closed, by the sink). The layout (:mod:`hookplug._tb`, shared with ``hookplug profile
---tensorboard``) groups one statistic across layers: one ``add_scalar`` per statistic under
+never closed, by the sink). The layout (:mod:`hookplug._tb`; ``hookplug profile --tensorboard`` attaches
+this sink) groups one statistic across layers: one ``add_scalar`` per statistic under
 ``hookplug/<stat>/<module>/<site>`` (``hookplug_eval/...`` for eval-phase records; ``stats=``
 picks which: by default ``min, max, mean, std, absmax, rms, zero_fraction, nan_count,
 inf_count``, no constant ``numel``) and, when the record has a histogram, one

@@ -28,12 +28,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from . import __version__
-from ._manager import PluginError, plugin_info
-from ._selectors import SelectorError, select
-from .hookspecs import hookimpl
-from .models import DEMO_MODELS
-from .structures import iter_tensors
+import hookplug
+from hookplug import PluginError, SelectorError, hookimpl, plugin_info, select
+from hookplug.models import DEMO_MODELS
+from hookplug.structures import iter_tensors
+
+from . import _html, _report
 
 __all__ = ["main", "UsageError", "load_model", "parse_shape"]
 
@@ -368,7 +368,20 @@ def _describe_inputs(args: tuple, kwargs: dict) -> str:
     return ", ".join(parts)
 
 
-# -- the observe-only plugin that records output shapes -------------------------------------
+# -- what profile attaches besides the user's plugins ----------------------------------------
+
+class RunRecords:
+    """A sink that keeps every telemetry record of the run."""
+
+    name = "_cli_records"
+
+    def __init__(self):
+        self.records: List[dict] = []
+
+    @hookimpl
+    def hookplug_flush(self, records):
+        self.records.extend(records)
+
 
 class ShapeRecorder:
     """Observe-only: the shape and dtype of every output tensor of the selected modules
@@ -389,8 +402,11 @@ class ShapeRecorder:
         self.shapes[ctx.name] = {p: list(t.shape) for p, t in tensors}
         self.dtypes[ctx.name] = {p: str(t.dtype).replace("torch.", "") for p, t in tensors}
 
-    def results(self) -> Dict[str, Any]:
-        return {"shapes": self.shapes, "dtypes": self.dtypes, "calls": self.calls}
+    @hookimpl
+    def hookplug_report_section(self):
+        return {"outputs": {n: {"calls": self.calls.get(n, 0),
+                                "outputs": {p: {"shape": s, "dtype": self.dtypes[n][p]} for p, s in shapes.items()}}
+                            for n, shapes in self.shapes.items()}}
 
 
 # -- output helpers -------------------------------------------------------------------------
@@ -447,8 +463,6 @@ def _progress(total: int, enabled: bool, use_rich: bool):
 # -- commands -----------------------------------------------------------------------------
 
 def cmd_plugins(args) -> int:
-    from . import _report
-
     rows = []
     for src in plugin_info():
         with warnings.catch_warnings():
@@ -473,8 +487,6 @@ def cmd_plugins(args) -> int:
 
 
 def cmd_select(args) -> int:
-    from . import _report
-
     loaded = load_model(args.model)
     try:
         with warnings.catch_warnings():
@@ -494,6 +506,22 @@ def cmd_select(args) -> int:
     return 0
 
 
+def _tensorboard_writer(logdir: str):
+    """A ``SummaryWriter`` for the ``tensorboard`` sink (``writer=``), made now so that a
+    missing package or an unwritable folder is a usage error before the model runs."""
+    _output_dir("--tensorboard", logdir)
+    try:
+        import tensorboard  # noqa: F401 - torch's SummaryWriter needs it and says so less clearly
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise UsageError("--tensorboard needs the tensorboard package: pip install 'hookplug[tensorboard]' "
+                         "(or pip install tensorboard)") from None
+    try:
+        return SummaryWriter(log_dir=logdir)
+    except OSError as exc:
+        raise UsageError(f"--tensorboard {logdir}: cannot create or write the folder: {exc.strerror or exc}") from None
+
+
 def _selector_message(exc: SelectorError, model_spec: Optional[str] = None) -> str:
     if "matched no module" in exc.reason:
         hint = f"; try 'hookplug select {model_spec} \"*\"' to see its modules" if model_spec else ""
@@ -502,8 +530,6 @@ def _selector_message(exc: SelectorError, model_spec: Optional[str] = None) -> s
 
 
 def cmd_profile(args) -> int:
-    from . import _report
-
     plugin_options = _parse_plugins(args.plugins)
     plugin_names = [n for n, _ in plugin_options]
     if args.steps < 1:
@@ -515,16 +541,7 @@ def cmd_profile(args) -> int:
     device = _parse_device(args.device)
     json_path = _output_path("--json", args.json)
     html_path = _output_path("--html", args.html)
-    tb_writer = None
-    if args.tensorboard is not None:
-        _output_dir("--tensorboard", args.tensorboard)
-        try:
-            tb_writer = _report.TensorBoardWriter(args.tensorboard)
-        except ImportError as exc:
-            raise UsageError(f"--tensorboard: {exc}") from None
-        except OSError as exc:  # a folder that cannot be created or written
-            raise UsageError(f"--tensorboard {args.tensorboard}: cannot create or write the folder: "
-                             f"{exc.strerror or exc}") from None
+    tb_writer = _tensorboard_writer(args.tensorboard) if args.tensorboard is not None else None
     file_tensors = _read_input_file(args.input_file) if args.input_file else None
 
     torch.manual_seed(args.seed)
@@ -569,24 +586,22 @@ def cmd_profile(args) -> int:
         if name == "stats" and args.backward and "sites" not in options:
             options = {**options, "sites": ("output", "grad")}
         plugin_specs.append((name, options))
-    recorder = ShapeRecorder()
+    recorder, run_records = ShapeRecorder(), RunRecords()
     plugin_specs.append(recorder)
-
-    import hookplug
-
+    sinks = [run_records] + ([("tensorboard", {"writer": tb_writer})] if tb_writer is not None else [])
     try:
-        session = hookplug.attach(model, args.select, plugins=plugin_specs, on_error="warn", strict=True)
+        session = hookplug.attach(model, args.select, plugins=plugin_specs, sink=sinks, flush_every=1,
+                                  on_error="warn", strict=True)
     except SelectorError as exc:
         raise UsageError(_selector_message(exc, args.model)) from None
     except (PluginError, TypeError, ValueError) as exc:  # unknown plugin, bad options
         raise UsageError(str(exc).splitlines()[0]) from None
 
-    collector = _report.Collector(session, skip=(recorder.name,))
     step_times: List[float] = []
     input_desc = ""
     try:
         with _progress(args.steps, not args.no_progress, _use_rich(args)) as advance:
-            for step in range(args.steps):
+            for _ in range(args.steps):
                 call_args, call_kwargs = make_inputs()
                 input_desc = input_desc or _describe_inputs(call_args, call_kwargs)
                 if device.type == "cuda":
@@ -610,31 +625,17 @@ def cmd_profile(args) -> int:
                         f"model {args.model!r} failed on input {input_desc}: {type(exc).__name__}: {msg}"
                     ) from exc
                 step_times.append(time.perf_counter() - t0)
-                snap = collector.after_step(step)
-                if tb_writer is not None:
-                    tb_writer.write_step(step, snap)
                 session.step()
                 advance()
-        doc = _report.build_document(
-            session=session,
-            collector=collector,
-            recorder=recorder,
-            meta={
-                "model": {"spec": args.model, "label": loaded.label, "class": type(model).__name__,
-                          "params": _param_count(model), "modules": sum(1 for _ in model.modules())},
-                "input": {"description": input_desc, "shape": list(shape) if shape else None,
-                          "dtype": str(dtype).replace("torch.", "") if dtype is not None else None,
-                          "source": args.input_file or "random"},
-                "selector": args.select,
-                "plugins": plugin_names,
-                "device": str(device),
-                "seed": args.seed,
-                "steps": args.steps,
-                "backward": bool(args.backward),
-                "step_seconds": step_times,
-            },
-            param_count=_param_count,
-        )
+        session.flush()
+        doc = _report.build_document(session, run_records.records, hidden=(recorder.name,), meta={
+            "model": {"spec": args.model, "label": loaded.label, "class": type(model).__name__,
+                      "params": _param_count(model), "modules": sum(1 for _ in model.modules())},
+            "input": {"description": input_desc, "shape": list(shape) if shape else None,
+                      "dtype": str(dtype).replace("torch.", "") if dtype is not None else None,
+                      "source": args.input_file or "random"},
+            "selector": args.select, "plugins": plugin_names, "device": str(device), "seed": args.seed,
+            "steps": args.steps, "backward": bool(args.backward), "step_seconds": step_times})
     finally:
         session.remove()
         if tb_writer is not None:
@@ -645,7 +646,7 @@ def cmd_profile(args) -> int:
     else:
         _report.print_profile(doc, use_rich=_use_rich(args))
     for path, text, what in ((json_path, lambda: _report.to_json(doc), "JSON"),
-                             (html_path, lambda: _report.render_html(doc), "HTML")):
+                             (html_path, lambda: _html.render_html(doc), "HTML")):
         if path is None:
             continue
         try:
@@ -686,7 +687,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Attach plugins (stats, FLOPs, capture, ...) to any PyTorch model through a selector.",
     )
-    parser.add_argument("--version", action="version", version=f"{PROG} {__version__} (torch {torch.__version__})")
+    parser.add_argument("--version", action="version", version=f"{PROG} {hookplug.__version__} (torch {torch.__version__})")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("plugins", parents=[common], help="list the available plugins and where they come from",

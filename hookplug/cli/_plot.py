@@ -12,8 +12,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ._optional import optional_import
-from .structures import iter_tensors
+from .._optional import optional_import
+from ..structures import iter_tensors
 
 __all__ = ["plot_features"]
 
