@@ -11,6 +11,7 @@ from ._manager import PluginError, plugin_info, plugin_names
 from ._plugin import Plugin
 from ._selectors import SelectorError, select
 from ._session import HookContext, Session, attach
+from ._sink import Sink
 from .hookspecs import hookimpl, hookspec
 
 __version__ = "0.1.0"
@@ -21,6 +22,8 @@ __all__ = [
     "Session",
     "HookContext",
     "Plugin",
+    "Sink",
+    "STAT_FIELDS",
     "SelectorError",
     "PluginError",
     "hookspec",
@@ -41,6 +44,7 @@ _LAZY = {
     "ops": ("hookplug.ops", None),
     "TensorStats": ("hookplug._stats", "TensorStats"),
     "StatsBlock": ("hookplug._stats", "StatsBlock"),
+    "STAT_FIELDS": ("hookplug._telemetry", "STAT_FIELDS"),
     "load_capture": ("hookplug._capture_io", "load_capture"),
     "load_config": ("hookplug._config", "load_config"),
     "plot_features": ("hookplug.cli._plot", "plot_features"),

@@ -491,6 +491,11 @@ class Session:
         return self._sampling
 
     @property
+    def run_dir(self) -> str:
+        """``runs/<run-id>``: where sinks given no ``path`` write."""
+        return os.path.join("runs", self.run_id)
+
+    @property
     def has_sinks(self) -> bool:
         """Whether telemetry has a consumer: a plugin implementing ``hookplug_flush`` that
         does not only add fields to records (``decorates_records = True``)."""

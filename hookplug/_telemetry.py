@@ -57,7 +57,7 @@ from . import _stats
 from ._bank import host_copy
 from ._stats import FIRST_BAD, HEAD, NUMEL, StatsBlock, TensorStats, merge_rows, row_to_dict
 
-__all__ = ["Telemetry", "new_run_id", "default_run_dir", "STAT_FIELDS"]
+__all__ = ["Telemetry", "new_run_id", "STAT_FIELDS"]
 
 STAT_FIELDS = ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "mean", "std",
                "absmax", "l2", "rms", "zero_fraction")
@@ -72,11 +72,6 @@ def new_run_id() -> str:
         return env
     n = next(_run_counter)
     return time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}" + (f"-{n}" if n else "")
-
-
-def default_run_dir(session) -> str:
-    """``runs/<run-id>``: where sinks write when given no ``path``."""
-    return os.path.join("runs", getattr(session, "run_id", None) or new_run_id())
 
 
 def _dist():

@@ -281,7 +281,7 @@ def test_profile_tensorboard(tmp_path, call):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     ea = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
-    ea.Reload()  # the tensorboard sink's layout (hookplug._tb); forward-only runs in eval mode
+    ea.Reload()  # the tensorboard sink's layout (hookplug_plugins.sinks.tensorboard); forward-only runs in eval mode
     assert [e.step for e in ea.Scalars("hookplug_eval/max/fc1/output")] == [0, 1]
     assert "hookplug_eval/hist/fc3/output" in ea.Tags()["histograms"]
 

@@ -319,7 +319,7 @@ def _tb_tags(logdir):
 @pytest.mark.parametrize("backward", [False, True])
 def test_profile_tensorboard_writes_the_sinks_tags(tmp_path, capsys, backward):
     pytest.importorskip("tensorboard")
-    from hookplug._tb import DEFAULT_SCALARS, hist_tag, scalar_tag
+    from hookplug_plugins.sinks.tensorboard import DEFAULT_SCALARS, hist_tag, scalar_tag
 
     args = ["profile", "mlp", "--steps", "2", "--tensorboard", tmp_path, "--plain"] + ["--backward"] * backward
     assert _commands.main([str(a) for a in args]) == 0

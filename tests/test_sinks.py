@@ -15,8 +15,8 @@ import hookplug
 from hookplug import _manager
 from hookplug.models import MLP
 
-from hookplug._telemetry import STAT_FIELDS as STATS  # noqa: E402
-from hookplug._tb import DEFAULT_SCALARS as TB_STATS  # noqa: E402
+from hookplug import STAT_FIELDS as STATS  # noqa: E402
+from hookplug_plugins.sinks.tensorboard import DEFAULT_SCALARS as TB_STATS  # noqa: E402
 
 
 class ListSink:

@@ -45,8 +45,6 @@ import os
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch
-
 import hookplug
 
 __all__ = ["JsonlSink", "read_jsonl"]
@@ -55,7 +53,6 @@ _SUFFIXES = (".jsonl", ".json", ".ndjson")
 _CHUNK = 1 << 20  # bytes per os.write (whole lines)
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 _FLOATS = ("min", "max", "mean", "std", "absmax", "time")
-_PLACEHOLDERS = ("rank", "run_id")
 
 
 @contextlib.contextmanager
@@ -76,22 +73,6 @@ def _locked(fd: int):
         yield
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
-
-
-def _check_placeholders(path: str) -> None:
-    """Raise ``ValueError`` unless ``path`` formats with ``{rank}`` and ``{run_id}`` only."""
-    try:
-        path.format(rank=0, run_id="run")
-    except (KeyError, IndexError) as exc:
-        raise ValueError(
-            f"jsonl sink: path {path!r} has the placeholder {{{exc.args[0]}}}; only "
-            f"{', '.join('{' + p + '}' for p in _PLACEHOLDERS)} are filled in (write {{{{ and }}}} "
-            "for literal braces)"
-        ) from None
-    except ValueError as exc:  # a lone brace, a bad format spec
-        raise ValueError(f"jsonl sink: path {path!r} is not a valid template: {exc}; only "
-                         f"{', '.join('{' + p + '}' for p in _PLACEHOLDERS)} are filled in "
-                         "(write {{ and }} for literal braces)") from None
 
 
 def _check_writable(path: str) -> None:
@@ -127,36 +108,24 @@ def _clean(value: Any) -> Any:
     return value
 
 
-class JsonlSink:
+class JsonlSink(hookplug.Sink):
     """Append telemetry records to a JSON-lines file (see the module docstring)."""
 
     name = "jsonl"
+    file_name = "telemetry.jsonl"
+    file_suffixes = _SUFFIXES
 
     def __init__(self, path: Optional[str] = None, *, all_ranks: bool = False, fsync: bool = False):
-        self.path_option = None if path is None else os.fspath(path)
-        if self.path_option is not None:
-            _check_placeholders(self.path_option)
-        self.all_ranks = bool(all_ranks)
+        super().__init__(path, all_ranks=all_ranks)
         self.fsync = bool(fsync)
-        self.path: Optional[str] = None
         self.lines = 0
         self._fd: Optional[int] = None
         self._edges: Dict[Tuple[str, str], Any] = {}
         self.run_id: Optional[str] = None
 
-    def _resolve(self, session, rank: int) -> str:
-        from hookplug._telemetry import default_run_dir
-
-        if self.path_option is None:
-            return os.path.join(default_run_dir(session), "telemetry.jsonl")
-        path = self.path_option.format(rank=rank, run_id=getattr(session, "run_id", "run"))
-        if not path.endswith(_SUFFIXES):
-            path = os.path.join(path, "telemetry.jsonl")
-        return path
-
     def _open(self, session, rank: int) -> int:
         if self._fd is None:
-            self.path = self._resolve(session, rank)
+            self.path = self.resolve_path(session, rank)
             parent = os.path.dirname(self.path)
             if parent:
                 os.makedirs(parent, exist_ok=True)
@@ -171,13 +140,9 @@ class JsonlSink:
     def hookplug_session_start(self, session) -> None:
         """Check at attach that the file can be written (creates nothing)."""
         self.run_id = getattr(session, "run_id", None)
-        rank = 0
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized():
-            rank = dist.get_rank()
-        if rank != 0 and not self.all_ranks:
-            return
-        _check_writable(self._resolve(session, rank))
+        rank = self.current_rank()
+        if self.writes_on(rank):
+            _check_writable(self.resolve_path(session, rank))
 
     def _end_torn_line(self, fd: int) -> None:
         """A file left ending in a partial line (a run that stopped mid-write) gets a newline,
@@ -266,10 +231,6 @@ class JsonlSink:
             ) from exc
         self.lines += lines
 
-    @hookplug.hookimpl
-    def hookplug_session_end(self, session) -> None:
-        self.close()
-
     def close(self) -> None:
         """Close the file and forget what is per file (the ``hist_edges`` already written), so
         the sink can serve another session: its file gets every ``hist_edges`` again.
@@ -278,9 +239,6 @@ class JsonlSink:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-    def __repr__(self) -> str:
-        return f"<JsonlSink {self.path or self.path_option or '(runs/<run-id>)'}>"
 
 
 def read_jsonl(path: str, *, run_id: Optional[str] = None) -> List[Dict[str, Any]]:

@@ -34,11 +34,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import hookplug
 from hookplug._optional import optional_import
-from hookplug._telemetry import STAT_FIELDS
 
 __all__ = ["PrometheusSink"]
 
-STATS = STAT_FIELDS
+STATS = hookplug.STAT_FIELDS
 
 
 def _client():
@@ -92,7 +91,7 @@ class _Collector:
             yield core.GaugeMetricFamily(f"{ns}_step", "the latest step flushed", value=step)
 
 
-class PrometheusSink:
+class PrometheusSink(hookplug.Sink):
     """Serve telemetry records as Prometheus metrics (see the module docstring)."""
 
     name = "prometheus"
@@ -102,10 +101,9 @@ class PrometheusSink:
         self._prom, _ = _client()
         if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 <= port < 65536):
             raise ValueError(f"prometheus sink: port must be None or an int in [0, 65535], got {port!r}")
+        super().__init__(path, all_ranks=all_ranks)
         self.requested_port = port
         self.addr = addr
-        self.path = None if path is None else os.fspath(path)
-        self.all_ranks = bool(all_ranks)
         self.namespace = namespace
         self.port: Optional[int] = None
         self.registry = self._prom.CollectorRegistry(auto_describe=False)
@@ -120,17 +118,14 @@ class PrometheusSink:
 
     # -- serving -------------------------------------------------------------------------------
 
-    def _rank(self) -> int:
-        import torch.distributed as dist
-
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
     @hookplug.hookimpl
     def hookplug_session_start(self, session) -> None:
+        if self.path_option is not None:
+            self.path = self.resolve_path(session)
         if self.requested_port is None or self._server is not None:
             return
-        rank = self._rank()
-        if rank != 0 and not self.all_ranks:
+        rank = self.current_rank()
+        if not self.writes_on(rank):
             return
         port = self.requested_port + rank if self.requested_port else 0
         started = self._prom.start_http_server(port, addr=self.addr, registry=self.registry)
@@ -175,10 +170,6 @@ class PrometheusSink:
     def exposition(self) -> str:
         """The metrics in the Prometheus text format, as a scrape would return them."""
         return self._prom.generate_latest(self.registry).decode("utf-8")
-
-    @hookplug.hookimpl
-    def hookplug_session_end(self, session) -> None:
-        self.close()
 
     def close(self) -> None:
         if self._server is not None:

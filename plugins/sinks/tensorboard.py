@@ -5,8 +5,8 @@
 Writes through ``torch.utils.tensorboard.SummaryWriter`` into ``path`` (the log dir;
 unset: ``runs/<run-id>``; ``{rank}``/``{run_id}`` are filled in), or through an existing
 writer (``writer=``, e.g. a Lightning ``TensorBoardLogger``'s ``experiment``; it is flushed,
-never closed, by the sink). The layout (:mod:`hookplug._tb`; ``hookplug profile --tensorboard`` attaches
-this sink) groups one statistic across layers: one ``add_scalar`` per statistic under
+never closed, by the sink). The layout (``hookplug profile --tensorboard`` attaches this
+sink) groups one statistic across layers: one ``add_scalar`` per statistic under
 ``hookplug/<stat>/<module>/<site>`` (``hookplug_eval/...`` for eval-phase records; ``stats=``
 picks which: by default ``min, max, mean, std, absmax, rms, zero_fraction, nan_count,
 inf_count``, no constant ``numel``) and, when the record has a histogram, one
@@ -25,12 +25,31 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import hookplug
 from hookplug._optional import optional_import
-from hookplug._tb import DEFAULT_SCALARS, hist_tag, scalar_tag
-from hookplug._telemetry import STAT_FIELDS
+
+#: what the sink writes by default (no numel, no zero_count: counts that never change)
+DEFAULT_SCALARS = ("min", "max", "mean", "std", "absmax", "rms", "zero_fraction",
+                   "nan_count", "inf_count")
+#: the root module's name in tags (its qualified name is "")
+ROOT_NAME = "<root>"
+
+
+def scalar_tag(stat: str, module: str, site: Optional[str] = None,
+               phase: Optional[str] = "train") -> str:
+    """``hookplug/<stat>/<module>/<site>`` (``hookplug_<phase>/`` for a phase other than
+    train; no ``/<site>`` when ``site`` is None). TensorBoard groups by the first two parts,
+    so the ``hookplug/max`` card compares every layer's max at a glance."""
+    root = "hookplug" if phase in (None, "train") else f"hookplug_{phase}"
+    tag = f"{root}/{stat}/{module or ROOT_NAME}"
+    return tag if site is None else f"{tag}/{site}"
+
+
+def hist_tag(module: str, site: str, phase: Optional[str] = "train") -> str:
+    """``hookplug/hist/<module>/<site>``."""
+    return scalar_tag("hist", module, site, phase)
 
 __all__ = ["TensorBoardSink"]
 
-STATS = STAT_FIELDS  # what stats= may name
+STATS = hookplug.STAT_FIELDS  # what stats= may name
 
 
 def _summary_writer():
@@ -41,7 +60,7 @@ def _summary_writer():
     return tb.SummaryWriter
 
 
-class TensorBoardSink:
+class TensorBoardSink(hookplug.Sink):
     """Write telemetry records as TensorBoard scalars and histograms."""
 
     name = "tensorboard"
@@ -63,13 +82,11 @@ class TensorBoardSink:
             self._writer_cls = None
         else:
             self._writer_cls = _summary_writer()  # fail at attach time, not at the first flush
+        super().__init__(path, all_ranks=all_ranks)
         self._own_writer = writer is None
-        self.path_option = None if path is None else os.fspath(path)
         self.stats = tuple(stats)
         self.histogram = bool(histogram)
-        self.all_ranks = bool(all_ranks)
         self.flush_secs = flush_secs
-        self.path: Optional[str] = None
         self.writer = writer
         if writer is not None:
             log_dir = getattr(writer, "log_dir", None) or getattr(writer, "logdir", None)
@@ -77,12 +94,7 @@ class TensorBoardSink:
 
     def _open(self, session, rank: int):
         if self.writer is None:
-            from hookplug._telemetry import default_run_dir
-
-            if self.path_option is None:
-                self.path = default_run_dir(session)
-            else:
-                self.path = self.path_option.format(rank=rank, run_id=getattr(session, "run_id", "run"))
+            self.path = self.resolve_path(session, rank)
             self.writer = self._writer_cls(log_dir=self.path, flush_secs=self.flush_secs)
         return self.writer
 
@@ -119,10 +131,6 @@ class TensorBoardSink:
                             sum_squares=sum_squares, bucket_limits=list(edges[1:]),
                             bucket_counts=list(counts), global_step=step, walltime=walltime)
 
-    @hookplug.hookimpl
-    def hookplug_session_end(self, session) -> None:
-        self.close()
-
     def close(self) -> None:
         """Close the writer the sink opened (a ``writer=`` given to it is only flushed)."""
         if self.writer is None:
@@ -132,6 +140,3 @@ class TensorBoardSink:
             self.writer = None
         else:
             self.writer.flush()
-
-    def __repr__(self) -> str:
-        return f"<TensorBoardSink {self.path or self.path_option or '(runs/<run-id>)'}>"

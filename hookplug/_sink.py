@@ -1,0 +1,96 @@
+"""``Sink``: the base of telemetry sinks, first- and third-party.
+
+A sink is a plugin that implements ``hookplug_flush(session, records)`` (the record schema:
+:mod:`hookplug._telemetry`; the statistics every record carries: ``hookplug.STAT_FIELDS``).
+This base supplies what every sink that writes somewhere repeats:
+
+- ``path``: where to write, with ``{rank}`` and ``{run_id}`` filled in (checked when the
+  sink is built); unset, the session's run directory ``session.run_dir``
+  (``runs/<run-id>``). ``file_name``/``file_suffixes`` (class attributes) make a folder
+  path name the file inside it, unless the path already ends in one of the suffixes;
+- ``all_ranks``: on a rank other than 0 the session calls a sink only when this is true;
+  ``writes_on(rank)``;
+- ``close()`` at the end of the session (``hookplug_session_end``).
+
+    class CsvSink(hookplug.Sink):
+        name, file_name, file_suffixes = "csv", "stats.csv", (".csv",)
+
+        @hookplug.hookimpl
+        def hookplug_flush(self, session, records):
+            with open(self.resolve_path(session), "a") as f:
+                for r in records:
+                    f.write(f"{r['step']},{r['module']},{r['site']},{r['mean']}\\n")
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+import torch
+
+from .hookspecs import hookimpl
+
+__all__ = ["Sink", "current_rank"]
+
+PLACEHOLDERS = ("rank", "run_id")
+
+
+def current_rank() -> int:
+    """This process's rank under torch.distributed (0 when it is not initialized)."""
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class Sink:
+    """Base class of telemetry sinks (see the module docstring)."""
+
+    name: str = ""
+    file_name: Optional[str] = None  # written inside a folder path (None: the folder itself)
+    file_suffixes: Tuple[str, ...] = ()  # a path ending in one of these is the file
+
+    def __init__(self, path: "Optional[str | os.PathLike[str]]" = None, *, all_ranks: bool = False):
+        self.path_option = None if path is None else os.fspath(path)
+        if self.path_option is not None:
+            self._check_placeholders(self.path_option)
+        self.all_ranks = bool(all_ranks)
+        self.path: Optional[str] = None  # the resolved path, once known
+
+    def _check_placeholders(self, path: str) -> None:
+        allowed = ", ".join("{" + p + "}" for p in PLACEHOLDERS)
+        try:
+            path.format(rank=0, run_id="run")
+        except (KeyError, IndexError) as exc:
+            raise ValueError(
+                f"{self.name} sink: path {path!r} has the placeholder {{{exc.args[0]}}}; only "
+                f"{allowed} are filled in (write {{{{ and }}}} for literal braces)") from None
+        except ValueError as exc:  # a lone brace, a bad format spec
+            raise ValueError(f"{self.name} sink: path {path!r} is not a valid template: {exc}; only "
+                             f"{allowed} are filled in (write {{{{ and }}}} for literal braces)") from None
+
+    current_rank = staticmethod(current_rank)
+
+    def writes_on(self, rank: int) -> bool:
+        """Whether this sink writes on ``rank`` (rank 0 always; others with ``all_ranks``)."""
+        return rank == 0 or self.all_ranks
+
+    def resolve_path(self, session, rank: Optional[int] = None) -> str:
+        """The path this sink writes for ``session`` on ``rank`` (default: this process's)."""
+        rank = self.current_rank() if rank is None else rank
+        if self.path_option is None:
+            base = session.run_dir
+        else:
+            base = self.path_option.format(rank=rank, run_id=getattr(session, "run_id", None) or "run")
+        if self.file_name and not (self.path_option is not None and base.endswith(self.file_suffixes)):
+            return os.path.join(base, self.file_name)
+        return base
+
+    @hookimpl
+    def hookplug_session_end(self, session) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release what the sink holds (files, writers, servers); it may serve another session."""
+
+    def __repr__(self) -> str:
+        where = self.path or self.path_option or os.path.join("runs", "<run-id>")
+        return f"<{type(self).__name__} {where}>"
