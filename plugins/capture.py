@@ -48,7 +48,7 @@ import bisect
 import dataclasses
 import types
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Union
 
 import torch
 
@@ -185,26 +185,17 @@ class CapturePlugin(hookplug.Plugin):
     def __init__(
         self,
         *,
-        keep: Union[str, int] = "last",
-        to: Optional[str] = None,
+        keep: Union[Literal["last", "all"], int] = "last",
+        to: Optional[Literal["cpu"]] = None,
         clone: bool = True,
         max_bytes: Optional[int] = None,
         grads: bool = False,
         inputs: bool = False,
     ):
-        if isinstance(keep, bool) or not (
-            keep in ("last", "all") or (isinstance(keep, int) and keep >= 1)
-        ):
+        if isinstance(keep, int) and keep < 1:
             raise ValueError(f"capture: keep must be 'last', 'all' or an int >= 1, got {keep!r}")
-        if to not in (None, "cpu"):
-            raise ValueError(f"capture: to must be None or 'cpu', got {to!r}")
-        if max_bytes is not None and (
-            isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0
-        ):
+        if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"capture: max_bytes must be None or an int >= 0, got {max_bytes!r}")
-        for opt, v in (("clone", clone), ("grads", grads), ("inputs", inputs)):
-            if not isinstance(v, bool):
-                raise ValueError(f"capture: {opt} must be True or False, got {v!r}")
         self.keep = keep
         self.to = to
         self.clone = clone

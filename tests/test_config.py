@@ -103,7 +103,7 @@ def test_a_dict_config_works_like_a_file():
 @pytest.mark.parametrize("text, message", [
     ('[plugins.stats]\nbins = "x"\n', 'telemetry.toml: [plugins.stats] bins: expected an int, got "x"'),
     ('[plugins.stats]\nbinz = 3\n', "telemetry.toml: [plugins.stats] binz: unknown option (did you mean 'bins'?)"),
-    ('[plugins.stats]\nsites = "output"\nhist = 2\n', "telemetry.toml: [plugins.stats] hist: expected a string, got 2"),
+    ('[plugins.stats]\nsites = "output"\nhist = 2\n', 'telemetry.toml: [plugins.stats] hist: expected one of "log2", "linear", got 2'),
     ('[plugins.statz]\n', "telemetry.toml: [plugins.statz]: unknown plugin 'statz'. Did you mean 'stats'?"),
     ('[sinks.jsonl]\nall_ranks = 1\n', "telemetry.toml: [sinks.jsonl] all_ranks: expected a boolean, got 1"),
     ('[sinks.prometheus]\nport = "http"\n', 'telemetry.toml: [sinks.prometheus] port: expected an int, got "http"'),
@@ -169,3 +169,4 @@ def test_top_level_select_applies_to_attach_plugins(tmp_path):
     # with [plugins.*] tables the select is their default selector, as before
     cfg = hookplug.load_config(write(tmp_path, 'select = "Linear:fc2"\nplugins = ["stats"]\n', "b.toml"))
     assert cfg == {"selector": {"Linear:fc2": {"stats": {}}}}
+

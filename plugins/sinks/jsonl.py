@@ -43,7 +43,7 @@ import json
 import math
 import os
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -132,12 +132,13 @@ class JsonlSink:
 
     name = "jsonl"
 
-    def __init__(self, path: Optional[str] = None, *, all_ranks: bool = False, fsync: bool = False):
+    def __init__(self, path: Union[str, os.PathLike, None] = None, *, all_ranks: bool = False,
+                 fsync: bool = False):
         self.path_option = None if path is None else os.fspath(path)
         if self.path_option is not None:
             _check_placeholders(self.path_option)
-        self.all_ranks = bool(all_ranks)
-        self.fsync = bool(fsync)
+        self.all_ranks = all_ranks
+        self.fsync = fsync
         self.path: Optional[str] = None
         self.lines = 0
         self._fd: Optional[int] = None

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import hookplug
 from hookplug._optional import optional_import
@@ -46,7 +46,7 @@ class TensorBoardSink:
 
     name = "tensorboard"
 
-    def __init__(self, path: Optional[str] = None, *, stats: Sequence[str] = DEFAULT_SCALARS,
+    def __init__(self, path: Union[str, os.PathLike, None] = None, *, stats: Sequence[str] = DEFAULT_SCALARS,
                  histogram: bool = True, all_ranks: bool = False, flush_secs: int = 30,
                  writer: Any = None):
         if isinstance(stats, str):
@@ -66,8 +66,8 @@ class TensorBoardSink:
         self._own_writer = writer is None
         self.path_option = None if path is None else os.fspath(path)
         self.stats = tuple(stats)
-        self.histogram = bool(histogram)
-        self.all_ranks = bool(all_ranks)
+        self.histogram = histogram
+        self.all_ranks = all_ranks
         self.flush_secs = flush_secs
         self.path: Optional[str] = None
         self.writer = writer
