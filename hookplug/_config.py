@@ -32,7 +32,7 @@ wins over the file, key by key (``every``, ``flush_every``, ``sink``, ``on_error
 ``strict=False``). Plugins come from the file or from ``plugins=``, not both (a
 :class:`ConfigError` says so). A file without plugins but with a top-level ``select``
 supplies the selector for the ``plugins=`` given to ``attach``, unless ``attach`` is given
-a selector of its own (anything but the default ``"*"``), which wins; ``load_config`` then
+a selector of its own (passed explicitly, even ``"*"``), which wins; ``load_config`` then
 returns that ``select`` as the string ``selector``.
 
 Checks happen here, before anything is attached: unknown top-level keys, wrong types,
@@ -49,6 +49,8 @@ TOML is read with ``tomllib`` (Python 3.11+) or, on 3.9/3.10, the ``tomli`` pack
 from __future__ import annotations
 
 import difflib
+import functools
+import inspect
 import os
 import sys
 from typing import Any, Dict
@@ -267,39 +269,40 @@ def load_config(path: "str | os.PathLike[str]") -> Dict[str, Any]:
     return parse_config(data, path)
 
 
-def attach_options(config, selector, plugins, *, every, sink, on_error, strict, flush_every):
+def _records_given(fn):
+    """Call ``fn`` with ``_given``: the names of the arguments its caller passed (found with
+    ``inspect.signature(fn).bind``); the signature shown drops ``_given``."""
+    sig = inspect.signature(fn)
+    public = sig.replace(parameters=[p for n, p in sig.parameters.items() if n != "_given"])
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, _given=frozenset(public.bind(*args, **kwargs).arguments), **kwargs)
+
+    wrapper.__signature__ = public
+    return wrapper
+
+
+def attach_options(config, given, selector, plugins, *, every, sink, on_error, strict, flush_every):
     """How ``attach()`` combines ``config=`` (a path or an already loaded dict) with its own
-    arguments (the precedence rule of this module's docstring): an argument given to
-    ``attach`` (not None; for ``selector``, not the default ``"*"``) wins over the file;
-    plugins come from one or the other, not both. Then the defaults: ``every=1``,
-    ``on_error="raise"``, ``strict=False``; with ``flush_every`` set and no sink anywhere,
-    the embedded ``jsonl`` sink (``runs/<run-id>/telemetry.jsonl``).
+    arguments (the precedence rule of this module's docstring): an argument whose name is in
+    ``given`` (passed by the caller) wins over the file; plugins come from one or the other,
+    not both. With ``flush_every`` set and no sink anywhere, the embedded ``jsonl`` sink.
     Returns ``(selector, plugins, every, sink, on_error, strict, flush_every)``."""
     if config is not None:
-        if isinstance(config, dict):
-            cfg = parse_config(config)
-        else:
-            cfg = load_config(config)
+        cfg = parse_config(config) if isinstance(config, dict) else load_config(config)
         cfg_selector = cfg.get("selector")
-        if isinstance(cfg_selector, dict):
-            if plugins is not None or isinstance(selector, dict) or selector != "*":
-                raise ConfigError(
-                    f"attach(): plugins come from config={config!r}; leave selector= and plugins= "
-                    "unset, or remove the plugins from the file")
+        if isinstance(cfg_selector, dict) and (plugins is not None or "selector" in given):
+            raise ConfigError(
+                f"attach(): plugins come from config={config!r}; leave selector= and plugins= "
+                "unset, or remove the plugins from the file")
+        if cfg_selector is not None and "selector" not in given:
             selector = cfg_selector
-        elif cfg_selector is not None and not isinstance(selector, dict) and selector == "*":
-            selector = cfg_selector  # the file's select, for attach's own plugins=
-        every = cfg.get("every", 1) if every is None else every
-        flush_every = cfg.get("flush_every") if flush_every is None else flush_every
-        sink = cfg.get("sink") if sink is None else sink
-        on_error = cfg.get("on_error") if on_error is None else on_error
-        strict = cfg.get("strict") if strict is None else strict
-    if every is None:
-        every = 1
-    if on_error is None:
-        on_error = "raise"
-    if strict is None:
-        strict = False
+        every = every if "every" in given else cfg.get("every", every)
+        flush_every = flush_every if "flush_every" in given else cfg.get("flush_every", flush_every)
+        sink = sink if "sink" in given else cfg.get("sink", sink)
+        on_error = on_error if "on_error" in given else cfg.get("on_error", on_error)
+        strict = strict if "strict" in given else cfg.get("strict", strict)
     if sink is None and flush_every is not None:
         sink = "jsonl"
     return selector, plugins, every, sink, on_error, strict, flush_every

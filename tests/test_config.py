@@ -170,3 +170,20 @@ def test_top_level_select_applies_to_attach_plugins(tmp_path):
     cfg = hookplug.load_config(write(tmp_path, 'select = "Linear:fc2"\nplugins = ["stats"]\n', "b.toml"))
     assert cfg == {"selector": {"Linear:fc2": {"stats": {}}}}
 
+
+def test_attach_signature_shows_real_defaults_and_explicit_defaults_beat_the_file():
+    import inspect
+
+    params = inspect.signature(hookplug.attach).parameters
+    assert {k: params[k].default for k in ("selector", "every", "on_error", "strict")} == \
+        {"selector": "*", "every": 1, "on_error": "raise", "strict": False}
+    assert "_given" not in params
+    m = MLP()
+    cfg = {"every": 3, "on_error": "warn", "select": "Linear:fc1"}
+    with hookplug.attach(m, plugins="stats", config=cfg) as s:  # not passed: the file's
+        assert (s.every, s.on_error, list(s.modules)) == (3, "warn", ["fc1"])
+    with hookplug.attach(m, "*", plugins="stats", config=cfg, every=1, on_error="raise") as s:
+        assert (s.every, s.on_error) == (1, "raise")
+        assert list(s.modules) == [n for n, _ in hookplug.select(m, "*")] != ["fc1"]
+    with pytest.raises(ConfigError, match="plugins come from config="):
+        hookplug.attach(m, "*", config={"plugins": ["stats"]})
