@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections.abc as cabc
 import difflib
 import inspect
+import types
 import typing
 from typing import Any, Callable, Dict
 
@@ -23,6 +24,7 @@ _NAMES = {bool: "a boolean", int: "an int", float: "a number", str: "a string",
           dict: "a table", type(None): "None"}
 _PLURAL = {bool: "booleans", int: "ints", float: "numbers", str: "strings"}
 _SEQS = (list, tuple, cabc.Sequence, cabc.Iterable, cabc.Collection)
+_UNIONS = (typing.Union, getattr(types, "UnionType", typing.Union))  # Union[A, B], A | B
 
 
 class OptionError(PluginError):
@@ -42,7 +44,7 @@ def type_ok(value: Any, hint: Any) -> bool:
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is typing.Union:
+    if origin in _UNIONS:
         return any(type_ok(value, a) for a in args)
     if origin is typing.Literal:
         return any(value == a and type(value) is type(a) for a in args)
@@ -66,7 +68,7 @@ def type_ok(value: Any, hint: Any) -> bool:
 def describe(hint: Any, show: Callable[[Any], str] = repr) -> str:
     """``hint`` in words; None is left out (a config file cannot say None)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is typing.Union:
+    if origin in _UNIONS:
         words = list(dict.fromkeys(describe(a, show) for a in args if a is not type(None)))
         return " or ".join(w for w in words if not any(o.startswith(f"{w} or ") for o in words))
     if origin is typing.Literal:
