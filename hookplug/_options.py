@@ -30,8 +30,8 @@ _UNIONS = (typing.Union, getattr(types, "UnionType", typing.Union))  # Union[A, 
 class OptionError(PluginError):
     """An unknown option or an option of the wrong type: ``plugin``, ``option``, ``problem``."""
 
-    def __init__(self, plugin: str, option: str, problem: str):
-        super().__init__(f"plugin {plugin!r} option {option!r}: {problem}")
+    def __init__(self, plugin: str, option: str, problem: str, message: str = ""):
+        super().__init__(message or f"plugin {plugin!r} option {option!r}: {problem}")
         self.plugin, self.option, self.problem = plugin, option, problem
 
 
@@ -113,8 +113,9 @@ def check_options(name: str, factory, options: Dict[str, Any],
                 continue
             close = difflib.get_close_matches(key, list(params), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise OptionError(name, key, f"unknown option{hint}; {name!r} accepts: "
-                              f"{', '.join(params) or 'no options'}")
+            accepts = ", ".join(params) or "no options"
+            raise OptionError(name, key, f"unknown option{hint}; {name!r} accepts: {accepts}",
+                              f"plugin {name!r} got unknown option {key!r}{hint}; it accepts: {accepts}")
         if hints is None:
             hints = _hints(factory)
         hint = hints.get(key, Any)
