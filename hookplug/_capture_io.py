@@ -9,7 +9,6 @@ are written as dicts) from which :func:`load_capture` rebuilds the dicts of the 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import warnings
@@ -18,6 +17,7 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 
 from ._optional import optional_import
+from .structures import children
 
 __all__ = ["load_capture", "save_capture"]
 
@@ -46,22 +46,12 @@ def _encode(obj: Any, key: str, tensors: Dict[str, torch.Tensor], dropped: Optio
         return {"t": key}
     if obj is None:
         return None
-    if isinstance(obj, dict):
-        items = []
-        for k, v in obj.items():
-            sub = f"{key}.{k}" if isinstance(k, str) else f"{key}[{k!r}]"
-            items.append([_json_key(k), _encode(v, sub, tensors, dropped)])
-        return {"dict": items}
-    if isinstance(obj, (list, tuple)):
-        kind = "list" if isinstance(obj, list) else "tuple"
-        return {kind: [_encode(v, f"{key}[{i}]", tensors, dropped) for i, v in enumerate(obj)]}
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {
-            "dict": [
-                [f.name, _encode(getattr(obj, f.name), f"{key}.{f.name}", tensors, dropped)]
-                for f in dataclasses.fields(obj)
-            ]
-        }
+    kids = children(obj, key)
+    if kids is not None:
+        enc = [(k, _encode(v, sub, tensors, dropped)) for k, sub, v in kids]
+        if isinstance(obj, (list, tuple)):
+            return {"list" if isinstance(obj, list) else "tuple": [e for _, e in enc]}
+        return {"dict": [[_json_key(k), e] for k, e in enc]}
     if isinstance(obj, (str, int, float, bool)):
         return {"value": obj}
     if dropped is not None:

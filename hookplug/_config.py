@@ -32,12 +32,12 @@ wins over the file, key by key (``every``, ``flush_every``, ``sink``, ``on_error
 ``strict=False``). Plugins come from the file or from ``plugins=``, not both (a
 :class:`ConfigError` says so). A file without plugins but with a top-level ``select``
 supplies the selector for the ``plugins=`` given to ``attach``, unless ``attach`` is given
-a selector of its own (anything but the default ``"*"``), which wins; ``load_config`` then
+a selector of its own (passed explicitly, even ``"*"``), which wins; ``load_config`` then
 returns that ``select`` as the string ``selector``.
 
 Checks happen here, before anything is attached: unknown top-level keys, wrong types,
-unknown plugin or sink names, and, for plugins whose factory can be inspected, unknown
-options and options whose type differs from the factory's default or annotation. Every
+unknown plugin or sink names, and plugin options (``hookplug._options``: unknown names,
+types against the factory's type hints). Every
 error is a :class:`ConfigError` (a ``ValueError``) that names the file, the key and what
 was expected, e.g. ``telemetry.toml: [plugins.stats] bins: expected an int, got "x"``.
 
@@ -49,11 +49,11 @@ TOML is read with ``tomllib`` (Python 3.11+) or, on 3.9/3.10, the ``tomli`` pack
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import os
 import sys
-import typing
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict
 
 __all__ = ["load_config", "ConfigError"]
 
@@ -92,26 +92,6 @@ def _show(value: Any) -> str:
     return repr(value)
 
 
-_ARTICLE = {"int": "an int", "float": "a float", "str": "a string", "bool": "a boolean",
-            "list": "an array", "dict": "a table"}
-
-
-def _type_ok(value: Any, kind: str) -> bool:
-    if kind == "int":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == "float":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind == "str":
-        return isinstance(value, str)
-    if kind == "bool":
-        return isinstance(value, bool)
-    if kind == "list":
-        return isinstance(value, list)
-    if kind == "dict":
-        return isinstance(value, dict)
-    return True
-
-
 class _Ctx:
     def __init__(self, path: str):
         self.name = os.path.basename(path) or path
@@ -119,58 +99,18 @@ class _Ctx:
     def error(self, where: str, message: str) -> ConfigError:
         return ConfigError(f"{self.name}: {where}{': ' if where else ''}{message}")
 
-    def expect(self, where: str, value: Any, *kinds: str) -> None:
-        if not any(_type_ok(value, k) for k in kinds):
-            want = " or ".join(_ARTICLE.get(k, k) for k in kinds)
-            raise self.error(where, f"expected {want}, got {_show(value)}")
+    def expect(self, where: str, value: Any, hint: Any) -> None:
+        from ._options import describe, type_ok
+
+        if not type_ok(value, hint):
+            raise self.error(where, f"expected {describe(hint)}, got {_show(value)}")
 
 
-# -- plugin option checks from the factory's signature ----------------------------------------
-
-_ANNOTATION_KINDS = {int: ("int",), float: ("float",), str: ("str",), bool: ("bool",),
-                     list: ("list",), tuple: ("list",), dict: ("dict",)}
-_STRING_KINDS = {"int": ("int",), "float": ("float",), "str": ("str",), "bool": ("bool",)}
-
-
-def _kinds_of(param: inspect.Parameter) -> Optional[Tuple[str, ...]]:
-    """What TOML types an option accepts, from its annotation or, failing that, its default;
-    None when it cannot be told (no check)."""
-    ann = param.annotation
-    if ann is not inspect.Parameter.empty:
-        if isinstance(ann, str):
-            text = ann.replace(" ", "")
-            optional = text.startswith("Optional[") and text.endswith("]")
-            inner = text[len("Optional["):-1] if optional else text
-            if inner in _STRING_KINDS:
-                return _STRING_KINDS[inner]
-            return None
-        if ann in _ANNOTATION_KINDS:
-            return _ANNOTATION_KINDS[ann]
-        origin = typing.get_origin(ann)
-        if origin is typing.Union:
-            kinds = []
-            for arg in typing.get_args(ann):
-                if arg is type(None):
-                    continue
-                sub = _ANNOTATION_KINDS.get(arg) or _ANNOTATION_KINDS.get(typing.get_origin(arg))
-                if sub is None:
-                    return None
-                kinds.extend(sub)
-            return tuple(kinds) or None
-        if origin in _ANNOTATION_KINDS:
-            return _ANNOTATION_KINDS[origin]
-        return None
-    default = param.default
-    if default is inspect.Parameter.empty or default is None:
-        return None
-    for t in (bool, int, float, str, list, tuple, dict):
-        if type(default) is t:
-            return _ANNOTATION_KINDS[t]
-    return None
-
+# -- plugin options: hookplug._options checks them -------------------------------------------
 
 def _check_options(ctx: _Ctx, table: str, name: str, options: Dict[str, Any]) -> None:
     from ._manager import _discover
+    from ._options import OptionError, check_options
 
     sources = _discover()
     src = sources.get(name)
@@ -183,24 +123,9 @@ def _check_options(ctx: _Ctx, table: str, name: str, options: Dict[str, Any]) ->
     if factory is None:
         return
     try:
-        sig = inspect.signature(factory)
-    except (TypeError, ValueError):
-        return
-    params = {p.name: p for p in sig.parameters.values()
-              if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
-    open_ended = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
-    for key, value in options.items():
-        param = params.get(key)
-        if param is None:
-            if open_ended:
-                continue
-            close = difflib.get_close_matches(key, list(params), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ctx.error(f"[{table}.{name}] {key}", f"unknown option{hint}; {name!r} accepts: "
-                            f"{', '.join(params) or 'no options'}")
-        kinds = _kinds_of(param)
-        if kinds and value is not None:
-            ctx.expect(f"[{table}.{name}] {key}", value, *kinds)
+        check_options(name, factory, options, show=_show)
+    except OptionError as exc:
+        raise ctx.error(f"[{table}.{name}] {exc.option}", exc.problem) from None
 
 
 # -- the schema ---------------------------------------------------------------------------------
@@ -209,7 +134,7 @@ def _plugin_tables(ctx: _Ctx, table: str, raw: Any) -> Dict[str, Dict[str, Any]]
     if isinstance(raw, list) and table == "plugins":
         out = {}
         for i, item in enumerate(raw):
-            ctx.expect(f"plugins[{i}]", item, "str")
+            ctx.expect(f"plugins[{i}]", item, str)
             out[item] = {}
         return out
     if not isinstance(raw, dict):
@@ -281,10 +206,10 @@ def parse_config(data: Dict[str, Any], path: str = "<config>") -> Dict[str, Any]
             raise ctx.error(key, f"unknown key{hint}; expected one of {', '.join(_TOP_KEYS)}")
     out: Dict[str, Any] = {}
     default_sel = data.get("select", "*")
-    ctx.expect("select", default_sel, "str")
+    ctx.expect("select", default_sel, str)
     for key in ("every", "flush_every"):
         if key in data:
-            ctx.expect(key, data[key], "int")
+            ctx.expect(key, data[key], int)
             if data[key] < 1:
                 raise ctx.error(key, f"expected an int >= 1, got {data[key]}")
             out[key] = data[key]
@@ -293,13 +218,13 @@ def parse_config(data: Dict[str, Any], path: str = "<config>") -> Dict[str, Any]
             raise ctx.error("on_error", f'expected "raise" or "warn", got {_show(data["on_error"])}')
         out["on_error"] = data["on_error"]
     if "strict" in data:
-        ctx.expect("strict", data["strict"], "bool")
+        ctx.expect("strict", data["strict"], bool)
         out["strict"] = data["strict"]
 
     groups: Dict[str, Dict[str, Dict[str, Any]]] = {}
     for name, opts in _plugin_tables(ctx, "plugins", data.get("plugins", {})).items():
         sel = opts.pop("select", default_sel)
-        ctx.expect(f"[plugins.{name}] select", sel, "str")
+        ctx.expect(f"[plugins.{name}] select", sel, str)
         _check_options(ctx, "plugins", name, opts)
         groups.setdefault(sel, {})[name] = opts
     if groups:
@@ -344,39 +269,40 @@ def load_config(path: "str | os.PathLike[str]") -> Dict[str, Any]:
     return parse_config(data, path)
 
 
-def attach_options(config, selector, plugins, *, every, sink, on_error, strict, flush_every):
+def _records_given(fn):
+    """Call ``fn`` with ``_given``: the names of the arguments its caller passed (found with
+    ``inspect.signature(fn).bind``); the signature shown drops ``_given``."""
+    sig = inspect.signature(fn)
+    public = sig.replace(parameters=[p for n, p in sig.parameters.items() if n != "_given"])
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, _given=frozenset(public.bind(*args, **kwargs).arguments), **kwargs)
+
+    wrapper.__signature__ = public
+    return wrapper
+
+
+def attach_options(config, given, selector, plugins, *, every, sink, on_error, strict, flush_every):
     """How ``attach()`` combines ``config=`` (a path or an already loaded dict) with its own
-    arguments (the precedence rule of this module's docstring): an argument given to
-    ``attach`` (not None; for ``selector``, not the default ``"*"``) wins over the file;
-    plugins come from one or the other, not both. Then the defaults: ``every=1``,
-    ``on_error="raise"``, ``strict=False``; with ``flush_every`` set and no sink anywhere,
-    the embedded ``jsonl`` sink (``runs/<run-id>/telemetry.jsonl``).
+    arguments (the precedence rule of this module's docstring): an argument whose name is in
+    ``given`` (passed by the caller) wins over the file; plugins come from one or the other,
+    not both. With ``flush_every`` set and no sink anywhere, the embedded ``jsonl`` sink.
     Returns ``(selector, plugins, every, sink, on_error, strict, flush_every)``."""
     if config is not None:
-        if isinstance(config, dict):
-            cfg = parse_config(config)
-        else:
-            cfg = load_config(config)
+        cfg = parse_config(config) if isinstance(config, dict) else load_config(config)
         cfg_selector = cfg.get("selector")
-        if isinstance(cfg_selector, dict):
-            if plugins is not None or isinstance(selector, dict) or selector != "*":
-                raise ConfigError(
-                    f"attach(): plugins come from config={config!r}; leave selector= and plugins= "
-                    "unset, or remove the plugins from the file")
+        if isinstance(cfg_selector, dict) and (plugins is not None or "selector" in given):
+            raise ConfigError(
+                f"attach(): plugins come from config={config!r}; leave selector= and plugins= "
+                "unset, or remove the plugins from the file")
+        if cfg_selector is not None and "selector" not in given:
             selector = cfg_selector
-        elif cfg_selector is not None and not isinstance(selector, dict) and selector == "*":
-            selector = cfg_selector  # the file's select, for attach's own plugins=
-        every = cfg.get("every", 1) if every is None else every
-        flush_every = cfg.get("flush_every") if flush_every is None else flush_every
-        sink = cfg.get("sink") if sink is None else sink
-        on_error = cfg.get("on_error") if on_error is None else on_error
-        strict = cfg.get("strict") if strict is None else strict
-    if every is None:
-        every = 1
-    if on_error is None:
-        on_error = "raise"
-    if strict is None:
-        strict = False
+        every = every if "every" in given else cfg.get("every", every)
+        flush_every = flush_every if "flush_every" in given else cfg.get("flush_every", flush_every)
+        sink = sink if "sink" in given else cfg.get("sink", sink)
+        on_error = on_error if "on_error" in given else cfg.get("on_error", on_error)
+        strict = strict if "strict" in given else cfg.get("strict", strict)
     if sink is None and flush_every is not None:
         sink = "jsonl"
     return selector, plugins, every, sink, on_error, strict, flush_every

@@ -9,7 +9,6 @@ ignored. ``HOOKPLUG_DISABLE_PLUGIN_AUTOLOAD=1`` limits discovery to them.
 from __future__ import annotations
 
 import difflib
-import inspect
 import json
 import os
 import sys
@@ -200,25 +199,6 @@ def plugin_info() -> List[PluginSource]:
     return list(_discover().values())
 
 
-def _check_options(name: str, factory, options: Dict[str, Any]) -> None:
-    try:
-        sig = inspect.signature(factory)
-    except (TypeError, ValueError):
-        return
-    params = sig.parameters.values()
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return
-    accepted = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    for opt in options:
-        if opt not in accepted:
-            close = difflib.get_close_matches(opt, accepted, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise PluginError(
-                f"plugin {name!r} got unknown option {opt!r}{hint}; it accepts: "
-                f"{', '.join(accepted) or 'no options'}"
-            )
-
-
 def create_plugin(name: str, options: Optional[Dict[str, Any]] = None):
     """Build the plugin registered under ``name`` with ``options``.
 
@@ -240,7 +220,9 @@ def create_plugin(name: str, options: Optional[Dict[str, Any]] = None):
     factory = src.load()
     if factory is None:
         raise src.load_error()
-    _check_options(name, factory, options)
+    from ._options import check_options
+
+    check_options(name, factory, options)
     try:
         plugin = factory(**options)
     except (TypeError, ValueError) as exc:

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from . import hookspecs
+from ._config import _records_given, attach_options
 from ._manager import PluginError, PluginLoadError, create_plugin, new_plugin_manager
 from ._selectors import named_modules, named_parameters, select, unwrap_model
 from .structures import iter_tensors
@@ -858,17 +859,19 @@ def _build_plugins(specs, on_error: str) -> List[Tuple[str, Any]]:
     return built
 
 
+@_records_given
 def attach(
     model: nn.Module,
     selector: Union[str, Dict[str, PluginSpec]] = "*",
     plugins: PluginSpec = None,
     *,
-    every: Optional[int] = None,
+    every: int = 1,
     sink: PluginSpec = None,
-    on_error: Optional[str] = None,
-    strict: Optional[bool] = None,
+    on_error: str = "raise",
+    strict: bool = False,
     flush_every: Optional[int] = None,
     config: Union[str, "os.PathLike[str]", Dict[str, Any], None] = None,
+    _given: frozenset = frozenset(),
 ) -> Session:
     """Attach ``plugins`` to the modules of ``model`` that ``selector`` picks.
 
@@ -881,11 +884,9 @@ def attach(
     ``flush_every`` set and no ``sink``, records go to ``runs/<run-id>/telemetry.jsonl``.
     ``config=`` a TOML file (see ``hookplug.load_config``) supplies what is not passed here.
     """
-    from ._config import attach_options
-
     selector, plugins, every, sink, on_error, strict, flush_every = attach_options(
-        config, selector, plugins, every=every, sink=sink, on_error=on_error, strict=strict,
-        flush_every=flush_every)
+        config, _given, selector, plugins, every=every, sink=sink, on_error=on_error,
+        strict=strict, flush_every=flush_every)
     if isinstance(model, nn.Module):
         model = unwrap_model(model)  # hooks on the wrapped modules serve the wrapper too
     session = Session(model, every=every, on_error=on_error, flush_every=flush_every)

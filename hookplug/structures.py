@@ -1,33 +1,72 @@
 """Walking the outputs of modules: tensors, tuples, lists, dicts, dataclasses, ModelOutput.
 
 ``iter_tensors(obj)`` yields ``(path, tensor)`` with paths such as ``"output"``,
-``"output[1]"``, ``"output.logits"``.
+``"output[1]"``, ``"output.logits"``, ``"output['x']"``; ``map_tensors`` rebuilds a
+structure with each tensor replaced. Both (and every other walker in hookplug) go through
+``children``/``rebuild``, the one definition of what a container is and how paths read.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 
-__all__ = ["iter_tensors"]
+__all__ = ["iter_tensors", "map_tensors", "children", "rebuild"]
 
 
-def _is_dataclass_instance(obj: Any) -> bool:
-    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+def children(obj: Any, path: str = "output",
+             init_only: bool = False) -> Optional[List[Tuple[Any, str, Any]]]:
+    """``[(key, path, value)]`` of a container (dict or HF ModelOutput, list, tuple,
+    namedtuple, dataclass instance; ``init_only``: only the dataclass fields that
+    :func:`rebuild` can set); None for anything else (a leaf)."""
+    if isinstance(obj, dict):  # also HF ModelOutput (an OrderedDict subclass)
+        return [(k, f"{path}.{k}" if isinstance(k, str) else f"{path}[{k!r}]", v)
+                for k, v in obj.items()]
+    if isinstance(obj, (list, tuple)):
+        return [(i, f"{path}[{i}]", v) for i, v in enumerate(obj)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [(f.name, f"{path}.{f.name}", getattr(obj, f.name))
+                for f in dataclasses.fields(obj) if f.init or not init_only]
+    return None
+
+
+def rebuild(obj: Any, items: List[Tuple[Any, Any]]) -> Any:
+    """A container like ``obj`` holding ``items`` (``(key, value)`` as from
+    ``children(obj, init_only=True)``); a class that cannot be rebuilt gives a plain
+    dict/list/tuple."""
+    if isinstance(obj, dict):
+        try:
+            return type(obj)(items)
+        except Exception:  # noqa: BLE001 - dict subclasses with odd constructors
+            return dict(items)
+    values = [v for _, v in items]
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*values)
+    if isinstance(obj, (list, tuple)):
+        try:
+            return type(obj)(values)
+        except Exception:  # noqa: BLE001
+            return tuple(values) if isinstance(obj, tuple) else values
+    return dataclasses.replace(obj, **dict(items))
 
 
 def iter_tensors(obj: Any, path: str = "output") -> Iterator[Tuple[str, torch.Tensor]]:
     """Yield ``(path, tensor)`` for every tensor inside ``obj``, depth first, in order."""
     if isinstance(obj, torch.Tensor):
         yield path, obj
-    elif isinstance(obj, dict):  # also HF ModelOutput (an OrderedDict subclass)
-        for key, value in obj.items():
-            sub = f"{path}.{key}" if isinstance(key, str) else f"{path}[{key!r}]"
-            yield from iter_tensors(value, sub)
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            yield from iter_tensors(value, f"{path}[{i}]")
-    elif _is_dataclass_instance(obj):
-        for f in dataclasses.fields(obj):
-            yield from iter_tensors(getattr(obj, f.name), f"{path}.{f.name}")
+        return
+    for _, sub, value in children(obj, path) or ():
+        yield from iter_tensors(value, sub)
+
+
+def map_tensors(fn: Callable[[str, Any], Any], obj: Any, path: str = "output",
+                leaf=torch.Tensor) -> Any:
+    """``obj`` rebuilt with ``fn(path, x)`` in place of each ``leaf`` ``x`` (paths as
+    :func:`iter_tensors` gives them); other leaves are kept."""
+    if isinstance(obj, leaf):
+        return fn(path, obj)
+    kids = children(obj, path, init_only=True)
+    if kids is None:
+        return obj
+    return rebuild(obj, [(k, map_tensors(fn, value, sub, leaf)) for k, sub, value in kids])

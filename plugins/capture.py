@@ -45,16 +45,15 @@ have moved past (``keep="last"``/``N``) are dropped; every gradient held is coun
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import types
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Dict, List, Literal, Optional, Union
 
 import torch
 
 import hookplug
 from hookplug import hookimpl
-from hookplug.structures import iter_tensors
+from hookplug.structures import children, iter_tensors, map_tensors, rebuild
 
 __all__ = ["CapturePlugin"]
 
@@ -74,38 +73,6 @@ class _Slot:
         return f"_Slot({self.path!r})"
 
 
-def _map_with_path(fn: Callable[[str, Any], Any], obj: Any, path: str, leaf=torch.Tensor) -> Any:
-    """Rebuild a structure with ``fn`` applied to each tensor, also passing each leaf's ``iter_tensors`` path to ``fn``."""
-    if isinstance(obj, leaf):
-        return fn(path, obj)
-    if isinstance(obj, dict):
-        items = [
-            (
-                k,
-                _map_with_path(
-                    fn, v, f"{path}.{k}" if isinstance(k, str) else f"{path}[{k!r}]", leaf
-                ),
-            )
-            for k, v in obj.items()
-        ]
-        try:
-            return type(obj)(items)
-        except Exception:  # noqa: BLE001 - dict subclasses with odd constructors
-            return dict(items)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_map_with_path(fn, v, f"{path}[{i}]", leaf) for i, v in enumerate(obj)))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_with_path(fn, v, f"{path}[{i}]", leaf) for i, v in enumerate(obj))
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {
-            f.name: _map_with_path(fn, getattr(obj, f.name), f"{path}.{f.name}", leaf)
-            for f in dataclasses.fields(obj)
-            if f.init
-        }
-        return dataclasses.replace(obj, **changes)
-    return obj
-
-
 _PLAIN = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
 _OPAQUE = (torch.nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType)
 _MAX_OBJECT_DEPTH = 8
@@ -117,30 +84,12 @@ def _objects_as_dicts(obj: Any, found: List[str], depth: int = 0) -> Any:
     changes. The class names replaced are appended to ``found``."""
     if isinstance(obj, (torch.Tensor, *_PLAIN)) or depth > _MAX_OBJECT_DEPTH:
         return obj
-    if isinstance(obj, dict):
-        new = {k: _objects_as_dicts(v, found, depth + 1) for k, v in obj.items()}
-        if all(new[k] is v for k, v in obj.items()):
+    kids = children(obj, init_only=True)
+    if kids is not None:
+        new = [(k, _objects_as_dicts(v, found, depth + 1)) for k, _, v in kids]
+        if all(n is v for (_, n), (_, _, v) in zip(new, kids)):
             return obj
-        try:
-            return type(obj)(new.items())
-        except Exception:  # noqa: BLE001 - dict subclasses with odd constructors
-            return new
-    if isinstance(obj, (list, tuple)):
-        new = [_objects_as_dicts(v, found, depth + 1) for v in obj]
-        if all(a is b for a, b in zip(new, obj)):
-            return obj
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-            return type(obj)(*new)
-        try:
-            return type(obj)(new)
-        except Exception:  # noqa: BLE001
-            return tuple(new) if isinstance(obj, tuple) else new
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: _objects_as_dicts(getattr(obj, f.name), found, depth + 1)
-                   for f in dataclasses.fields(obj) if f.init}
-        if all(v is getattr(obj, k) for k, v in changes.items()):
-            return obj
-        return dataclasses.replace(obj, **changes)
+        return rebuild(obj, new)
     if isinstance(obj, _OPAQUE):
         return obj
     attrs = getattr(obj, "__dict__", None)
@@ -185,26 +134,17 @@ class CapturePlugin(hookplug.Plugin):
     def __init__(
         self,
         *,
-        keep: Union[str, int] = "last",
-        to: Optional[str] = None,
+        keep: Union[Literal["last", "all"], int] = "last",
+        to: Optional[Literal["cpu"]] = None,
         clone: bool = True,
         max_bytes: Optional[int] = None,
         grads: bool = False,
         inputs: bool = False,
     ):
-        if isinstance(keep, bool) or not (
-            keep in ("last", "all") or (isinstance(keep, int) and keep >= 1)
-        ):
+        if isinstance(keep, int) and keep < 1:
             raise ValueError(f"capture: keep must be 'last', 'all' or an int >= 1, got {keep!r}")
-        if to not in (None, "cpu"):
-            raise ValueError(f"capture: to must be None or 'cpu', got {to!r}")
-        if max_bytes is not None and (
-            isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0
-        ):
+        if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"capture: max_bytes must be None or an int >= 0, got {max_bytes!r}")
-        for opt, v in (("clone", clone), ("grads", grads), ("inputs", inputs)):
-            if not isinstance(v, bool):
-                raise ValueError(f"capture: {opt} must be True or False, got {v!r}")
         self.keep = keep
         self.to = to
         self.clone = clone
@@ -389,7 +329,7 @@ class CapturePlugin(hookplug.Plugin):
         tensors = list(iter_tensors(obj, prefix))
         if not self._room(kind, name, call, sum(t.numel() * t.element_size() for _, t in tensors)):
             return False
-        value = _map_with_path(lambda _p, t: self._copy(t), obj, prefix)
+        value = map_tensors(lambda _p, t: self._copy(t), obj, prefix)
         if tensors:
             for dev in {t.device for _, t in tensors if t.device.type == "cuda"}:
                 self._after_copy(dev)
@@ -414,7 +354,7 @@ class CapturePlugin(hookplug.Plugin):
             and any(t.requires_grad for _, t in iter_tensors(output))
         ):
             name, call = ctx.name, ctx.call_index
-            skel = _map_with_path(lambda p, _t: _Slot(p), output, "output")
+            skel = map_tensors(lambda p, _t: _Slot(p), output, "output")
             self._skeletons[(name, call)] = skel
             self._skel_calls.setdefault(name, {})[call] = None
             if len(self._skeletons) > 4096:  # gradients that never came: forget the oldest
@@ -448,7 +388,7 @@ class CapturePlugin(hookplug.Plugin):
         parts = self._grad_parts.setdefault(key, {})
         parts[path] = self._copy(grad)
         self._after_copy(grad.device)
-        value = _map_with_path(lambda _p, s: parts.get(s.path), skel, "output", leaf=_Slot)
+        value = map_tensors(lambda _p, s: parts.get(s.path), skel, "output", leaf=_Slot)
         self._put("grads", name, call, value)
         # the parts of calls this one replaced (keep="last"/N) are no longer held by the
         # store: drop them, so every part held is one counted in nbytes
@@ -497,9 +437,9 @@ class CapturePlugin(hookplug.Plugin):
                     return keep_or_none(p, t, name)
 
                 if isinstance(value, list):
-                    out[name] = [_map_with_path(fn, v, prefix) for v in value]
+                    out[name] = [map_tensors(fn, v, prefix) for v in value]
                 else:
-                    out[name] = _map_with_path(fn, value, prefix)
+                    out[name] = map_tensors(fn, value, prefix)
             stores[kind] = out
         if left_out:
             shown = ", ".join(left_out[:5]) + (f" and {len(left_out) - 5} more" if len(left_out) > 5 else "")

@@ -497,10 +497,7 @@ class FlopsPlugin(hookplug.Plugin):
 
     def __init__(self, *, formulas: Optional[Dict[Any, Callable]] = None,
                  extra_formulas: bool = True):
-        if formulas is not None and not isinstance(formulas, dict):
-            raise TypeError("flops: formulas must be a dict {op: formula}, got "
-                            f"{type(formulas).__name__}")
-        self.extra_formulas = bool(extra_formulas)
+        self.extra_formulas = extra_formulas
         self._formulas = _formula_table(formulas, self.extra_formulas)
         self._quiet: set = set()          # op overloads that never go to uncounted()
         self._counting = False

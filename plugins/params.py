@@ -69,20 +69,19 @@ from __future__ import annotations
 import fnmatch
 import math
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 
 import hookplug
 from hookplug import hookimpl
-from hookplug._bank import StatsBank, check_hist_options, check_sites
+from hookplug._bank import StatsBank, check_hist_options, check_max_pending, check_sites
 from hookplug._selectors import clean_name
 from hookplug._stats import NUMEL, TensorStats
 
 __all__ = ["ParamsPlugin"]
 
 _SITES = ("weight", "grad", "update")
-_PLAIN = ("replicated", "distinct")
 
 try:  # torch >= 2.4
     from torch.distributed.tensor import DTensor as _DTensor
@@ -133,34 +132,23 @@ class ParamsPlugin(hookplug.Plugin):
         self,
         *,
         sites: Sequence[str] = _SITES,
-        params: Any = "*",
+        params: Union[str, Sequence[str]] = "*",
         bins: Optional[int] = None,
-        hist: str = "log2",
+        hist: Literal["log2", "linear"] = "log2",
         range: Optional[Tuple[float, float]] = None,  # noqa: A002 - the op's own name
         max_pending_steps: int = 1024,
-        optimizer: Any = None,
-        plain_tensors: str = "replicated",
+        optimizer: Union[None, torch.optim.Optimizer, Sequence[torch.optim.Optimizer]] = None,
+        plain_tensors: Literal["replicated", "distinct"] = "replicated",
     ):
         sites = check_sites("params", sites, _SITES)
-        if isinstance(params, str):
-            params = (params,)
-        try:
-            params = tuple(params)
-        except TypeError:
-            params = None
-        if not params or not all(isinstance(g, str) for g in params):
-            raise ValueError(f"params: params must be a glob or a list of globs on parameter "
-                             f"names, got {params!r}")
+        params = (params,) if isinstance(params, str) else tuple(params)
+        if not params:
+            raise ValueError("params: params must be a glob or a non-empty list of globs on "
+                             "parameter names")
         bins, hist, range = check_hist_options("params", bins, hist, range)
-        if plain_tensors not in _PLAIN:
-            raise ValueError(f"params: plain_tensors must be one of {_PLAIN}, got {plain_tensors!r}")
+        check_max_pending("params", max_pending_steps)
         if optimizer is not None:
-            opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-            bad = [o for o in opts if not isinstance(o, torch.optim.Optimizer)]
-            if bad:
-                raise ValueError(f"params: optimizer must be None, a torch.optim.Optimizer or a "
-                                 f"list of them, got {type(bad[0]).__name__}")
-            optimizer = opts
+            optimizer = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         self.sites = sites
         self.globs = params
         self.plain_tensors = plain_tensors

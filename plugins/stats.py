@@ -55,13 +55,13 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Literal, Optional, Sequence, Tuple
 
 import torch
 
 import hookplug
 from hookplug import hookimpl
-from hookplug._bank import StatsBank, check_hist_options, check_sites, host_copy
+from hookplug._bank import StatsBank, check_hist_options, check_max_pending, check_sites, host_copy
 from hookplug._stats import FIRST_BAD, TensorStats
 from hookplug.structures import iter_tensors
 
@@ -69,7 +69,6 @@ __all__ = ["StatsPlugin"]
 
 _SITES = ("input", "output", "grad")
 _PHASES = ("train", "eval")
-_NONFINITE = ("record", "raise")
 _STRIDED = torch.strided
 
 
@@ -85,23 +84,14 @@ class StatsPlugin(hookplug.Plugin):
         *,
         sites: Sequence[str] = ("output",),
         bins: Optional[int] = None,
-        hist: str = "log2",
+        hist: Literal["log2", "linear"] = "log2",
         range: Optional[Tuple[float, float]] = None,  # noqa: A002 - the op's own name
         max_pending_steps: int = 1024,
-        nonfinite: str = "record",
+        nonfinite: Literal["record", "raise"] = "record",
     ):
         sites = check_sites("stats", sites, _SITES)
         bins, hist, range = check_hist_options("stats", bins, hist, range)
-        if (
-            not isinstance(max_pending_steps, int)
-            or isinstance(max_pending_steps, bool)
-            or max_pending_steps < 1
-        ):
-            raise ValueError(
-                f"stats: max_pending_steps must be an int >= 1, got {max_pending_steps!r}"
-            )
-        if nonfinite not in _NONFINITE:
-            raise ValueError(f"stats: nonfinite must be one of {_NONFINITE}, got {nonfinite!r}")
+        check_max_pending("stats", max_pending_steps)
         self.sites = sites
         self.nonfinite = nonfinite
         self._bad_in_flight: list = []  # [(step, [(host column, event)])] copies not yet read

@@ -103,7 +103,7 @@ def test_a_dict_config_works_like_a_file():
 @pytest.mark.parametrize("text, message", [
     ('[plugins.stats]\nbins = "x"\n', 'telemetry.toml: [plugins.stats] bins: expected an int, got "x"'),
     ('[plugins.stats]\nbinz = 3\n', "telemetry.toml: [plugins.stats] binz: unknown option (did you mean 'bins'?)"),
-    ('[plugins.stats]\nsites = "output"\nhist = 2\n', "telemetry.toml: [plugins.stats] hist: expected a string, got 2"),
+    ('[plugins.stats]\nsites = "output"\nhist = 2\n', 'telemetry.toml: [plugins.stats] hist: expected one of "log2", "linear", got 2'),
     ('[plugins.statz]\n', "telemetry.toml: [plugins.statz]: unknown plugin 'statz'. Did you mean 'stats'?"),
     ('[sinks.jsonl]\nall_ranks = 1\n', "telemetry.toml: [sinks.jsonl] all_ranks: expected a boolean, got 1"),
     ('[sinks.prometheus]\nport = "http"\n', 'telemetry.toml: [sinks.prometheus] port: expected an int, got "http"'),
@@ -169,3 +169,21 @@ def test_top_level_select_applies_to_attach_plugins(tmp_path):
     # with [plugins.*] tables the select is their default selector, as before
     cfg = hookplug.load_config(write(tmp_path, 'select = "Linear:fc2"\nplugins = ["stats"]\n', "b.toml"))
     assert cfg == {"selector": {"Linear:fc2": {"stats": {}}}}
+
+
+def test_attach_signature_shows_real_defaults_and_explicit_defaults_beat_the_file():
+    import inspect
+
+    params = inspect.signature(hookplug.attach).parameters
+    assert {k: params[k].default for k in ("selector", "every", "on_error", "strict")} == \
+        {"selector": "*", "every": 1, "on_error": "raise", "strict": False}
+    assert "_given" not in params
+    m = MLP()
+    cfg = {"every": 3, "on_error": "warn", "select": "Linear:fc1"}
+    with hookplug.attach(m, plugins="stats", config=cfg) as s:  # not passed: the file's
+        assert (s.every, s.on_error, list(s.modules)) == (3, "warn", ["fc1"])
+    with hookplug.attach(m, "*", plugins="stats", config=cfg, every=1, on_error="raise") as s:
+        assert (s.every, s.on_error) == (1, "raise")
+        assert list(s.modules) == [n for n, _ in hookplug.select(m, "*")] != ["fc1"]
+    with pytest.raises(ConfigError, match="plugins come from config="):
+        hookplug.attach(m, "*", config={"plugins": ["stats"]})

@@ -169,7 +169,7 @@ def test_shadowing_hookplug_distribution_is_reported_and_ignored(tmp_path, monke
 def test_options_are_validated(fake_eps):
     with pytest.raises(PluginError, match=r"unknown option 'levl' \(did you mean 'level'\?\); it accepts: level"):
         hookplug.attach(MLP(), "Linear", plugins=("quiet", {"levl": 2}))
-    with pytest.raises(PluginError, match="level must be an int, got str"):
+    with pytest.raises(PluginError, match="plugin 'quiet' option 'level': expected an int, got 'x'"):
         hookplug.attach(MLP(), "Linear", plugins={"quiet": {"level": "x"}})
     with hookplug.attach(MLP(), "Linear", plugins={"quiet": {"level": 3}}) as s:
         assert s["quiet"].level == 3

@@ -24,6 +24,22 @@ COMPILED = ops.backend() != "reference"
 needs_ext = pytest.mark.skipif(not COMPILED, reason="the compiled op is not available")
 
 
+def cuda_kernels() -> bool:
+    return torch.cuda.is_available() and COMPILED and ops._has_cuda
+
+
+needs_kernels = pytest.mark.skipif(not cuda_kernels(),
+                                   reason="needs a CUDA GPU and hookplug built with its CUDA kernels")
+
+
+def on_cuda(*values):
+    """A parameter set run on the GPU kernels (skipped without them)."""
+    return pytest.param(*values, marks=[pytest.mark.cuda, needs_kernels])
+
+
+DEVICES = ["cpu", on_cuda("cuda")]
+
+
 def gen(salt=0) -> torch.Generator:
     return torch.Generator().manual_seed(SEED * 7919 + salt)
 
@@ -184,16 +200,17 @@ SHAPES = [(), (0,), (3, 0, 2), (1,), (7,), (31,), (2047,), (2049,), (3, 5, 7), (
 
 
 @needs_ext
-@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("device, isa", [("cpu", isa) for isa in isas()] + [on_cuda("cuda", None)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_dtypes_and_shapes(dtype, isa):
+def test_dtypes_and_shapes(dtype, device, isa):
     g = gen(DTYPES.index(dtype))
     with cpu_isa(isa):
-        for shape in SHAPES:
+        for shape in SHAPES + [((1 << 20) + 7,)]:
             n = math.prod(shape)
-            x = planted(n, dtype, g, offset=float(torch.randn(1, generator=g)) * 3).reshape(shape)
-            assert_matches(ops.tensor_stats(x), x, msg=f"isa={isa}")
-            assert_matches(ops.tensor_stats(x, bins=0), x, bins=0, msg=f"isa={isa}")
+            x = planted(n, dtype, g, offset=float(torch.randn(1, generator=g)) * 3).reshape(shape).to(device)
+            for kw in ({}, {"bins": 0}, {"hist": "linear", "bins": 37},
+                       {"hist": "linear", "bins": 9, "range": (-2, 2)}):
+                assert_matches(ops.tensor_stats(x, **kw), x, **kw, msg=f"isa={isa}")
 
 
 @needs_ext
@@ -219,9 +236,10 @@ def test_reference_backend_matches_numpy():
 
 
 @needs_ext
-def test_large_float32_mean_and_std_need_float64_accumulation():
+@pytest.mark.parametrize("device", DEVICES)
+def test_large_float32_mean_and_std_need_float64_accumulation(device):
     n = (1 << 24) + 3
-    x = torch.randn(n, generator=gen(13)) + 1000.0  # float32 sums would lose the mean and std
+    x = (torch.randn(n, generator=gen(13)) + 1000.0).to(device)  # float32 sums would lose them
     st = ops.tensor_stats(x)
     assert_matches(st, x)
     assert float(st.std) == pytest.approx(float(x.double().std(correction=0)), rel=1e-6)
@@ -255,10 +273,11 @@ def test_float_overflow_of_partial_sums():
 
 
 @needs_ext
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_non_contiguous_layouts(dtype):
+def test_non_contiguous_layouts(dtype, device):
     g = gen(14)
-    base = planted(2 * 3 * 41 * 67, dtype, g).reshape(2, 3, 41, 67)
+    base = planted(2 * 3 * 41 * 67, dtype, g).reshape(2, 3, 41, 67).to(device)
     views = {
         "transposed": base[0, 0].t(),
         "step-sliced": base[:, :, ::2, 1::3],
@@ -266,8 +285,9 @@ def test_non_contiguous_layouts(dtype):
         "permuted-sliced": base.permute(3, 1, 0, 2)[5:50:4],
         "expanded": base[0, 0, 0].reshape(1, 67).expand(5, 67),
         "row-sliced": base.reshape(6 * 41, 67)[:, 3:60],
-        "long-rows-sliced": planted(3 * 5000, dtype, g).reshape(3, 5000)[:, 1:4990],
-        "ten-dims": planted(3 ** 10, dtype, g).reshape([3] * 10)[(slice(None, None, 2),) * 10],
+        "storage-offset": base.reshape(-1)[3:],  # not 16-byte aligned: scalar head
+        "long-rows-sliced": planted(3 * 5000, dtype, g).reshape(3, 5000).to(device)[:, 1:4990],
+        "ten-dims": planted(3 ** 10, dtype, g).reshape([3] * 10).to(device)[(slice(None, None, 2),) * 10],
     }
     for name, v in views.items():
         assert_matches(ops.tensor_stats(v), v, msg=name)
@@ -275,10 +295,11 @@ def test_non_contiguous_layouts(dtype):
 
 
 @needs_ext
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_all_nan_all_inf_and_specials(dtype):
-    for vals in ([math.nan] * 5000, [math.inf, -math.inf, math.nan] * 700, [0.0, -0.0] * 3000, [-0.0]):
-        x = torch.tensor(vals, dtype=dtype)
+def test_all_nan_all_inf_and_specials(dtype, device):
+    for vals in ([math.nan] * 5000, [math.inf, -math.inf, math.nan] * 700, [0.0, -0.0] * 3000, [-0.0], []):
+        x = torch.tensor(vals, dtype=dtype, device=device)
         st = ops.tensor_stats(x)
         assert_matches(st, x)
         d = st.to_dict()
@@ -370,10 +391,11 @@ def test_bins_zero_turns_histogram_off():
 # -- merging, packing -------------------------------------------------------------------------------------
 
 @needs_ext
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_merge_of_split_tensor_equals_whole(dtype):
+def test_merge_of_split_tensor_equals_whole(dtype, device):
     g = gen(20)
-    x = planted(40_000, dtype, g, offset=5.0)
+    x = planted(40_000, dtype, g, offset=5.0).to(device)
     x[100:300] = math.nan
     pieces = [x[:0], x[:100], x[100:300], x[300:12_345], x[12_345:12_346], x[12_346:]]
     for kw in ({}, {"bins": 0}, {"hist": "linear", "bins": 20, "range": (-10.0, 10.0)}):
@@ -493,10 +515,11 @@ def test_isa_variants_agree():
 
 # -- errors -----------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool, torch.complex64],
                          ids=str)
-def test_non_floating_inputs_raise_naming_the_dtype(dtype):
-    x = torch.zeros(4, dtype=dtype)
+def test_non_floating_inputs_raise_naming_the_dtype(dtype, device):
+    x = torch.zeros(4, dtype=dtype, device=device)
     msg = f"expected a floating tensor \\(float32, float64, float16, bfloat16\\), got {dtype}"
     with pytest.raises(TypeError, match=msg):
         ops.tensor_stats(x)
@@ -568,18 +591,23 @@ def test_meta_tensors_give_shapes():
 
 @needs_ext
 @pytest.mark.skipif(not hasattr(torch.library, "opcheck"), reason="torch.library.opcheck needs torch >= 2.4")
-def test_opcheck():
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
     g = gen(26)
     op = torch.ops.hookplug.tensor_stats.default
-    samples = [
+    cl = torch.channels_last
+    samples = [(x.to(device), *rest) for x, *rest in [
         (torch.randn(33, 5, generator=g), 1, 0, None, None),
         (torch.randn(17, generator=g).double(), 0, 0, None, None),
         (torch.randn(4, 6, generator=g).t(), 12, 1, None, None),
+        (torch.randn(4, 6, generator=g).double().t(), 12, 1, None, None),
         (torch.randn(40, generator=g).half(), 6, 1, -1.0, 1.0),
-        (torch.randn(2, 3, 4, 5, generator=g).bfloat16().contiguous(memory_format=torch.channels_last), 1, 0, None, None),
-        (torch.randn(8, generator=g, requires_grad=True), 1, 0, None, None),
+        (torch.randn(2, 3, 4, 5, generator=g).bfloat16().contiguous(memory_format=cl), 1, 0, None, None),
+        (torch.randn(2, 3, 4, 5, generator=g).bfloat16().contiguous(memory_format=cl), 0, 0, None, None),
+        (torch.randn(8, generator=g), 1, 0, None, None),  # made to require grad below
         (torch.tensor([1.0, math.inf, 0.0, -2.0]), 5, 1, None, None),
-    ]  # (no empty or all-NaN sample: opcheck compares outputs with NaN != NaN)
+    ]]  # (no empty or all-NaN sample: opcheck compares outputs with NaN != NaN)
+    samples[7][0].requires_grad_()
     for args in samples:
         torch.library.opcheck(op, args)
     acc_op = torch.ops.hookplug.stats_accumulate_.default
@@ -591,13 +619,15 @@ def test_opcheck():
         nb = ops.buckets(bins, "log2" if mode == 0 else "linear")
         for gate in (None, torch.tensor([True]), torch.tensor([False])):
             acc = empty_rows(3, nb, *(ops.log2_edges()[[0, -1]].tolist() if mode == 0 and bins
-                                      else ((lo, hi) if lo is not None else (0.0, 0.0))))
+                                      else ((lo, hi) if lo is not None else (0.0, 0.0))), device=device)
+            gate = None if gate is None else gate.to(device)
             torch.library.opcheck(acc_op, (x, acc, 2, gate, bins, mode, lo, hi))
 
 
 @needs_ext
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_torch_compile_fullgraph_matches_eager(backend):
+@pytest.mark.parametrize("device, backend", [("cpu", "aot_eager"), ("cpu", "inductor"),
+                                             on_cuda("cuda", "aot_eager")])
+def test_torch_compile_fullgraph_matches_eager(device, backend):
     torch._dynamo.reset()
 
     def f(x):
@@ -605,7 +635,7 @@ def test_torch_compile_fullgraph_matches_eager(backend):
         lin = ops.tensor_stats(x, hist="linear", bins=8)
         return st.mean, st.std, st.hist_counts, lin.hist_counts, lin.hist_edges, st.min + lin.max
 
-    x = planted(3000, torch.float32, gen(27))
+    x = planted(3000, torch.float32, gen(27)).to(device)
     eager = f(x)
     compiled = torch.compile(f, fullgraph=True, backend=backend)(x)
     for a, b in zip(eager, compiled):

@@ -43,7 +43,7 @@ import json
 import math
 import os
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import hookplug
 
@@ -115,9 +115,10 @@ class JsonlSink(hookplug.Sink):
     file_name = "telemetry.jsonl"
     file_suffixes = _SUFFIXES
 
-    def __init__(self, path: Optional[str] = None, *, all_ranks: bool = False, fsync: bool = False):
+    def __init__(self, path: Union[str, os.PathLike, None] = None, *, all_ranks: bool = False,
+                 fsync: bool = False):
         super().__init__(path, all_ranks=all_ranks)
-        self.fsync = bool(fsync)
+        self.fsync = fsync
         self.lines = 0
         self._fd: Optional[int] = None
         self._edges: Dict[Tuple[str, str], Any] = {}

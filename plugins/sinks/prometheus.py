@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import hookplug
 from hookplug._optional import optional_import
@@ -97,9 +97,10 @@ class PrometheusSink(hookplug.Sink):
     name = "prometheus"
 
     def __init__(self, port: Optional[int] = 9464, *, addr: str = "127.0.0.1",
-                 path: Optional[str] = None, all_ranks: bool = False, namespace: str = "hookplug"):
+                 path: Union[str, os.PathLike, None] = None, all_ranks: bool = False,
+                 namespace: str = "hookplug"):
         self._prom, _ = _client()
-        if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 <= port < 65536):
+        if port is not None and not 0 <= port < 65536:
             raise ValueError(f"prometheus sink: port must be None or an int in [0, 65535], got {port!r}")
         super().__init__(path, all_ranks=all_ranks)
         self.requested_port = port

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import hookplug
 from hookplug._optional import optional_import
@@ -65,7 +65,7 @@ class TensorBoardSink(hookplug.Sink):
 
     name = "tensorboard"
 
-    def __init__(self, path: Optional[str] = None, *, stats: Sequence[str] = DEFAULT_SCALARS,
+    def __init__(self, path: Union[str, os.PathLike, None] = None, *, stats: Sequence[str] = DEFAULT_SCALARS,
                  histogram: bool = True, all_ranks: bool = False, flush_secs: int = 30,
                  writer: Any = None):
         if isinstance(stats, str):
@@ -85,7 +85,7 @@ class TensorBoardSink(hookplug.Sink):
         super().__init__(path, all_ranks=all_ranks)
         self._own_writer = writer is None
         self.stats = tuple(stats)
-        self.histogram = bool(histogram)
+        self.histogram = histogram
         self.flush_secs = flush_secs
         self.writer = writer
         if writer is not None:

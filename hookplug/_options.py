@@ -1,0 +1,125 @@
+"""The one checker of plugin options, driven by the factory's type hints.
+
+``attach(plugins=[("stats", {...})])`` (through ``create_plugin``) and config files (through
+``_config``) both call :func:`check_options`. Types are checked here; value ranges that a
+hint cannot express stay in the plugin. Supported hints: ``bool``, ``int``, ``float``,
+``str``, classes, ``Optional``/``Union``, ``Literal``, ``Sequence[X]``/``List[X]``,
+``Tuple[X, ...]``/``Tuple[X, Y]``, ``Dict``; ``Any``, ``Callable`` and unresolvable hints
+are not checked. ``bool`` is never an ``int`` or a ``float``.
+"""
+from __future__ import annotations
+
+import collections.abc as cabc
+import difflib
+import inspect
+import types
+import typing
+from typing import Any, Callable, Dict
+
+from ._manager import PluginError
+
+__all__ = ["OptionError", "check_options", "type_ok", "describe"]
+
+_NAMES = {bool: "a boolean", int: "an int", float: "a number", str: "a string",
+          dict: "a table", type(None): "None"}
+_PLURAL = {bool: "booleans", int: "ints", float: "numbers", str: "strings"}
+_SEQS = (list, tuple, cabc.Sequence, cabc.Iterable, cabc.Collection)
+_UNIONS = (typing.Union, getattr(types, "UnionType", typing.Union))  # Union[A, B], A | B
+
+
+class OptionError(PluginError):
+    """An unknown option or an option of the wrong type: ``plugin``, ``option``, ``problem``."""
+
+    def __init__(self, plugin: str, option: str, problem: str, message: str = ""):
+        super().__init__(message or f"plugin {plugin!r} option {option!r}: {problem}")
+        self.plugin, self.option, self.problem = plugin, option, problem
+
+
+def type_ok(value: Any, hint: Any) -> bool:
+    """Whether ``value`` fits the type hint ``hint``."""
+    if hint is Any or hint is inspect.Parameter.empty:
+        return True
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in _UNIONS:
+        return any(type_ok(value, a) for a in args)
+    if origin is typing.Literal:
+        return any(value == a and type(value) is type(a) for a in args)
+    if origin is tuple or origin in _SEQS:
+        if isinstance(value, str) and origin is not cabc.Sequence:
+            return False
+        if not isinstance(value, (list, tuple, str)):
+            return False
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return len(value) == len(args) and all(type_ok(v, a) for v, a in zip(value, args))
+        return not args or all(type_ok(v, args[0]) for v in value)
+    if origin in (dict, cabc.Mapping):
+        return isinstance(value, dict)
+    if origin is not None:
+        return not isinstance(origin, type) or isinstance(value, origin)
+    if hint is type(None):
+        return value is None
+    return not isinstance(hint, type) or isinstance(value, hint)
+
+
+def describe(hint: Any, show: Callable[[Any], str] = repr) -> str:
+    """``hint`` in words; None is left out (a config file cannot say None)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in _UNIONS:
+        words = list(dict.fromkeys(describe(a, show) for a in args if a is not type(None)))
+        return " or ".join(w for w in words if not any(o.startswith(f"{w} or ") for o in words))
+    if origin is typing.Literal:
+        return "one of " + ", ".join(show(a) for a in args)
+    if origin is tuple or origin in _SEQS:
+        fixed = origin is tuple and bool(args) and args[-1] is not Ellipsis
+        each = " or ".join(_PLURAL.get(a) or f"{getattr(a, '__name__', a)} objects"
+                           for a in dict.fromkeys(args[:1 if not fixed else None]))
+        text = f"a sequence of {len(args)} {each}" if fixed else f"a sequence of {each or 'values'}"
+        return ("a string or " + text) if origin is cabc.Sequence and str in args else text
+    if origin is not None:
+        return describe(origin, show)
+    name = getattr(hint, "__name__", str(hint))
+    return _NAMES.get(hint) or ("an " if name[:1] in "AEIOU" else "a ") + name
+
+
+def _hints(factory) -> Dict[str, Any]:
+    target = factory.__init__ if isinstance(factory, type) else factory
+    try:
+        return typing.get_type_hints(target)
+    except Exception:  # noqa: BLE001 - a hint that cannot be resolved is not checked
+        return {}
+
+
+def check_options(name: str, factory, options: Dict[str, Any],
+                  show: Callable[[Any], str] = repr) -> None:
+    """Check ``options`` against ``factory``'s signature and type hints; raise
+    :class:`OptionError` for the first unknown option (with a close match) or wrong type.
+    ``show`` renders the received value."""
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return
+    params = {p.name: p for p in sig.parameters.values()
+              if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    open_ended = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+    hints = None
+    for key, value in options.items():
+        param = params.get(key)
+        if param is None:
+            if open_ended:
+                continue
+            close = difflib.get_close_matches(key, list(params), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            accepts = ", ".join(params) or "no options"
+            raise OptionError(name, key, f"unknown option{hint}; {name!r} accepts: {accepts}",
+                              f"plugin {name!r} got unknown option {key!r}{hint}; it accepts: {accepts}")
+        if hints is None:
+            hints = _hints(factory)
+        hint = hints.get(key, Any)
+        if value is None and param.default is None:
+            continue
+        if not type_ok(value, hint):
+            raise OptionError(name, key, f"expected {describe(hint, show)}, got {show(value)}")
