@@ -125,7 +125,8 @@ def _returned_ok(session: "Session", plugin, hook_name: str, where: str, before,
                 and result.dtype == before.dtype and result.device == before.device):
             return True
         expected = f"None or a tensor like the incoming grad ({_describe(before)})"
-    name = session._key_of.get(id(plugin), type(plugin).__name__)
+    entry = session._entry_of.get(id(plugin))
+    name = entry.name if entry is not None else type(plugin).__name__
     session._plugin_failed(plugin, hook_name, PluginError(
         f"plugin {name!r}: {hook_name} for {where} must return {expected}, got {_describe(result)}"))
     return False
@@ -255,7 +256,7 @@ class _ModuleBinding:
             if res is not None:
                 if not (isinstance(res, tuple) and len(res) == 2 and isinstance(res[1], dict)):
                     s._plugin_failed(plugin, "hookplug_forward_input", PluginError(
-                        f"plugin {s._key_of.get(id(plugin))!r}: hookplug_forward_input must return None or "
+                        f"plugin {s._entry_of[id(plugin)].name!r}: hookplug_forward_input must return None or "
                         f"(args, kwargs), got {type(res).__name__}"))
                     continue
                 args, kwargs = res
@@ -408,6 +409,23 @@ def _unguard_copies(module: nn.Module, hook_id: int) -> None:
 
 # -- the session ---------------------------------------------------------------------------------
 
+class _Entry:
+    """One plugin or sink of a session: its name, the object, the modules it is attached to,
+    whether it was disabled (and why), and its pluggy hook implementations."""
+
+    __slots__ = ("name", "plugin", "modules", "is_sink", "disabled", "impls", "adapted", "params")
+
+    def __init__(self, name: str, plugin, modules: List[str], is_sink: bool):
+        self.name = name
+        self.plugin = plugin
+        self.modules = modules
+        self.is_sink = is_sink
+        self.disabled: Optional[str] = None  # the error that switched it off (on_error="warn")
+        self.impls: Dict[str, Any] = {}  # hook name -> pluggy HookImpl
+        self.adapted: Dict[str, Callable] = {}  # per-call hook name -> the callable the core calls
+        self.params: Optional[set] = None  # parameter names under its modules (computed once)
+
+
 class Session:
     """Plugins attached to a model. A context manager; ``remove()`` takes every hook off.
 
@@ -434,18 +452,14 @@ class Session:
         self._sampling = True
         self._nonfinite: List[dict] = []
         self._removed = False
-        self._plugins: Dict[str, Any] = {}
-        self._plugin_modules: Dict[str, List[str]] = {}
-        self._sinks: Dict[str, Any] = {}
-        self._disabled: Dict[str, str] = {}
+        self._entries: Dict[str, _Entry] = {}  # plugins, then sinks, in attach order
+        self._entry_of: Dict[int, _Entry] = {}  # id(plugin) -> its entry
         self._module_refs: Dict[str, weakref.ref] = {}
         self._bindings: Dict[str, _ModuleBinding] = {}
         self._param_bindings: Dict[str, _ParamBinding] = {}
         self._handles: List[Any] = []
         self._guarded: List[Tuple[weakref.ref, int]] = []  # (module, hook id) left out of copies
-        self._impls: Dict[Tuple[str, int], Any] = {}  # (hook name, id(plugin)) -> pluggy HookImpl
-        self._call_order: Dict[str, List[Any]] = {}
-        self._key_of: Dict[int, str] = {}
+        self._call_order: Dict[str, List[_Entry]] = {}  # hook name -> entries, in call order
         from ._telemetry import Telemetry, new_run_id
 
         self._telemetry = Telemetry()
@@ -469,17 +483,17 @@ class Session:
 
     def modules_of(self, plugin: Union[str, Any]) -> Dict[str, nn.Module]:
         """The modules one plugin is attached to (with ``{selector: plugins}`` they differ)."""
-        name = plugin if isinstance(plugin, str) else self._key_of.get(id(plugin), "")
+        entry = self._entries.get(plugin) if isinstance(plugin, str) else self._entry_of.get(id(plugin))
         mods = self.modules
-        return {n: mods[n] for n in self._plugin_modules.get(name, []) if n in mods}
+        return {n: mods[n] for n in (entry.modules if entry else []) if n in mods}
 
     @property
     def plugins(self) -> Dict[str, Any]:
-        return dict(self._plugins)
+        return {n: e.plugin for n, e in self._entries.items() if not e.is_sink}
 
     @property
     def sinks(self) -> Dict[str, Any]:
-        return dict(self._sinks)
+        return {n: e.plugin for n, e in self._entries.items() if e.is_sink}
 
     @property
     def step_index(self) -> int:
@@ -500,8 +514,8 @@ class Session:
     def has_sinks(self) -> bool:
         """Whether telemetry has a consumer: a plugin implementing ``hookplug_flush`` that
         does not only add fields to records (``decorates_records = True``)."""
-        return any(not getattr(p, "decorates_records", False)
-                   for p in self._call_order.get("hookplug_flush", ()))
+        return any(not getattr(e.plugin, "decorates_records", False)
+                   for e in self._call_order.get("hookplug_flush", ()))
 
     @property
     def nonfinite(self) -> List[dict]:
@@ -516,41 +530,39 @@ class Session:
     @property
     def disabled(self) -> Dict[str, str]:
         """Plugins switched off under ``on_error="warn"``, with the error that did it."""
-        return dict(self._disabled)
+        return {n: e.disabled for n, e in self._entries.items() if e.disabled is not None}
 
     @property
     def removed(self) -> bool:
         return self._removed
 
     def __getitem__(self, name: str):
-        try:
-            return self._plugins[name] if name in self._plugins else self._sinks[name]
-        except KeyError:
-            raise KeyError(
-                f"no plugin {name!r} in this session; it has: {', '.join([*self._plugins, *self._sinks]) or 'none'}"
-            ) from None
+        entry = self._entries.get(name)
+        if entry is None:
+            raise KeyError(f"no plugin {name!r} in this session; it has: {', '.join(self._entries) or 'none'}")
+        return entry.plugin
 
     def __contains__(self, name: str) -> bool:
-        return name in self._plugins or name in self._sinks
+        return name in self._entries
 
     def results(self) -> Dict[str, Any]:
         """``{plugin name: plugin.results()}``."""
-        return {n: p.results() for n, p in self._plugins.items() if hasattr(p, "results")}
+        return {n: p.results() for n, p in self.plugins.items() if hasattr(p, "results")}
 
     def reset(self) -> None:
-        for p in self._plugins.values():
+        for p in self.plugins.values():
             if hasattr(p, "reset"):
                 p.reset()
 
     def report(self) -> str:
         """A plain-text report: one section per plugin that has something to say."""
         lines = [f"hookplug session: {len(self._module_refs)} module(s), step {self._step}, "
-                 f"plugins: {', '.join(self._plugins) or 'none'}"]
-        for name, p in self._plugins.items():
+                 f"plugins: {', '.join(self.plugins) or 'none'}"]
+        for name, p in self.plugins.items():
             text = p.report() if hasattr(p, "report") else ""
             if text:
                 lines += ["", f"== {name} ==", text.rstrip()]
-        for name, why in self._disabled.items():
+        for name, why in self.disabled.items():
             lines += ["", f"!! {name} was disabled: {why}"]
         return "\n".join(lines)
 
@@ -626,27 +638,25 @@ class Session:
 
     def __repr__(self) -> str:
         state = "removed" if self._removed else "attached"
-        return f"<hookplug.Session {state}: {len(self._module_refs)} modules, plugins={list(self._plugins)}>"
+        return f"<hookplug.Session {state}: {len(self._module_refs)} modules, plugins={list(self.plugins)}>"
 
     # -- errors ----------------------------------------------------------------------------
 
     def _plugin_failed(self, plugin, hook_name: str, exc: BaseException) -> None:
-        name = self._key_of.get(id(plugin), type(plugin).__name__)
+        entry = self._entry_of.get(id(plugin))
+        name = entry.name if entry is not None else type(plugin).__name__
         if self.on_error == "raise":
             if hasattr(exc, "add_note"):
                 exc.add_note(f"(raised by hookplug plugin {name!r} in {hook_name})")
             raise exc
-        if name in self._disabled:
+        if entry is None or entry.disabled is not None:
             return
         why = f"{type(exc).__name__} in {hook_name}: {exc}"
-        self._disabled[name] = why
+        entry.disabled = why
         warnings.warn(f"hookplug plugin {name!r} failed and is disabled for this session: {why}",
                       RuntimeWarning, stacklevel=3)
         if not self._removed:  # a removed session has no bindings left to rebuild
             self._rebind()
-
-    def _impl_of(self, plugin, hook_name: str):
-        return self._impls[(hook_name, id(plugin))]
 
     def _dispatch(self, hook_name: str, *, on_result=None, skip=None, include_disabled: bool = False,
                   run_all: bool = False, **kwargs) -> None:
@@ -657,15 +667,15 @@ class Session:
         the others; the first error is raised once all have run (later ones in its notes)."""
         kwargs.setdefault("session", self)
         failed: List[Tuple[Any, BaseException]] = []
-        for plugin in self._call_order.get(hook_name, []):
-            name = self._key_of.get(id(plugin))
-            if (name in self._disabled and not include_disabled) or (skip is not None and skip(plugin)):
+        for entry in self._call_order.get(hook_name, []):
+            plugin = entry.plugin
+            if (entry.disabled is not None and not include_disabled) or (skip is not None and skip(plugin)):
                 continue
-            impl = self._impl_of(plugin, hook_name)
+            impl = entry.impls[hook_name]
             try:
                 res = impl.function(**{a: kwargs[a] for a in impl.argnames if a in kwargs})
                 if on_result is not None:
-                    on_result(name, res)
+                    on_result(entry.name, res)
             except Exception as exc:  # noqa: BLE001 - on_error decides
                 if run_all and self.on_error == "raise":
                     failed.append((plugin, exc))
@@ -678,19 +688,16 @@ class Session:
             finally:
                 for other, other_exc in failed[1:]:
                     if hasattr(exc, "add_note"):
-                        exc.add_note(f"(hookplug plugin {self._key_of.get(id(other))!r} also raised in "
+                        exc.add_note(f"(hookplug plugin {self._entry_of[id(other)].name!r} also raised in "
                                      f"{hook_name}: {type(other_exc).__name__}: {other_exc})")
 
     # -- binding -----------------------------------------------------------------------------
 
     def _add_plugin(self, name: str, plugin, module_names: List[str], sink: bool = False) -> None:
-        table = self._sinks if sink else self._plugins
-        other = self._plugins if sink else self._sinks
-        if name in table or name in other:
+        if name in self._entries:
             raise PluginError(f"plugin name {name!r} is used twice in one session")
-        table[name] = plugin
-        self._key_of[id(plugin)] = name
-        self._plugin_modules[name] = list(module_names)
+        entry = self._entries[name] = _Entry(name, plugin, list(module_names), sink)
+        self._entry_of[id(plugin)] = entry
 
     def _bind(self, model: nn.Module) -> None:
         self._resolve_hooks()
@@ -701,12 +708,10 @@ class Session:
         for pname, p in named_parameters(model):
             params_by_id.setdefault(id(p), pname)
         wanted_params: Dict[str, torch.Tensor] = {}
-        param_plugins = set(id(p) for p in self._call_order["hookplug_param_grad"])
-        for pl_name, mod_names in self._plugin_modules.items():
-            plugin = self._plugins.get(pl_name)
-            if plugin is None or id(plugin) not in param_plugins:
+        for entry in self._call_order["hookplug_param_grad"]:
+            if entry.is_sink:
                 continue
-            for mn in mod_names:
+            for mn in entry.modules:
                 for p in mods[mn].parameters():
                     if p.requires_grad and id(p) in params_by_id:
                         wanted_params[params_by_id[id(p)]] = p
@@ -736,41 +741,37 @@ class Session:
         answer and let the manager go (it is a reference cycle that would hold every plugin
         until the cycle collector runs)."""
         pm = new_plugin_manager()
-        order = list(self._plugins.values()) + list(self._sinks.values())
+        order = [e.plugin for e in self._entries.values() if not e.is_sink] + \
+                [e.plugin for e in self._entries.values() if e.is_sink]
         try:
             for plugin in reversed(order):  # pluggy calls the last registered first
-                pm.register(plugin, name=f"{self._key_of[id(plugin)]}-{id(plugin)}")
+                pm.register(plugin, name=f"{self._entry_of[id(plugin)].name}-{id(plugin)}")
             pm.check_pending()
             for hook_name in hookspecs.__dict__:
                 if hook_name.startswith("hookplug_"):
                     impls = list(reversed(getattr(pm.hook, hook_name).get_hookimpls()))
-                    self._call_order[hook_name] = [i.plugin for i in impls]
-                    self._impls.update({(hook_name, id(i.plugin)): i for i in impls})
+                    entries = self._call_order[hook_name] = [self._entry_of[id(i.plugin)] for i in impls]
+                    for entry, impl in zip(entries, impls):
+                        entry.impls[hook_name] = impl
+                        if hook_name in _PER_CALL_HOOKS:
+                            entry.adapted[hook_name] = _adapt(impl, hook_name)
         finally:
             for plugin in order:
                 if pm.is_registered(plugin):
                     pm.unregister(plugin)
-        self._adapted = {
-            (key[1], key[0]): _adapt(impl, key[0]) for key, impl in self._impls.items() if key[0] in _PER_CALL_HOOKS
-        }
 
     def _rebind(self) -> None:
         """(Re)build the per-module tuples, leaving out disabled plugins; one set for
         sampled steps and one (plugins with ``sampled = False`` only) for the others."""
-        by_module: Dict[str, List[Any]] = {n: [] for n in self._bindings}
-        for pl_name, mod_names in self._plugin_modules.items():
-            if pl_name in self._disabled or pl_name not in self._plugins:
-                continue
-            for mn in mod_names:
-                by_module[mn].append(self._plugins[pl_name])
+        live = [e for e in self._entries.values() if e.disabled is None and not e.is_sink]
+        by_module: Dict[str, List[_Entry]] = {n: [] for n in self._bindings}
+        for entry in live:
+            for mn in entry.modules:
+                by_module[mn].append(entry)
 
-        def impls_for(hook_name: str, allowed, sampling: bool) -> Tuple:
-            allowed_ids = {id(p) for p in allowed if sampling or not getattr(p, "sampled", True)}
-            return tuple(
-                (p, self._adapted[(id(p), hook_name)])
-                for p in self._call_order[hook_name]
-                if id(p) in allowed_ids
-            )
+        def impls_for(hook_name: str, allowed: List[_Entry], sampling: bool) -> Tuple:
+            ok = {id(e) for e in allowed if sampling or not getattr(e.plugin, "sampled", True)}
+            return tuple((e.plugin, e.adapted[hook_name]) for e in self._call_order[hook_name] if id(e) in ok)
 
         for name, binding in self._bindings.items():
             allowed = by_module[name]
@@ -779,9 +780,8 @@ class Session:
                 for sampling in (True, False)
             }
             binding.all_in, binding.all_out, binding.all_grad = binding.variants[True]
-        live = [p for n, p in self._plugins.items() if n not in self._disabled]
         for pb in self._param_bindings.values():
-            covering = [p for p in live if pb.name in self._params_of(p)]
+            covering = [e for e in live if pb.name in self._params_of(e)]
             pb.variants = {sampling: impls_for("hookplug_param_grad", covering, sampling)
                            for sampling in (True, False)}
         self._apply_sampling()
@@ -794,18 +794,17 @@ class Session:
         for pb in self._param_bindings.values():
             pb.impls = pb.variants[sampling]
 
-    def _params_of(self, plugin) -> set:
-        cache = self.__dict__.setdefault("_param_cache", {})
-        key = id(plugin)
-        if key not in cache:
+    def _params_of(self, entry: _Entry) -> set:
+        """The names of the parameters under ``entry``'s modules (computed once)."""
+        if entry.params is None:
             model = self.model
             names = set()
             if model is not None:
-                ids = {id(p) for mn in self._plugin_modules.get(self._key_of[id(plugin)], [])
-                       for p in dict(named_modules(model))[mn].parameters()}
+                mods = dict(named_modules(model))
+                ids = {id(p) for mn in entry.modules for p in mods[mn].parameters()}
                 names = {n for n, p in named_parameters(model) if id(p) in ids}
-            cache[key] = names
-        return cache[key]
+            entry.params = names
+        return entry.params
 
 
 class _StepScope:

@@ -256,7 +256,7 @@ def test_item15_disk_full_rolls_back_to_the_last_whole_line(tmp_path, monkeypatc
     _flush_some(s, model)  # one good flush
     good = path.read_bytes()
     assert good.endswith(b"\n")
-    _full_disk_after(monkeypatch, s._sinks["jsonl"], 0)
+    _full_disk_after(monkeypatch, s["jsonl"], 0)
     model(torch.randn(4, 32))
     with pytest.raises(OSError, match="No space left on device") as info:
         s.step()
@@ -272,7 +272,7 @@ def test_item15_disk_full_under_warn_keeps_whole_lines(tmp_path, monkeypatch):
     model = MLP()
     s = _attach_jsonl(path, model, on_error="warn")
     _flush_some(s, model)
-    _full_disk_after(monkeypatch, s._sinks["jsonl"], 0)
+    _full_disk_after(monkeypatch, s["jsonl"], 0)
     model(torch.randn(4, 32))
     with pytest.warns(RuntimeWarning, match="No space left on device"):
         s.step()

@@ -3,6 +3,7 @@ event reader), prometheus (scraped over 127.0.0.1), third-party sinks by instanc
 entry point, and the optional-dependency errors."""
 import json
 import math
+import os
 import sys
 import threading
 import urllib.error
@@ -308,3 +309,54 @@ def test_third_party_sink_through_the_entry_point(monkeypatch, fresh_discovery):
         got = s["parquet"].records
     assert {r["module"] for r in got} == {"fc1", "fc2", "fc3"} and len(got) == 3
     assert all(set(STATS) <= set(r) for r in got)
+
+
+# -- the public Sink base ------------------------------------------------------------------------------
+
+class CsvSink(hookplug.Sink):
+    name, file_name, file_suffixes = "csv", "stats.csv", (".csv",)
+
+    def __init__(self, path=None, **kw):
+        super().__init__(path, **kw)
+        self.closed = 0
+
+    @hookplug.hookimpl
+    def hookplug_flush(self, session, records):
+        self.path = self.resolve_path(session)
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        with open(self.path, "a") as f:
+            f.writelines(f"{r['step']},{r['module']},{r['site']},{r['mean']!r}\n" for r in records)
+
+    def close(self):
+        self.closed += 1
+
+
+def test_sink_base_paths_placeholders_and_close(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    m, x = MLP(), torch.randn(4, 32)
+    named = CsvSink(str(tmp_path / "exp-{run_id}" / "r{rank}"))
+    default = CsvSink()
+    file_path = CsvSink(str(tmp_path / "one.csv"))
+    with hookplug.attach(m, "Linear", plugins="stats", sink=[named, default, file_path]) as s:
+        m(x)
+        s.step()
+        run_id, run_dir = s.run_id, s.run_dir
+        mean = s["stats"].results()["fc1"]["output"].mean.item()
+    assert run_dir == os.path.join("runs", run_id)
+    assert named.path == str(tmp_path / f"exp-{run_id}" / "r0" / "stats.csv")
+    assert default.path == os.path.join(run_dir, "stats.csv") and os.path.exists(tmp_path / default.path)
+    assert file_path.path == str(tmp_path / "one.csv")
+    rows = [line.split(",") for line in open(file_path.path).read().splitlines()]
+    assert {(r[1], r[2]) for r in rows} == {("fc1", "output"), ("fc2", "output"), ("fc3", "output")}
+    assert float(next(r for r in rows if r[1] == "fc1")[3]) == mean
+    assert named.closed == default.closed == file_path.closed == 1
+    assert named.writes_on(0) and not named.writes_on(1) and CsvSink(all_ranks=True).writes_on(3)
+    assert repr(file_path) == f"<CsvSink {file_path.path}>"
+
+
+def test_sink_base_rejects_unknown_placeholders():
+    with pytest.raises(ValueError, match=r"csv sink: path 'runs/\{epoch\}' has the placeholder \{epoch\}"):
+        CsvSink("runs/{epoch}")
+    with pytest.raises(ValueError, match="not a valid template"):
+        CsvSink("runs/{")
