@@ -338,6 +338,7 @@ def test_sink_base_paths_placeholders_and_close(tmp_path, monkeypatch):
     named = CsvSink(str(tmp_path / "exp-{run_id}" / "r{rank}"))
     default = CsvSink()
     file_path = CsvSink(str(tmp_path / "one.csv"))
+    named.name, default.name = "csv_named", "csv_default"  # one session: distinct names
     with hookplug.attach(m, "Linear", plugins="stats", sink=[named, default, file_path]) as s:
         m(x)
         s.step()
