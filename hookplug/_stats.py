@@ -86,10 +86,10 @@ def log2_edges(device=None) -> torch.Tensor:
     return torch.tensor(_LOG2_EDGES, dtype=torch.float64, device=device)
 
 
-def host_edges(values: List[float], hist: Any = None) -> List[float]:
-    """The bucket edges of a host row (its values as a list), computed on the host; log2
-    rows share one list."""
-    b = len(values) - HEAD
+def host_edges(values: List[float], hist: Any = None, buckets: Optional[int] = None) -> List[float]:
+    """The bucket edges of a host row (its values as a list; ``buckets``: how many, when
+    ``values`` holds the head only), computed on the host; log2 rows share one list."""
+    b = len(values) - HEAD if buckets is None else buckets
     if b <= 0:
         return []
     lo, hi = values[HIST_LO], values[HIST_HI]
@@ -281,24 +281,47 @@ class StatsBlock(NamedTuple):
     hist: Any = None
 
 
-def row_to_dict(row, hist: Any = None, counts: Optional[List[int]] = None) -> Dict[str, Any]:
-    """A host row (a tensor or its values as a list) as ``{field: number}`` plus
-    ``hist_counts``/``hist_edges`` lists; ``counts``: the buckets as ints, if at hand."""
-    v = row.tolist() if isinstance(row, torch.Tensor) else row
-    n = v[NUMEL] - v[NAN] - v[INF]
-    d: Dict[str, Any] = {f: int(v[c]) for f, c in zip(COUNT_COLUMNS, (NUMEL, NAN, INF, ZERO))}
-    nan = math.nan
-    if n > 0:
-        mean = v[MEAN]
-        sumsq = max(v[M2], 0.0) + n * mean * mean
-        d.update(min=v[MIN], max=v[MAX], mean=mean, std=math.sqrt(max(v[M2], 0.0) / n),
-                 absmax=max(abs(v[MIN]), abs(v[MAX])), l2=math.sqrt(sumsq), rms=math.sqrt(sumsq / n))
-    else:
-        d.update(min=nan, max=nan, mean=nan, std=nan, absmax=nan, l2=0.0, rms=nan)
-    d["zero_fraction"] = v[ZERO] / v[NUMEL] if v[NUMEL] > 0 else nan
-    d["hist_counts"] = counts if counts is not None else [int(c) for c in v[HEAD:]]
-    d["hist_edges"] = host_edges(v, hist)
-    return d
+_FLOAT_FIELDS = ("min", "max", "mean", "std", "absmax", "l2", "rms", "zero_fraction")
+
+
+def rows_to_dicts(rows: torch.Tensor, hist: Any = None) -> List[Dict[str, Any]]:
+    """Host rows ``[R, HEAD + B]`` as ``{field: number}`` dicts plus ``hist_counts`` and
+    ``hist_edges`` lists; the derived fields are computed column-wise (one pass per field
+    over all rows, then one conversion to Python numbers)."""
+    if rows.shape[0] == 0:
+        return []
+    r = rows.to(torch.float64)
+    numel, zero = r[:, NUMEL], r[:, ZERO]
+    n = numel - r[:, NAN] - r[:, INF]
+    has = n > 0
+    safe_n = torch.where(has, n, 1.0)
+    mean, m2 = r[:, MEAN], r[:, M2].clamp_min(0.0)
+    sumsq = m2 + n * mean * mean
+    nan = torch.full_like(n, math.nan)
+    mn, mx = r[:, MIN], r[:, MAX]
+    floats = torch.stack([
+        torch.where(has, mn, nan), torch.where(has, mx, nan), torch.where(has, mean, nan),
+        torch.where(has, (m2 / safe_n).sqrt(), nan),
+        torch.where(has, torch.maximum(mn.abs(), mx.abs()), nan),
+        torch.where(has, sumsq.sqrt(), 0.0), torch.where(has, (sumsq / safe_n).sqrt(), nan),
+        torch.where(numel > 0, zero / torch.where(numel > 0, numel, 1.0), nan),
+    ], dim=1).tolist()
+    counts = r[:, :HEAD].to(torch.int64)[:, [NUMEL, NAN, INF, ZERO]].tolist()
+    buckets = r[:, HEAD:].to(torch.int64).tolist()
+    heads = r[:, :HEAD].tolist()
+    out = []
+    for c, f, b, head in zip(counts, floats, buckets, heads):
+        d = dict(zip(COUNT_COLUMNS, c))
+        d.update(zip(_FLOAT_FIELDS, f))
+        d["hist_counts"] = b
+        d["hist_edges"] = host_edges(head, hist, len(b))
+        out.append(d)
+    return out
+
+
+def row_to_dict(row: torch.Tensor, hist: Any = None) -> Dict[str, Any]:
+    """One host row as :func:`rows_to_dicts` gives it."""
+    return rows_to_dicts(row.reshape(1, -1), hist)[0]
 
 
 def _merged_kind(a: TensorStats, b: TensorStats, kind: Any) -> Any:

@@ -55,7 +55,7 @@ import torch
 
 from . import _stats
 from ._bank import host_copy
-from ._stats import FIRST_BAD, HEAD, NUMEL, StatsBlock, TensorStats, merge_rows, row_to_dict
+from ._stats import FIRST_BAD, StatsBlock, TensorStats, merge_rows, rows_to_dicts
 
 __all__ = ["Telemetry", "new_run_id", "STAT_FIELDS"]
 
@@ -273,12 +273,11 @@ class Telemetry:
         for metas, off, r, width, hist in flight.groups:
             rows = host[off:off + r * width].view(r, width)
             local_bad = host[off + r * width:off + r * width + r].tolist()
-            values = rows.tolist()  # one conversion per block, buckets as ints
-            counts = rows[:, HEAD:].to(torch.int64).tolist() if width > HEAD else [[]] * r
+            dicts = rows_to_dicts(rows, hist)  # column-wise, one conversion per block
             for i, meta in enumerate(metas):
-                if values[i][NUMEL] <= 0:
+                d = dicts[i]
+                if d["numel"] <= 0:
                     continue
-                d = row_to_dict(values[i], hist, counts[i])
                 if d["hist_edges"] and d["hist_edges"] is not _stats._LOG2_EDGES_LIST:
                     key = tuple(d["hist_edges"])
                     d["hist_edges"] = edges_cache.setdefault(key, d["hist_edges"])
