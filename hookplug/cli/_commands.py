@@ -678,6 +678,15 @@ examples:
 """
 
 
+def _model_command(sub, common, name: str, help: str, description: str, epilog: str):  # noqa: A002
+    """A subcommand that takes a MODEL argument first."""
+    p = sub.add_parser(name, parents=[common], help=help, description=description, epilog=epilog,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="MODEL", help="built-in demo name, package.module:factory or file.py:factory "
+                        "(runs that file's code)")
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--plain", action="store_true",
@@ -696,25 +705,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the list as JSON")
     p.set_defaults(func=cmd_plugins)
 
-    p = sub.add_parser("select", parents=[common], help="show the modules a selector matches (a dry run)",
+    p = _model_command(sub, common, "select", help="show the modules a selector matches (a dry run)",
                        description="Show the modules SELECTOR matches in MODEL as a tree, with class "
                                    "names and parameter counts. The model is built but not run. A "
                                    "selector that matches nothing is an error (exit status 2).",
-                       epilog=_MODEL_NOTE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", metavar="MODEL", help="built-in demo name, package.module:factory or file.py:factory "
-                        "(runs that file's code)")
+                       epilog=_MODEL_NOTE)
     p.add_argument("selector", metavar="SELECTOR",
                    help="e.g. 'Conv2d', 'Conv2d|Linear:layer1.*', '*:re:.*\\.fc\\d'")
     p.add_argument("--names", action="store_true", help="print only the matched names, one per line")
     p.set_defaults(func=cmd_select)
 
-    p = sub.add_parser("profile", parents=[common], help="run a model with plugins attached and report per module",
+    p = _model_command(sub, common, "profile", help="run a model with plugins attached and report per module",
                        description="Run MODEL on a random input (or --input-file) with plugins attached to\n"
                                    "the modules --select picks, and print a per-module table: output shape,\n"
                                    "parameters, FLOPs, min/max/mean/std, NaN/Inf counts, and totals.",
-                       epilog=_PROFILE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", metavar="MODEL", help="built-in demo name, package.module:factory or file.py:factory "
-                        "(runs that file's code)")
+                       epilog=_PROFILE_EPILOG)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--input", metavar="SHAPE", help="random input of this shape, e.g. 8x3x64x64")
     src.add_argument("--input-file", metavar="FILE",
