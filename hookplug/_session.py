@@ -109,6 +109,25 @@ def _describe(value) -> str:
     return type(value).__name__
 
 
+def _fold(session: "Session", impls, hook_name: str, value, before: tuple, after: tuple, where):
+    """pluggy's call loop for the per-call hooks that may replace a value: each ``(plugin,
+    fn)`` in order is called with ``(*before, value, *after)``; a non-None result that
+    passes :func:`_returned_ok` replaces ``value`` for the next plugin (failures go through
+    ``on_error``). Returns the final value, or None when no plugin changed it. ``where()``
+    names the call site in errors (built only then)."""
+    changed = False
+    for plugin, fn in impls:
+        try:
+            res = fn(*before, value, *after)
+        except Exception as exc:  # noqa: BLE001 - on_error decides
+            session._plugin_failed(plugin, hook_name, exc)
+            continue
+        if res is not None and _returned_ok(session, plugin, hook_name, where(), value, res):
+            value = res
+            changed = True
+    return value if changed else None
+
+
 def _returned_ok(session: "Session", plugin, hook_name: str, where: str, before, result) -> bool:
     """Check a non-None value a plugin returned from ``hook_name``; report a bad one through
     ``session._plugin_failed`` (raise, or warn and disable) and return False.
@@ -285,42 +304,23 @@ class _ModuleBinding:
         if ctx is None:  # a recompute (activation checkpointing): forward is not observed again,
             ctx = HookContext(self.name, -1, None, s, _phase_of(module))  # grads still are
             fwd_out = ()
-        changed = False
-        for plugin, fn in fwd_out:
-            try:
-                res = fn(ctx, module, args, kwargs, output)
-            except Exception as exc:  # noqa: BLE001
-                s._plugin_failed(plugin, "hookplug_forward_output", exc)
-                continue
-            if res is not None:
-                if not _returned_ok(s, plugin, "hookplug_forward_output", f"module {self.name!r}", output, res):
-                    continue
-                output = res
-                changed = True
+        new = _fold(s, fwd_out, "hookplug_forward_output", output, (ctx, module, args, kwargs), (),
+                    lambda: f"module {self.name!r}") if fwd_out else None
+        if new is not None:
+            output = new
         if out_grad and torch.is_grad_enabled():
             for path, t in iter_tensors(output):
                 # a leaf (a Parameter returned as is) would keep a tensor hook for good
                 if t.requires_grad and t.grad_fn is not None:
                     t.register_hook(functools.partial(self.grad_hook, ctx, module, path))
-        return output if changed else None
+        return new
 
     def grad_hook(self, ctx, module, path, grad):
         s = self.session
         if s._removed:
             return None
-        changed = False
-        for plugin, fn in (self.all_grad if _is_compiling() else self.out_grad):
-            try:
-                res = fn(ctx, module, grad, path)
-            except Exception as exc:  # noqa: BLE001
-                s._plugin_failed(plugin, "hookplug_output_grad", exc)
-                continue
-            if res is not None:
-                if not _returned_ok(s, plugin, "hookplug_output_grad", f"module {self.name!r} {path}", grad, res):
-                    continue
-                grad = res
-                changed = True
-        return grad if changed else None
+        return _fold(s, self.all_grad if _is_compiling() else self.out_grad, "hookplug_output_grad",
+                     grad, (ctx, module), (path,), lambda: f"module {self.name!r} {path}")
 
 
 class _ParamBinding:
@@ -345,20 +345,8 @@ class _ParamBinding:
         else:
             ctx = HookContext(self.name, self.calls, s._step, s)
             self.calls += 1
-        param = self.param_ref()
-        changed = False
-        for plugin, fn in self.impls:
-            try:
-                res = fn(ctx, self.name, param, grad)
-            except Exception as exc:  # noqa: BLE001
-                s._plugin_failed(plugin, "hookplug_param_grad", exc)
-                continue
-            if res is not None:
-                if not _returned_ok(s, plugin, "hookplug_param_grad", f"parameter {self.name!r}", grad, res):
-                    continue
-                grad = res
-                changed = True
-        return grad if changed else None
+        return _fold(s, self.impls, "hookplug_param_grad", grad, (ctx, self.name, self.param_ref()), (),
+                     lambda: f"parameter {self.name!r}")
 
 
 # -- copies of the model ------------------------------------------------------------------------
