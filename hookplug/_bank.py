@@ -189,12 +189,14 @@ class StatsBank:
         row = self.rows.get(key) or self.row_of(key)
         dev = self._devices.get(t.device) or self.device_rows(t.device)
         eager = self._eager
+        # The gate is passed in eager code too: a CUDA graph captured here replays the op,
+        # and the device flag is what keeps sampling working on replay.
         if eager is not None and type(t) in _PLAIN_TENSORS:
-            eager(t, dev.acc, row, None, *self.op_args)  # runs below autograd: no detach
+            eager(t, dev.acc, row, dev.gate, *self.op_args)  # runs below autograd: no detach
         else:  # subclasses keep torch.ops' __torch_function__ handling; the reference op
             if self._accumulate is None:
                 self.prepare()
-            self._accumulate(t.detach(), dev.acc, row, None, *self.op_args)
+            self._accumulate(t.detach(), dev.acc, row, dev.gate, *self.op_args)
 
     def set_live(self, live: bool) -> None:
         if live != self.live:
