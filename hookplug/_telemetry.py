@@ -263,17 +263,34 @@ class Telemetry:
 
     # -- host side --------------------------------------------------------------------------------------
 
-    def _records(self, session, flight: _Flight) -> List[dict]:
+    @staticmethod
+    def _host_dicts(flight: _Flight):
+        """Per group ``(metas, row dicts, first_bad clocks)``: the groups of one histogram
+        kind are converted together (one column-wise :func:`rows_to_dicts` per kind and
+        flush, not per step)."""
         host = flight.host
+        by_kind: Dict[Any, List[int]] = {}
+        for g, (_, _, _, width, hist) in enumerate(flight.groups):
+            by_kind.setdefault((width, hist), []).append(g)
+        converted: Dict[int, Tuple[list, list]] = {}
+        for (width, hist), idx in by_kind.items():
+            spans = [(flight.groups[g][1], flight.groups[g][2]) for g in idx]  # (offset, rows)
+            rows = torch.cat([host[off:off + r * width].view(r, width) for off, r in spans])
+            bad = torch.cat([host[off + r * width:off + r * width + r] for off, r in spans]).tolist()
+            dicts = rows_to_dicts(rows, hist)
+            start = 0
+            for g, (_, r) in zip(idx, spans):
+                converted[g] = (dicts[start:start + r], bad[start:start + r])
+                start += r
+        return [(grp[0], *converted[g]) for g, grp in enumerate(flight.groups)]
+
+    def _records(self, session, flight: _Flight) -> List[dict]:
         rank = flight.rank
         run_id = getattr(session, "run_id", None)
         out: List[dict] = []
         first_bad: Dict[int, Tuple[float, dict]] = {}
         edges_cache: Dict[Any, list] = {}
-        for metas, off, r, width, hist in flight.groups:
-            rows = host[off:off + r * width].view(r, width)
-            local_bad = host[off + r * width:off + r * width + r].tolist()
-            dicts = rows_to_dicts(rows, hist)  # column-wise, one conversion per block
+        for metas, dicts, local_bad in self._host_dicts(flight):
             for i, meta in enumerate(metas):
                 d = dicts[i]
                 if d["numel"] <= 0:
