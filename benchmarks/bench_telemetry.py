@@ -7,6 +7,9 @@ For a CNN (``hookplug.models.tiny_cnn``) and a transformer block
 least disturbed by other load on a shared machine):
 
 - ``no hooks``: the bare training step (forward, cross-entropy, backward, SGD);
+- ``stats every step, no sink``: the hooks and the op alone (no telemetry);
+- ``stats every step, records dropped/10``: telemetry every 10 steps into a sink that drops
+  the records (the flush without any format's encoding);
 - ``stats every step, flush/10``: ``stats`` on every Conv2d/Linear output, every step, the
   JSONL sink, ``flush_every=10``;
 - ``stats every step, flush/1``: the same, flushing every step;
@@ -34,7 +37,8 @@ import torch.nn.functional as F
 import hookplug
 from hookplug.models import tiny_cnn, tiny_transformer
 
-VARIANTS = ("no hooks", "stats every step, flush/10", "stats every step, flush/1",
+VARIANTS = ("no hooks", "stats every step, no sink", "stats every step, records dropped/10",
+            "stats every step, flush/10", "stats every step, flush/1",
             "stats every 10th step", "sync per step (.item())")
 SELECT = "Conv2d|Linear"
 
@@ -52,12 +56,26 @@ def sync_per_step_hooks(model, log):
     return handles
 
 
+class DropSink(hookplug.Sink):
+    """A sink that receives the records and drops them: telemetry's cost without a format."""
+
+    name = "drop"
+
+    @hookplug.hookimpl
+    def hookplug_flush(self, session, records):
+        pass
+
+
 class Variant:
     def __init__(self, kind, model, out_dir):
         self.kind, self.session, self.handles, self.log = kind, None, [], []
         path = os.path.join(out_dir, kind.replace(" ", "_").replace("/", "-").replace(".", ""))
         jsonl = ("jsonl", {"path": path})
-        if kind == "stats every step, flush/10":
+        if kind == "stats every step, no sink":  # the hooks and the op alone
+            self.session = hookplug.attach(model, SELECT, plugins="stats")
+        elif kind == "stats every step, records dropped/10":  # + telemetry, no encoding
+            self.session = hookplug.attach(model, SELECT, plugins="stats", sink=DropSink(), flush_every=10)
+        elif kind == "stats every step, flush/10":
             self.session = hookplug.attach(model, SELECT, plugins="stats", sink=jsonl, flush_every=10)
         elif kind == "stats every step, flush/1":
             self.session = hookplug.attach(model, SELECT, plugins="stats", sink=jsonl, flush_every=1)

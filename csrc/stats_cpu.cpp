@@ -210,22 +210,24 @@ void fold_into_row(const Partial& total, int64_t N, const int64_t* hist, int64_t
   for (int64_t i = 0; i < nbins; ++i) row[kHead + i] += static_cast<double>(hist[i]);
 }
 
-// The small-tensor path: at most one block whose elements are one dense run of memory
-// (most activations of a small layer), log2 histogram or none. Read on this thread with
-// per-thread scratch: no thread pool, no allocation, no table wider than the tensor's
-// dtype needs. Same arithmetic as the general path (one block in one chunk).
-void accumulate_one_block(const char* p, int64_t N, DType dt, const StatsArgs& a,
+// The small-tensor path: at most one chunk (kChunk elements) that is one dense run of
+// memory (most activations of small and mid-sized layers), log2 histogram or none. Read on
+// this thread with per-thread scratch: no thread pool, no allocation. The same arithmetic
+// as the general path for one chunk (blocks chained in order, then the chunk's partial).
+void accumulate_one_chunk(const char* p, int64_t N, int64_t es, DType dt, const StatsArgs& a,
                           const KernelTable* K, double* row, double* clock, bool fresh) {
   const bool is_f64 = dt == kF64;
   const int R = is_f64 ? kRawF64 : kRawF32;
   const int NS = is_f64 ? kRawSubF64 : kRawSubF32;
   thread_local std::vector<uint32_t> sub;  // all zero between calls
   if (a.log2 && sub.empty()) sub.assign(std::max(kRawF64 * kRawSubF64, kRawF32 * kRawSubF32), 0);
-  BlockResult r;
   double shift = std::numeric_limits<double>::quiet_NaN();
-  K->block[dt](p, N, &r, a.log2 ? sub.data() : nullptr, &shift);
   Partial part, total;
-  part.add(r);
+  for (int64_t pos = 0; pos < N; pos += kBlock) {
+    BlockResult r;
+    K->block[dt](p + pos * es, std::min(kBlock, N - pos), &r, a.log2 ? sub.data() : nullptr, &shift);
+    part.add(r);
+  }
   total.add(part);
   int64_t hist[kLog2Bins] = {};
   if (a.log2) {
@@ -257,8 +259,8 @@ void accumulate_cpu(const at::Tensor& x, const StatsArgs& a, double* row, double
   const bool is_f64 = dt == kF64;
   const int64_t es = x.element_size();
   const char* base = static_cast<const char*>(x.data_ptr());
-  if (N > 0 && N <= kBlock && !a.linear && x.is_non_overlapping_and_dense()) {
-    accumulate_one_block(base, N, dt, a, K, row, clock, fresh);
+  if (N > 0 && N <= kChunk && !a.linear && x.is_non_overlapping_and_dense()) {
+    accumulate_one_chunk(base, N, es, dt, a, K, row, clock, fresh);
     return;
   }
   const MemLayout L = mem_layout(x);

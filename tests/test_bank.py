@@ -1,5 +1,5 @@
 """The eager hot path of the stats engine: ``_C.accumulate`` (the op without torch.ops'
-argument parsing) and the CPU one-block path for small dense tensors, each checked against
+argument parsing) and the CPU one-chunk path for small dense tensors, each checked against
 the general path and a float64 reference."""
 import math
 
@@ -40,7 +40,7 @@ def _rows(x, kind, via):
 
 @pytest.mark.parametrize("kind", KINDS, ids=["log2", "bins0", "linear"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n", [1, 7, 512, 2048, 2049, 70000])
+@pytest.mark.parametrize("n", [1, 7, 512, 2048, 2049, 65536, 70000])
 def test_eager_entry_equals_torch_ops_bitwise(n, dtype, kind):
     x = _values(n, dtype, torch.Generator().manual_seed(n))
     a = _rows(x, kind, ops.eager_accumulate())
@@ -49,9 +49,9 @@ def test_eager_entry_equals_torch_ops_bitwise(n, dtype, kind):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n", [2, 5, 64, 2048])
-def test_one_block_path_equals_general_path_and_reference(n, dtype):
-    """A dense tensor of <= 2048 elements takes the one-block path; the same values in a
+@pytest.mark.parametrize("n", [2, 5, 64, 2048, 2049, 65536])
+def test_one_chunk_path_equals_general_path_and_reference(n, dtype):
+    """A dense tensor of <= 65536 elements takes the one-chunk path; the same values in a
     strided view take the general path. Counts, extremes and buckets are equal exactly;
     mean and M2 agree with a float64 reference."""
     gen = torch.Generator().manual_seed(100 + n)
