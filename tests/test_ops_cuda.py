@@ -100,6 +100,13 @@ def test_compute_sanitizer(tool, tmp_path):
         for v in (x, x[1:], x[::3], x[:0], x.half(), x.double(), x.bfloat16()):
             for kw in ({}, {"bins": 0}, {"hist": "linear"}, {"hist": "linear", "bins": 20_000, "range": (-1, 1)}):
                 ops.tensor_stats(v, **kw)
+        from hookplug._bank import StatsBank  # the accumulating op, eager entry and torch.ops
+        for bank in (StatsBank(), StatsBank(bins=0), StatsBank(bins=64, hist="linear", range=(-1, 1))):
+            bank.prepare(x.device)
+            for i, v in enumerate((x, x[1:], x[::3], x[:0], x.half(), x.double(), x.bfloat16())):
+                bank.accumulate(v, ("m", str(i), "train"))
+                torch.ops.hookplug.stats_accumulate_(v, bank.device_rows(x.device).acc, 1, None, *bank.op_args)
+            bank.end_step(0)
         torch.cuda.synchronize()
         print("done")
     """))

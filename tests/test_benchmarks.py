@@ -1,0 +1,31 @@
+"""The GPU session's scripts must run when a GPU comes: smoke tests of them on the CPU."""
+import importlib.util
+import pathlib
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_training_quick_runs_every_variant(capsys):
+    pytest.importorskip("transformers")
+    _load("bench_training").main(["--quick", "--models", "gpt2", "--device", "cpu"])
+    out = capsys.readouterr().out
+    for variant in ("no hooks", "stats every step, jsonl flush/10", "stats every 10th step",
+                    "seeds .item() hook", "sync check: skipped (CPU)"):
+        assert variant in out
+
+
+def test_gpu_check_script_is_valid_bash_and_refuses_unknown_stages():
+    script = ROOT / "scripts" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    bad = subprocess.run(["bash", str(script), "nonsense"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "usage" in bad.stderr
