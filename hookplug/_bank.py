@@ -5,14 +5,16 @@ Each key (a tuple, e.g. ``(module, path, phase)``) owns a row, assigned the firs
 is seen; every device a key's tensors live on has a ``[capacity, HEAD + B]`` float64 bank
 (row 0: the meta row with the call clock). ``accumulate`` is one
 ``hookplug::stats_accumulate_`` call on preallocated memory; ``end_step`` snapshots the
-bank (one clone), resets it in place (same memory: CUDA graphs stay valid) and folds the
-snapshot into the totals with one ``merge_rows``; ``collect`` hands the snapshots to
+bank (one clone) and resets it in place (same memory: CUDA graphs stay valid); snapshots
+are folded into the totals in batches, with one ``merge_rows`` when read, at ``collect``
+or every 16 steps; ``collect`` hands the snapshots to
 telemetry as ``StatsBlock``s. Sampling is ``live``: a Python check in eager code and a
 one-element device flag the op reads inside compiled code (no recompiles).
 """
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -80,22 +82,51 @@ class _DeviceRows:
     ``unfolded`` (snapshots of ended steps not merged into ``totals`` yet: they are merged
     in one batch, at most every ``_FOLD_EVERY`` steps or when read)."""
 
-    __slots__ = ("acc", "gate", "empty", "totals", "unfolded")
+    __slots__ = ("acc", "gate", "empty", "totals", "unfolded", "lock")
 
+    # Bank memory is created and replaced outside inference mode (a read of results() or an
+    # eval forward under torch.inference_mode must not leave inference tensors that later
+    # in-place resets would refuse).
+    @torch.inference_mode(False)
     def __init__(self, device, capacity: int, width: int, lo: float, hi: float, live: bool):
         self.empty = empty_rows(capacity, width - HEAD, lo, hi, device=device)
         self.acc = self.empty.clone()
         self.totals = self.empty.clone()
         self.unfolded: List[torch.Tensor] = []
         self.gate = torch.tensor([live], dtype=torch.bool, device=device)
+        self.lock = threading.Lock()  # end_step's append and fold: readers may be other threads
 
+    @torch.inference_mode(False)
+    def end_step(self) -> torch.Tensor:
+        """Snapshot and reset ``acc`` in place; the snapshot waits in ``unfolded``."""
+        snap = self.acc.clone()
+        self.acc.copy_(self.empty)
+        with self.lock:
+            self.unfolded.append(snap)
+            if len(self.unfolded) >= _FOLD_EVERY:
+                self._fold_locked()
+        return snap
+
+    @torch.inference_mode(False)
     def fold(self) -> torch.Tensor:
         """``totals`` with every unfolded snapshot merged in (one ``merge_rows``)."""
+        with self.lock:
+            return self._fold_locked()
+
+    def _fold_locked(self) -> torch.Tensor:
         if self.unfolded:
             self.totals = merge_rows(torch.stack([self.totals, *self.unfolded]))
             self.unfolded = []
         return self.totals
 
+    @torch.inference_mode(False)
+    def reset(self) -> None:
+        with self.lock:
+            self.acc.copy_(self.empty)
+            self.totals.copy_(self.empty)
+            self.unfolded = []
+
+    @torch.inference_mode(False)
     def grow(self, capacity: int) -> None:
         self.fold()
         fresh = self.empty[:1].expand(capacity - self.acc.shape[0], -1)
@@ -139,9 +170,7 @@ class StatsBank:
         """Forget every value (pending telemetry included), in place: rows keep their keys
         and memory, so compiled code and captured CUDA graphs stay valid."""
         for dev in self._devices.values():
-            dev.acc.copy_(dev.empty)
-            dev.totals.copy_(dev.empty)
-            dev.unfolded = []
+            dev.reset()
         self.pending = []
 
     def row_of(self, key: Tuple) -> int:
@@ -206,17 +235,13 @@ class StatsBank:
 
     # -- step boundary and telemetry ---------------------------------------------------------
     def end_step(self, step: int, *, warn_unflushed: bool = False) -> None:
-        """Snapshot the step that ended, reset the bank in place, fold into the totals."""
+        """Snapshot the step that ended and reset the bank in place (folded into the totals
+        in batches: see ``_DeviceRows.fold``)."""
         if not self.live or not self._devices:
             return
         snaps = {}
         for device, dev in self._devices.items():
-            snap = dev.acc.clone()
-            dev.acc.copy_(dev.empty)
-            dev.unfolded.append(snap)
-            if len(dev.unfolded) >= _FOLD_EVERY:
-                dev.fold()
-            snaps[device] = snap
+            snaps[device] = dev.end_step()
         self.pending.append((step, snaps))
         if len(self.pending) > self.max_pending_steps:
             del self.pending[: len(self.pending) - self.max_pending_steps]
@@ -239,7 +264,8 @@ class StatsBank:
         for step, snaps in pending:
             metas = [meta(key, step) for key in self.keys]
             for snap in snaps.values():
-                out.append(StatsBlock(metas, snap[1:n + 1], self.kind))
+                rows = snap[1:n + 1]  # a snapshot taken before the bank grew has fewer rows
+                out.append(StatsBlock(metas[:rows.shape[0]], rows, self.kind))
         return out
 
     def merged(self, select: Callable[[Tuple], Optional[Tuple]]) -> Dict[Tuple, TensorStats]:

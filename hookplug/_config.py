@@ -271,13 +271,20 @@ def load_config(path: "str | os.PathLike[str]") -> Dict[str, Any]:
 
 def _records_given(fn):
     """Call ``fn`` with ``_given``: the names of the arguments its caller passed (found with
-    ``inspect.signature(fn).bind``); the signature shown drops ``_given``."""
+    ``inspect.signature(fn).bind``); the signature shown drops ``_given``. An argument passed
+    as None whose default is not None counts as not passed (its default, or the config
+    file, applies), so wrappers may forward None for "not set"."""
     sig = inspect.signature(fn)
     public = sig.replace(parameters=[p for n, p in sig.parameters.items() if n != "_given"])
+    has_default = {n for n, p in public.parameters.items()
+                   if p.default is not p.empty and p.default is not None}
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        return fn(*args, _given=frozenset(public.bind(*args, **kwargs).arguments), **kwargs)
+        bound = public.bind(*args, **kwargs)
+        for name in [n for n, v in bound.arguments.items() if v is None and n in has_default]:
+            del bound.arguments[name]
+        return fn(*bound.args, _given=frozenset(bound.arguments), **bound.kwargs)
 
     wrapper.__signature__ = public
     return wrapper

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections.abc as cabc
 import difflib
+import functools
 import inspect
 import types
 import typing
@@ -51,8 +52,10 @@ def type_ok(value: Any, hint: Any) -> bool:
     if origin is tuple or origin in _SEQS:
         if isinstance(value, str) and origin is not cabc.Sequence:
             return False
-        if not isinstance(value, (list, tuple, str)):
+        if isinstance(value, (bytes, dict)) or not isinstance(value, cabc.Iterable):
             return False
+        if not isinstance(value, (list, tuple, str)):
+            value = list(value)  # a set, an array: any finite iterable of the right items
         if origin is tuple and args and args[-1] is not Ellipsis:
             return len(value) == len(args) and all(type_ok(v, a) for v, a in zip(value, args))
         return not args or all(type_ok(v, args[0]) for v in value)
@@ -62,7 +65,10 @@ def type_ok(value: Any, hint: Any) -> bool:
         return not isinstance(origin, type) or isinstance(value, origin)
     if hint is type(None):
         return value is None
-    return not isinstance(hint, type) or isinstance(value, hint)
+    try:
+        return not isinstance(hint, type) or isinstance(value, hint)
+    except TypeError:  # e.g. a Protocol that is not runtime-checkable: not checked
+        return True
 
 
 def describe(hint: Any, show: Callable[[Any], str] = repr) -> str:
@@ -86,7 +92,7 @@ def describe(hint: Any, show: Callable[[Any], str] = repr) -> str:
 
 
 def _hints(factory) -> Dict[str, Any]:
-    target = factory.__init__ if isinstance(factory, type) else factory
+    target = inspect.unwrap(factory.__init__ if isinstance(factory, type) else factory)
     try:
         return typing.get_type_hints(target)
     except Exception:  # noqa: BLE001 - a hint that cannot be resolved is not checked
@@ -123,3 +129,25 @@ def check_options(name: str, factory, options: Dict[str, Any],
             continue
         if not type_ok(value, hint):
             raise OptionError(name, key, f"expected {describe(hint, show)}, got {show(value)}")
+
+
+def check_constructor(cls) -> None:
+    """Make ``cls.__init__`` (when ``cls`` defines one) check its own arguments with
+    :func:`check_options`, so a plugin or sink built directly (``StatsPlugin(bins="x")``)
+    gets the same errors as one built by ``attach`` or a config file."""
+    init = cls.__dict__.get("__init__")
+    if init is None or getattr(init, "_hookplug_checked", False):
+        return
+    sig = inspect.signature(init)
+    named = [p.name for p in list(sig.parameters.values())[1:]
+             if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        arguments = sig.bind(self, *args, **kwargs).arguments
+        check_options(getattr(cls, "name", "") or cls.__name__, cls,
+                      {n: arguments[n] for n in named if n in arguments})
+        init(self, *args, **kwargs)
+
+    __init__._hookplug_checked = True
+    cls.__init__ = __init__

@@ -18,6 +18,12 @@ class Plugin:
     #: act on every step (gradient steering) sets this to False.
     sampled: bool = True
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        from ._options import check_constructor
+
+        check_constructor(cls)  # options of an instance built directly are checked too
+
     def results(self) -> Dict[str, Any]:
         """Results keyed by qualified module name."""
         return {}

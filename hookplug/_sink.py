@@ -17,7 +17,9 @@ This base supplies what every sink that writes somewhere repeats:
 
         @hookplug.hookimpl
         def hookplug_flush(self, session, records):
-            with open(self.resolve_path(session), "a") as f:
+            path = self.resolve_path(session)
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with open(path, "a") as f:
                 for r in records:
                     f.write(f"{r['step']},{r['module']},{r['site']},{r['mean']}\\n")
 """
@@ -48,6 +50,12 @@ class Sink:
     file_name: Optional[str] = None  # written inside a folder path (None: the folder itself)
     file_suffixes: Tuple[str, ...] = ()  # a path ending in one of these is the file
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        from ._options import check_constructor
+
+        check_constructor(cls)  # options of an instance built directly are checked too
+
     def __init__(self, path: "Optional[str | os.PathLike[str]]" = None, *, all_ranks: bool = False):
         self.path_option = None if path is None else os.fspath(path)
         if self.path_option is not None:
@@ -63,7 +71,7 @@ class Sink:
             raise ValueError(
                 f"{self.name} sink: path {path!r} has the placeholder {{{exc.args[0]}}}; only "
                 f"{allowed} are filled in (write {{{{ and }}}} for literal braces)") from None
-        except ValueError as exc:  # a lone brace, a bad format spec
+        except (ValueError, AttributeError, TypeError) as exc:  # a lone brace, {rank.x}, {rank[0]}
             raise ValueError(f"{self.name} sink: path {path!r} is not a valid template: {exc}; only "
                              f"{allowed} are filled in (write {{{{ and }}}} for literal braces)") from None
 

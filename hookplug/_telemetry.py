@@ -271,9 +271,10 @@ class Telemetry:
         host = flight.host
         by_kind: Dict[Any, List[int]] = {}
         for g, (_, _, _, width, hist) in enumerate(flight.groups):
-            by_kind.setdefault((width, hist), []).append(g)
+            by_kind.setdefault((width, repr(hist)), []).append(g)  # repr: any producer's kind
         converted: Dict[int, Tuple[list, list]] = {}
-        for (width, hist), idx in by_kind.items():
+        for (width, _), idx in by_kind.items():
+            hist = flight.groups[idx[0]][4]
             spans = [(flight.groups[g][1], flight.groups[g][2]) for g in idx]  # (offset, rows)
             rows = torch.cat([host[off:off + r * width].view(r, width) for off, r in spans])
             bad = torch.cat([host[off + r * width:off + r * width + r] for off, r in spans]).tolist()

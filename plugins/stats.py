@@ -34,8 +34,9 @@ the first time it is seen. A hook call is one ``hookplug::stats_accumulate_`` op
 merges the tensor's statistics into its row in place: no Python object per call, no host
 sync, a constant row index (so ``torch.compile`` keeps one graph and CUDA graphs can
 replay it). ``session.step()`` acts on the bank as a whole: it snapshots the rows of the
-step that ended (one clone), resets the bank in place (same memory), and folds the
-snapshot into the totals with one :func:`hookplug._stats.merge_rows`. Sampling
+step that ended (one clone) and resets the bank in place (same memory); the snapshots are
+folded into the totals in batches (one :func:`hookplug._stats.merge_rows` per flush, per
+read of ``results()`` or per 16 steps). Sampling
 (``every=N``) is a one-element device flag the op reads (inside compiled code) and a Python
 check in eager code: no recompiles.
 
@@ -202,7 +203,7 @@ class StatsPlugin(hookplug.Plugin):
 
     @hookimpl
     def hookplug_step(self, session, step):
-        """The bank as a whole: snapshot the ended step, reset in place, fold into totals."""
+        """The bank as a whole: snapshot the ended step, reset in place (folded later, in batches)."""
         before = self.bank.pending[-1] if self.bank.pending else None
         self.bank.end_step(step, warn_unflushed=session.has_sinks)
         self.bank.set_live(session.sampled)

@@ -138,3 +138,76 @@ def test_stats_plugin_records_equal_reference_on_small_layers():
         assert st.min.item() == v.min().item() and st.max.item() == v.max().item()
         assert st.mean.item() == pytest.approx(v.mean().item(), abs=1e-6)
         assert st.std.item() == pytest.approx(v.std(unbiased=False).item(), rel=1e-5)
+
+
+# -- the bank across inference mode, growth and threads ---------------------------------------------
+
+def _wide(n):
+    return torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(n)])
+
+
+def test_results_read_under_inference_mode_then_reset():
+    m = _wide(3)
+    with hookplug.attach(m, "Linear", plugins="stats") as s:
+        for _ in range(3):
+            m(torch.randn(2, 4)).sum().backward()
+            s.step()
+        with torch.inference_mode():
+            before = s["stats"].results()["0"]["output"].numel.item()
+        s.reset()  # in place: would refuse inference tensors
+        m(torch.randn(2, 4))
+        assert before == 24 and s["stats"].results()["0"]["output"].numel.item() == 8
+
+
+def test_bank_growth_in_an_eval_forward_under_inference_mode_then_flush_and_step():
+    """40 modules: the eval phase's 40 new keys grow the bank past 64 rows while an ended
+    step's snapshot (old capacity) waits for telemetry."""
+    class Keep(hookplug.Sink):
+        name = "keep"
+
+        def __init__(self):
+            super().__init__()
+            self.records = []
+
+        @hookplug.hookimpl
+        def hookplug_flush(self, session, records):
+            self.records += records
+
+    m, sink = _wide(40), Keep()
+    with hookplug.attach(m, "Linear", plugins="stats", sink=sink) as s:
+        m(torch.randn(2, 4)).sum().backward()
+        s.step()
+        m.eval()
+        with torch.inference_mode():
+            m(torch.randn(2, 4))
+        m.train()
+        s.flush()
+        m(torch.randn(2, 4)).sum().backward()
+        s.step()
+    phases = [(r["step"], r["phase"]) for r in sink.records]
+    assert phases.count((0, "train")) == 40 and phases.count((1, "eval")) == 40
+    assert phases.count((1, "train")) == 40
+
+
+def test_a_reader_thread_loses_no_ended_step():
+    import threading
+
+    bank = StatsBank()
+    bank.prepare(torch.device("cpu"))
+    x, key, steps = torch.ones(4), ("m", "output", "train"), 400
+    stop = threading.Event()
+
+    def read():
+        while not stop.is_set():
+            bank.merged(lambda k: k)
+
+    t = threading.Thread(target=read)
+    t.start()
+    try:
+        for i in range(steps):
+            bank.accumulate(x, key)
+            bank.end_step(i)
+    finally:
+        stop.set()
+        t.join()
+    assert bank.merged(lambda k: k)[key].numel.item() == 4 * steps

@@ -187,3 +187,21 @@ def test_attach_signature_shows_real_defaults_and_explicit_defaults_beat_the_fil
         assert list(s.modules) == [n for n, _ in hookplug.select(m, "*")] != ["fc1"]
     with pytest.raises(ConfigError, match="plugins come from config="):
         hookplug.attach(m, "*", config={"plugins": ["stats"]})
+
+
+def test_none_means_not_given_and_callbacks_take_config_files(tmp_path):
+    """Wrappers forward None for "not set": attach's default, or the config file, applies."""
+    transformers = pytest.importorskip("transformers")  # noqa: F841 - the callback needs it
+    from hookplug.integrations.transformers import HookplugTrainerCallback
+
+    full, select_only = tmp_path / "full.toml", tmp_path / "select.toml"
+    full.write_text('select = "Linear"\n[plugins.stats]\nbins = 0\n')
+    select_only.write_text('select = "Linear"\n')
+    m = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())
+    with hookplug.attach(m, "Linear", "stats", every=None, on_error=None) as s:
+        assert (s.every, s.on_error) == (1, "raise")
+    for cb in (HookplugTrainerCallback(config=str(full)),
+               HookplugTrainerCallback(plugins=["stats"], config=str(select_only))):
+        cb.on_train_begin(None, None, None, model=m)
+        assert list(cb.session.modules) == ["0"] and "stats" in cb.session
+        cb.session.remove()

@@ -228,3 +228,18 @@ def test_hookspecs_are_documented():
     assert len(specs) >= 9
     for n in specs:
         assert getattr(hookplug.hookspecs, n).__doc__, n
+
+
+def test_plugins_built_directly_check_their_options():
+    from hookplug_plugins.gradclamp import GradClampPlugin
+    from hookplug_plugins.sinks.jsonl import JsonlSink
+    from hookplug_plugins.stats import StatsPlugin
+
+    cases = [(lambda: StatsPlugin(nonfinite="raize"), "option 'nonfinite': expected one of 'record', 'raise'"),
+             (lambda: StatsPlugin(bins="32"), "option 'bins': expected an int, got '32'"),
+             (lambda: GradClampPlugin(nan="zer0"), "option 'nan'"),
+             (lambda: JsonlSink(path=3), "option 'path'")]
+    for build, message in cases:
+        with pytest.raises(PluginError, match=message):
+            build()
+    assert StatsPlugin(sites={"output", "grad"}).sites  # any finite iterable of names

@@ -359,5 +359,6 @@ def test_sink_base_paths_placeholders_and_close(tmp_path, monkeypatch):
 def test_sink_base_rejects_unknown_placeholders():
     with pytest.raises(ValueError, match=r"csv sink: path 'runs/\{epoch\}' has the placeholder \{epoch\}"):
         CsvSink("runs/{epoch}")
-    with pytest.raises(ValueError, match="not a valid template"):
-        CsvSink("runs/{")
+    for bad in ("runs/{", "runs/{rank.x}", "runs/{rank[0]}"):
+        with pytest.raises(ValueError, match="not a valid template"):
+            CsvSink(bad)

@@ -54,7 +54,8 @@ def _tensorboard_writer(trainer) -> Optional[Any]:
 class HookplugCallback(_pl.Callback):
     """Attach hookplug for the length of ``trainer.fit`` (see the module docstring)."""
 
-    def __init__(self, selector: Any = "*", plugins: Any = None, **attach_kwargs: Any):
+    def __init__(self, selector: Any = None, plugins: Any = None, **attach_kwargs: Any):
+        # None: attach()'s default ("*"), or the config file's when config= is given
         super().__init__()
         self.selector = selector
         self.plugins = plugins

@@ -41,7 +41,8 @@ __all__ = ["HookplugTrainerCallback"]
 class HookplugTrainerCallback(_trainer_callback.TrainerCallback):
     """Attach hookplug for the length of ``Trainer.train`` (see the module docstring)."""
 
-    def __init__(self, selector: Any = "*", plugins: Any = None, **attach_kwargs: Any):
+    def __init__(self, selector: Any = None, plugins: Any = None, **attach_kwargs: Any):
+        # None: attach()'s default ("*"), or the config file's when config= is given
         self.selector = selector
         self.plugins = plugins
         self.attach_kwargs = dict(attach_kwargs)
