@@ -208,24 +208,19 @@ class StatsBank:
     # -- the hot path ------------------------------------------------------------------------
     def accumulate(self, t: torch.Tensor, key: Tuple) -> None:
         """Merge the statistics of ``t`` (strided, floating) into ``key``'s row."""
-        if _is_compiling():  # traced: the op reads the device gate (sampling, no recompiles)
-            dev = self._devices.get(t.device) or self.device_rows(t.device)
-            self._accumulate(t.detach(), dev.acc, self.rows.get(key) or self.row_of(key),
-                             dev.gate, *self.op_args)
-            return
-        if not self.live:
-            return  # an unsampled step
+        compiling = _is_compiling()
+        if not compiling and not self.live:
+            return  # an unsampled step (eager); traced code reads the device gate instead
         row = self.rows.get(key) or self.row_of(key)
         dev = self._devices.get(t.device) or self.device_rows(t.device)
-        eager = self._eager
-        # The gate is passed in eager code too: a CUDA graph captured here replays the op,
+        # The gate is passed in eager code too: a CUDA graph captured there replays the op,
         # and the device flag is what keeps sampling working on replay.
-        if eager is not None and type(t) in _PLAIN_TENSORS:
-            eager(t, dev.acc, row, dev.gate, *self.op_args)  # runs below autograd: no detach
-        else:  # subclasses keep torch.ops' __torch_function__ handling; the reference op
-            if self._accumulate is None:
-                self.prepare()
-            self._accumulate(t.detach(), dev.acc, row, dev.gate, *self.op_args)
+        if not compiling and self._eager is not None and type(t) in _PLAIN_TENSORS:
+            self._eager(t, dev.acc, row, dev.gate, *self.op_args)  # below autograd: no detach
+            return
+        if self._accumulate is None:  # subclasses, traced code and the reference op: torch.ops
+            self.prepare()
+        self._accumulate(t.detach(), dev.acc, row, dev.gate, *self.op_args)
 
     def set_live(self, live: bool) -> None:
         if live != self.live:

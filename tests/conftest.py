@@ -50,3 +50,17 @@ def true_output_grads():
     yield record
     for h in handles:
         h.remove()
+
+
+class RecordSink:
+    """A third-party style sink (no base class) keeping every record in memory; tests import
+    it with ``from conftest import RecordSink``."""
+
+    name = "records"
+
+    def __init__(self):
+        self.records = []
+
+    @hookplug.hookimpl
+    def hookplug_flush(self, records):
+        self.records.extend(records)

@@ -20,15 +20,7 @@ from hookplug import STAT_FIELDS as STATS  # noqa: E402
 from hookplug_plugins.sinks.tensorboard import DEFAULT_SCALARS as TB_STATS  # noqa: E402
 
 
-class ListSink:
-    name = "listsink"
-
-    def __init__(self):
-        self.records = []
-
-    @hookplug.hookimpl
-    def hookplug_flush(self, records):
-        self.records.extend(records)
+from conftest import RecordSink as ListSink  # noqa: E402
 
 
 def run_steps(sink, steps=3, flush_every=1, **kw):

@@ -15,17 +15,7 @@ from torch.utils.checkpoint import checkpoint
 import hookplug
 
 
-class Collect:
-    """A sink keeping every record in memory."""
-
-    name = "collect"
-
-    def __init__(self):
-        self.records = []
-
-    @hookplug.hookimpl
-    def hookplug_flush(self, records):
-        self.records.extend(records)
+from conftest import RecordSink as Collect  # noqa: E402
 
 
 # -- models --------------------------------------------------------------------------------------
