@@ -15,6 +15,10 @@ a host sync anywhere in hookplug's path raises and the line says which.
 
 Goals (issue 15): every step <= 1.02x, every 10th step <= 1.005x.
 
+``--compile MODELS`` also times each named model compiled with inductor, without hooks and
+with stats every step (the hooks are attached to the model the compiled module wraps), and
+counts the graphs and the recompiles after warm-up.
+
     python benchmarks/bench_training.py --device cuda [--models resnet50,gpt2] [--rounds 5] [--steps 20]
     python benchmarks/bench_training.py --quick           # tiny models on the CPU (a smoke test)
 """
@@ -155,6 +159,50 @@ def bench(name, args, device, out_dir):
     print(f"  sync check: {sync_check(model, opt, loss_fn, device, autocast, out_dir)}")
 
 
+def bench_compiled(name, args, device, out_dir):
+    """Compiled training steps: no hooks vs stats every step (jsonl flush/10), on two copies
+    of one model, each compiled once (attaching or removing hooks recompiles a model)."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    model, loss_fn = make(name, device, args.quick)
+    twin = copy.deepcopy(model)
+    autocast = device.type == "cuda"
+    torch._dynamo.reset()
+    counters.clear()
+    backend = "aot_eager" if args.quick else "inductor"  # quick: no C++/Triton compile time
+    kinds = ("compiled, no hooks", "compiled, stats every step, jsonl flush/10")
+    sink = ("jsonl", {"path": os.path.join(out_dir, "compiled")})
+    s = hookplug.attach(twin, SELECT, plugins="stats", sink=sink, flush_every=10)
+    setups = {kinds[0]: (torch.compile(model, backend=backend), lambda: None),
+              kinds[1]: (torch.compile(twin, backend=backend), s.step)}
+    opts = {kinds[0]: torch.optim.AdamW(model.parameters(), lr=1e-4),
+            kinds[1]: torch.optim.AdamW(twin.parameters(), lr=1e-4)}
+    times = {k: [] for k in kinds}
+    graphs = {}
+    t0 = time.perf_counter()
+    try:
+        for kind in kinds:  # warm-up: compilation
+            before = counters["stats"]["unique_graphs"]
+            run(setups[kind][0], opts[kind], loss_fn, setups[kind][1], args.warmup, device, autocast)
+            graphs[kind] = counters["stats"]["unique_graphs"] - before
+        warm = counters["stats"]["unique_graphs"]
+        for _ in range(args.rounds):
+            for kind in kinds:
+                times[kind].append(run(setups[kind][0], opts[kind], loss_fn, setups[kind][1],
+                                       args.steps, device, autocast))
+        later = counters["stats"]["unique_graphs"] - warm
+    finally:
+        s.remove()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"\n{name}, torch.compile ({backend}): {args.rounds} rounds x {args.steps} steps, "
+          f"{time.perf_counter() - t0:.0f} s with compilation; graphs: {graphs[kinds[0]]} without "
+          f"hooks, {graphs[kinds[1]]} with stats; compiled after warm-up: {later}")
+    for k in kinds:
+        print(f"  {k:44s} {med[k] * 1e3:9.3f} {med[k] / med[kinds[0]]:11.4f}x")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -163,6 +211,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=20, help="timed steps per variant and round")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="tiny models, 1 round of 2 steps (smoke test)")
+    ap.add_argument("--compile", default="", metavar="MODELS",
+                    help="also time these models compiled with inductor (e.g. gpt2)")
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.warmup = 1, 2, 1
@@ -170,8 +220,10 @@ def main(argv=None):
     print(f"torch {torch.__version__}, hookplug ops backend {hookplug.ops.backend()}, "
           f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}")
     with tempfile.TemporaryDirectory() as out_dir:
-        for name in args.models.split(","):
+        for name in filter(None, args.models.split(",")):
             bench(name.strip(), args, device, out_dir)
+        for name in filter(None, args.compile.split(",")):
+            bench_compiled(name.strip(), args, device, out_dir)
 
 
 if __name__ == "__main__":

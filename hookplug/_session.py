@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import inspect
 import os
+import sys
 import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -815,17 +816,39 @@ class _StepScope:
 def _forget_compiled_code(model: nn.Module) -> None:
     """torch.compile does not guard on module hooks (``skip_nnmodule_hook_guards``): code
     compiled before hooks were added or removed would keep running without (or with) them.
-    Drop dynamo's cache entries for the forward code of the model's module classes, so the
-    next call compiles again, this time with the hooks."""
-    reset = getattr(getattr(torch, "_dynamo", None), "reset_code", None)
-    if reset is None or "torch._dynamo" not in __import__("sys").modules:
+    Drop dynamo's cache entries for the forward code of the model's module classes, and for
+    the functions they wrap (transformers decorates ``forward``: the model's code is in the
+    ``__wrapped__`` function, compiled as a frame of its own) and the resume functions
+    dynamo made at their graph breaks (the code after a break is compiled as a function of
+    its own), so the next call compiles again, this time with the hooks."""
+    dynamo = sys.modules.get("torch._dynamo")
+    reset = getattr(dynamo, "reset_code", None)
+    if reset is None:
         return  # nothing was ever compiled in this process
     seen = set()
-    for mod in model.modules():
-        code = getattr(getattr(type(mod), "forward", None), "__code__", None)
-        if code is not None and code not in seen:
-            seen.add(code)
-            reset(code)
+    todo = []
+    for fn in {type(mod).forward for mod in model.modules()}:
+        while fn is not None and len(todo) < 10_000:
+            todo.append(getattr(fn, "__code__", None))
+            fn = getattr(fn, "__wrapped__", None)
+    while todo:
+        code = todo.pop()
+        if code is None or id(code) in seen:
+            continue
+        seen.add(id(code))
+        reset(code)
+        todo.extend(_resume_codes(code))
+
+
+def _resume_codes(code) -> List[Any]:
+    """The resume functions dynamo generated for graph breaks in ``code`` (a private cache
+    of dynamo's; empty where a torch release lays it out differently)."""
+    resume = sys.modules.get("torch._dynamo.resume_execution")
+    cache = getattr(getattr(resume, "ContinueExecutionCache", None), "cache", None)
+    try:
+        return list(cache.get(code, {}).values()) if cache is not None else []
+    except (AttributeError, TypeError):
+        return []
 
 
 def _build_plugins(specs, on_error: str) -> List[Tuple[str, Any]]:

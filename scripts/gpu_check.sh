@@ -20,16 +20,28 @@ export PYTHONUNBUFFERED=1 HOOKPLUG_REQUIRE_EXT=1
 summary=()
 
 build() {
+  local t0=$SECONDS
+  # torch's CUDA headers include cuBLAS/cuSPARSE headers: where the toolkit lacks them, the
+  # CUDA wheels beside torch (site-packages/nvidia/*/include) have them.
+  local site inc
+  site="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  for inc in "$site"/nvidia/*/include "$site"/nvidia/cu*/include; do
+    [ -d "$inc" ] && export CPATH="$inc${CPATH:+:$CPATH}"
+  done
+  export HOOKPLUG_FORCE_CUDA="${HOOKPLUG_FORCE_CUDA:-1}"  # a failed CUDA compile must show, not be skipped
+  export HOOKPLUG_DEBUG_BUILD=1  # symbols (same -O3 code) for a native backtrace
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
     nvcc --version | tail -1; } 2>&1 | tee "$out/machine.txt"
   if ! "$PY" -m pip install -q --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1; then
     tail -30 "$out/build.log"; echo "BUILD FAILED (log: $out/build.log)"; exit 1
   fi
-  "$PY" -m pip install -q --no-deps -e examples/thirdparty_plugin >>"$out/build.log" 2>&1
+  "$PY" -m pip install -q --no-build-isolation --no-deps -e examples/thirdparty_plugin \
+    >>"$out/build.log" 2>&1 || { tail -5 "$out/build.log"; echo "example plugin: install failed"; }
   "$PY" -c "import hookplug, hookplug._build_info as b; from hookplug import ops
 print('backend', ops.backend(), '| CUDA kernels', ops._has_cuda, '|', getattr(b, 'CUDA_WHY', ''))" \
     | tee -a "$out/build.log"
+  echo "build: $((SECONDS - t0)) s"
 }
 
 run() {  # run NAME CMD...: log to $out/NAME.log, note pass/fail
@@ -44,13 +56,20 @@ run() {  # run NAME CMD...: log to $out/NAME.log, note pass/fail
 build
 case "$what" in
   test|all)
-    run tests "$PY" -m pytest -q -p no:cacheprovider tests
-    run sanitizer env HOOKPLUG_TEST_SANITIZER=1 "$PY" -m pytest -q -p no:cacheprovider \
+    if command -v cuda-gdb >/dev/null; then  # a native backtrace of the one crash seen on torch 2.11
+      run gdb timeout 150 cuda-gdb -q -batch -ex "set pagination off" -ex run -ex bt -ex "info sharedlibrary" \
+        --args "$PY" -c "import torch, hookplug; x = torch.randn(10); torch.ops.hookplug.tensor_stats(x, 4, 1, 2.0, 1.0)"
+    fi
+    xdist=(); "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 8 --dist loadfile)
+    run tests timeout 330 "$PY" -m pytest -q -p no:cacheprovider -p timeout --timeout 240 -rfEs \
+      "${xdist[@]}" tests
+    run sanitizer timeout 150 env HOOKPLUG_TEST_SANITIZER=1 "$PY" -m pytest -q -p no:cacheprovider \
       tests/test_ops_cuda.py -k sanitizer -rA ;;&
   bench|all)
     run bench_stats "$PY" benchmarks/bench_stats.py --device cuda --sizes 1 16 64 256 1024 \
       --dtypes float32 bfloat16 float16 --repeat 20
-    run bench_training "$PY" benchmarks/bench_training.py --device cuda --rounds 5 --steps 20
+    run bench_training "$PY" benchmarks/bench_training.py --device cuda --rounds 5 --steps 20 \
+      --compile gpt2
     run bench_telemetry "$PY" benchmarks/bench_telemetry.py --device cuda --rounds 5 ;;
   *) ;;
 esac

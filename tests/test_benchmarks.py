@@ -17,7 +17,7 @@ def _load(name):
 
 def test_bench_training_quick_runs_every_variant(capsys):
     pytest.importorskip("transformers")
-    _load("bench_training").main(["--quick", "--models", "gpt2", "--device", "cpu"])
+    _load("bench_training").main(["--quick", "--models", "gpt2", "--device", "cpu", "--compile", "gpt2"])
     out = capsys.readouterr().out
     for variant in ("no hooks", "stats every step, jsonl flush/10", "stats every 10th step",
                     "seeds .item() hook", "sync check: skipped (CPU)"):

@@ -395,6 +395,48 @@ def test_attach_after_compile_and_two_compiled_instances():
     assert na == nb == {"fc1": 3 * 4 * 64, "fc2": 6 * 4 * 64, "fc3": 3 * 4 * 10}
 
 
+def _decorated(fn):
+    """A decorator like transformers' ``can_return_tuple``: forward's code is the wrapped one."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+class _BreakingNet(nn.Module):
+    """A decorated forward with a graph break between its layers (code after the break is
+    compiled as a resume function of its own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    @_decorated
+    def forward(self, x):
+        x = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(x)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_attach_after_compile_reaches_wrapped_forwards_and_code_after_graph_breaks(backend):
+    torch._dynamo.reset()
+    net, x = _BreakingNet(), torch.randn(4, 8)
+    run = torch.compile(net, backend=backend)
+    expected = net(x)
+    run(x).sum().backward()  # compiled (two frames) before anything is attached
+    with hookplug.attach(net, "Linear", plugins="stats") as s:
+        for _ in range(2):
+            out = run(x)
+            out.sum().backward()
+            s.step()
+        numel = {k: v["output"].to_dict()["numel"] for k, v in s["stats"].results().items()}
+    assert numel == {"a": 2 * 4 * 8, "b": 2 * 4 * 3}
+    torch.testing.assert_close(out, expected)
+
+
 # -- CUDA: the flush never makes the training loop wait ------------------------------------------------
 
 @pytest.mark.cuda
@@ -456,9 +498,10 @@ def _train_steps(model, s, make_loss, steps):
         s.step()
 
 
-def _compare_compiled_with_eager(model, select, make_loss, steps=3, backend="aot_eager"):
+def _compare_compiled_with_eager(model, select, make_loss, steps=3, backend="aot_eager", **compile_kw):
     """Graphs and recompiles of the compiled model with stats attached against the same model
-    compiled without hooks; records of compiled training steps against eager ones."""
+    compiled without hooks; records of compiled training steps against eager ones. Returns
+    torch._dynamo's counters of the hooked run."""
     from torch._dynamo.utils import counters
 
     eager = ListSink()
@@ -466,14 +509,14 @@ def _compare_compiled_with_eager(model, select, make_loss, steps=3, backend="aot
         _train_steps(model, s, make_loss, steps)
     torch._dynamo.reset()
     counters.clear()
-    plain = torch.compile(model, backend=backend)
+    plain = torch.compile(model, backend=backend, **compile_kw)
     for _ in range(2):
         make_loss(plain)
     graphs_plain = counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
     counters.clear()
     compiled = ListSink()
-    hooked = torch.compile(model, backend=backend)
+    hooked = torch.compile(model, backend=backend, **compile_kw)
     with hookplug.attach(model, select, plugins="stats", sink=compiled) as s:
         _train_steps(hooked, s, make_loss, steps)
     assert counters["stats"]["unique_graphs"] == graphs_plain, dict(counters["stats"])
@@ -486,19 +529,43 @@ def _compare_compiled_with_eager(model, select, make_loss, steps=3, backend="aot
         scale = max(abs(e[k]["min"]), abs(e[k]["max"]), 1e-3)
         assert math.isclose(e[k]["mean"], c[k]["mean"], rel_tol=1e-4, abs_tol=1e-5 * scale), k
         assert math.isclose(e[k]["std"], c[k]["std"], rel_tol=1e-4, abs_tol=1e-5 * scale), k
+    return dict(counters["inductor"])
 
 
-def test_compiled_gpt2_training_steps_equal_eager_without_extra_graphs():
-    """A GPT-2 from config (transformers' Conv1D projections and the LM head), compiled
-    (aot_eager) and trained: stats add no graph and no recompile, records equal eager."""
+def _small_gpt2(device="cpu"):
+    """A 2-layer GPT-2 from config (no weights downloaded) and its training loss."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=2,
                                      n_head=2, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
                                      bos_token_id=0, eos_token_id=0, loss_type="ForCausalLM")
-    model = transformers.GPT2LMHeadModel(config)
-    ids = torch.randint(0, 100, (2, 16))
-    _compare_compiled_with_eager(model, "Linear|Conv1D", lambda m: m(ids, labels=ids).loss)
+    model = transformers.GPT2LMHeadModel(config).to(device)
+    ids = torch.randint(0, 100, (2, 16), device=device)
+    return model, lambda m: m(ids, labels=ids).loss
+
+
+def test_compiled_gpt2_training_steps_equal_eager_without_extra_graphs():
+    """A GPT-2 from config (transformers' Conv1D projections and the LM head), compiled
+    (aot_eager) and trained: stats add no graph and no recompile, records equal eager."""
+    model, loss = _small_gpt2()
+    _compare_compiled_with_eager(model, "Linear|Conv1D", loss)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_inductor_on_cuda_gpt2_training_steps_equal_eager():
+    """The same with inductor's generated CUDA kernels around the op."""
+    model, loss = _small_gpt2("cuda")
+    _compare_compiled_with_eager(model, "Linear|Conv1D", loss, backend="inductor")
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_reduce_overhead_cuda_graphs_gpt2_training_steps_equal_eager():
+    """inductor's CUDA graphs (mode="reduce-overhead"): replayed steps keep accumulating into
+    the bank, records equal eager, and stats do not make inductor skip its CUDA graphs."""
+    model, loss = _small_gpt2("cuda")
+    inductor = _compare_compiled_with_eager(model, "Linear|Conv1D", loss, steps=4,
+                                            backend="inductor", mode="reduce-overhead")
+    assert not inductor.get("cudagraph_skips"), inductor
 
 
 def test_compiled_resnet18_training_steps_equal_eager_without_extra_graphs():
