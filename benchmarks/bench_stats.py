@@ -57,7 +57,7 @@ def time_all(fns: dict, dev, repeat: int, warmup: int = 2) -> dict:
 
 
 def naive(x):
-    return x.min(), x.max(), x.mean(), x.std(), torch.histc(x if x.dtype != torch.bfloat16 else x.float())
+    return x.min(), x.max(), x.mean(), x.std(), torch.histc(x if x.dtype in (torch.float32, torch.float64) else x.float())
 
 
 def run(args):

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 import hookplug
 
-SELECT = "Conv2d|Linear|Conv1D"
+SELECT = {"resnet50": "Conv2d|Linear", "gpt2": "Linear|Conv1D"}  # Conv1D: transformers' GPT-2
 VARIANTS = ("no hooks", "stats every step, jsonl flush/10", "stats every 10th step",
             "seeds .item() hook")
 
@@ -80,7 +80,7 @@ def item_hooks(model):
 
 
 @contextlib.contextmanager
-def variant(kind, model, out_dir):
+def variant(kind, model, out_dir, select):
     """Attach ``kind``; yields the per-step callback."""
     if kind == "no hooks":
         yield lambda: None
@@ -95,7 +95,7 @@ def variant(kind, model, out_dir):
         return
     every = 10 if kind == "stats every 10th step" else 1
     sink = ("jsonl", {"path": os.path.join(out_dir, kind.replace(" ", "_").replace("/", "-"))})
-    s = hookplug.attach(model, SELECT, plugins="stats", sink=sink, every=every, flush_every=10)
+    s = hookplug.attach(model, select, plugins="stats", sink=sink, every=every, flush_every=10)
     try:
         yield s.step
     finally:
@@ -123,11 +123,11 @@ def run(model, opt, loss_fn, step, n, device, autocast):
     return (time.perf_counter() - t0) / n
 
 
-def sync_check(model, opt, loss_fn, device, autocast, out_dir) -> str:
+def sync_check(model, opt, loss_fn, device, autocast, out_dir, select) -> str:
     """Run the stats variant under set_sync_debug_mode("error"): '' or the error."""
     if device.type != "cuda":
         return "skipped (CPU)"
-    with variant("stats every step, jsonl flush/10", model, out_dir) as step:
+    with variant("stats every step, jsonl flush/10", model, out_dir, select) as step:
         run(model, opt, loss_fn, step, 2, device, autocast)  # warm: allocations, first flush
         prev = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
@@ -147,7 +147,7 @@ def bench(name, args, device, out_dir):
     times = {k: [] for k in VARIANTS}
     for _ in range(args.rounds):
         for kind in VARIANTS:  # interleaved: drift hits every variant alike
-            with variant(kind, model, out_dir) as step:
+            with variant(kind, model, out_dir, SELECT[name]) as step:
                 run(model, opt, loss_fn, step, args.warmup, device, autocast)
                 times[kind].append(run(model, opt, loss_fn, step, args.steps, device, autocast))
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -156,7 +156,7 @@ def bench(name, args, device, out_dir):
     print(f"  {'variant':36s} {'ms/step':>9s} {'vs no hooks':>12s}")
     for k in VARIANTS:
         print(f"  {k:36s} {med[k] * 1e3:9.3f} {med[k] / med['no hooks']:11.4f}x")
-    print(f"  sync check: {sync_check(model, opt, loss_fn, device, autocast, out_dir)}")
+    print(f"  sync check: {sync_check(model, opt, loss_fn, device, autocast, out_dir, SELECT[name])}")
 
 
 def bench_compiled(name, args, device, out_dir):
@@ -174,7 +174,7 @@ def bench_compiled(name, args, device, out_dir):
     backend = "aot_eager" if args.quick else "inductor"  # quick: no C++/Triton compile time
     kinds = ("compiled, no hooks", "compiled, stats every step, jsonl flush/10")
     sink = ("jsonl", {"path": os.path.join(out_dir, "compiled")})
-    s = hookplug.attach(twin, SELECT, plugins="stats", sink=sink, flush_every=10)
+    s = hookplug.attach(twin, SELECT[name], plugins="stats", sink=sink, flush_every=10)
     setups = {kinds[0]: (torch.compile(model, backend=backend), lambda: None),
               kinds[1]: (torch.compile(twin, backend=backend), s.step)}
     opts = {kinds[0]: torch.optim.AdamW(model.parameters(), lr=1e-4),

@@ -825,6 +825,11 @@ def _forget_compiled_code(model: nn.Module) -> None:
     reset = getattr(dynamo, "reset_code", None)
     if reset is None:
         return  # nothing was ever compiled in this process
+    # From now on dynamo guards on module hooks: otherwise an instance of the same class
+    # compiled without hooks (an EMA copy, a teacher) and one with them share one graph.
+    config = getattr(dynamo, "config", None)
+    if getattr(config, "skip_nnmodule_hook_guards", False):
+        config.skip_nnmodule_hook_guards = False
     seen = set()
     todo = []
     for fn in {type(mod).forward for mod in model.modules()}:

@@ -33,7 +33,7 @@ build() {
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
     nvcc --version | tail -1; } 2>&1 | tee "$out/machine.txt"
-  if ! "$PY" -m pip install -q --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1; then
+  if ! "$PY" -m pip install -v --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1; then
     tail -30 "$out/build.log"; echo "BUILD FAILED (log: $out/build.log)"; exit 1
   fi
   "$PY" -m pip install -q --no-build-isolation --no-deps -e examples/thirdparty_plugin \
@@ -57,20 +57,33 @@ build
 case "$what" in
   test|all)
     if command -v cuda-gdb >/dev/null; then  # a native backtrace of the one crash seen on torch 2.11
-      run gdb timeout 150 cuda-gdb -q -batch -ex "set pagination off" -ex run -ex bt -ex "info sharedlibrary" \
-        --args "$PY" -c "import torch, hookplug; x = torch.randn(10); torch.ops.hookplug.tensor_stats(x, 4, 1, 2.0, 1.0)"
+      run gdb timeout 150 cuda-gdb -q -batch -ex "set pagination off" -ex run -ex bt \
+        --args "$PY" -c "import torch; from hookplug import ops; print(ops.backend()); x = torch.randn(10)
+try:
+    torch.ops.hookplug.tensor_stats(x, 4, 7)
+except ValueError as e: print('raised', e)
+torch.ops.hookplug.tensor_stats(x, 4, 1, 2.0, 1.0)"
     fi
     xdist=(); "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 8 --dist loadfile)
-    run tests timeout 330 "$PY" -m pytest -q -p no:cacheprovider -p timeout --timeout 240 -rfEs \
-      "${xdist[@]}" tests
-    run sanitizer timeout 150 env HOOKPLUG_TEST_SANITIZER=1 "$PY" -m pytest -q -p no:cacheprovider \
-      tests/test_ops_cuda.py -k sanitizer -rA ;;&
+    run tests timeout 360 "$PY" -m pytest -v -p no:cacheprovider -p timeout --timeout 100 -rfEs \
+      --durations 15 "${xdist[@]}" ${PYTEST_ARGS:-} tests
+    if [ "${SANITIZER:-1}" = 1 ]; then
+      run sanitizer timeout 150 env HOOKPLUG_TEST_SANITIZER=1 "$PY" -m pytest -q -p no:cacheprovider \
+        tests/test_ops_cuda.py -k sanitizer -rA
+    fi ;;&
   bench|all)
-    run bench_stats "$PY" benchmarks/bench_stats.py --device cuda --sizes 1 16 64 256 1024 \
+    { ls -l hookplug/_C*.so; readelf -d hookplug/_C*.so | grep NEEDED
+      "$PY" -c "import sysconfig as s; print({k: s.get_config_var(k) for k in ('CC', 'CXX', 'LDSHARED', 'LDFLAGS', 'LDCXXSHARED')})"
+      env | grep -iE "flags|^CC=|^CXX=|^LD" ; grep -E "(-shared|static-lib)" "$out/build.log" | cut -c1-3000
+      grep -h -E "^(cflags|post_cflags|cuda_cflags|ldflags)" build/temp*/build.ninja 2>/dev/null
+      echo "defined libstdc++ symbols in _C: $(nm -C --defined-only hookplug/_C*.so 2>/dev/null | grep -c 'std::locale::')"
+    } >"$out/link.txt" 2>&1
+    run bench_stats timeout 100 "$PY" benchmarks/bench_stats.py --device cuda --sizes 1 16 64 256 1024 \
       --dtypes float32 bfloat16 float16 --repeat 20
-    run bench_training "$PY" benchmarks/bench_training.py --device cuda --rounds 5 --steps 20 \
-      --compile gpt2
-    run bench_telemetry "$PY" benchmarks/bench_telemetry.py --device cuda --rounds 5 ;;
+    run bench_training timeout 200 "$PY" benchmarks/bench_training.py --device cuda --rounds 3 --steps 12
+    [ "${TELEMETRY:-1}" = 1 ] && run bench_telemetry timeout 80 "$PY" benchmarks/bench_telemetry.py --device cuda --rounds 3 --steps 200
+    run bench_compiled timeout 200 "$PY" benchmarks/bench_training.py --device cuda --rounds 3 --steps 15 \
+      --models "" --compile gpt2 ;;
   *) ;;
 esac
 echo "== summary"

@@ -395,6 +395,26 @@ def test_attach_after_compile_and_two_compiled_instances():
     assert na == nb == {"fc1": 3 * 4 * 64, "fc2": 6 * 4 * 64, "fc3": 3 * 4 * 10}
 
 
+def test_hooked_and_plain_instances_of_one_class_compiled_do_not_share_a_graph():
+    """A copy of the model without hooks (an EMA copy) compiled before the hooked model was
+    attached to: each keeps its own graph, so the hooked one records and the plain one
+    records nothing."""
+    import copy
+
+    torch._dynamo.reset()
+    plain = MLP()
+    hooked = copy.deepcopy(plain)
+    x = torch.randn(4, 32)
+    run_plain, run_hooked = torch.compile(plain, backend="eager"), torch.compile(hooked, backend="eager")
+    run_plain(x)
+    with hookplug.attach(hooked, "Linear", plugins="stats") as s:
+        for _ in range(2):
+            run_plain(x), run_hooked(x), run_plain(x)
+            s.step()
+        numel = {k: v["output"].to_dict()["numel"] for k, v in s["stats"].results().items()}
+    assert numel == {"fc1": 2 * 4 * 64, "fc2": 4 * 4 * 64, "fc3": 2 * 4 * 10}
+
+
 def _decorated(fn):
     """A decorator like transformers' ``can_return_tuple``: forward's code is the wrapped one."""
     import functools
