@@ -61,6 +61,9 @@ class _BuildExt(cpp_extension.BuildExtension):
               f"{'yes' if _WITH_CUDA else 'no'} ({_WHY})")
         with _L.cuda_arch_env(_WITH_CUDA) as arch:
             super().run()
+        problem = _L.static_libstdcxx_problem(self.get_ext_fullpath("hookplug._C"))
+        if problem:
+            sys.exit(f"error: hookplug: {problem}")
         text = _L.build_info_source(_WITH_CUDA, _WHY, arch)
         targets = {os.path.dirname(self.get_ext_fullpath("hookplug._C"))}
         if self.inplace or getattr(self, "editable_mode", False):

@@ -120,6 +120,26 @@ def ld_flags() -> List[str]:
     return _openmp() + (["-Wl,--strip-all"] if _release() else [])
 
 
+def static_libstdcxx_problem(so_path: str) -> Optional[str]:
+    """Why the built ``_C`` must not be used, when the compiler linked its own copy of
+    libstdc++ into it (a toolchain without ``libstdc++.so``, e.g. ``/opt/gcc`` in some CUDA
+    images): a second libstdc++ beside torch's crashes in iostreams, i.e. in any error
+    message with a number. None when fine or when ``readelf`` is not there to tell."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        out = subprocess.run(["readelf", "-d", so_path], capture_output=True, text=True,
+                             timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if "(NEEDED)" not in out or "libstdc++" in out or "libc++" in out:
+        return None
+    cxx = os.environ.get("CXX", "c++")
+    return (f"{cxx} linked libstdc++ statically into {os.path.basename(so_path)} (it has no "
+            "libstdc++.so); next to torch's libstdc++ that crashes. Build with a compiler that "
+            "links it dynamically, e.g. CXX=/usr/bin/g++ CC=/usr/bin/gcc")
+
+
 # -- CUDA ------------------------------------------------------------------------------------
 
 def _cuda_include_dirs(cuda_home: str) -> List[str]:

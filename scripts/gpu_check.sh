@@ -29,7 +29,11 @@ build() {
     [ -d "$inc" ] && export CPATH="$inc${CPATH:+:$CPATH}"
   done
   export HOOKPLUG_FORCE_CUDA="${HOOKPLUG_FORCE_CUDA:-1}"  # a failed CUDA compile must show, not be skipped
-  export HOOKPLUG_DEBUG_BUILD=1  # symbols (same -O3 code) for a native backtrace
+  # The image's CXX=/opt/gcc/bin/g++ has no libstdc++.so: it links libstdc++ statically, and a
+  # second libstdc++ beside torch's crashes in iostreams (any number in an error message).
+  if [ -n "${CXX:-}" ] && [[ "$("$CXX" -print-file-name=libstdc++.so)" != /* ]] && [ -x /usr/bin/g++ ]; then
+    echo "CXX=$CXX links libstdc++ statically: building with /usr/bin/g++"; export CXX=/usr/bin/g++ CC=/usr/bin/gcc
+  fi
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
     nvcc --version | tail -1; } 2>&1 | tee "$out/machine.txt"
@@ -56,17 +60,20 @@ run() {  # run NAME CMD...: log to $out/NAME.log, note pass/fail
 build
 case "$what" in
   test|all)
-    if command -v cuda-gdb >/dev/null; then  # a native backtrace of the one crash seen on torch 2.11
-      run gdb timeout 150 cuda-gdb -q -batch -ex "set pagination off" -ex run -ex bt \
-        --args "$PY" -c "import torch; from hookplug import ops; print(ops.backend()); x = torch.randn(10)
-try:
-    torch.ops.hookplug.tensor_stats(x, 4, 7)
-except ValueError as e: print('raised', e)
-torch.ops.hookplug.tensor_stats(x, 4, 1, 2.0, 1.0)"
+    probe="import torch; from hookplug import ops; print(ops.backend()); x = torch.randn(10)
+for args in ((4, 7), (4, 1, 2.0, 1.0)):
+    try:
+        torch.ops.hookplug.tensor_stats(x, *args)
+    except ValueError as e:
+        print('raised:', e)"
+    if [ "${GDB:-0}" = 1 ] && command -v cuda-gdb >/dev/null; then  # a native backtrace on a crash
+      run gdb timeout 150 cuda-gdb -q -batch -ex "set pagination off" -ex run -ex bt --args "$PY" -c "$probe"
+    else
+      run error_messages timeout 60 "$PY" -c "$probe"
     fi
     xdist=(); "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 8 --dist loadfile)
     run tests timeout 360 "$PY" -m pytest -v -p no:cacheprovider -p timeout --timeout 100 -rfEs \
-      --durations 15 "${xdist[@]}" ${PYTEST_ARGS:-} tests
+      --durations 15 "${xdist[@]}" ${PYTEST_ARGS:-} ${PYTEST_PATHS:-tests}
     if [ "${SANITIZER:-1}" = 1 ]; then
       run sanitizer timeout 150 env HOOKPLUG_TEST_SANITIZER=1 "$PY" -m pytest -q -p no:cacheprovider \
         tests/test_ops_cuda.py -k sanitizer -rA

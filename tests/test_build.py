@@ -330,3 +330,26 @@ def test_every_package_is_listed_for_the_wheel():
                 found.add(top if rel == "." else f"{top}.{rel.replace(os.sep, '.')}")
     missing = sorted(found - set(meta["packages"]))
     assert not missing, f"packages with an __init__.py missing from pyproject's packages: {missing}"
+
+
+def test_a_statically_linked_libstdcxx_is_refused(monkeypatch):
+    """A toolchain that links its own libstdc++ into _C (no libstdc++.so, e.g. /opt/gcc in a
+    CUDA image) gives a binary that crashes beside torch's libstdc++: the build says so."""
+    import subprocess
+    import sys
+
+    from hookplug import _loader
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("ELF only")
+
+    def readelf(needed):
+        text = "".join(f" 0x1 (NEEDED) Shared library: [{n}]\n" for n in needed)
+        return lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=text, stderr="")
+
+    monkeypatch.setenv("CXX", "/opt/gcc/bin/g++")
+    monkeypatch.setattr(subprocess, "run", readelf(["libc10.so", "libgcc_s.so.1", "libc.so.6"]))
+    problem = _loader.static_libstdcxx_problem("_C.so")
+    assert problem and "/opt/gcc/bin/g++ linked libstdc++ statically" in problem and "CXX=" in problem
+    monkeypatch.setattr(subprocess, "run", readelf(["libc10.so", "libstdc++.so.6", "libc.so.6"]))
+    assert _loader.static_libstdcxx_problem("_C.so") is None
