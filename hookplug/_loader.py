@@ -311,7 +311,7 @@ def jit_build() -> Any:
               torch.__version__, src, build_dir, "yes" if with_cuda else "no", why)
     with cuda_arch_env(with_cuda):
         try:
-            return cpp_extension.load(
+            module = cpp_extension.load(
                 name="hookplug_C", sources=sources(src, with_cuda), extra_include_paths=[src],
                 extra_cflags=cflags, extra_ldflags=ld_flags(),
                 extra_cuda_cflags=nvcc_flags() + ["-DHOOKPLUG_WITH_CUDA=1"] if with_cuda else None,
@@ -322,6 +322,10 @@ def jit_build() -> Any:
             _log.log(level, "JIT build of hookplug._C failed; output:\n%s", output)
             raise BuildError(f"{type(e).__name__}: {_first_error_line(output)} (full output: "
                              "logger 'hookplug.build' at DEBUG, or HOOKPLUG_VERBOSE=1)") from None
+    problem = static_libstdcxx_problem(getattr(module, "__file__", "") or "")
+    if problem:
+        raise BuildError(problem)
+    return module
 
 
 # -- loading ---------------------------------------------------------------------------------

@@ -7,6 +7,12 @@
 #   scripts/gpu_check.sh bench   # build, then the op, training-step and telemetry benches
 #   scripts/gpu_check.sh all     # both (may not fit one 10-minute call)
 #
+# Knobs: SANITIZER=0 (skip compute-sanitizer), TELEMETRY=0 (skip bench_telemetry), GDB=1
+# (run the error-message probe under cuda-gdb), PYTEST_PATHS / PYTEST_ARGS (test subset).
+# Seen on an H100 (session 4): machine start ~30 s, build 55-60 s, whole suite with 8 xdist
+# workers ~160 s, `bench` ~270 s. The image's CXX=/opt/gcc/bin/g++ links libstdc++
+# statically (setup.py refuses that binary), so the build switches to /usr/bin/g++.
+#
 # Logs go to $OUT (the device tool brings them back) or ./gpu-out; the last lines printed
 # are a summary. Nothing here changes the GPU's settings.
 set -uo pipefail
@@ -90,7 +96,8 @@ for args in ((4, 7), (4, 1, 2.0, 1.0)):
     run bench_training timeout 200 "$PY" benchmarks/bench_training.py --device cuda --rounds 3 --steps 12
     [ "${TELEMETRY:-1}" = 1 ] && run bench_telemetry timeout 80 "$PY" benchmarks/bench_telemetry.py --device cuda --rounds 3 --steps 200
     run bench_compiled timeout 200 "$PY" benchmarks/bench_training.py --device cuda --rounds 3 --steps 15 \
-      --models "" --compile gpt2 ;;
+      --models "" --compile gpt2
+    run profile_step timeout 150 "$PY" benchmarks/profile_step.py --device cuda --model gpt2 ;;
   *) ;;
 esac
 echo "== summary"

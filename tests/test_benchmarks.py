@@ -24,6 +24,13 @@ def test_bench_training_quick_runs_every_variant(capsys):
         assert variant in out
 
 
+def test_profile_step_quick_runs_both_variants(capsys):
+    pytest.importorskip("transformers")
+    _load("profile_step").main(["--quick", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "no hooks" in out and "stats every step, jsonl flush/10" in out and "top host ops" in out
+
+
 def test_gpu_check_script_is_valid_bash_and_refuses_unknown_stages():
     script = ROOT / "scripts" / "gpu_check.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
