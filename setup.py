@@ -61,8 +61,12 @@ class _BuildExt(cpp_extension.BuildExtension):
               f"{'yes' if _WITH_CUDA else 'no'} ({_WHY})")
         with _L.cuda_arch_env(_WITH_CUDA) as arch:
             super().run()
-        problem = _L.static_libstdcxx_problem(self.get_ext_fullpath("hookplug._C"))
-        if problem:
+        built = self.get_ext_fullpath("hookplug._C")
+        problem = _L.static_libstdcxx_problem(built)
+        if problem:  # leave no refused binary behind, in the build or the source tree
+            for path in {built, os.path.join(ROOT, "hookplug", os.path.basename(built))}:
+                if os.path.exists(path):
+                    os.remove(path)
             sys.exit(f"error: hookplug: {problem}")
         text = _L.build_info_source(_WITH_CUDA, _WHY, arch)
         targets = {os.path.dirname(self.get_ext_fullpath("hookplug._C"))}

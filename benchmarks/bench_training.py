@@ -197,8 +197,9 @@ def bench_compiled(name, args, device, out_dir):
         s.remove()
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"\n{name}, torch.compile ({backend}): {args.rounds} rounds x {args.steps} steps, "
-          f"{time.perf_counter() - t0:.0f} s with compilation; graphs: {graphs[kinds[0]]} without "
-          f"hooks, {graphs[kinds[1]]} with stats; compiled after warm-up: {later}")
+          f"{time.perf_counter() - t0:.0f} s with compilation; graphs compiled in warm-up: "
+          f"{graphs[kinds[0]]} for the plain copy, then {graphs[kinds[1]]} for the hooked copy "
+          f"(frames without hooks reuse the plain copy's); compiled after warm-up: {later}")
     for k in kinds:
         print(f"  {k:44s} {med[k] * 1e3:9.3f} {med[k] / med[kinds[0]]:11.4f}x")
 

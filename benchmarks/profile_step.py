@@ -8,7 +8,7 @@ self time of the hooked run. A step whose device is idle much longer with hooks 
 without is waiting on the host (launch-bound or a blocking call); a step whose busy time
 grows is paying for the kernels themselves.
 
-    python benchmarks/profile_step.py --device cuda [--model gpt2] [--steps 5]
+    python benchmarks/profile_step.py --device cuda [--model gpt2] [--steps 10]
     python benchmarks/profile_step.py --quick          # tiny model on the CPU (a smoke test)
 """
 import argparse
@@ -27,7 +27,11 @@ def _events_summary(prof, cuda):
     """(device busy seconds, device launches, top device kernels, top host ops)."""
     events = prof.key_averages()
     if cuda:
-        dev = [e for e in events if getattr(e, "self_device_time_total", 0) > 0]
+        from torch.autograd import DeviceType
+
+        # the kernels themselves (a CPU op that launched one reports its time as well)
+        dev = [e for e in events if e.device_type == DeviceType.CUDA
+               and not getattr(e, "is_user_annotation", False)]
         busy = sum(e.self_device_time_total for e in dev) / 1e6
         launches = sum(e.count for e in dev)
         top_dev = sorted(dev, key=lambda e: e.self_device_time_total, reverse=True)[:12]
@@ -63,7 +67,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--model", default="gpt2", choices=sorted(bt.SELECT))
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10,
+                    help="profiled steps (10: one jsonl flush falls inside)")
     ap.add_argument("--quick", action="store_true", help="tiny model, 1 step (smoke test)")
     args = ap.parse_args(argv)
     if args.quick:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.abc
 import inspect
 import os
 import sys
@@ -813,6 +814,61 @@ class _StepScope:
 
 # -- attach ----------------------------------------------------------------------------------
 
+def _guard_module_hooks() -> None:
+    """From now on dynamo guards on module hooks: otherwise an instance of a class compiled
+    without hooks (an EMA copy, a teacher) and a hooked one share one graph, and the hooked
+    one records nothing. The first switch drops all compiled code (it was compiled without
+    hook guards); later attaches and removes are then caught by the guards. Where dynamo is
+    not imported yet (importing it costs seconds), the switch is made when its config module
+    is first imported."""
+    config = sys.modules.get("torch._dynamo.config")
+    if config is not None:
+        if getattr(config, "skip_nnmodule_hook_guards", False):
+            config.skip_nnmodule_hook_guards = False
+            # code compiled before has no hook guards, wherever it is (a compiled parent of
+            # the model, a helper method with a graph break): compile it again, once
+            reset = getattr(sys.modules.get("torch._dynamo"), "reset_code_caches", None)
+            if reset is not None:
+                reset()
+    elif not any(isinstance(f, _HookGuardsOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _HookGuardsOnImport())
+
+
+class _HookGuardsOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ``torch._dynamo.config`` with the other finders, executes it, then switches its
+    module-hook guards on (see :func:`_guard_module_hooks`); removes itself on first use."""
+
+    _NAME = "torch._dynamo.config"
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self._NAME:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        for finder in sys.meta_path:
+            spec = getattr(finder, "find_spec", None) and finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                self._inner = spec.loader
+                spec.loader = self
+                return spec
+        return None
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def __getattr__(self, name):  # get_source, get_code, ...: the real loader's
+        inner = self.__dict__.get("_inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        config = sys.modules.get(self._NAME, module)
+        if getattr(config, "skip_nnmodule_hook_guards", False):
+            config.skip_nnmodule_hook_guards = False
+
+
 def _forget_compiled_code(model: nn.Module) -> None:
     """torch.compile does not guard on module hooks (``skip_nnmodule_hook_guards``): code
     compiled before hooks were added or removed would keep running without (or with) them.
@@ -821,15 +877,11 @@ def _forget_compiled_code(model: nn.Module) -> None:
     ``__wrapped__`` function, compiled as a frame of its own) and the resume functions
     dynamo made at their graph breaks (the code after a break is compiled as a function of
     its own), so the next call compiles again, this time with the hooks."""
+    _guard_module_hooks()
     dynamo = sys.modules.get("torch._dynamo")
     reset = getattr(dynamo, "reset_code", None)
     if reset is None:
         return  # nothing was ever compiled in this process
-    # From now on dynamo guards on module hooks: otherwise an instance of the same class
-    # compiled without hooks (an EMA copy, a teacher) and one with them share one graph.
-    config = getattr(dynamo, "config", None)
-    if getattr(config, "skip_nnmodule_hook_guards", False):
-        config.skip_nnmodule_hook_guards = False
     seen = set()
     todo = []
     for fn in {type(mod).forward for mod in model.modules()}:

@@ -78,8 +78,9 @@ for args in ((4, 7), (4, 1, 2.0, 1.0)):
       run error_messages timeout 60 "$PY" -c "$probe"
     fi
     xdist=(); "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 8 --dist loadfile)
-    run tests timeout 360 "$PY" -m pytest -v -p no:cacheprovider -p timeout --timeout 100 -rfEs \
-      --durations 15 "${xdist[@]}" ${PYTEST_ARGS:-} ${PYTEST_PATHS:-tests}
+    tmo=(); "$PY" -c "import pytest_timeout" 2>/dev/null && tmo=(-p timeout --timeout 100)
+    run tests timeout 360 "$PY" -m pytest -v -p no:cacheprovider -rfEs --durations 15 \
+      "${tmo[@]}" "${xdist[@]}" ${PYTEST_ARGS:-} ${PYTEST_PATHS:-tests}
     if [ "${SANITIZER:-1}" = 1 ]; then
       run sanitizer timeout 150 env HOOKPLUG_TEST_SANITIZER=1 "$PY" -m pytest -q -p no:cacheprovider \
         tests/test_ops_cuda.py -k sanitizer -rA

@@ -395,13 +395,12 @@ def test_attach_after_compile_and_two_compiled_instances():
     assert na == nb == {"fc1": 3 * 4 * 64, "fc2": 6 * 4 * 64, "fc3": 3 * 4 * 10}
 
 
-def test_hooked_and_plain_instances_of_one_class_compiled_do_not_share_a_graph():
+def test_hooked_and_plain_instances_of_one_class_compiled_do_not_share_a_graph(fresh_dynamo):
     """A copy of the model without hooks (an EMA copy) compiled before the hooked model was
     attached to: each keeps its own graph, so the hooked one records and the plain one
     records nothing."""
     import copy
 
-    torch._dynamo.reset()
     plain = MLP()
     hooked = copy.deepcopy(plain)
     x = torch.randn(4, 32)
@@ -413,6 +412,64 @@ def test_hooked_and_plain_instances_of_one_class_compiled_do_not_share_a_graph()
             s.step()
         numel = {k: v["output"].to_dict()["numel"] for k, v in s["stats"].results().items()}
     assert numel == {"fc1": 2 * 4 * 64, "fc2": 4 * 4 * 64, "fc3": 2 * 4 * 10}
+
+
+def test_hook_guards_switch_on_when_dynamo_is_imported_after_attach(tmp_path):
+    """Attached before torch._dynamo was ever imported (a fresh process), then a plain copy
+    and the hooked model of one class compiled, the plain one first: still two graphs."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "fresh.py"
+    script.write_text(
+        "import copy, sys, torch, hookplug\n"
+        "from hookplug.models import MLP\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        "plain = MLP(); hooked = copy.deepcopy(plain); x = torch.randn(4, 32)\n"
+        "s = hookplug.attach(hooked, 'Linear', plugins='stats')\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        "rp, rh = torch.compile(plain, backend='eager'), torch.compile(hooked, backend='eager')\n"
+        "rp(x); rh(x); rp(x); s.step()\n"
+        "print({k: int(v['output'].numel) for k, v in s['stats'].results().items()})\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "{'fc1': 256, 'fc2': 512, 'fc3': 40}"
+
+
+class _Parent(nn.Module):
+    """A wrapper whose forward calls a helper with a graph break between two layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = MLP()
+        self.a, self.b = nn.Linear(10, 8), nn.Linear(8, 3)
+
+    def _head(self, x):
+        x = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(x)
+
+    def forward(self, x):
+        return self._head(self.body(x))
+
+
+@pytest.mark.parametrize("where", ["submodule", "helper with a graph break"])
+def test_first_attach_recompiles_code_compiled_without_hook_guards(where, fresh_dynamo):
+    """Compiled before any attach: attaching to a submodule of the compiled model, or to
+    layers called from a helper method with a graph break, still records every call."""
+    net, x = _Parent(), torch.randn(4, 32)
+    run = torch.compile(net, backend="eager")
+    run(x)
+    target, expected = ((net.body, {"fc1": 2 * 4 * 64, "fc2": 4 * 4 * 64, "fc3": 2 * 4 * 10})
+                        if where == "submodule" else
+                        (net, {"body.fc1": 2 * 4 * 64, "body.fc2": 4 * 4 * 64,
+                               "body.fc3": 2 * 4 * 10, "a": 2 * 4 * 8, "b": 2 * 4 * 3}))
+    with hookplug.attach(target, "Linear", plugins="stats") as s:
+        for _ in range(2):
+            run(x)
+            s.step()
+        numel = {k: v["output"].to_dict()["numel"] for k, v in s["stats"].results().items()}
+    assert numel == expected
 
 
 def _decorated(fn):
@@ -440,9 +497,21 @@ class _BreakingNet(nn.Module):
         return self.b(x)
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_attach_after_compile_reaches_wrapped_forwards_and_code_after_graph_breaks(backend):
+@pytest.fixture
+def fresh_dynamo():
+    """dynamo as in a fresh process: no compiled code, hook guards off (the switch that
+    attach makes is process-wide and would hide what these tests check)."""
     torch._dynamo.reset()
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
+        yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_attach_after_compile_reaches_wrapped_forwards_and_code_after_graph_breaks(backend, fresh_dynamo, monkeypatch):
+    from hookplug import _session
+
+    monkeypatch.setattr(_session, "_guard_module_hooks", lambda: None)  # the code walk alone
     net, x = _BreakingNet(), torch.randn(4, 8)
     run = torch.compile(net, backend=backend)
     expected = net(x)
