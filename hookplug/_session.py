@@ -610,9 +610,7 @@ class Session:
         # data without waiting for the cycle collector
         self._bindings.clear()
         self._param_bindings.clear()
-        model = self.model
-        if model is not None:
-            _forget_compiled_code(model)
+        _guard_module_hooks()  # compiled code that ran with the hooks recompiles without
         try:
             if self.has_sinks:
                 self.flush(wait=True)
@@ -815,12 +813,14 @@ class _StepScope:
 # -- attach ----------------------------------------------------------------------------------
 
 def _guard_module_hooks() -> None:
-    """From now on dynamo guards on module hooks: otherwise an instance of a class compiled
-    without hooks (an EMA copy, a teacher) and a hooked one share one graph, and the hooked
-    one records nothing. The first switch drops all compiled code (it was compiled without
-    hook guards); later attaches and removes are then caught by the guards. Where dynamo is
-    not imported yet (importing it costs seconds), the switch is made when its config module
-    is first imported."""
+    """torch.compile does not guard on module hooks by default (``skip_nnmodule_hook_guards``):
+    code compiled before hooks were added or removed would keep running without (or with)
+    them, and an instance of a class compiled without hooks (an EMA copy, a teacher) would
+    share its graph with a hooked one. Switch the guards on, process-wide. The first switch
+    drops all compiled code (it has no hook guards, wherever it lives: the model's forward, a
+    compiled parent, code after a graph break); later attaches and removes are then caught
+    by the guards. Where dynamo is not imported yet (importing it costs seconds), the switch
+    is made when its config module is first imported."""
     config = sys.modules.get("torch._dynamo.config")
     if config is not None:
         if getattr(config, "skip_nnmodule_hook_guards", False):
@@ -867,45 +867,6 @@ class _HookGuardsOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         config = sys.modules.get(self._NAME, module)
         if getattr(config, "skip_nnmodule_hook_guards", False):
             config.skip_nnmodule_hook_guards = False
-
-
-def _forget_compiled_code(model: nn.Module) -> None:
-    """torch.compile does not guard on module hooks (``skip_nnmodule_hook_guards``): code
-    compiled before hooks were added or removed would keep running without (or with) them.
-    Drop dynamo's cache entries for the forward code of the model's module classes, and for
-    the functions they wrap (transformers decorates ``forward``: the model's code is in the
-    ``__wrapped__`` function, compiled as a frame of its own) and the resume functions
-    dynamo made at their graph breaks (the code after a break is compiled as a function of
-    its own), so the next call compiles again, this time with the hooks."""
-    _guard_module_hooks()
-    dynamo = sys.modules.get("torch._dynamo")
-    reset = getattr(dynamo, "reset_code", None)
-    if reset is None:
-        return  # nothing was ever compiled in this process
-    seen = set()
-    todo = []
-    for fn in {type(mod).forward for mod in model.modules()}:
-        while fn is not None and len(todo) < 10_000:
-            todo.append(getattr(fn, "__code__", None))
-            fn = getattr(fn, "__wrapped__", None)
-    while todo:
-        code = todo.pop()
-        if code is None or id(code) in seen:
-            continue
-        seen.add(id(code))
-        reset(code)
-        todo.extend(_resume_codes(code))
-
-
-def _resume_codes(code) -> List[Any]:
-    """The resume functions dynamo generated for graph breaks in ``code`` (a private cache
-    of dynamo's; empty where a torch release lays it out differently)."""
-    resume = sys.modules.get("torch._dynamo.resume_execution")
-    cache = getattr(getattr(resume, "ContinueExecutionCache", None), "cache", None)
-    try:
-        return list(cache.get(code, {}).values()) if cache is not None else []
-    except (AttributeError, TypeError):
-        return []
 
 
 def _build_plugins(specs, on_error: str) -> List[Tuple[str, Any]]:
@@ -1003,7 +964,7 @@ def attach(
         session._add_plugin(key, instance, [], sink=True)
     try:
         session._bind(model)
-        _forget_compiled_code(model)
+        _guard_module_hooks()
         session._dispatch("hookplug_session_start")
     except BaseException:
         session.remove()

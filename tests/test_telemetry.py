@@ -472,6 +472,21 @@ def test_first_attach_recompiles_code_compiled_without_hook_guards(where, fresh_
     assert numel == expected
 
 
+def test_a_compiled_function_calling_the_model_reruns_with_each_attach(fresh_dynamo):
+    """A compiled function (not a module) that calls the model, compiled before any attach:
+    each later attach, and its removal, reaches the calls inside it."""
+    m, x = MLP(), torch.randn(4, 32)
+    f = torch.compile(lambda inp: m(inp).sum(), backend="eager")
+    f(x)
+    seen = []
+    for select in ("Linear", "*:fc1"):
+        with hookplug.attach(m, select, plugins="stats") as s:
+            f(x)
+            s.step()
+            seen.append({k: v["output"].to_dict()["numel"] for k, v in s["stats"].results().items()})
+    assert seen == [{"fc1": 256, "fc2": 512, "fc3": 40}, {"fc1": 256}]
+
+
 def _decorated(fn):
     """A decorator like transformers' ``can_return_tuple``: forward's code is the wrapped one."""
     import functools
@@ -508,10 +523,7 @@ def fresh_dynamo():
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_attach_after_compile_reaches_wrapped_forwards_and_code_after_graph_breaks(backend, fresh_dynamo, monkeypatch):
-    from hookplug import _session
-
-    monkeypatch.setattr(_session, "_guard_module_hooks", lambda: None)  # the code walk alone
+def test_attach_after_compile_reaches_wrapped_forwards_and_code_after_graph_breaks(backend, fresh_dynamo):
     net, x = _BreakingNet(), torch.randn(4, 8)
     run = torch.compile(net, backend=backend)
     expected = net(x)
