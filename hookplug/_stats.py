@@ -22,7 +22,7 @@ tensor of rows; its row 0 is a meta row whose column ``CLOCK`` counts accumulate
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -90,9 +90,10 @@ def host_edges(values: List[float], hist: Any = None, buckets: Optional[int] = N
     """The bucket edges of a host row (its values as a list; ``buckets``: how many, when
     ``values`` holds the head only), computed on the host; log2 rows share one list."""
     b = len(values) - HEAD if buckets is None else buckets
-    if b <= 0:
-        return []
-    lo, hi = values[HIST_LO], values[HIST_HI]
+    return _edges(values[HIST_LO], values[HIST_HI], hist, b) if b > 0 else []
+
+
+def _edges(lo: float, hi: float, hist: Any, b: int) -> List[float]:
     if b == LOG2_BINS and (hist == "log2" or (hist is None and lo == _LOG2_EDGES[0]
                                               and hi == _LOG2_EDGES[-1])):
         return _LOG2_EDGES_LIST
@@ -282,12 +283,14 @@ class StatsBlock(NamedTuple):
 
 
 _FLOAT_FIELDS = ("min", "max", "mean", "std", "absmax", "l2", "rms", "zero_fraction")
+_FIELDS = COUNT_COLUMNS + _FLOAT_FIELDS  # the order of rows_to_values' values
 
 
-def rows_to_dicts(rows: torch.Tensor, hist: Any = None) -> List[Dict[str, Any]]:
-    """Host rows ``[R, HEAD + B]`` as ``{field: number}`` dicts plus ``hist_counts`` and
-    ``hist_edges`` lists; the derived fields are computed column-wise (one pass per field
-    over all rows, then one conversion to Python numbers)."""
+def rows_to_values(rows: torch.Tensor, hist: Any = None) -> List[Tuple[list, list, list]]:
+    """Host rows ``[R, HEAD + B]`` as ``(values, hist_counts, hist_edges)`` per row, with
+    ``values`` in ``COUNT_COLUMNS + FLOAT_FIELDS`` order (ints, then floats). The derived
+    fields are computed column-wise (one pass per field over all rows, then one conversion
+    to Python numbers)."""
     if rows.shape[0] == 0:
         return []
     r = rows.to(torch.float64)
@@ -306,15 +309,24 @@ def rows_to_dicts(rows: torch.Tensor, hist: Any = None) -> List[Dict[str, Any]]:
         torch.where(has, sumsq.sqrt(), 0.0), torch.where(has, (sumsq / safe_n).sqrt(), nan),
         torch.where(numel > 0, zero / torch.where(numel > 0, numel, 1.0), nan),
     ], dim=1).tolist()
-    counts = r[:, :HEAD].to(torch.int64)[:, [NUMEL, NAN, INF, ZERO]].tolist()
+    counts = r[:, :ZERO + 1].to(torch.int64).tolist()  # NUMEL, NAN, INF, ZERO
     buckets = r[:, HEAD:].to(torch.int64).tolist()
-    heads = r[:, :HEAD].tolist()
+    b = rows.shape[1] - HEAD
+    if b == LOG2_BINS and hist == "log2":  # every row shares the log2 edges
+        edges = [_LOG2_EDGES_LIST] * len(counts)
+    else:
+        edges = [_edges(lo, hi, hist, b) if b > 0 else [] for lo, hi in r[:, HIST_LO:HIST_HI + 1].tolist()]
+    return [(c + f, bk, e) for c, f, bk, e in zip(counts, floats, buckets, edges)]
+
+
+def rows_to_dicts(rows: torch.Tensor, hist: Any = None) -> List[Dict[str, Any]]:
+    """Host rows ``[R, HEAD + B]`` as ``{field: number}`` dicts plus ``hist_counts`` and
+    ``hist_edges`` lists (see :func:`rows_to_values`)."""
     out = []
-    for c, f, b, head in zip(counts, floats, buckets, heads):
-        d = dict(zip(COUNT_COLUMNS, c))
-        d.update(zip(_FLOAT_FIELDS, f))
-        d["hist_counts"] = b
-        d["hist_edges"] = host_edges(head, hist, len(b))
+    for values, buckets, edges in rows_to_values(rows, hist):
+        d = dict(zip(_FIELDS, values))
+        d["hist_counts"] = buckets
+        d["hist_edges"] = edges
         out.append(d)
     return out
 

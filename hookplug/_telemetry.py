@@ -55,7 +55,7 @@ import torch
 
 from . import _stats
 from ._bank import host_copy
-from ._stats import FIRST_BAD, StatsBlock, TensorStats, merge_rows, rows_to_dicts
+from ._stats import FIRST_BAD, StatsBlock, TensorStats, merge_rows, rows_to_values
 
 __all__ = ["Telemetry", "new_run_id", "STAT_FIELDS"]
 
@@ -264,9 +264,9 @@ class Telemetry:
     # -- host side --------------------------------------------------------------------------------------
 
     @staticmethod
-    def _host_dicts(flight: _Flight):
-        """Per group ``(metas, row dicts, first_bad clocks)``: the groups of one histogram
-        kind are converted together (one column-wise :func:`rows_to_dicts` per kind and
+    def _host_values(flight: _Flight):
+        """Per group ``(metas, row values, first_bad clocks)``: the groups of one histogram
+        kind are converted together (one column-wise :func:`rows_to_values` per kind and
         flush, not per step)."""
         host = flight.host
         by_kind: Dict[Any, List[int]] = {}
@@ -278,10 +278,10 @@ class Telemetry:
             spans = [(flight.groups[g][1], flight.groups[g][2]) for g in idx]  # (offset, rows)
             rows = torch.cat([host[off:off + r * width].view(r, width) for off, r in spans])
             bad = torch.cat([host[off + r * width:off + r * width + r] for off, r in spans]).tolist()
-            dicts = rows_to_dicts(rows, hist)
+            values = rows_to_values(rows, hist)
             start = 0
             for g, (_, r) in zip(idx, spans):
-                converted[g] = (dicts[start:start + r], bad[start:start + r])
+                converted[g] = (values[start:start + r], bad[start:start + r])
                 start += r
         return [(grp[0], *converted[g]) for g, grp in enumerate(flight.groups)]
 
@@ -291,25 +291,23 @@ class Telemetry:
         out: List[dict] = []
         first_bad: Dict[int, Tuple[float, dict]] = {}
         edges_cache: Dict[Any, list] = {}
-        for metas, dicts, local_bad in self._host_dicts(flight):
-            for i, meta in enumerate(metas):
-                d = dicts[i]
-                if d["numel"] <= 0:
+        for metas, values, local_bad in self._host_values(flight):
+            for meta, (stats, counts, edges), clock in zip(metas, values, local_bad):
+                if stats[0] <= 0:  # numel: a row no call touched
                     continue
-                if d["hist_edges"] and d["hist_edges"] is not _stats._LOG2_EDGES_LIST:
-                    key = tuple(d["hist_edges"])
-                    d["hist_edges"] = edges_cache.setdefault(key, d["hist_edges"])
+                if edges and edges is not _stats._LOG2_EDGES_LIST:
+                    edges = edges_cache.setdefault(tuple(edges), edges)
                 rec = {"step": meta["step"], "time": meta["time"], "rank": rank,
                        "module": meta["module"], "site": meta["site"],
                        "phase": meta.get("phase", "train"), "run_id": run_id}
-                for f in STAT_FIELDS:
-                    rec[f] = d[f]
-                rec["hist"], rec["hist_edges"] = d["hist_counts"], d["hist_edges"]
+                rec.update(zip(STAT_FIELDS, stats))
+                rec["hist"] = counts
+                rec["hist_edges"] = edges
                 rec["first_nonfinite"] = False
-                for key, val in meta.items():
-                    if key not in rec:
-                        rec[key] = val
-                clock = local_bad[i]
+                if len(meta) > 4:  # a producer's own keys (step, module, site, time are in rec)
+                    for key, val in meta.items():
+                        if key not in rec:
+                            rec[key] = val
                 if math.isfinite(clock):
                     best = first_bad.get(meta["step"])
                     if best is None or clock < best[0]:

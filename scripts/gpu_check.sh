@@ -6,6 +6,7 @@
 #   scripts/gpu_check.sh test    # build (CUDA kernels), the whole suite, compute-sanitizer
 #   scripts/gpu_check.sh bench   # build, then the op, training-step and telemetry benches
 #   scripts/gpu_check.sh all     # both (may not fit one 10-minute call)
+#   scripts/gpu_check.sh profile # build, then profile_step.py on GPT-2 and ResNet-50
 #
 # Knobs: SANITIZER=0 (skip compute-sanitizer), TELEMETRY=0 (skip bench_telemetry), GDB=1
 # (run the error-message probe under cuda-gdb), PYTEST_PATHS / PYTEST_ARGS (test subset).
@@ -18,7 +19,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-all}"
-case "$what" in test|bench|all) ;; *) echo "usage: scripts/gpu_check.sh test|bench|all" >&2; exit 2 ;; esac
+case "$what" in test|bench|all|profile) ;; *) echo "usage: scripts/gpu_check.sh test|bench|all|profile" >&2; exit 2 ;; esac
 out="${OUT:-gpu-out}"
 mkdir -p "$out"
 PY="${PYTHON:-python3}"
@@ -99,6 +100,9 @@ for args in ((4, 7), (4, 1, 2.0, 1.0)):
     run bench_compiled timeout 200 "$PY" benchmarks/bench_training.py --device cuda --rounds 3 --steps 15 \
       --models "" --compile gpt2
     run profile_step timeout 150 "$PY" benchmarks/profile_step.py --device cuda --model gpt2 ;;
+  profile)
+    run profile_gpt2 timeout 200 "$PY" benchmarks/profile_step.py --device cuda --model gpt2
+    run profile_resnet50 timeout 200 "$PY" benchmarks/profile_step.py --device cuda --model resnet50 ;;
   *) ;;
 esac
 echo "== summary"

@@ -80,6 +80,49 @@ def test_jsonl_writes_nonfinite_as_null(tmp_path):
     assert math.isnan(read_jsonl(str(tmp_path / "t.jsonl"))[0]["mean"])
 
 
+@pytest.fixture(params=["orjson", "json"])
+def jsonl_encoder(request, monkeypatch):
+    """The jsonl sink with orjson (where installed) and with the standard library."""
+    from hookplug_plugins.sinks import jsonl
+
+    if request.param == "orjson":
+        pytest.importorskip("orjson")
+        monkeypatch.setattr(jsonl, "_DUMPS", None)
+        assert jsonl._dumps() is not jsonl._dumps_stdlib
+    else:
+        monkeypatch.setattr(jsonl, "_DUMPS", jsonl._dumps_stdlib)
+    return request.param
+
+
+def test_jsonl_encoders_write_the_same_records(tmp_path, jsonl_encoder):
+    """orjson and json give the same parsed lines: non-finite floats (stats and a producer's
+    own meta) as null, and what orjson refuses (a key that is not a str, an int over 64
+    bits, a numpy float) handed to json."""
+    np = pytest.importorskip("numpy")
+    from hookplug_plugins.sinks.jsonl import JsonlSink
+
+    recs = [
+        {"step": 0, "time": 1.5, "rank": 0, "module": "fc1", "site": "output", "numel": 3,
+         "nan_count": 1, "inf_count": 1, "zero_count": 0, "min": 0.25, "max": math.inf,
+         "mean": math.nan, "std": -math.inf, "absmax": 1e-300, "rms": math.nan,
+         "hist": [0, 2, 5], "hist_edges": [0.0, 1.0, 2.0, 4.0], "note": "\u00e9\"q\"",
+         "extra": {"x": [math.nan, 1.0, (2, 3)]}},
+        {"step": 1, "time": 2.0, "rank": 0, "module": "fc1", "site": "output", "numel": 3,
+         "big": 2 ** 70, "np": np.float64(0.5), "nested": {1: "int key"}},
+    ]
+    sink = JsonlSink(str(tmp_path / "t.jsonl"))
+    sink.hookplug_flush(session=None, records=recs)
+    sink.close()
+    lines = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert lines[0]["max"] is None and lines[0]["mean"] is None and lines[0]["std"] is None
+    assert lines[0]["rms"] is None and lines[0]["absmax"] == 1e-300 and lines[0]["time"] == 1.5
+    assert lines[0]["extra"] == {"x": [None, 1.0, [2, 3]]} and lines[0]["note"] == "\u00e9\"q\""
+    assert lines[0]["hist"] == [0, 2, 5] and lines[0]["hist_edges"] == [0.0, 1.0, 2.0, 4.0]
+    assert lines[1]["big"] == 2 ** 70 and lines[1]["np"] == 0.5 and lines[1]["nested"] == {"1": "int key"}
+    assert "hist_edges" not in lines[1]  # unchanged for (fc1, output): written once
+    assert recs[0]["mean"] is not None and math.isnan(recs[0]["mean"])  # the records are not changed
+
+
 def test_jsonl_concurrent_writers_never_tear_a_line(tmp_path):
     """Two sinks (two O_APPEND descriptors, as two ranks with all_ranks=True would have)
     appending big records at once: every line is one whole record."""
