@@ -4,7 +4,8 @@ wandb-style hooks that read every statistic back to the host (``.item()``) each 
 For a CNN (``hookplug.models.tiny_cnn``) and a transformer block
 (``hookplug.models.tiny_transformer``), one run times these variants side by side
 (interleaved rounds; the median and the best per-round step time, the best being the
-least disturbed by other load on a shared machine):
+least disturbed by other load on a shared machine, and the paired ratio: the median over
+rounds of each round's ratio to that round's no-hooks time):
 
 - ``no hooks``: the bare training step (forward, cross-entropy, backward, SGD);
 - ``stats every step, no sink``: the hooks and the op alone (no telemetry);
@@ -187,10 +188,15 @@ def main(argv=None):
             best = {k: min(v) for k, v in times.items()}
             print(f"\n{name}: {n_mod} Conv2d/Linear modules, {total} timed steps per variant "
                   f"({args.rounds} interleaved rounds; median and best round)")
-            print(f"  {'variant':<30}{'ms/step':>10}{'vs no hooks':>13}{'best ms':>10}{'best vs no':>12}")
+            # paired: each round's ratio to the no-hooks run of the same round, then the median
+            # (drift over the run cancels; the column to read on a shared machine)
+            paired = {k: statistics.median(t / b for t, b in zip(v, times["no hooks"]))
+                      for k, v in times.items()}
+            print(f"  {'variant':<30}{'ms/step':>10}{'vs no hooks':>13}{'best ms':>10}{'best vs no':>12}"
+                  f"{'paired':>9}")
             for k in VARIANTS:
                 print(f"  {k:<30}{med[k] * 1e3:>10.3f}{med[k] / med['no hooks']:>12.3f}x"
-                      f"{best[k] * 1e3:>10.3f}{best[k] / best['no hooks']:>11.3f}x")
+                      f"{best[k] * 1e3:>10.3f}{best[k] / best['no hooks']:>11.3f}x{paired[k]:>8.3f}x")
     cost = unsampled_cost()
     print("\nunsampled step, per module call (200 Identity modules, no grad):")
     for k, v in cost.items():

@@ -8,6 +8,10 @@ self time of the hooked run. A step whose device is idle much longer with hooks 
 without is waiting on the host (launch-bound or a blocking call); a step whose busy time
 grows is paying for the kernels themselves.
 
+Then the op alone on the model's hooked outputs (captured from one forward): the device
+time a step's op calls take, and the host time per call, against one ``torch.sum`` per
+tensor -- what the kernels cost on the real shapes, apart from hooks and telemetry.
+
     python benchmarks/profile_step.py --device cuda [--model gpt2] [--steps 10]
     python benchmarks/profile_step.py --quick          # tiny model on the CPU (a smoke test)
 """
@@ -63,6 +67,56 @@ def profile(kind, model, opt, loss_fn, device, args, out_dir):
     return wall, busy / args.steps, launches / args.steps, top_dev, top_host
 
 
+def op_alone(model, loss_fn, device, select, reps=10):
+    """(tensors, elements, op device ms/step, sum device ms/step, op host us/call, sum host
+    us/call): the stats op and torch.sum over the outputs the selector hooks."""
+    from hookplug._bank import StatsBank
+
+    names = set(select.split("|"))
+    outs = []
+    hooks = [m.register_forward_hook(lambda m, i, o: outs.append(o.detach()))
+             for m in model.modules() if type(m).__name__ in names]
+    try:
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16,
+                                             enabled=device.type == "cuda"):
+            loss_fn(model)
+    finally:
+        for h in hooks:
+            h.remove()
+    outs = [o for o in outs if isinstance(o, torch.Tensor) and o.is_floating_point()]
+    bank = StatsBank()
+    bank.prepare(device)
+    keys = [(i,) for i in range(len(outs))]
+
+    def run_op():
+        for t, k in zip(outs, keys):
+            bank.accumulate(t, k)
+
+    def run_sum():
+        for t in outs:
+            torch.sum(t)
+
+    res = []
+    for fn in (run_op, run_sum):
+        fn()  # warm
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        host = (time.perf_counter() - t0) / (reps * max(1, len(outs))) * 1e6
+        if device.type == "cuda":
+            end.record()
+            end.synchronize()
+            dev_ms = start.elapsed_time(end) / reps
+        else:
+            dev_ms = (time.perf_counter() - t0) / reps * 1e3
+        res.append((dev_ms, host))
+    return len(outs), sum(o.numel() for o in outs), res[0][0], res[1][0], res[0][1], res[1][1]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -95,6 +149,10 @@ def main(argv=None):
     print("  top host ops with stats (name, calls, self ms):")
     for name, n, ms in top_host:
         print(f"    {name:70s} {n:6d} {ms:9.2f}")
+    n, numel, op_ms, sum_ms, op_us, sum_us = op_alone(model, loss_fn, device, bt.SELECT[args.model])
+    print(f"  op alone on the {n} hooked outputs ({numel / 1e6:.1f} M elements), per step: "
+          f"device {op_ms:.2f} ms (torch.sum {sum_ms:.2f} ms); host {op_us:.1f} us/call "
+          f"(torch.sum {sum_us:.1f} us/call)")
 
 
 if __name__ == "__main__":

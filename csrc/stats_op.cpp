@@ -89,8 +89,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("accumulate", [](const at::Tensor& x, const at::Tensor& acc, int64_t row,
                          const std::optional<at::Tensor>& gate, int64_t bins, int64_t hist_mode,
                          std::optional<double> lo, std::optional<double> hi) {
+    // A large read on the CPU lets other threads run meanwhile. A CUDA call only enqueues
+    // (microseconds): giving the GIL away there buys nothing, and taking it back can wait a
+    // switch interval (5 ms) behind a busy thread (a data loader's).
     std::optional<pybind11::gil_scoped_release> no_gil;
-    if (x.numel() >= (int64_t{1} << 16)) no_gil.emplace();  // large reads let threads run
+    if (!x.is_cuda() && x.numel() >= (int64_t{1} << 16)) no_gil.emplace();
     hookplug::stats_accumulate_autograd(x, acc, row, gate, bins, hist_mode, lo, hi);
   }, "hookplug::stats_accumulate_ for eager callers (see hookplug._bank).");
   m.def("row_layout", []() {
