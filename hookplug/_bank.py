@@ -13,9 +13,11 @@ one-element device flag the op reads inside compiled code (no recompiles).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import warnings
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -28,6 +30,43 @@ _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 MAX_BINS = 1 << 16
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _FOLD_EVERY = 16  # ended steps merged into the totals in one batch
+_BANKS: "weakref.WeakValueDictionary[int, StatsBank]" = weakref.WeakValueDictionary()
+_bank_ids = itertools.count(1)
+_by_key_op = None
+
+
+def _accumulate_by_key_op():
+    """``hookplug::stats_accumulate_by_key(x, bank, module, site, phase) -> ()``: the bank
+    (by id) and row (by key) are looked up when it runs, so a compiled backward holds no
+    bank tensor (AOT autograd would save it for backward, and the forward's in-place
+    updates of it would then fail autograd's version check) and assigns rows at run time.
+    It returns nothing: registered as an ordered effect so compiled graphs keep it."""
+    global _by_key_op
+    if _by_key_op is None:
+        @torch.library.custom_op("hookplug::stats_accumulate_by_key", mutates_args=())
+        def by_key(x: torch.Tensor, bank: int, module: str, site: str, phase: str) -> None:
+            owner = _BANKS.get(bank)
+            if owner is not None:
+                owner.accumulate(x, (module, site, phase), gated=True)
+
+        @by_key.register_fake
+        def _(x, bank, module, site, phase):
+            return None
+
+        _by_key_op = torch.ops.hookplug.stats_accumulate_by_key.default
+        _register_ordered_effect(_by_key_op)
+    return _by_key_op
+
+
+def _register_ordered_effect(op) -> None:
+    """Mark ``op`` an ordered side effect (private torch APIs: there is no public one)."""
+    from torch._higher_order_ops import effects
+
+    register = getattr(torch.library, "_register_effectful_op", None)
+    if register is not None:  # newer torch: by name (2.13 refuses a CustomOpDef here)
+        register(op._name, effects._EffectType.ORDERED)
+    else:  # older torch: the op overload
+        effects._register_effectful_op(op, effects._EffectType.ORDERED)
 
 
 def check_sites(who: str, sites, allowed) -> tuple:
@@ -159,11 +198,14 @@ class StatsBank:
         self._devices: Dict[torch.device, _DeviceRows] = {}
         self._accumulate: Optional[Callable] = None
         self._eager: Optional[Callable] = None
+        self._by_key: Optional[Callable] = None
         self.live = True
         self._warned = False
         self.rows: Dict[Tuple, int] = {}
         self.keys: List[Tuple] = []  # row r holds keys[r - 1]
         self.pending: List[Tuple[int, Dict[torch.device, torch.Tensor]]] = []
+        self.id = next(_bank_ids)  # what stats_accumulate_by_key finds it by
+        _BANKS[self.id] = self
 
     # -- rows --------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -202,14 +244,16 @@ class StatsBank:
             self._eager = ops.eager_accumulate()
         else:
             self._accumulate = ops.reference_accumulate_
+        self._by_key = _accumulate_by_key_op()
         if device is not None:
             self.device_rows(device)
 
     # -- the hot path ------------------------------------------------------------------------
-    def accumulate(self, t: torch.Tensor, key: Tuple) -> None:
-        """Merge the statistics of ``t`` (strided, floating) into ``key``'s row."""
+    def accumulate(self, t: torch.Tensor, key: Tuple, gated: bool = False) -> None:
+        """Merge the statistics of ``t`` (strided, floating) into ``key``'s row (``gated``:
+        sampling left to the device gate alone, as in compiled code)."""
         compiling = _is_compiling()
-        if not compiling and not self.live:
+        if not compiling and not self.live and not gated:
             return  # an unsampled step (eager); traced code reads the device gate instead
         row = self.rows.get(key) or self.row_of(key)
         dev = self._devices.get(t.device) or self.device_rows(t.device)
@@ -221,6 +265,13 @@ class StatsBank:
         if self._accumulate is None:  # subclasses, traced code and the reference op: torch.ops
             self.prepare()
         self._accumulate(t.detach(), dev.acc, row, dev.gate, *self.op_args)
+
+    def accumulate_by_key(self, t: torch.Tensor, key: Tuple[str, str, str]) -> None:
+        """``accumulate`` as one op that names the bank and key, no bank tensor: what a
+        traced backward (a compiled grad hook) calls; rows are assigned when it runs."""
+        if self._by_key is None:
+            self.prepare()
+        self._by_key(t.detach(), self.id, *key)
 
     def set_live(self, live: bool) -> None:
         if live != self.live:

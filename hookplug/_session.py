@@ -23,7 +23,7 @@ from . import hookspecs
 from ._config import _records_given, attach_options
 from ._manager import PluginError, PluginLoadError, create_plugin, new_plugin_manager
 from ._selectors import named_modules, named_parameters, select, unwrap_model
-from .structures import iter_tensors
+from .structures import iter_tensors, map_tensors
 
 __all__ = ["attach", "Session", "HookContext"]
 
@@ -211,6 +211,26 @@ def _adapt(impl, hook_name: str) -> Callable:
     return adapted
 
 
+class _GradSite(torch.autograd.Function):
+    """A module output's grad site in compiled code: ``hook(grad)`` in backward, identity
+    otherwise. dynamo traces it, backward included, with no graph break (it breaks on
+    ``grad_fn``, and on ``register_hook`` of an intermediate where torch does not trace
+    those; in 2.13, which does, the traced hook makes transformers' DynamicCache frames
+    fall back to eager).
+    Forward clones: a view returned by a Function refuses later in-place ops
+    (``ReLU(inplace=True)``); inductor fuses the clone away."""
+
+    @staticmethod
+    def forward(ctx, t, hook):
+        ctx.hook = hook
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        res = ctx.hook(grad)
+        return grad if res is None else res, None
+
+
 class _ModuleBinding:
     """The torch hooks of one module: tuples of ``(plugin, fn)`` per hook kind.
 
@@ -221,8 +241,8 @@ class _ModuleBinding:
     """
 
     __slots__ = ("name", "session", "fwd_in", "fwd_out", "out_grad", "all_in", "all_out",
-                 "all_grad", "calls", "has_pre", "has_post", "variants", "_pending",
-                 "__weakref__")
+                 "all_grad", "grad_in_graph", "calls", "has_pre", "has_post", "variants",
+                 "_pending", "__weakref__")
 
     def __init__(self, name: str, session: "Session"):
         self.name = name
@@ -233,6 +253,7 @@ class _ModuleBinding:
         self.all_in: Tuple = ()
         self.all_out: Tuple = ()
         self.all_grad: Tuple = ()
+        self.grad_in_graph = False  # every all_grad plugin can be traced into a compiled backward
         self.calls = 0  # every call, sampled or not
         self.has_pre = False
         self.has_post = False
@@ -311,11 +332,19 @@ class _ModuleBinding:
         if new is not None:
             output = new
         if out_grad and torch.is_grad_enabled():
+            if compiling and self.grad_in_graph:  # no tensor hook: traced into the backward graph
+                return map_tensors(functools.partial(self._grad_site, ctx, module), output)
             for path, t in iter_tensors(output):
                 # a leaf (a Parameter returned as is) would keep a tensor hook for good
                 if t.requires_grad and t.grad_fn is not None:
                     t.register_hook(functools.partial(self.grad_hook, ctx, module, path))
         return new
+
+    def _grad_site(self, ctx, module, path, t):
+        """``t`` through :class:`_GradSite` (compiled code; leaves and constants as they are)."""
+        if t.requires_grad and not t.is_leaf:
+            return _GradSite.apply(t, functools.partial(self.grad_hook, ctx, module, path))
+        return t
 
     def grad_hook(self, ctx, module, path, grad):
         s = self.session
@@ -768,6 +797,7 @@ class Session:
                 for sampling in (True, False)
             }
             binding.all_in, binding.all_out, binding.all_grad = binding.variants[True]
+            binding.grad_in_graph = all(getattr(p, "grad_in_graph", False) for p, _ in binding.all_grad)
         for pb in self._param_bindings.values():
             covering = [e for e in live if pb.name in self._params_of(e)]
             pb.variants = {sampling: impls_for("hookplug_param_grad", covering, sampling)

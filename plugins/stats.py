@@ -71,6 +71,7 @@ __all__ = ["StatsPlugin"]
 _SITES = ("input", "output", "grad")
 _PHASES = ("train", "eval")
 _STRIDED = torch.strided
+_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
 
 class StatsPlugin(hookplug.Plugin):
@@ -79,6 +80,7 @@ class StatsPlugin(hookplug.Plugin):
 
     name = "stats"  # sampled (every=N): unbound on unsampled steps in eager code; in
     # compiled code (always bound) the bank's device gate skips them
+    grad_in_graph = True  # hookplug_output_grad can be traced into a compiled backward
 
     def __init__(
         self,
@@ -183,7 +185,12 @@ class StatsPlugin(hookplug.Plugin):
 
     @hookimpl
     def hookplug_output_grad(self, ctx, module, grad, path):
-        self._record(ctx, "grad" + path[6:] if path.startswith("output") else f"grad.{path}", grad)
+        site = "grad" + path[6:] if path.startswith("output") else f"grad.{path}"
+        if _is_compiling():  # traced into the compiled backward: the op names bank and key,
+            if grad.is_floating_point():  # no bank tensor (see StatsBank.accumulate_by_key)
+                self.bank.accumulate_by_key(grad, (ctx.name, site, ctx.phase))
+            return
+        self._record(ctx, site, grad)
 
     # -- session and telemetry -------------------------------------------------------------------
 

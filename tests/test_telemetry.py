@@ -336,6 +336,44 @@ def test_stats_on_outputs_cause_no_graph_break():
     assert len(ops) == 4  # fc1, fc2 (called twice), fc3: one node per call
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_grad_site_compiles_without_graph_breaks(backend):
+    """Output gradients in compiled code: the stats op runs inside the compiled backward (no
+    tensor hook, no graph break, no bank tensor saved for backward), one graph for every
+    step with gradient accumulation and an in-place ReLU after a hooked output, and the
+    records equal eager."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 64), nn.ReLU(inplace=True), nn.Linear(64, 10))
+    x = torch.randn(8, 32)
+    opts = ("stats", {"sites": ("output", "grad")})
+
+    def train(run, s):
+        for _ in range(3):
+            for _ in range(2):  # two micro-batches per step
+                run(x).square().mean().backward()
+            s.step()
+
+    eager, compiled = ListSink(), ListSink()
+    with hookplug.attach(m, "Linear", plugins=opts, sink=eager, flush_every=1) as s:
+        train(m, s)
+    torch._dynamo.reset()
+    counters.clear()
+    with hookplug.attach(m, "Linear", plugins=opts, sink=compiled, flush_every=1) as s:
+        train(torch.compile(m, backend=backend), s)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert sum(counters["recompiles"].values()) == 0, dict(counters["recompiles"])
+    e, c = by_key(eager.records), by_key(compiled.records)
+    assert set(e) == set(c) and sum(k[2] == "grad" for k in e) == 3 * 2
+    for k in e:
+        for f in ("numel", "nan_count", "zero_count", "min", "max", "hist"):
+            assert e[k][f] == c[k][f], (k, f)
+        for f in ("mean", "std"):
+            assert math.isclose(e[k][f], c[k][f], rel_tol=1e-6, abs_tol=1e-12), (k, f)
+
+
 def _compiled_run(model, s, x, steps, backend="eager"):
     from torch._dynamo.utils import counters
 
@@ -599,14 +637,15 @@ def _train_steps(model, s, make_loss, steps):
         s.step()
 
 
-def _compare_compiled_with_eager(model, select, make_loss, steps=3, backend="aot_eager", **compile_kw):
+def _compare_compiled_with_eager(model, select, make_loss, steps=3, backend="aot_eager",
+                                 sites=("output",), **compile_kw):
     """Graphs and recompiles of the compiled model with stats attached against the same model
     compiled without hooks; records of compiled training steps against eager ones. Returns
     torch._dynamo's counters of the hooked run."""
     from torch._dynamo.utils import counters
 
     eager = ListSink()
-    with hookplug.attach(model, select, plugins="stats", sink=eager) as s:
+    with hookplug.attach(model, select, plugins=("stats", {"sites": sites}), sink=eager) as s:
         _train_steps(model, s, make_loss, steps)
     torch._dynamo.reset()
     counters.clear()
@@ -618,7 +657,7 @@ def _compare_compiled_with_eager(model, select, make_loss, steps=3, backend="aot
     counters.clear()
     compiled = ListSink()
     hooked = torch.compile(model, backend=backend, **compile_kw)
-    with hookplug.attach(model, select, plugins="stats", sink=compiled) as s:
+    with hookplug.attach(model, select, plugins=("stats", {"sites": sites}), sink=compiled) as s:
         _train_steps(hooked, s, make_loss, steps)
     assert counters["stats"]["unique_graphs"] == graphs_plain, dict(counters["stats"])
     assert sum(counters["recompiles"].values()) == 0, dict(counters["recompiles"])
@@ -650,6 +689,13 @@ def test_compiled_gpt2_training_steps_equal_eager_without_extra_graphs():
     (aot_eager) and trained: stats add no graph and no recompile, records equal eager."""
     model, loss = _small_gpt2()
     _compare_compiled_with_eager(model, "Linear|Conv1D", loss)
+
+
+def test_compiled_gpt2_grad_site_equals_eager_without_extra_graphs():
+    """The same with output gradients: their stats run inside the compiled backward graphs
+    (several graphs here: the bank is never saved for backward between them)."""
+    model, loss = _small_gpt2()
+    _compare_compiled_with_eager(model, "Linear|Conv1D", loss, sites=("output", "grad"))
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
