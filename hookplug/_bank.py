@@ -32,30 +32,36 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _FOLD_EVERY = 16  # ended steps merged into the totals in one batch
 _BANKS: "weakref.WeakValueDictionary[int, StatsBank]" = weakref.WeakValueDictionary()
 _bank_ids = itertools.count(1)
-_by_key_op = None
+_by_key_op: Any = None  # the op, or False where this torch cannot keep it in a graph
 
 
-def _accumulate_by_key_op():
-    """``hookplug::stats_accumulate_by_key(x, bank, module, site, phase) -> ()``: the bank
-    (by id) and row (by key) are looked up when it runs, so a compiled backward holds no
-    bank tensor (AOT autograd would save it for backward, and the forward's in-place
-    updates of it would then fail autograd's version check) and assigns rows at run time.
-    It returns nothing: registered as an ordered effect so compiled graphs keep it."""
+def accumulate_by_key_op():
+    """``hookplug::stats_accumulate_by_key(x, bank, module, site, phase) -> ()``, or None
+    where torch offers no way to keep it in a compiled graph (grad sites then graph-break
+    as before). The bank (by id) and row (by key) are looked up when it runs, so a compiled
+    backward holds no bank tensor (AOT autograd would save it for backward, and the
+    forward's in-place updates of it would then fail autograd's version check), and rows
+    are assigned at run time. It returns nothing: registered as an ordered effect so
+    compiled graphs keep it."""
     global _by_key_op
     if _by_key_op is None:
-        @torch.library.custom_op("hookplug::stats_accumulate_by_key", mutates_args=())
-        def by_key(x: torch.Tensor, bank: int, module: str, site: str, phase: str) -> None:
-            owner = _BANKS.get(bank)
-            if owner is not None:
-                owner.accumulate(x, (module, site, phase), gated=True)
+        try:
+            @torch.library.custom_op("hookplug::stats_accumulate_by_key", mutates_args=())
+            def by_key(x: torch.Tensor, bank: int, module: str, site: str, phase: str) -> None:
+                owner = _BANKS.get(bank)
+                if owner is not None:
+                    owner.accumulate(x, (module, site, phase), gated=True)
 
-        @by_key.register_fake
-        def _(x, bank, module, site, phase):
-            return None
+            @by_key.register_fake
+            def _(x, bank, module, site, phase):
+                return None
 
-        _by_key_op = torch.ops.hookplug.stats_accumulate_by_key.default
-        _register_ordered_effect(_by_key_op)
-    return _by_key_op
+            op = torch.ops.hookplug.stats_accumulate_by_key.default
+            _register_ordered_effect(op)
+            _by_key_op = op
+        except (AttributeError, ImportError, TypeError, RuntimeError, AssertionError):
+            _by_key_op = False  # a torch without these (private) APIs
+    return _by_key_op or None
 
 
 def _register_ordered_effect(op) -> None:
@@ -244,7 +250,7 @@ class StatsBank:
             self._eager = ops.eager_accumulate()
         else:
             self._accumulate = ops.reference_accumulate_
-        self._by_key = _accumulate_by_key_op()
+        self._by_key = accumulate_by_key_op()
         if device is not None:
             self.device_rows(device)
 
@@ -271,7 +277,10 @@ class StatsBank:
         traced backward (a compiled grad hook) calls; rows are assigned when it runs."""
         if self._by_key is None:
             self.prepare()
-        self._by_key(t.detach(), self.id, *key)
+        if self._by_key is None:  # no by-key op in this torch: as eager code does
+            self.accumulate(t, key)
+        else:
+            self._by_key(t.detach(), self.id, *key)
 
     def set_live(self, live: bool) -> None:
         if live != self.live:

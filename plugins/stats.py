@@ -62,7 +62,8 @@ import torch
 
 import hookplug
 from hookplug import hookimpl
-from hookplug._bank import StatsBank, check_hist_options, check_max_pending, check_sites, host_copy
+from hookplug._bank import (StatsBank, accumulate_by_key_op, check_hist_options, check_max_pending,
+                            check_sites, host_copy)
 from hookplug._stats import FIRST_BAD, TensorStats
 from hookplug.structures import iter_tensors
 
@@ -80,7 +81,6 @@ class StatsPlugin(hookplug.Plugin):
 
     name = "stats"  # sampled (every=N): unbound on unsampled steps in eager code; in
     # compiled code (always bound) the bank's device gate skips them
-    grad_in_graph = True  # hookplug_output_grad can be traced into a compiled backward
 
     def __init__(
         self,
@@ -96,6 +96,9 @@ class StatsPlugin(hookplug.Plugin):
         bins, hist, range = check_hist_options("stats", bins, hist, range)
         check_max_pending("stats", max_pending_steps)
         self.sites = sites
+        # hookplug_output_grad can be traced into a compiled backward (no graph break per
+        # module) where this torch can keep the by-key op in a graph
+        self.grad_in_graph = "grad" in sites and accumulate_by_key_op() is not None
         self.nonfinite = nonfinite
         self._bad_in_flight: list = []  # [(step, [(host column, event)])] copies not yet read
         self.bins = bins
@@ -186,7 +189,7 @@ class StatsPlugin(hookplug.Plugin):
     @hookimpl
     def hookplug_output_grad(self, ctx, module, grad, path):
         site = "grad" + path[6:] if path.startswith("output") else f"grad.{path}"
-        if _is_compiling():  # traced into the compiled backward: the op names bank and key,
+        if _is_compiling() and self.grad_in_graph:  # a compiled backward: the op names bank and key,
             if grad.is_floating_point():  # no bank tensor (see StatsBank.accumulate_by_key)
                 self.bank.accumulate_by_key(grad, (ctx.name, site, ctx.phase))
             return

@@ -374,6 +374,35 @@ def test_grad_site_compiles_without_graph_breaks(backend):
             assert math.isclose(e[k][f], c[k][f], rel_tol=1e-6, abs_tol=1e-12), (k, f)
 
 
+def test_grad_site_without_the_by_key_op_falls_back_to_tensor_hooks(monkeypatch):
+    """Where torch cannot keep the by-key op in a graph (no effect registration), grad sites
+    take the tensor-hook path in compiled code too: a graph break per module, same records."""
+    from torch._dynamo.utils import counters
+
+    from hookplug import _bank
+
+    monkeypatch.setattr(_bank, "_by_key_op", False)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    x = torch.randn(8, 32)
+    opts = ("stats", {"sites": ("output", "grad")})
+    eager, compiled = ListSink(), ListSink()
+    for sink, run in ((eager, m), (compiled, None)):
+        torch._dynamo.reset()
+        counters.clear()
+        with hookplug.attach(m, "Linear", plugins=opts, sink=sink, flush_every=1) as s:
+            assert not s["stats"].grad_in_graph
+            fn = run or torch.compile(m, backend="aot_eager")
+            for _ in range(2):
+                fn(x).square().mean().backward()
+                s.step()
+    assert counters["graph_break"]  # the tensor hooks' path
+    e, c = by_key(eager.records), by_key(compiled.records)
+    assert set(e) == set(c) and sum(k[2] == "grad" for k in e) == 2 * 2
+    for k in e:
+        assert e[k]["hist"] == c[k]["hist"] and e[k]["min"] == c[k]["min"], k
+
+
 def _compiled_run(model, s, x, steps, backend="eager"):
     from torch._dynamo.utils import counters
 
@@ -712,6 +741,18 @@ def test_reduce_overhead_cuda_graphs_gpt2_training_steps_equal_eager():
     model, loss = _small_gpt2("cuda")
     inductor = _compare_compiled_with_eager(model, "Linear|Conv1D", loss, steps=4,
                                             backend="inductor", mode="reduce-overhead")
+    assert not inductor.get("cudagraph_skips"), inductor
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_inductor_on_cuda_gpt2_grad_site_equals_eager(mode):
+    """Output gradients under inductor on CUDA (and its CUDA graphs): the by-key op inside the
+    compiled backward, no extra graph, records equal eager, no CUDA graph skipped."""
+    model, loss = _small_gpt2("cuda")
+    kw = {"mode": mode} if mode else {}
+    inductor = _compare_compiled_with_eager(model, "Linear|Conv1D", loss, steps=4, backend="inductor",
+                                            sites=("output", "grad"), **kw)
     assert not inductor.get("cudagraph_skips"), inductor
 
 
