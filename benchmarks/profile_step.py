@@ -69,12 +69,14 @@ def profile(kind, model, opt, loss_fn, device, args, out_dir):
 
 def op_alone(model, loss_fn, device, select, reps=10):
     """(tensors, elements, op device ms/step, sum device ms/step, op host us/call, sum host
-    us/call): the stats op and torch.sum over the outputs the selector hooks."""
+    us/call): the stats op and torch.sum over the outputs the selector hooks. Device time is
+    the kernels' busy time from the profiler (on the CPU: the host time)."""
     from hookplug._bank import StatsBank
 
     names = set(select.split("|"))
     outs = []
-    hooks = [m.register_forward_hook(lambda m, i, o: outs.append(o.detach()))
+    hooks = [m.register_forward_hook(lambda m, i, o: outs.extend(t.detach() for t in (
+                 o if isinstance(o, (tuple, list)) else (o,)) if isinstance(t, torch.Tensor)))
              for m in model.modules() if type(m).__name__ in names]
     try:
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16,
@@ -101,18 +103,21 @@ def op_alone(model, loss_fn, device, select, reps=10):
         fn()  # warm
         if device.type == "cuda":
             torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()
         host = (time.perf_counter() - t0) / (reps * max(1, len(outs))) * 1e6
-        if device.type == "cuda":
-            end.record()
-            end.synchronize()
-            dev_ms = start.elapsed_time(end) / reps
+        if device.type == "cuda":  # the kernels' own time (launch gaps left out)
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+
+            torch.cuda.synchronize()
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(reps):
+                    fn()
+                torch.cuda.synchronize()
+            dev_ms = _events_summary(prof, True)[0] / reps * 1e3
         else:
-            dev_ms = (time.perf_counter() - t0) / reps * 1e3
+            dev_ms = host * len(outs) / 1e3
         res.append((dev_ms, host))
     return len(outs), sum(o.numel() for o in outs), res[0][0], res[1][0], res[0][1], res[1][1]
 

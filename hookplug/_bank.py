@@ -251,6 +251,7 @@ class StatsBank:
         else:
             self._accumulate = ops.reference_accumulate_
         self._by_key = accumulate_by_key_op()
+        _BANKS[self.id] = self  # (again, after a close(): a plugin attached once more)
         if device is not None:
             self.device_rows(device)
 
@@ -271,6 +272,11 @@ class StatsBank:
         if self._accumulate is None:  # subclasses, traced code and the reference op: torch.ops
             self.prepare()
         self._accumulate(t.detach(), dev.acc, row, dev.gate, *self.op_args)
+
+    def close(self) -> None:
+        """The session ended: a compiled backward that still runs finds no bank by id
+        (records nothing, as removed tensor hooks do)."""
+        _BANKS.pop(self.id, None)
 
     def accumulate_by_key(self, t: torch.Tensor, key: Tuple[str, str, str]) -> None:
         """``accumulate`` as one op that names the bank and key, no bank tensor: what a

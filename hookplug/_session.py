@@ -23,7 +23,7 @@ from . import hookspecs
 from ._config import _records_given, attach_options
 from ._manager import PluginError, PluginLoadError, create_plugin, new_plugin_manager
 from ._selectors import named_modules, named_parameters, select, unwrap_model
-from .structures import iter_tensors, map_tensors
+from .structures import children, iter_tensors, map_tensors
 
 __all__ = ["attach", "Session", "HookContext"]
 
@@ -211,6 +211,28 @@ def _adapt(impl, hook_name: str) -> Callable:
     return adapted
 
 
+def _aliases_input(t: torch.Tensor, args) -> bool:
+    """Whether ``t`` shares memory with one of the module's input tensors: it is one, or a
+    view of one, or both are views of one base (read with ``_base``, which dynamo traces)."""
+    base = t if t._base is None else t._base
+    for _, a in iter_tensors(args, "input"):
+        if base is (a if a._base is None else a._base):
+            return True
+    return False
+
+
+def _plain_container(obj) -> bool:
+    """Whether ``obj`` is a tensor, or nested tuples, lists, dicts, namedtuples and HF
+    ModelOutputs (whatever else), which :func:`map_tensors` rebuilds as they were."""
+    kids = children(obj)
+    if kids is None:
+        return True
+    t = type(obj)
+    plain = (t in (tuple, list, dict) or (t.__bases__ == (tuple,) and hasattr(obj, "_fields"))
+             or (isinstance(obj, dict) and dataclasses.is_dataclass(obj)))  # HF ModelOutput
+    return plain and all(_plain_container(v) for _, _, v in kids)
+
+
 class _GradSite(torch.autograd.Function):
     """A module output's grad site in compiled code: ``hook(grad)`` in backward, identity
     otherwise. dynamo traces it, backward included, with no graph break (it breaks on
@@ -333,18 +355,57 @@ class _ModuleBinding:
             output = new
         if out_grad and torch.is_grad_enabled():
             if compiling and self.grad_in_graph:  # no tensor hook: traced into the backward graph
-                return map_tensors(functools.partial(self._grad_site, ctx, module), output)
+                wrapped = self._grad_sites(ctx, module, args, output)
+                if wrapped is not None:
+                    return wrapped
             for path, t in iter_tensors(output):
                 # a leaf (a Parameter returned as is) would keep a tensor hook for good
                 if t.requires_grad and t.grad_fn is not None:
                     t.register_hook(functools.partial(self.grad_hook, ctx, module, path))
         return new
 
-    def _grad_site(self, ctx, module, path, t):
-        """``t`` through :class:`_GradSite` (compiled code; leaves and constants as they are)."""
-        if t.requires_grad and not t.is_leaf:
-            return _GradSite.apply(t, functools.partial(self.grad_hook, ctx, module, path))
-        return t
+    def _grad_sites(self, ctx, module, args, output):
+        """Compiled code: ``output`` with each tensor that needs a grad site passed through
+        :class:`_GradSite` once (a tensor at several paths runs every path's hooks with the
+        whole gradient, as tensor hooks do); ``output`` itself when none needs one. None
+        where the clone could change what the model computes or returns: a view or an
+        input returned as output (the clone would not alias it) or a container other than a
+        tuple, list, dict, namedtuple or HF ModelOutput; those take the tensor hooks."""
+        found: List[Tuple[torch.Tensor, List[str]]] = []
+        for path, t in iter_tensors(output):
+            if not t.requires_grad or t.is_leaf:  # a leaf would keep a tensor hook for good
+                continue
+            if _aliases_input(t, args):
+                return None
+            for u, paths in found:
+                if u is t:
+                    paths.append(path)
+                    break
+            else:
+                found.append((t, [path]))
+        if not found:
+            return output
+        if not _plain_container(output):
+            return None
+        wrapped = [(t, _GradSite.apply(t, functools.partial(self._grad_hooks, ctx, module, paths)))
+                   for t, paths in found]
+
+        def swap(path, t):
+            for u, w in wrapped:
+                if u is t:
+                    return w
+            return t
+
+        return map_tensors(swap, output)
+
+    def _grad_hooks(self, ctx, module, paths, grad):
+        """The grad hooks of every path of one tensor (the first replacement wins)."""
+        out = None
+        for path in paths:
+            res = self.grad_hook(ctx, module, path, grad)
+            if res is not None and out is None:
+                out = res
+        return out
 
     def grad_hook(self, ctx, module, path, grad):
         s = self.session

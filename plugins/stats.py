@@ -212,6 +212,10 @@ class StatsPlugin(hookplug.Plugin):
         self.bank.set_live(session.sampled)
 
     @hookimpl
+    def hookplug_session_end(self, session):
+        self.bank.close()
+
+    @hookimpl
     def hookplug_step(self, session, step):
         """The bank as a whole: snapshot the ended step, reset in place (folded later, in batches)."""
         before = self.bank.pending[-1] if self.bank.pending else None

@@ -3,8 +3,10 @@
 Records are checked against statistics computed here with plain torch hooks and float64
 torch reductions, never against values the code under test produced.
 """
+import dataclasses
 import math
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -372,6 +374,111 @@ def test_grad_site_compiles_without_graph_breaks(backend):
             assert e[k][f] == c[k][f], (k, f)
         for f in ("mean", "std"):
             assert math.isclose(e[k][f], c[k][f], rel_tol=1e-6, abs_tol=1e-12), (k, f)
+
+
+class _AliasOut(nn.Module):
+    """Returns its input itself (like nn.Identity): an in-place op on the output changes it."""
+
+    def forward(self, x):
+        return x
+
+
+class _ViewOut(nn.Module):
+    def forward(self, x):
+        return x.view(-1)
+
+
+@dataclasses.dataclass
+class _Out:
+    a: torch.Tensor
+    b: Any = dataclasses.field(init=False, default=None)  # not rebuilt by dataclasses.replace
+
+
+class _DataclassOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        o = _Out(self.fc(x))
+        o.b = self.fc(x) * 2
+        return o
+
+
+class _Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h, h
+
+
+class _GradSiteCases(nn.Module):
+    """Outputs the compiled grad site must leave as eager code sees them."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.alias, self.view = nn.Linear(4, 4), _AliasOut(), _ViewOut()
+        self.dc, self.twice = _DataclassOut(), _Twice()
+
+    def forward(self, x):
+        h = self.fc(self.fc(x))
+        g = self.alias(h)
+        g += 1  # changes h too
+        v = self.view(self.fc(x))
+        v.mul_(2)  # changes the Linear's output too
+        o = self.dc(x)
+        a, b = self.twice(x)
+        return (h * 3).sum() + g.sum() + v.sum() + o.a.sum() + o.b.sum() + (2 * a + 3 * b).sum()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_grad_site_keeps_aliases_containers_and_shared_tensors(backend):
+    """The clone of the compiled grad site never changes what the model computes: an output
+    that is a module's input or a view of it, or a container map_tensors cannot rebuild,
+    keeps the tensor hook; a tensor at two output paths gives both the whole gradient."""
+    torch.manual_seed(0)
+    m = _GradSiteCases()
+    x = torch.randn(2, 4)
+    runs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        sink = ListSink()
+        with hookplug.attach(m, "Linear|_AliasOut|_ViewOut|_DataclassOut|_Twice",
+                             plugins=("stats", {"sites": ("grad",)}), sink=sink, flush_every=1) as s:
+            loss = (torch.compile(m, backend=backend) if compiled else m)(x)
+            loss.backward()
+            grads = [p.grad.clone() for p in m.parameters()]
+            m.zero_grad()
+            s.step()
+        runs.append((loss.item(), grads, by_key(sink.records)))
+    (le, ge, e), (lc, gc, c) = runs
+    assert math.isclose(le, lc, rel_tol=1e-5)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(ge, gc))
+    # torch drops a tensor hook of a view modified in place (eager records no view/grad);
+    # after the compiled code's graph break the hook is registered on the new version
+    c.pop((0, "view", "grad"), None)
+    assert set(e) == set(c), (set(e) ^ set(c))
+    assert {k[1] for k in e} >= {"alias", "dc", "twice"}
+    for k in e:
+        assert e[k]["numel"] == c[k]["numel"] and e[k]["zero_count"] == c[k]["zero_count"], k
+        assert math.isclose(e[k]["mean"], c[k]["mean"], rel_tol=1e-5, abs_tol=1e-7), k
+
+
+def test_compiled_grad_site_after_remove_records_nothing():
+    """A compiled backward that runs after remove() finds no bank (as removed tensor hooks)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(3, 8)
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        s = hookplug.attach(m, "Linear", plugins=("stats", {"sites": ("grad",)}))
+        y = (torch.compile(m, backend="aot_eager") if compiled else m)(x).square().sum()
+        s.remove()
+        y.backward()
+        assert s["stats"].results() == {}, compiled
 
 
 def test_grad_site_without_the_by_key_op_falls_back_to_tensor_hooks(monkeypatch):

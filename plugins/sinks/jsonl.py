@@ -128,8 +128,8 @@ def _dumps():
     """The encoder of a record: ``orjson`` where it is installed (``pip install
     hookplug[jsonl]``; 10-15x faster than ``json`` on records with a histogram, and it writes
     NaN and infinities as null too), else the standard library. A record ``orjson`` refuses
-    (a type it does not know, an int over 64 bits, a key that is not a str) goes to the
-    standard library, which gives the same answer it always gave."""
+    (a type it does not know, a subclass, a dataclass or datetime, an int over 64 bits, a
+    key that is not a str) goes to the standard library, which answers as it always did."""
     global _DUMPS
     if _DUMPS is None:
         try:
@@ -137,9 +137,14 @@ def _dumps():
         except ImportError:
             _DUMPS = _dumps_stdlib
         else:
+            # subclasses, dataclasses and datetimes go to json too, which decides as it
+            # always did (orjson alone would also write Enum and UUID values)
+            opts = (orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATACLASS
+                    | orjson.OPT_PASSTHROUGH_DATETIME)
+
             def dumps(obj: Dict[str, Any]) -> bytes:
                 try:
-                    return orjson.dumps(obj)
+                    return orjson.dumps(obj, option=opts)
                 except TypeError:  # orjson.JSONEncodeError is a TypeError
                     return _dumps_stdlib(obj)
 
