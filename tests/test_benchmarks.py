@@ -36,3 +36,10 @@ def test_gpu_check_script_is_valid_bash_and_refuses_unknown_stages():
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     bad = subprocess.run(["bash", str(script), "nonsense"], capture_output=True, text=True)
     assert bad.returncode == 2 and "usage" in bad.stderr
+
+
+def test_telemetry_breakdown_runs_every_layer(capsys):
+    _load("telemetry_breakdown").main(["--models", "cnn", "--rounds", "1", "--steps", "1"])
+    out = capsys.readouterr().out
+    for kind in ("bare hook", "hook + op", "stats, jsonl flush/10", "the op itself"):
+        assert kind in out
