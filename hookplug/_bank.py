@@ -210,8 +210,7 @@ class StatsBank:
         self.rows: Dict[Tuple, int] = {}
         self.keys: List[Tuple] = []  # row r holds keys[r - 1]
         self.pending: List[Tuple[int, Dict[torch.device, torch.Tensor]]] = []
-        self.id = next(_bank_ids)  # what stats_accumulate_by_key finds it by
-        _BANKS[self.id] = self
+        self.id = next(_bank_ids)  # what stats_accumulate_by_key finds it by (see prepare)
 
     # -- rows --------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -251,7 +250,7 @@ class StatsBank:
         else:
             self._accumulate = ops.reference_accumulate_
         self._by_key = accumulate_by_key_op()
-        _BANKS[self.id] = self  # (again, after a close(): a plugin attached once more)
+        _BANKS[self.id] = self  # found by id from now on (again after a close(): attached once more)
         if device is not None:
             self.device_rows(device)
 

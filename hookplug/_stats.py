@@ -283,12 +283,12 @@ class StatsBlock(NamedTuple):
 
 
 _FLOAT_FIELDS = ("min", "max", "mean", "std", "absmax", "l2", "rms", "zero_fraction")
-_FIELDS = COUNT_COLUMNS + _FLOAT_FIELDS  # the order of rows_to_values' values
+STAT_FIELDS = COUNT_COLUMNS + _FLOAT_FIELDS  # every record's statistics, rows_to_values' order
 
 
 def rows_to_values(rows: torch.Tensor, hist: Any = None) -> List[Tuple[list, list, list]]:
     """Host rows ``[R, HEAD + B]`` as ``(values, hist_counts, hist_edges)`` per row, with
-    ``values`` in ``COUNT_COLUMNS + FLOAT_FIELDS`` order (ints, then floats). The derived
+    ``values`` in ``STAT_FIELDS`` order (ints, then floats). The derived
     fields are computed column-wise (one pass per field over all rows, then one conversion
     to Python numbers)."""
     if rows.shape[0] == 0:
@@ -312,10 +312,7 @@ def rows_to_values(rows: torch.Tensor, hist: Any = None) -> List[Tuple[list, lis
     counts = r[:, :ZERO + 1].to(torch.int64).tolist()  # NUMEL, NAN, INF, ZERO
     buckets = r[:, HEAD:].to(torch.int64).tolist()
     b = rows.shape[1] - HEAD
-    if b == LOG2_BINS and hist == "log2":  # every row shares the log2 edges
-        edges = [_LOG2_EDGES_LIST] * len(counts)
-    else:
-        edges = [_edges(lo, hi, hist, b) if b > 0 else [] for lo, hi in r[:, HIST_LO:HIST_HI + 1].tolist()]
+    edges = [_edges(lo, hi, hist, b) if b > 0 else [] for lo, hi in r[:, HIST_LO:HIST_HI + 1].tolist()]
     return [(c + f, bk, e) for c, f, bk, e in zip(counts, floats, buckets, edges)]
 
 
@@ -324,7 +321,7 @@ def rows_to_dicts(rows: torch.Tensor, hist: Any = None) -> List[Dict[str, Any]]:
     ``hist_edges`` lists (see :func:`rows_to_values`)."""
     out = []
     for values, buckets, edges in rows_to_values(rows, hist):
-        d = dict(zip(_FIELDS, values))
+        d = dict(zip(STAT_FIELDS, values))
         d["hist_counts"] = buckets
         d["hist_edges"] = edges
         out.append(d)

@@ -55,12 +55,10 @@ import torch
 
 from . import _stats
 from ._bank import host_copy
-from ._stats import FIRST_BAD, StatsBlock, TensorStats, merge_rows, rows_to_values
+from ._stats import FIRST_BAD, STAT_FIELDS, StatsBlock, TensorStats, merge_rows, rows_to_values
 
 __all__ = ["Telemetry", "new_run_id", "STAT_FIELDS"]
 
-STAT_FIELDS = ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "mean", "std",
-               "absmax", "l2", "rms", "zero_fraction")
 _MAX_STEP_TIMES = 4096
 _run_counter = itertools.count()
 

@@ -52,7 +52,7 @@ __all__ = ["JsonlSink", "read_jsonl"]
 _SUFFIXES = (".jsonl", ".json", ".ndjson")
 _CHUNK = 1 << 20  # bytes per os.write (whole lines)
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
-_FLOATS = ("min", "max", "mean", "std", "absmax", "l2", "rms", "zero_fraction", "time")
+_FLOATS = hookplug.STAT_FIELDS[4:] + ("time",)  # the float fields (after the 4 counts)
 
 
 @contextlib.contextmanager
