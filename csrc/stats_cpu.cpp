@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <limits>
@@ -210,36 +211,43 @@ void fold_into_row(const Partial& total, int64_t N, const int64_t* hist, int64_t
   for (int64_t i = 0; i < nbins; ++i) row[kHead + i] += static_cast<double>(hist[i]);
 }
 
+// Per-thread raw log2 sub-tables (kRawSub tables of kRaw uint32 counters, sized for
+// float64), all zero between uses: no allocation or clearing per call.
+uint32_t* raw_scratch() {
+  thread_local std::vector<uint32_t> sub(
+      std::max(kRawF64 * kRawSubF64, kRawF32 * kRawSubF32), 0);
+  return sub.data();
+}
+
+// Adds the NS sub-tables of R counters at sub into raw[0:R] and zeroes them.
+void drain_raw(uint32_t* sub, int R, int NS, int64_t* raw) {
+  for (int k = 0; k < NS; ++k) {
+    uint32_t* t = sub + static_cast<int64_t>(k) * R;
+    for (int j = 0; j < R; ++j) raw[j] += t[j];
+    std::fill(t, t + R, 0u);
+  }
+}
+
 // The small-tensor path: at most one chunk (kChunk elements) that is one dense run of
-// memory (most activations of small and mid-sized layers), log2 histogram or none. Read on
-// this thread with per-thread scratch: no thread pool, no allocation. The same arithmetic
-// as the general path for one chunk (blocks chained in order, then the chunk's partial).
+// memory (most activations of small layers), log2 histogram or none. Read on this thread
+// with per-thread scratch: no thread pool, no allocation. The same arithmetic as the
+// general path for one chunk (blocks chained in order, then the chunk's partial).
 void accumulate_one_chunk(const char* p, int64_t N, int64_t es, DType dt, const StatsArgs& a,
                           const KernelTable* K, double* row, double* clock, bool fresh) {
   const bool is_f64 = dt == kF64;
-  const int R = is_f64 ? kRawF64 : kRawF32;
-  const int NS = is_f64 ? kRawSubF64 : kRawSubF32;
-  thread_local std::vector<uint32_t> sub;  // all zero between calls
-  if (a.log2 && sub.empty()) sub.assign(std::max(kRawF64 * kRawSubF64, kRawF32 * kRawSubF32), 0);
+  uint32_t* sub = a.log2 ? raw_scratch() : nullptr;
   double shift = std::numeric_limits<double>::quiet_NaN();
   Partial part, total;
   for (int64_t pos = 0; pos < N; pos += kBlock) {
     BlockResult r;
-    K->block[dt](p + pos * es, std::min(kBlock, N - pos), &r, a.log2 ? sub.data() : nullptr, &shift);
+    K->block[dt](p + pos * es, std::min(kBlock, N - pos), &r, sub, &shift);
     part.add(r);
   }
   total.add(part);
   int64_t hist[kLog2Bins] = {};
   if (a.log2) {
-    int64_t raw[kRawF64];
-    for (int j = 0; j < R; ++j) {
-      int64_t v = 0;
-      for (int k = 0; k < NS; ++k) {
-        v += sub[k * R + j];
-        sub[k * R + j] = 0;
-      }
-      raw[j] = v;
-    }
+    int64_t raw[kRawF64] = {};
+    drain_raw(sub, is_f64 ? kRawF64 : kRawF32, is_f64 ? kRawSubF64 : kRawSubF32, raw);
     raw_to_log2(raw, is_f64 ? kRawBitsF64 : kRawBitsF32, is_f64 ? kRawBiasF64 : kRawBiasF32,
                 total, hist);
   }
@@ -279,19 +287,12 @@ void accumulate_cpu(const at::Tensor& x, const StatsArgs& a, double* row, double
 
   // Pass 1: everything (log2 histogram and linear histogram with a given range included).
   at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
-    std::vector<uint32_t> sub(a.log2 ? static_cast<size_t>(raw_size) * raw_sub : 0, 0);
+    uint32_t* sub = a.log2 ? raw_scratch() : nullptr;
     std::vector<int64_t> raw_local(a.log2 ? raw_size : 0, 0);
     std::vector<int64_t> lin_local(a.linear && a.has_range ? a.nbins + 1 : 0, 0);  // + spare
     std::vector<char> buf(L.flat() ? 0 : kBlock * es);  // gather buffer (strided only)
     BlockSource src(base, es, L);
-    int64_t since_flush = 0;
-    auto flush = [&] {
-      for (int k = 0; k < raw_sub; ++k) {
-        for (int j = 0; j < raw_size; ++j) raw_local[j] += sub[k * raw_size + j];
-      }
-      std::fill(sub.begin(), sub.end(), 0u);
-      since_flush = 0;
-    };
+    int64_t since_drain = 0;  // uint32 sub-table counters are drained before they could wrap
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t end = std::min(N, (c + 1) * kChunk);
       src.seek(c * kChunk);
@@ -301,18 +302,21 @@ void accumulate_cpu(const at::Tensor& x, const StatsArgs& a, double* row, double
         const int64_t n = std::min(kBlock, end - pos);
         const char* p = src.next(n, buf.data());
         BlockResult r;
-        block_fn(p, n, &r, a.log2 ? sub.data() : nullptr, &shift);
+        block_fn(p, n, &r, sub, &shift);
         part.add(r);
         if (a.linear && a.has_range) {
           linear_fn(p, n, a.lo, a.hi, range_scale, a.nbins, lin_local.data());
         }
       }
       if (a.log2) {
-        since_flush += end - c * kChunk;
-        if (since_flush > (int64_t{1} << 31)) flush();
+        since_drain += end - c * kChunk;
+        if (since_drain > (int64_t{1} << 31)) {
+          drain_raw(sub, raw_size, raw_sub, raw_local.data());
+          since_drain = 0;
+        }
       }
     }
-    if (a.log2) flush();
+    if (a.log2) drain_raw(sub, raw_size, raw_sub, raw_local.data());
     std::lock_guard<std::mutex> lock(mu);
     for (size_t j = 0; j < raw_local.size(); ++j) raw[j] += raw_local[j];
     for (int64_t j = 0; j < (a.linear && a.has_range ? a.nbins : 0); ++j) lin[j] += lin_local[j];

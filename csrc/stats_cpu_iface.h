@@ -22,7 +22,8 @@ struct BlockResult {
 };
 
 constexpr int64_t kBlock = 2048;       // elements per block (L1-resident)
-constexpr int64_t kChunkBlocks = 32;   // blocks per chunk (unit of parallel work)
+constexpr int64_t kChunkBlocks = 8;    // blocks per chunk (unit of parallel work): a 32K-element
+                                       // activation already runs on two threads
 constexpr int64_t kChunk = kBlock * kChunkBlocks;
 
 // Raw log2 table: one counter per (sign, biased exponent field) of the value, read from

@@ -13,6 +13,7 @@ one-element device flag the op reads inside compiled code (no recompiles).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import threading
@@ -121,18 +122,29 @@ def host_copy(t: torch.Tensor):
     return (t if t.device.type == "cpu" else t.to("cpu")), None
 
 
+def _outside_inference_mode(fn):
+    """Bank memory is created and replaced outside inference mode (a read of results() or
+    an eval forward under ``torch.inference_mode`` must not leave inference tensors that
+    later in-place resets would refuse); the context is entered only when it is on."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return wrapper
+
+
 class _DeviceRows:
     """One device's rows: ``acc`` (the step being filled), ``gate`` (the sampling flag the
     op reads), ``empty`` (what a reset copies in), ``totals`` (ended steps, merged) and
     ``unfolded`` (snapshots of ended steps not merged into ``totals`` yet: they are merged
-    in one batch, at most every ``_FOLD_EVERY`` steps or when read)."""
+    in one batch, at most every ``_FOLD_EVERY`` steps or when read). A snapshot holds the
+    rows in use when it was taken (the meta row and one per key), not the whole capacity."""
 
     __slots__ = ("acc", "gate", "empty", "totals", "unfolded", "lock")
 
-    # Bank memory is created and replaced outside inference mode (a read of results() or an
-    # eval forward under torch.inference_mode must not leave inference tensors that later
-    # in-place resets would refuse).
-    @torch.inference_mode(False)
+    @_outside_inference_mode
     def __init__(self, device, capacity: int, width: int, lo: float, hi: float, live: bool):
         self.empty = empty_rows(capacity, width - HEAD, lo, hi, device=device)
         self.acc = self.empty.clone()
@@ -141,18 +153,19 @@ class _DeviceRows:
         self.gate = torch.tensor([live], dtype=torch.bool, device=device)
         self.lock = threading.Lock()  # end_step's append and fold: readers may be other threads
 
-    @torch.inference_mode(False)
-    def end_step(self) -> torch.Tensor:
-        """Snapshot and reset ``acc`` in place; the snapshot waits in ``unfolded``."""
-        snap = self.acc.clone()
-        self.acc.copy_(self.empty)
+    @_outside_inference_mode
+    def end_step(self, used: int) -> torch.Tensor:
+        """Snapshot and reset the first ``used`` rows of ``acc`` in place (no other row was
+        written); the snapshot waits in ``unfolded``."""
+        snap = self.acc[:used].clone()
+        self.acc[:used].copy_(self.empty[:used])
         with self.lock:
             self.unfolded.append(snap)
             if len(self.unfolded) >= _FOLD_EVERY:
                 self._fold_locked()
         return snap
 
-    @torch.inference_mode(False)
+    @_outside_inference_mode
     def fold(self) -> torch.Tensor:
         """``totals`` with every unfolded snapshot merged in (one ``merge_rows``)."""
         with self.lock:
@@ -160,24 +173,33 @@ class _DeviceRows:
 
     def _fold_locked(self) -> torch.Tensor:
         if self.unfolded:
-            self.totals = merge_rows(torch.stack([self.totals, *self.unfolded]))
+            used = max(s.shape[0] for s in self.unfolded)
+            snaps = [pad_rows(s, self.empty[:used]) for s in self.unfolded]
+            self.totals[:used] = merge_rows(torch.stack([self.totals[:used], *snaps]))
             self.unfolded = []
         return self.totals
 
-    @torch.inference_mode(False)
+    @_outside_inference_mode
     def reset(self) -> None:
         with self.lock:
             self.acc.copy_(self.empty)
             self.totals.copy_(self.empty)
             self.unfolded = []
 
-    @torch.inference_mode(False)
+    @_outside_inference_mode
     def grow(self, capacity: int) -> None:
         self.fold()
         fresh = self.empty[:1].expand(capacity - self.acc.shape[0], -1)
         self.empty = torch.cat([self.empty, fresh])
         self.acc = torch.cat([self.acc, fresh])
         self.totals = torch.cat([self.totals, fresh])
+
+
+def pad_rows(snap: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
+    """``snap`` (a snapshot taken when fewer rows were in use) with the rows of ``empty``
+    after its own: as many rows as ``empty``."""
+    n = snap.shape[0]
+    return snap if n >= empty.shape[0] else torch.cat([snap, empty[n:]])
 
 
 class StatsBank:
@@ -299,9 +321,10 @@ class StatsBank:
         in batches: see ``_DeviceRows.fold``)."""
         if not self.live or not self._devices:
             return
+        used = len(self.keys) + 1  # the meta row and every assigned row
         snaps = {}
         for device, dev in self._devices.items():
-            snaps[device] = dev.end_step()
+            snaps[device] = dev.end_step(used)
         self.pending.append((step, snaps))
         if len(self.pending) > self.max_pending_steps:
             del self.pending[: len(self.pending) - self.max_pending_steps]

@@ -110,7 +110,8 @@ def _as_blocks(name, res) -> List[StatsBlock]:
 
 
 class _Flight:
-    """One flush on its way to the host: per group ``(metas, offset, rows, width, hist)``."""
+    """One flush on its way to the host: per group ``(metas, times, offset, rows, width,
+    hist)``."""
 
     __slots__ = ("host", "event", "groups", "rank", "device_buf")
 
@@ -206,8 +207,9 @@ class Telemetry:
             groups, mats = [], []
             offset = 0
             for b in items:
-                metas = [{**m, "time": times.get(m["step"], now)} for m in b.metas]
-                groups.append((metas, offset, b.rows.shape[0], b.rows.shape[1], b.hist))
+                # the step's end time, looked up now: the times are pruned below
+                stamps = [times.get(m["step"], now) for m in b.metas]
+                groups.append((b.metas, stamps, offset, b.rows.shape[0], b.rows.shape[1], b.hist))
                 offset += b.rows.numel() + b.rows.shape[0]
                 local_bad = b.rows[:, FIRST_BAD:FIRST_BAD + 1]
                 mats.append(b.rows)
@@ -234,7 +236,7 @@ class Telemetry:
     def _reduce(self, groups, mats, dist) -> List[torch.Tensor]:
         """Merge every group's rows across ranks: one all_gather, then merge_rows."""
         keys = [(m["step"], m["module"], m["site"], m.get("phase")) for g in groups for m in g[0]]
-        shape = [(g[2], g[3]) for g in groups]
+        shape = [(g[3], g[4]) for g in groups]
         signature = zlib.crc32(repr((keys, shape)).encode())
         if signature != self._agreed:
             seen: List[Any] = [None] * dist.get_world_size()
@@ -263,17 +265,17 @@ class Telemetry:
 
     @staticmethod
     def _host_values(flight: _Flight):
-        """Per group ``(metas, row values, first_bad clocks)``: the groups of one histogram
-        kind are converted together (one column-wise :func:`rows_to_values` per kind and
-        flush, not per step)."""
+        """Per group ``(metas, times, row values, first_bad clocks)``: the groups of one
+        histogram kind are converted together (one column-wise :func:`rows_to_values` per
+        kind and flush, not per step)."""
         host = flight.host
         by_kind: Dict[Any, List[int]] = {}
-        for g, (_, _, _, width, hist) in enumerate(flight.groups):
+        for g, (_, _, _, _, width, hist) in enumerate(flight.groups):
             by_kind.setdefault((width, repr(hist)), []).append(g)  # repr: any producer's kind
         converted: Dict[int, Tuple[list, list]] = {}
         for (width, _), idx in by_kind.items():
-            hist = flight.groups[idx[0]][4]
-            spans = [(flight.groups[g][1], flight.groups[g][2]) for g in idx]  # (offset, rows)
+            hist = flight.groups[idx[0]][5]
+            spans = [(flight.groups[g][2], flight.groups[g][3]) for g in idx]  # (offset, rows)
             rows = torch.cat([host[off:off + r * width].view(r, width) for off, r in spans])
             bad = torch.cat([host[off + r * width:off + r * width + r] for off, r in spans]).tolist()
             values = rows_to_values(rows, hist)
@@ -281,7 +283,7 @@ class Telemetry:
             for g, (_, r) in zip(idx, spans):
                 converted[g] = (values[start:start + r], bad[start:start + r])
                 start += r
-        return [(grp[0], *converted[g]) for g, grp in enumerate(flight.groups)]
+        return [(grp[0], grp[1], *converted[g]) for g, grp in enumerate(flight.groups)]
 
     def _records(self, session, flight: _Flight) -> List[dict]:
         rank = flight.rank
@@ -289,24 +291,21 @@ class Telemetry:
         out: List[dict] = []
         first_bad: Dict[int, Tuple[float, dict]] = {}
         edges_cache: Dict[Any, list] = {}
-        for metas, values, local_bad in self._host_values(flight):
-            for meta, (stats, counts, edges), clock in zip(metas, values, local_bad):
+        log2_edges = _stats._LOG2_EDGES_LIST
+        for metas, stamps, values, local_bad in self._host_values(flight):
+            for meta, stamp, (stats, counts, edges), clock in zip(metas, stamps, values, local_bad):
                 if stats[0] <= 0:  # numel: a row no call touched
                     continue
-                if edges and edges is not _stats._LOG2_EDGES_LIST:
+                if edges and edges is not log2_edges:
                     edges = edges_cache.setdefault(tuple(edges), edges)
-                rec = {"step": meta["step"], "time": meta["time"], "rank": rank,
-                       "module": meta["module"], "site": meta["site"],
-                       "phase": meta.get("phase", "train"), "run_id": run_id}
-                rec.update(zip(STAT_FIELDS, stats))
-                rec["hist"] = counts
-                rec["hist_edges"] = edges
-                rec["first_nonfinite"] = False
-                if len(meta) > 4:  # a producer's own keys (step, module, site, time are in rec)
+                rec = dict(zip(_RECORD_KEYS, (
+                    meta["step"], stamp, rank, meta["module"], meta["site"],
+                    meta.get("phase", "train"), run_id, *stats, counts, edges, False)))
+                if len(meta) > 4 or "phase" not in meta:  # a producer's own keys are kept
                     for key, val in meta.items():
                         if key not in rec:
                             rec[key] = val
-                if math.isfinite(clock):
+                if math.isfinite(clock):  # this row saw a NaN/Inf (its clock)
                     best = first_bad.get(meta["step"])
                     if best is None or clock < best[0]:
                         first_bad[meta["step"]] = (clock, rec)
@@ -316,3 +315,8 @@ class Telemetry:
             session._note_nonfinite({k: rec[k] for k in ("step", "module", "site", "phase", "rank")})
         self.records_emitted += len(out)
         return out
+
+
+# A record's keys in order (a producer's own meta keys follow).
+_RECORD_KEYS = ("step", "time", "rank", "module", "site", "phase", "run_id", *STAT_FIELDS,
+                "hist", "hist_edges", "first_nonfinite")

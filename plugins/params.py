@@ -75,7 +75,7 @@ import torch
 
 import hookplug
 from hookplug import hookimpl
-from hookplug._bank import StatsBank, check_hist_options, check_max_pending, check_sites
+from hookplug._bank import StatsBank, check_hist_options, check_max_pending, check_sites, pad_rows
 from hookplug._selectors import clean_name
 from hookplug._stats import NUMEL, TensorStats
 
@@ -399,7 +399,7 @@ class ParamsPlugin(hookplug.Plugin):
         cur = dev.acc[1:n + 1]
         if self._last is None:
             return cur
-        last = next(iter(self._last.values()))[1:n + 1]
+        last = pad_rows(next(iter(self._last.values())), dev.empty[:n + 1])[1:n + 1]
         return torch.where((cur[:, NUMEL] > 0)[:, None], cur, last)
 
     def results(self, over: str = "step") -> Dict[str, Dict[str, TensorStats]]:
