@@ -246,8 +246,10 @@ void accumulate_one_chunk(const char* p, int64_t N, int64_t es, DType dt, const 
   total.add(part);
   int64_t hist[kLog2Bins] = {};
   if (a.log2) {
-    int64_t raw[kRawF64] = {};
-    drain_raw(sub, is_f64 ? kRawF64 : kRawF32, is_f64 ? kRawSubF64 : kRawSubF32, raw);
+    const int R = is_f64 ? kRawF64 : kRawF32;
+    int64_t raw[kRawF64];
+    std::fill(raw, raw + R, int64_t{0});
+    drain_raw(sub, R, is_f64 ? kRawSubF64 : kRawSubF32, raw);
     raw_to_log2(raw, is_f64 ? kRawBitsF64 : kRawBitsF32, is_f64 ? kRawBiasF64 : kRawBiasF32,
                 total, hist);
   }

@@ -4,11 +4,11 @@ that measures tensors (``stats`` for activations and gradients, ``params`` for w
 Each key (a tuple, e.g. ``(module, path, phase)``) owns a row, assigned the first time it
 is seen; every device a key's tensors live on has a ``[capacity, HEAD + B]`` float64 bank
 (row 0: the meta row with the call clock). ``accumulate`` is one
-``hookplug::stats_accumulate_`` call on preallocated memory; ``end_step`` snapshots the
-bank (one clone) and resets it in place (same memory: CUDA graphs stay valid); snapshots
-are folded into the totals in batches, with one ``merge_rows`` when read, at ``collect``
-or every 16 steps; ``collect`` hands the snapshots to
-telemetry as ``StatsBlock``s. Sampling is ``live``: a Python check in eager code and a
+``hookplug::stats_accumulate_`` call on preallocated memory; ``end_step`` copies the rows
+in use into a snapshot slot (preallocated for 16 steps at a time) and resets them in place
+(same memory: compiled code and CUDA graphs stay valid); snapshots are folded into the
+totals in batches, one ``merge_rows`` every 16 steps or when the totals are read;
+``collect`` hands the snapshots to telemetry as ``StatsBlock``s. Sampling is ``live``: a Python check in eager code and a
 one-element device flag the op reads inside compiled code (no recompiles).
 """
 from __future__ import annotations
@@ -142,7 +142,7 @@ class _DeviceRows:
     in one batch, at most every ``_FOLD_EVERY`` steps or when read). A snapshot holds the
     rows in use when it was taken (the meta row and one per key), not the whole capacity."""
 
-    __slots__ = ("acc", "gate", "empty", "totals", "unfolded", "lock")
+    __slots__ = ("acc", "gate", "empty", "totals", "unfolded", "lock", "_block", "_next", "_views")
 
     @_outside_inference_mode
     def __init__(self, device, capacity: int, width: int, lo: float, hi: float, live: bool):
@@ -152,13 +152,28 @@ class _DeviceRows:
         self.unfolded: List[torch.Tensor] = []
         self.gate = torch.tensor([live], dtype=torch.bool, device=device)
         self.lock = threading.Lock()  # end_step's append and fold: readers may be other threads
+        self._block: Optional[torch.Tensor] = None  # snapshot memory for _FOLD_EVERY steps
+        self._next = 0  # the block's next free slot
+        self._views: Tuple = (0, None, None)  # (used, acc[:used], empty[:used])
 
     @_outside_inference_mode
     def end_step(self, used: int) -> torch.Tensor:
         """Snapshot and reset the first ``used`` rows of ``acc`` in place (no other row was
-        written); the snapshot waits in ``unfolded``."""
-        snap = self.acc[:used].clone()
-        self.acc[:used].copy_(self.empty[:used])
+        written); the snapshot waits in ``unfolded``. Snapshots are slots of a block
+        allocated once per ``_FOLD_EVERY`` steps (a block is never reused: its slots live as
+        long as anyone holds them), so a step costs two copies and no allocation."""
+        n, acc, empty = self._views
+        if n != used:
+            acc, empty = self.acc[:used], self.empty[:used]
+            self._views = (used, acc, empty)
+        block, i = self._block, self._next
+        if block is None or i == block.shape[0] or block.shape[1] != used:
+            block = self._block = acc.new_empty((_FOLD_EVERY, *acc.shape))
+            i = 0
+        self._next = i + 1
+        snap = block[i]
+        snap.copy_(acc)
+        acc.copy_(empty)
         with self.lock:
             self.unfolded.append(snap)
             if len(self.unfolded) >= _FOLD_EVERY:
@@ -193,6 +208,7 @@ class _DeviceRows:
         self.empty = torch.cat([self.empty, fresh])
         self.acc = torch.cat([self.acc, fresh])
         self.totals = torch.cat([self.totals, fresh])
+        self._views = (0, None, None)
 
 
 def pad_rows(snap: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
@@ -340,8 +356,6 @@ class StatsBank:
         """The ended steps not yet collected, one block per step and device; ``meta(key,
         step)`` describes a row."""
         pending, self.pending = self.pending, []
-        for dev in self._devices.values():
-            dev.fold()  # once per flush: the steps' snapshots are in hand now
         n = len(self.keys)
         out = []
         for step, snaps in pending:

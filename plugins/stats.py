@@ -33,10 +33,10 @@ persistent float64 bank on the tensor's device (layout: :mod:`hookplug._stats`),
 the first time it is seen. A hook call is one ``hookplug::stats_accumulate_`` op that
 merges the tensor's statistics into its row in place: no Python object per call, no host
 sync, a constant row index (so ``torch.compile`` keeps one graph and CUDA graphs can
-replay it). ``session.step()`` acts on the bank as a whole: it snapshots the rows of the
-step that ended (one clone) and resets the bank in place (same memory); the snapshots are
-folded into the totals in batches (one :func:`hookplug._stats.merge_rows` per flush, per
-read of ``results()`` or per 16 steps). Sampling
+replay it). ``session.step()`` acts on the bank as a whole: it copies the rows of the step
+that ended into a snapshot and resets them in place (same memory); the snapshots are
+folded into the totals in batches (one :func:`hookplug._stats.merge_rows` per 16 steps or
+per read of ``results()``). Sampling
 (``every=N``) is a one-element device flag the op reads (inside compiled code) and a Python
 check in eager code: no recompiles.
 

@@ -49,9 +49,9 @@ def test_eager_entry_equals_torch_ops_bitwise(n, dtype, kind):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n", [2, 5, 64, 2048, 2049, 65536])
+@pytest.mark.parametrize("n", [2, 5, 64, 2048, 2049, 16384, 16385, 65536])
 def test_one_chunk_path_equals_general_path_and_reference(n, dtype):
-    """A dense tensor of <= 65536 elements takes the one-chunk path; the same values in a
+    """A dense tensor of <= 16384 elements takes the one-chunk path; the same values in a
     strided view take the general path. Counts, extremes and buckets are equal exactly;
     mean and M2 agree with a float64 reference."""
     gen = torch.Generator().manual_seed(100 + n)
@@ -211,3 +211,45 @@ def test_a_reader_thread_loses_no_ended_step():
         stop.set()
         t.join()
     assert bank.merged(lambda k: k)[key].numel.item() == 4 * steps
+
+
+def _same_stats(row: torch.Tensor, x: torch.Tensor) -> None:
+    """``row`` holds exactly the statistics of ``x`` (counts, extremes and buckets equal,
+    mean and M2 to float rounding)."""
+    ref = ops.tensor_stats(x).row
+    exact = [0, 1, 2, 3, 4, 5, 8, 9] + list(range(HEAD, ref.numel()))
+    assert torch.equal(row[exact], ref[exact])
+    n = ref[0].item()
+    spread = (ref[7].item() / n) ** 0.5  # the std: the scale of the mean's rounding
+    assert row[6].item() == pytest.approx(ref[6].item(), abs=1e-6 * spread)
+    assert row[7].item() == pytest.approx(ref[7].item(), rel=1e-5)
+
+
+def test_snapshots_of_a_growing_key_set_fold_and_flush_exactly():
+    """Keys first met in later steps (earlier snapshots hold fewer rows), a bank that grows
+    past its capacity mid-run, then 40 steps waiting for telemetry (more than one snapshot
+    block and fold batch): every ended step reaches telemetry with its own statistics, and
+    the totals equal the statistics of everything each key saw."""
+    bank = StatsBank()
+    bank.prepare(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    seen, collected = {}, {}
+    for step in range(80):
+        for j in range(3 * min(step, 39)):  # 117 keys from step 39: the 64-row bank grows twice
+            x = torch.randn(3 + j, generator=gen)
+            key = (f"m{j}", "output", "train")
+            bank.accumulate(x, key)
+            seen.setdefault(key, {})[step] = x
+        bank.end_step(step)
+        if step % 7 == 6 and step < 40 or step == 79:  # then 40 steps wait (> a snapshot block)
+            for block in bank.collect(lambda key, st: {"step": st, "key": key}):
+                for meta, row in zip(block.metas, block.rows):
+                    if row[0] > 0:
+                        collected[(meta["key"], meta["step"])] = row
+    assert len(collected) == sum(len(v) for v in seen.values()) == 3 * 39 * 40 // 2 + 117 * 40
+    for key, steps in seen.items():
+        for step, x in steps.items():
+            _same_stats(collected[(key, step)], x)
+    merged = bank.merged(lambda k: k)
+    for key, steps in seen.items():
+        _same_stats(merged[key].row, torch.cat(list(steps.values())))
