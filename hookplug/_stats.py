@@ -288,32 +288,33 @@ STAT_FIELDS = COUNT_COLUMNS + _FLOAT_FIELDS  # every record's statistics, rows_t
 
 def rows_to_values(rows: torch.Tensor, hist: Any = None) -> List[Tuple[list, list, list]]:
     """Host rows ``[R, HEAD + B]`` as ``(values, hist_counts, hist_edges)`` per row, with
-    ``values`` in ``STAT_FIELDS`` order (ints, then floats). The derived
-    fields are computed column-wise (one pass per field over all rows, then one conversion
-    to Python numbers)."""
+    ``values`` in ``STAT_FIELDS`` order (ints, then floats): the same numbers as the
+    :class:`TensorStats` fields, computed on Python floats (float64, the same operations in
+    the same order) after two conversions to Python lists, the row heads and the buckets
+    (a flush runs cold, after a training step: every torch op costs there)."""
     if rows.shape[0] == 0:
         return []
     r = rows.to(torch.float64)
-    numel, zero = r[:, NUMEL], r[:, ZERO]
-    n = numel - r[:, NAN] - r[:, INF]
-    has = n > 0
-    safe_n = torch.where(has, n, 1.0)
-    mean, m2 = r[:, MEAN], r[:, M2].clamp_min(0.0)
-    sumsq = m2 + n * mean * mean
-    nan = torch.full_like(n, math.nan)
-    mn, mx = r[:, MIN], r[:, MAX]
-    floats = torch.stack([
-        torch.where(has, mn, nan), torch.where(has, mx, nan), torch.where(has, mean, nan),
-        torch.where(has, (m2 / safe_n).sqrt(), nan),
-        torch.where(has, torch.maximum(mn.abs(), mx.abs()), nan),
-        torch.where(has, sumsq.sqrt(), 0.0), torch.where(has, (sumsq / safe_n).sqrt(), nan),
-        torch.where(numel > 0, zero / torch.where(numel > 0, numel, 1.0), nan),
-    ], dim=1).tolist()
-    counts = r[:, :ZERO + 1].to(torch.int64).tolist()  # NUMEL, NAN, INF, ZERO
+    heads = r[:, :HEAD].tolist()
     buckets = r[:, HEAD:].to(torch.int64).tolist()
     b = rows.shape[1] - HEAD
-    edges = [_edges(lo, hi, hist, b) if b > 0 else [] for lo, hi in r[:, HIST_LO:HIST_HI + 1].tolist()]
-    return [(c + f, bk, e) for c, f, bk, e in zip(counts, floats, buckets, edges)]
+    nan, sqrt = math.nan, math.sqrt
+    out = []
+    for head, counts in zip(heads, buckets):
+        numel, n_nan, n_inf, zero, mn, mx, mean, m2, lo, hi = head[:HIST_HI + 1]
+        n = numel - n_nan - n_inf
+        m2 = 0.0 if m2 < 0.0 else m2  # clamp_min(0); a NaN stays NaN
+        if n > 0:
+            sumsq = m2 + n * mean * mean
+            amn, amx = abs(mn), abs(mx)
+            floats = [mn, mx, mean, sqrt(m2 / n), amx if amx >= amn else amn, sqrt(sumsq),
+                      sqrt(sumsq / n)]
+        else:  # no finite value: NaN statistics, an L2 norm of 0
+            floats = [nan, nan, nan, nan, nan, 0.0, nan]
+        floats.append(zero / numel if numel > 0 else nan)
+        out.append(([int(numel), int(n_nan), int(n_inf), int(zero), *floats], counts,
+                     _edges(lo, hi, hist, b) if b > 0 else []))
+    return out
 
 
 def rows_to_dicts(rows: torch.Tensor, hist: Any = None) -> List[Dict[str, Any]]:

@@ -60,6 +60,7 @@ from ._stats import FIRST_BAD, STAT_FIELDS, StatsBlock, TensorStats, merge_rows,
 __all__ = ["Telemetry", "new_run_id", "STAT_FIELDS"]
 
 _MAX_STEP_TIMES = 4096
+_PACK_CPU_ROWS = False  # tests: CPU rows take the packed path of device rows (one buffer, one copy)
 _run_counter = itertools.count()
 
 
@@ -111,16 +112,19 @@ def _as_blocks(name, res) -> List[StatsBlock]:
 
 class _Flight:
     """One flush on its way to the host: per group ``(metas, times, offset, rows, width,
-    hist)``."""
+    hist)``, the groups' rows and first_bad columns packed in ``host`` at ``offset``; or,
+    for CPU rows, already host memory, ``parts`` (per group ``(rows, first_bad column)``)
+    and no copy at all."""
 
-    __slots__ = ("host", "event", "groups", "rank", "device_buf")
+    __slots__ = ("host", "event", "groups", "rank", "device_buf", "parts")
 
-    def __init__(self, host, event, groups, rank, device_buf):
+    def __init__(self, host, event, groups, rank, device_buf, parts=None):
         self.host = host
         self.event = event
         self.groups = groups
         self.rank = rank
         self.device_buf = device_buf  # kept alive until the copy is done
+        self.parts = parts
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
@@ -199,7 +203,6 @@ class Telemetry:
         by_device: Dict[torch.device, List[StatsBlock]] = {}
         for b in blocks:
             by_device.setdefault(b.rows.device, []).append(b)
-        self._prune_times(session)
         dist = _dist()
         rank = dist.get_rank() if dist is not None else 0
         flights = []
@@ -216,9 +219,13 @@ class Telemetry:
                 mats.append(local_bad)
             if dist is not None and dist.get_world_size() > 1:
                 mats = self._reduce(groups, mats, dist)
+            if dev.type == "cpu" and not _PACK_CPU_ROWS:  # host memory already: no packing, no copy
+                flights.append(_Flight(None, None, groups, rank, None, list(zip(mats[::2], mats[1::2]))))
+                continue
             flat = [m.reshape(-1) for m in mats]
             buf = flat[0] if len(flat) == 1 else torch.cat(flat)
             flights.append(self._copy(buf, groups, rank))
+        self._prune_times(session)  # after the lookups: a record's time is its step's end
         self.flushes += 1
         return flights
 
@@ -268,19 +275,23 @@ class Telemetry:
         """Per group ``(metas, times, row values, first_bad clocks)``: the groups of one
         histogram kind are converted together (one column-wise :func:`rows_to_values` per
         kind and flush, not per step)."""
-        host = flight.host
+        parts = flight.parts
+        if parts is None:  # unpack the copied buffer: per group (rows, first_bad column)
+            host = flight.host
+            parts = [(host[off:off + r * width].view(r, width), host[off + r * width:off + r * width + r])
+                     for _, _, off, r, width, _ in flight.groups]
         by_kind: Dict[Any, List[int]] = {}
         for g, (_, _, _, _, width, hist) in enumerate(flight.groups):
             by_kind.setdefault((width, repr(hist)), []).append(g)  # repr: any producer's kind
         converted: Dict[int, Tuple[list, list]] = {}
-        for (width, _), idx in by_kind.items():
+        for _, idx in by_kind.items():
             hist = flight.groups[idx[0]][5]
-            spans = [(flight.groups[g][2], flight.groups[g][3]) for g in idx]  # (offset, rows)
-            rows = torch.cat([host[off:off + r * width].view(r, width) for off, r in spans])
-            bad = torch.cat([host[off + r * width:off + r * width + r] for off, r in spans]).tolist()
+            rows = torch.cat([parts[g][0] for g in idx])
+            bad = torch.cat([parts[g][1].reshape(-1) for g in idx]).tolist()
             values = rows_to_values(rows, hist)
             start = 0
-            for g, (_, r) in zip(idx, spans):
+            for g in idx:
+                r = flight.groups[g][3]
                 converted[g] = (values[start:start + r], bad[start:start + r])
                 start += r
         return [(grp[0], grp[1], *converted[g]) for g, grp in enumerate(flight.groups)]

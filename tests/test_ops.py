@@ -424,6 +424,25 @@ def test_merge_empty_and_all_nan_parts():
     assert m["min"] == 1.0 and m["max"] == 4.0
 
 
+def test_host_values_equal_the_tensor_stats_fields_bitwise():
+    """Telemetry's host conversion (``to_dict``, records) gives the very numbers of the
+    TensorStats fields (torch, on the row) for ordinary, empty, all-NaN, Inf and merged rows."""
+    g = gen(7)
+    xs = [torch.randn(1000, generator=g) * 3 + 1, torch.empty(0), torch.full((5,), math.nan),
+          torch.tensor([1.0, math.inf, -math.inf, 0.0, -0.0]), torch.zeros(7),
+          torch.randn(300, generator=g, dtype=torch.float64) * 1e-30]
+    stats = [ops.tensor_stats(x) for x in xs] + [ops.tensor_stats(xs[0]).merge(ops.tensor_stats(xs[2]))]
+    for st in stats:
+        d = st.to_dict()
+        for field in ("numel", "nan_count", "inf_count", "zero_count"):
+            assert d[field] == int(getattr(st, field).item()), field
+        for field in ("min", "max", "mean", "std", "absmax", "l2", "rms", "zero_fraction"):
+            want = getattr(st, field).item()
+            assert (math.isnan(want) and math.isnan(d[field])) or d[field] == want, (field, d[field], want)
+        assert d["hist_counts"] == st.hist_counts.tolist()
+        assert d["hist_edges"] == st.hist_edges.tolist()
+
+
 def test_merge_refuses_different_histograms():
     x = torch.randn(100, generator=gen(21))
     y = x * 3

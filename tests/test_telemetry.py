@@ -125,6 +125,24 @@ def test_records_equal_direct_stats_and_flush_every():
     assert times == sorted(times)
 
 
+def test_record_time_is_when_its_step_ended_not_when_it_was_flushed():
+    import time
+
+    m, sink = nn.Sequential(nn.Linear(4, 4)), ListSink()
+    ended = []
+    with hookplug.attach(m, "Linear", plugins="stats", sink=sink, flush_every=3) as s:
+        for _ in range(3):
+            m(torch.randn(2, 4))
+            time.sleep(0.02)
+            before = time.time()
+            s.step()  # the third one flushes all three steps
+            ended.append((before, time.time()))
+    times = {r["step"]: r["time"] for r in sink.records}
+    assert sorted(times) == [0, 1, 2]
+    for step, (lo, hi) in enumerate(ended):
+        assert lo <= times[step] <= hi, (step, times[step], lo, hi)
+
+
 def test_session_flush_forces_and_returns_records():
     m = MLP()
     seen, state, _ = capture_outputs(m)
@@ -873,3 +891,34 @@ def test_compiled_resnet18_training_steps_equal_eager_without_extra_graphs():
     x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 2])
     _compare_compiled_with_eager(model, "Conv2d|Linear",
                                  lambda m: nn.functional.cross_entropy(m(x), y), steps=2)
+
+
+def test_packed_device_path_gives_the_records_of_the_host_path(monkeypatch):
+    """Device rows are packed into one buffer (rows and first_bad columns of every group)
+    and copied to the host once; CPU rows skip that. Forced on the CPU, the packed path
+    gives the same records, for two producers of different widths and a NaN step."""
+    from hookplug import _telemetry
+
+    def run():
+        torch.manual_seed(0)
+        m, sink = MLP(), ListSink()
+        with hookplug.attach(m, "Linear", plugins=["stats", ("params", {"bins": 0})], sink=sink,
+                             flush_every=2) as s:
+            for step in range(4):
+                x = torch.randn(8, 32)
+                if step == 2:
+                    x[0, 0] = math.nan
+                m(x).sum().backward()
+                s.step()
+        return [{k: v for k, v in r.items() if k not in ("time", "run_id")} for r in sink.records]
+
+    host = run()
+    monkeypatch.setattr(_telemetry, "_PACK_CPU_ROWS", True)
+    packed = run()
+    assert len(host) == len(packed) > 0
+    assert any(r["first_nonfinite"] for r in host)
+    for a, b in zip(host, packed):
+        assert a.keys() == b.keys()
+        for k in a:
+            same = a[k] == b[k] or (isinstance(a[k], float) and math.isnan(a[k]) and math.isnan(b[k]))
+            assert same, (k, a[k], b[k])
