@@ -159,20 +159,25 @@ class _DeviceRows:
     @_outside_inference_mode
     def end_step(self, used: int) -> torch.Tensor:
         """Snapshot and reset the first ``used`` rows of ``acc`` in place (no other row was
-        written); the snapshot waits in ``unfolded``. Snapshots are slots of a block
-        allocated once per ``_FOLD_EVERY`` steps (a block is never reused: its slots live as
-        long as anyone holds them), so a step costs two copies and no allocation."""
+        written); the snapshot waits in ``unfolded``. While the set of rows stays the same,
+        snapshots are slots of a block allocated once per fold batch (a block is never
+        reused: its slots live as long as anyone holds them), so a step costs two copies and
+        no allocation; the step after rows were added gets a copy of its own."""
         n, acc, empty = self._views
-        if n != used:
+        if n != used:  # rows were added (or the bank grew): keys may keep arriving
             acc, empty = self.acc[:used], self.empty[:used]
             self._views = (used, acc, empty)
-        block, i = self._block, self._next
-        if block is None or i == block.shape[0] or block.shape[1] != used:
-            block = self._block = acc.new_empty((_FOLD_EVERY, *acc.shape))
-            i = 0
-        self._next = i + 1
-        snap = block[i]
-        snap.copy_(acc)
+            self._block = None
+            snap = acc.clone()
+        else:
+            block, i = self._block, self._next
+            if block is None or i == block.shape[0]:  # slots up to the next fold
+                slots = max(1, _FOLD_EVERY - len(self.unfolded))
+                block = self._block = acc.new_empty((slots, *acc.shape))
+                i = 0
+            self._next = i + 1
+            snap = block[i]
+            snap.copy_(acc)
         acc.copy_(empty)
         with self.lock:
             self.unfolded.append(snap)
@@ -190,7 +195,9 @@ class _DeviceRows:
         if self.unfolded:
             used = max(s.shape[0] for s in self.unfolded)
             snaps = [pad_rows(s, self.empty[:used]) for s in self.unfolded]
-            self.totals[:used] = merge_rows(torch.stack([self.totals[:used], *snaps]))
+            merged = merge_rows(torch.stack([self.totals[:used], *snaps]))
+            # a new tensor: what fold() returned before never changes under its reader
+            self.totals = torch.cat([merged, self.totals[used:]])
             self.unfolded = []
         return self.totals
 

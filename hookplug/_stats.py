@@ -307,7 +307,8 @@ def rows_to_values(rows: torch.Tensor, hist: Any = None) -> List[Tuple[list, lis
         if n > 0:
             sumsq = m2 + n * mean * mean
             amn, amx = abs(mn), abs(mx)
-            floats = [mn, mx, mean, sqrt(m2 / n), amx if amx >= amn else amn, sqrt(sumsq),
+            absmax = amx if amx >= amn or amx != amx else amn  # torch.maximum: NaN wins
+            floats = [mn, mx, mean, sqrt(m2 / n), absmax, sqrt(sumsq),
                       sqrt(sumsq / n)]
         else:  # no finite value: NaN statistics, an L2 norm of 0
             floats = [nan, nan, nan, nan, nan, 0.0, nan]

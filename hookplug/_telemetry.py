@@ -5,7 +5,8 @@ A flush:
 1. asks the producers (``hookplug_collect``) for what they gathered: ``StatsBlock``s
    (``metas`` + a ``[R, HEAD + B]`` tensor of stats rows, the stats plugin's bank
    snapshots) or ``(meta, TensorStats)`` pairs (stacked into blocks here);
-2. concatenates the rows of each device into **one** float64 buffer (one ``torch.cat``);
+2. concatenates the rows of each device into **one** float64 buffer (one ``torch.cat``;
+   CPU rows are host memory already and are converted to Python numbers at once instead);
 3. under ``torch.distributed`` (available and initialized), merges the rows across ranks
    in one collective round: an ``all_gather`` of the buffer, then the same
    :func:`hookplug._stats.merge_rows` that merges steps and calls (exact counts, extremes
@@ -113,18 +114,19 @@ def _as_blocks(name, res) -> List[StatsBlock]:
 class _Flight:
     """One flush on its way to the host: per group ``(metas, times, offset, rows, width,
     hist)``, the groups' rows and first_bad columns packed in ``host`` at ``offset``; or,
-    for CPU rows, already host memory, ``parts`` (per group ``(rows, first_bad column)``)
-    and no copy at all."""
+    for CPU rows (host memory already: no packing, no copy), ``values``, the groups'
+    numbers converted at once (so a producer may refill its rows right after returning
+    them, even while an earlier flush still waits for its device copy)."""
 
-    __slots__ = ("host", "event", "groups", "rank", "device_buf", "parts")
+    __slots__ = ("host", "event", "groups", "rank", "device_buf", "values")
 
-    def __init__(self, host, event, groups, rank, device_buf, parts=None):
+    def __init__(self, host, event, groups, rank, device_buf, values=None):
         self.host = host
         self.event = event
         self.groups = groups
         self.rank = rank
         self.device_buf = device_buf  # kept alive until the copy is done
-        self.parts = parts
+        self.values = values
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
@@ -220,7 +222,8 @@ class Telemetry:
             if dist is not None and dist.get_world_size() > 1:
                 mats = self._reduce(groups, mats, dist)
             if dev.type == "cpu" and not _PACK_CPU_ROWS:  # host memory already: no packing, no copy
-                flights.append(_Flight(None, None, groups, rank, None, list(zip(mats[::2], mats[1::2]))))
+                values = self._host_values(groups, list(zip(mats[::2], mats[1::2])))
+                flights.append(_Flight(None, None, groups, rank, None, values))
                 continue
             flat = [m.reshape(-1) for m in mats]
             buf = flat[0] if len(flat) == 1 else torch.cat(flat)
@@ -271,30 +274,32 @@ class Telemetry:
     # -- host side --------------------------------------------------------------------------------------
 
     @staticmethod
-    def _host_values(flight: _Flight):
-        """Per group ``(metas, times, row values, first_bad clocks)``: the groups of one
-        histogram kind are converted together (one column-wise :func:`rows_to_values` per
-        kind and flush, not per step)."""
-        parts = flight.parts
-        if parts is None:  # unpack the copied buffer: per group (rows, first_bad column)
-            host = flight.host
-            parts = [(host[off:off + r * width].view(r, width), host[off + r * width:off + r * width + r])
-                     for _, _, off, r, width, _ in flight.groups]
+    def _unpack(flight: _Flight):
+        """The copied buffer as per-group ``(rows, first_bad column)`` host tensors."""
+        host = flight.host
+        return [(host[off:off + r * width].view(r, width), host[off + r * width:off + r * width + r])
+                for _, _, off, r, width, _ in flight.groups]
+
+    @staticmethod
+    def _host_values(groups, parts):
+        """Per group ``(metas, times, row values, first_bad clocks)`` from per-group host
+        ``(rows, first_bad column)``: the groups of one histogram kind are converted
+        together (one :func:`rows_to_values` per kind and flush, not per step)."""
         by_kind: Dict[Any, List[int]] = {}
-        for g, (_, _, _, _, width, hist) in enumerate(flight.groups):
+        for g, (_, _, _, _, width, hist) in enumerate(groups):
             by_kind.setdefault((width, repr(hist)), []).append(g)  # repr: any producer's kind
         converted: Dict[int, Tuple[list, list]] = {}
         for _, idx in by_kind.items():
-            hist = flight.groups[idx[0]][5]
+            hist = groups[idx[0]][5]
             rows = torch.cat([parts[g][0] for g in idx])
             bad = torch.cat([parts[g][1].reshape(-1) for g in idx]).tolist()
             values = rows_to_values(rows, hist)
             start = 0
             for g in idx:
-                r = flight.groups[g][3]
+                r = groups[g][3]
                 converted[g] = (values[start:start + r], bad[start:start + r])
                 start += r
-        return [(grp[0], grp[1], *converted[g]) for g, grp in enumerate(flight.groups)]
+        return [(grp[0], grp[1], *converted[g]) for g, grp in enumerate(groups)]
 
     def _records(self, session, flight: _Flight) -> List[dict]:
         rank = flight.rank
@@ -303,7 +308,10 @@ class Telemetry:
         first_bad: Dict[int, Tuple[float, dict]] = {}
         edges_cache: Dict[Any, list] = {}
         log2_edges = _stats._LOG2_EDGES_LIST
-        for metas, stamps, values, local_bad in self._host_values(flight):
+        converted = flight.values
+        if converted is None:
+            converted = self._host_values(flight.groups, self._unpack(flight))
+        for metas, stamps, values, local_bad in converted:
             for meta, stamp, (stats, counts, edges), clock in zip(metas, stamps, values, local_bad):
                 if stats[0] <= 0:  # numel: a row no call touched
                     continue

@@ -51,7 +51,8 @@ def test_eager_entry_equals_torch_ops_bitwise(n, dtype, kind):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [2, 5, 64, 2048, 2049, 16384, 16385, 65536])
 def test_one_chunk_path_equals_general_path_and_reference(n, dtype):
-    """A dense tensor of <= 16384 elements takes the one-chunk path; the same values in a
+    """A dense tensor of <= 16384 elements takes the one-chunk path (larger ones the chunked
+    path, in 16384-element chunks); the same values in a
     strided view take the general path. Counts, extremes and buckets are equal exactly;
     mean and M2 agree with a float64 reference."""
     gen = torch.Generator().manual_seed(100 + n)
@@ -253,3 +254,34 @@ def test_snapshots_of_a_growing_key_set_fold_and_flush_exactly():
     merged = bank.merged(lambda k: k)
     for key, steps in seen.items():
         _same_stats(merged[key].row, torch.cat(list(steps.values())))
+
+
+def test_snapshots_keep_no_more_memory_than_they_hold():
+    """A key set that grows every step (a snapshot of its own each time) and then stays put
+    (slots of one block per fold batch): the ended steps waiting for telemetry keep at most
+    about twice the bytes of their rows alive."""
+    bank = StatsBank()
+    bank.prepare(torch.device("cpu"))
+    for step in range(60):
+        for j in range(min(step, 30) + 1):
+            bank.accumulate(torch.ones(3), (f"m{j}", "output", "train"))
+        bank.end_step(step)
+    snaps = [snap for _, by_dev in bank.pending for snap in by_dev.values()]
+    held = sum(s.nbytes for s in snaps)
+    storages = {s.untyped_storage().data_ptr(): s.untyped_storage().nbytes() for s in snaps}
+    assert sum(storages.values()) <= 2 * held, (sum(storages.values()), held)
+
+
+def test_totals_a_reader_holds_never_change_under_it():
+    bank = StatsBank()
+    bank.prepare(torch.device("cpu"))
+    dev = bank.device_rows(torch.device("cpu"))
+    bank.accumulate(torch.ones(3), ("m", "output", "train"))
+    bank.end_step(0)
+    held = dev.fold()
+    before = held.clone()
+    for step in range(1, 40):  # two more fold batches
+        bank.accumulate(torch.ones(3), ("m", "output", "train"))
+        bank.end_step(step)
+    assert torch.equal(held, before)
+    assert dev.fold()[1, 0].item() == 3 * 40

@@ -922,3 +922,34 @@ def test_packed_device_path_gives_the_records_of_the_host_path(monkeypatch):
         for k in a:
             same = a[k] == b[k] or (isinstance(a[k], float) and math.isnan(a[k]) and math.isnan(b[k]))
             assert same, (k, a[k], b[k])
+
+
+def test_a_producer_may_refill_its_rows_while_an_earlier_flush_waits(monkeypatch):
+    """A producer returning the same preallocated rows at every collect, while the flights
+    before are not done (as a device copy still running): each step keeps its own values."""
+    from hookplug import _telemetry
+    from hookplug._stats import StatsBlock
+
+    class Refill:
+        name = "refill"
+
+        def __init__(self):
+            self.rows = torch.zeros(1, hookplug.ops.tensor_stats(torch.ones(1), bins=0).row.numel(),
+                                    dtype=torch.float64)
+
+        @hookplug.hookimpl
+        def hookplug_collect(self, session, step):
+            self.rows.copy_(hookplug.ops.tensor_stats(torch.full((4,), float(step)), bins=0).row[None])
+            return [StatsBlock([{"step": step, "module": "custom", "site": "w"}], self.rows, "none")]
+
+    done = {"copies": False}
+    monkeypatch.setattr(_telemetry._Flight, "ready", lambda self: done["copies"])
+    sink = ListSink()
+    with hookplug.attach(nn.Sequential(nn.Linear(2, 2)), "Linear", plugins=Refill(), sink=sink,
+                         flush_every=1) as s:
+        s.step()
+        s.step()
+        done["copies"] = True
+        s.flush()
+    means = {r["step"]: r["mean"] for r in sink.records if r["module"] == "custom"}
+    assert means[1] == 1.0 and means[2] == 2.0, means
