@@ -8,8 +8,9 @@ is seen; every device a key's tensors live on has a ``[capacity, HEAD + B]`` flo
 in use into a snapshot slot (preallocated for 16 steps at a time) and resets them in place
 (same memory: compiled code and CUDA graphs stay valid); snapshots are folded into the
 totals in batches, one ``merge_rows`` every 16 steps or when the totals are read;
-``collect`` hands the snapshots to telemetry as ``StatsBlock``s. Sampling is ``live``: a Python check in eager code and a
-one-element device flag the op reads inside compiled code (no recompiles).
+``collect`` hands the snapshots to telemetry as ``StatsBlock``s. Sampling is ``live``: a
+Python check in eager code and a one-element device flag the op reads inside compiled code
+(no recompiles).
 """
 from __future__ import annotations
 

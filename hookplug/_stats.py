@@ -86,14 +86,9 @@ def log2_edges(device=None) -> torch.Tensor:
     return torch.tensor(_LOG2_EDGES, dtype=torch.float64, device=device)
 
 
-def host_edges(values: List[float], hist: Any = None, buckets: Optional[int] = None) -> List[float]:
-    """The bucket edges of a host row (its values as a list; ``buckets``: how many, when
-    ``values`` holds the head only), computed on the host; log2 rows share one list."""
-    b = len(values) - HEAD if buckets is None else buckets
-    return _edges(values[HIST_LO], values[HIST_HI], hist, b) if b > 0 else []
-
-
 def _edges(lo: float, hi: float, hist: Any, b: int) -> List[float]:
+    """The ``b + 1`` bucket edges of a row with histogram range ``(lo, hi)`` as host floats;
+    log2 rows share one list."""
     if b == LOG2_BINS and (hist == "log2" or (hist is None and lo == _LOG2_EDGES[0]
                                               and hi == _LOG2_EDGES[-1])):
         return _LOG2_EDGES_LIST

@@ -50,7 +50,7 @@ import math
 import os
 import time
 import zlib
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -111,9 +111,21 @@ def _as_blocks(name, res) -> List[StatsBlock]:
     return blocks
 
 
+class _Group(NamedTuple):
+    """One producer block in a flush: its metas, each row's step end time, where its rows
+    and first_bad column start in the packed buffer, its row count, width and histogram kind."""
+
+    metas: List[Dict[str, Any]]
+    times: List[float]
+    offset: int
+    rows: int
+    width: int
+    hist: Any
+
+
 class _Flight:
-    """One flush on its way to the host: per group ``(metas, times, offset, rows, width,
-    hist)``, the groups' rows and first_bad columns packed in ``host`` at ``offset``; or,
+    """One flush on its way to the host: its ``groups``, their rows and first_bad columns
+    packed in ``host`` at each group's ``offset``; or,
     for CPU rows (host memory already: no packing, no copy), ``values``, the groups'
     numbers converted at once (so a producer may refill its rows right after returning
     them, even while an earlier flush still waits for its device copy)."""
@@ -214,7 +226,7 @@ class Telemetry:
             for b in items:
                 # the step's end time, looked up now: the times are pruned below
                 stamps = [times.get(m["step"], now) for m in b.metas]
-                groups.append((b.metas, stamps, offset, b.rows.shape[0], b.rows.shape[1], b.hist))
+                groups.append(_Group(b.metas, stamps, offset, b.rows.shape[0], b.rows.shape[1], b.hist))
                 offset += b.rows.numel() + b.rows.shape[0]
                 local_bad = b.rows[:, FIRST_BAD:FIRST_BAD + 1]
                 mats.append(b.rows)
@@ -245,8 +257,8 @@ class Telemetry:
 
     def _reduce(self, groups, mats, dist) -> List[torch.Tensor]:
         """Merge every group's rows across ranks: one all_gather, then merge_rows."""
-        keys = [(m["step"], m["module"], m["site"], m.get("phase")) for g in groups for m in g[0]]
-        shape = [(g[3], g[4]) for g in groups]
+        keys = [(m["step"], m["module"], m["site"], m.get("phase")) for g in groups for m in g.metas]
+        shape = [(g.rows, g.width) for g in groups]
         signature = zlib.crc32(repr((keys, shape)).encode())
         if signature != self._agreed:
             seen: List[Any] = [None] * dist.get_world_size()
@@ -277,8 +289,9 @@ class Telemetry:
     def _unpack(flight: _Flight):
         """The copied buffer as per-group ``(rows, first_bad column)`` host tensors."""
         host = flight.host
-        return [(host[off:off + r * width].view(r, width), host[off + r * width:off + r * width + r])
-                for _, _, off, r, width, _ in flight.groups]
+        return [(host[g.offset:g.offset + g.rows * g.width].view(g.rows, g.width),
+                 host[g.offset + g.rows * g.width:g.offset + g.rows * (g.width + 1)])
+                for g in flight.groups]
 
     @staticmethod
     def _host_values(groups, parts):
@@ -286,20 +299,19 @@ class Telemetry:
         ``(rows, first_bad column)``: the groups of one histogram kind are converted
         together (one :func:`rows_to_values` per kind and flush, not per step)."""
         by_kind: Dict[Any, List[int]] = {}
-        for g, (_, _, _, _, width, hist) in enumerate(groups):
-            by_kind.setdefault((width, repr(hist)), []).append(g)  # repr: any producer's kind
+        for g, grp in enumerate(groups):
+            by_kind.setdefault((grp.width, repr(grp.hist)), []).append(g)  # repr: any producer's kind
         converted: Dict[int, Tuple[list, list]] = {}
-        for _, idx in by_kind.items():
-            hist = groups[idx[0]][5]
+        for idx in by_kind.values():
             rows = torch.cat([parts[g][0] for g in idx])
             bad = torch.cat([parts[g][1].reshape(-1) for g in idx]).tolist()
-            values = rows_to_values(rows, hist)
+            values = rows_to_values(rows, groups[idx[0]].hist)
             start = 0
             for g in idx:
-                r = groups[g][3]
+                r = groups[g].rows
                 converted[g] = (values[start:start + r], bad[start:start + r])
                 start += r
-        return [(grp[0], grp[1], *converted[g]) for g, grp in enumerate(groups)]
+        return [(grp.metas, grp.times, *converted[g]) for g, grp in enumerate(groups)]
 
     def _records(self, session, flight: _Flight) -> List[dict]:
         rank = flight.rank
