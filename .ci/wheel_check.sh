@@ -55,7 +55,7 @@ t0=$SECONDS
 rm -rf "$WHEEL_VENV"
 python3 -m venv "$WHEEL_VENV"
 WPY="$ROOT/$WHEEL_VENV/bin/python"
-"$WPY" -m pip install -q --disable-pip-version-check "$TORCH_SPEC" "$WHEEL" 2>&1 | grep -v "is ignored" || true
+"$WPY" -m pip install -q --disable-pip-version-check --no-cache-dir "$TORCH_SPEC" "$WHEEL" 2>&1 | grep -v "is ignored" || true
 (cd "$WORK" && "$WPY" -W ignore -c "import hookplug") || { echo "wheel_check: the wheel did not install" >&2; exit 1; }
 step "   installed in $((SECONDS - t0)) s"
 cat >"$WORK/use.py" <<'PYEOF'

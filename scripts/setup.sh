@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 VENV="${HOOKPLUG_VENV:-.venv}"
 read -r -a TORCH_SPECS <<< "${HOOKPLUG_TORCH:-torch==2.13.0}"
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir)
 "${PIP[@]}" "${TORCH_SPECS[@]}"
 # What the build needs besides torch (pyproject's [build-system] leaves torch out on purpose).
 "${PIP[@]}" "setuptools>=77" wheel ninja
