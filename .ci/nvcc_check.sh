@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compiles every csrc/cuda/*.cu with plain nvcc (no torch) for sm_80 and sm_90, so a CUDA
+# Compiles every csrc/cuda/*.cu (and the standalone benchmarks/cuda/*.cu) with plain nvcc (no torch) for sm_80 and sm_90, so a CUDA
 # syntax or type error fails CI even on machines without a GPU or a CUDA build of torch.
 # Usage: .ci/nvcc_check.sh   (NVCC=/path/to/nvcc to choose the compiler)
 set -euo pipefail
@@ -12,7 +12,7 @@ fi
 OUT="$(mktemp -d)"
 trap 'rm -rf "$OUT"' EXIT
 shopt -s nullglob
-files=("$ROOT"/csrc/cuda/*.cu)
+files=("$ROOT"/csrc/cuda/*.cu "$ROOT"/benchmarks/cuda/*.cu)
 if [ ${#files[@]} -eq 0 ]; then
   echo "nvcc_check: no csrc/cuda/*.cu files" >&2
   exit 1

@@ -6,7 +6,9 @@
 #   scripts/gpu_check.sh test    # build (CUDA kernels), the whole suite, compute-sanitizer
 #   scripts/gpu_check.sh bench   # build, then the op, training-step and telemetry benches
 #   scripts/gpu_check.sh all     # both (may not fit one 10-minute call)
-#   scripts/gpu_check.sh profile # build, then profile_step.py on GPT-2 and ResNet-50
+#   scripts/gpu_check.sh profile # hist, build, then profile_step.py on GPT-2 and ResNet-50
+#   scripts/gpu_check.sh hist    # no build: benchmarks/cuda/hist_variants.cu, the log2
+#                                # histogram update A/B (~1 min)
 #
 # Knobs: SANITIZER=0 (skip compute-sanitizer), TELEMETRY=0 (skip bench_telemetry), GDB=1
 # (run the error-message probe under cuda-gdb), PYTEST_PATHS / PYTEST_ARGS (test subset).
@@ -19,7 +21,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-all}"
-case "$what" in test|bench|all|profile) ;; *) echo "usage: scripts/gpu_check.sh test|bench|all|profile" >&2; exit 2 ;; esac
+case "$what" in test|bench|all|profile|hist) ;; *) echo "usage: scripts/gpu_check.sh test|bench|all|profile|hist" >&2; exit 2 ;; esac
 out="${OUT:-gpu-out}"
 mkdir -p "$out"
 PY="${PYTHON:-python3}"
@@ -64,7 +66,16 @@ run() {  # run NAME CMD...: log to $out/NAME.log, note pass/fail
   summary+=("$name: rc $rc")
 }
 
-build
+hist_variants() {  # the standalone histogram A/B: plain nvcc, no torch
+  local arch
+  arch="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n 1 | tr -d '.')"
+  run hist_build nvcc -O3 -std=c++17 -arch="sm_${arch:-90}" -Xptxas -v -I csrc \
+    -o /tmp/hookplug_hist_variants benchmarks/cuda/hist_variants.cu
+  run hist_variants timeout 120 /tmp/hookplug_hist_variants
+}
+
+case "$what" in hist|profile) hist_variants ;; esac
+[ "$what" = hist ] || build
 case "$what" in
   test|all)
     probe="import torch; from hookplug import ops; print(ops.backend()); x = torch.randn(10)
