@@ -19,6 +19,12 @@
 #include "stats_defs.h"
 
 namespace hookplug {
+pybind11::tuple rows_to_records(const at::Tensor& rows, const std::optional<at::Tensor>& bad,
+                                const pybind11::list& metas, const pybind11::list& stamps,
+                                const pybind11::object& rank, const pybind11::object& run_id,
+                                const pybind11::tuple& keys, const pybind11::object& log2_edges,
+                                bool log2_kind, bool unknown_kind,
+                                const pybind11::dict& edges_cache);  // stats_records.cpp
 namespace cpu {
 std::string cpu_isa();
 void set_cpu_isa(const std::string& isa);
@@ -96,6 +102,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     if (!x.is_cuda() && x.numel() >= (int64_t{1} << 16)) no_gil.emplace();
     hookplug::stats_accumulate_autograd(x, acc, row, gate, bins, hist_mode, lo, hi);
   }, "hookplug::stats_accumulate_ for eager callers (see hookplug._bank).");
+  m.def("rows_to_records", &hookplug::rows_to_records,
+        "Telemetry records from host stats rows (see csrc/stats_records.cpp, hookplug._telemetry).");
   m.def("row_layout", []() {
     using namespace hookplug;
     return std::vector<std::pair<std::string, int>>{

@@ -54,7 +54,7 @@ from typing import Any, Deque, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from . import _stats
+from . import _stats, ops
 from ._bank import host_copy
 from ._stats import FIRST_BAD, STAT_FIELDS, StatsBlock, TensorStats, merge_rows, rows_to_values
 
@@ -125,20 +125,20 @@ class _Group(NamedTuple):
 
 class _Flight:
     """One flush on its way to the host: its ``groups``, their rows and first_bad columns
-    packed in ``host`` at each group's ``offset``; or,
-    for CPU rows (host memory already: no packing, no copy), ``values``, the groups'
-    numbers converted at once (so a producer may refill its rows right after returning
-    them, even while an earlier flush still waits for its device copy)."""
+    packed in ``host`` at each group's ``offset``; or, for CPU rows (host memory already: no
+    packing, no copy), ``built``, its records built at once (so a producer may refill its
+    rows right after returning them, even while an earlier flush still waits for its
+    device copy)."""
 
-    __slots__ = ("host", "event", "groups", "rank", "device_buf", "values")
+    __slots__ = ("host", "event", "groups", "rank", "device_buf", "built")
 
-    def __init__(self, host, event, groups, rank, device_buf, values=None):
+    def __init__(self, host, event, groups, rank, device_buf, built=None):
         self.host = host
         self.event = event
         self.groups = groups
         self.rank = rank
         self.device_buf = device_buf  # kept alive until the copy is done
-        self.values = values
+        self.built = built
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
@@ -219,26 +219,27 @@ class Telemetry:
             by_device.setdefault(b.rows.device, []).append(b)
         dist = _dist()
         rank = dist.get_rank() if dist is not None else 0
+        run_id = getattr(session, "run_id", None)
         flights = []
         for dev, items in by_device.items():
-            groups, mats = [], []
+            groups = []
             offset = 0
             for b in items:
                 # the step's end time, looked up now: the times are pruned below
                 stamps = [times.get(m["step"], now) for m in b.metas]
                 groups.append(_Group(b.metas, stamps, offset, b.rows.shape[0], b.rows.shape[1], b.hist))
                 offset += b.rows.numel() + b.rows.shape[0]
-                local_bad = b.rows[:, FIRST_BAD:FIRST_BAD + 1]
-                mats.append(b.rows)
-                mats.append(local_bad)
+            rows = [b.rows for b in items]
             if dist is not None and dist.get_world_size() > 1:
-                mats = self._reduce(groups, mats, dist)
+                parts = self._reduce(groups, rows, dist)
+            else:  # (rows, None): the first_bad clocks are the rows' own column
+                parts = [(r, None) for r in rows]
             if dev.type == "cpu" and not _PACK_CPU_ROWS:  # host memory already: no packing, no copy
-                values = self._host_values(groups, list(zip(mats[::2], mats[1::2])))
-                flights.append(_Flight(None, None, groups, rank, None, values))
+                built = _build_records(groups, parts, rank, run_id)
+                flights.append(_Flight(None, None, groups, rank, None, built))
                 continue
-            flat = [m.reshape(-1) for m in mats]
-            buf = flat[0] if len(flat) == 1 else torch.cat(flat)
+            buf = torch.cat([m.reshape(-1) for r, bad in parts
+                             for m in (r, r[:, FIRST_BAD] if bad is None else bad)])
             flights.append(self._copy(buf, groups, rank))
         self._prune_times(session)  # after the lookups: a record's time is its step's end
         self.flushes += 1
@@ -255,8 +256,9 @@ class Telemetry:
 
     # -- torch.distributed -----------------------------------------------------------------------------
 
-    def _reduce(self, groups, mats, dist) -> List[torch.Tensor]:
-        """Merge every group's rows across ranks: one all_gather, then merge_rows."""
+    def _reduce(self, groups, rows, dist) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """Merge every group's rows across ranks (one all_gather, then merge_rows): per group
+        ``(merged rows, this rank's first_bad column)``."""
         keys = [(m["step"], m["module"], m["site"], m.get("phase")) for g in groups for m in g.metas]
         shape = [(g.rows, g.width) for g in groups]
         signature = zlib.crc32(repr((keys, shape)).encode())
@@ -269,18 +271,16 @@ class Telemetry:
                     f"(layout signatures by rank: {seen}); under torch.distributed every rank must "
                     "run the same selected modules on the same sampled steps and flush together")
             self._agreed = signature
-        rows = [m for i, m in enumerate(mats) if i % 2 == 0]
-        local_bad = [m for i, m in enumerate(mats) if i % 2 == 1]
         flat = torch.cat([r.reshape(-1) for r in rows])
         world = dist.get_world_size()
         gathered = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
         dist.all_gather_into_tensor(gathered, flat)
         gathered = gathered.view(world, -1)
         out, start = [], 0
-        for r, bad in zip(rows, local_bad):
+        for r in rows:
             part = gathered[:, start:start + r.numel()].reshape(world, *r.shape)
             start += r.numel()
-            out += [merge_rows(part), bad]
+            out.append((merge_rows(part), r[:, FIRST_BAD]))
         return out
 
     # -- host side --------------------------------------------------------------------------------------
@@ -293,54 +293,17 @@ class Telemetry:
                  host[g.offset + g.rows * g.width:g.offset + g.rows * (g.width + 1)])
                 for g in flight.groups]
 
-    @staticmethod
-    def _host_values(groups, parts):
-        """Per group ``(metas, times, row values, first_bad clocks)`` from per-group host
-        ``(rows, first_bad column)``: the groups of one histogram kind are converted
-        together (one :func:`rows_to_values` per kind and flush, not per step)."""
-        by_kind: Dict[Any, List[int]] = {}
-        for g, grp in enumerate(groups):
-            by_kind.setdefault((grp.width, repr(grp.hist)), []).append(g)  # repr: any producer's kind
-        converted: Dict[int, Tuple[list, list]] = {}
-        for idx in by_kind.values():
-            rows = torch.cat([parts[g][0] for g in idx])
-            bad = torch.cat([parts[g][1].reshape(-1) for g in idx]).tolist()
-            values = rows_to_values(rows, groups[idx[0]].hist)
-            start = 0
-            for g in idx:
-                r = groups[g].rows
-                converted[g] = (values[start:start + r], bad[start:start + r])
-                start += r
-        return [(grp.metas, grp.times, *converted[g]) for g, grp in enumerate(groups)]
-
     def _records(self, session, flight: _Flight) -> List[dict]:
-        rank = flight.rank
-        run_id = getattr(session, "run_id", None)
-        out: List[dict] = []
-        first_bad: Dict[int, Tuple[float, dict]] = {}
-        edges_cache: Dict[Any, list] = {}
-        log2_edges = _stats._LOG2_EDGES_LIST
-        converted = flight.values
-        if converted is None:
-            converted = self._host_values(flight.groups, self._unpack(flight))
-        for metas, stamps, values, local_bad in converted:
-            for meta, stamp, (stats, counts, edges), clock in zip(metas, stamps, values, local_bad):
-                if stats[0] <= 0:  # numel: a row no call touched
-                    continue
-                if edges and edges is not log2_edges:
-                    edges = edges_cache.setdefault(tuple(edges), edges)
-                rec = dict(zip(_RECORD_KEYS, (
-                    meta["step"], stamp, rank, meta["module"], meta["site"],
-                    meta.get("phase", "train"), run_id, *stats, counts, edges, False)))
-                if len(meta) > 4 or "phase" not in meta:  # a producer's own keys are kept
-                    for key, val in meta.items():
-                        if key not in rec:
-                            rec[key] = val
-                if math.isfinite(clock):  # this row saw a NaN/Inf (its clock)
-                    best = first_bad.get(meta["step"])
-                    if best is None or clock < best[0]:
-                        first_bad[meta["step"]] = (clock, rec)
-                out.append(rec)
+        built = flight.built
+        if built is None:
+            built = _build_records(flight.groups, self._unpack(flight), flight.rank,
+                                   getattr(session, "run_id", None))
+        out, bad = built
+        first_bad: Dict[Any, Tuple[float, dict]] = {}
+        for rec, clock in bad:  # rows that saw a NaN/Inf, with the clock of the first
+            best = first_bad.get(rec["step"])
+            if best is None or clock < best[0]:
+                first_bad[rec["step"]] = (clock, rec)
         for step, (_, rec) in sorted(first_bad.items()):
             rec["first_nonfinite"] = True
             session._note_nonfinite({k: rec[k] for k in ("step", "module", "site", "phase", "rank")})
@@ -351,3 +314,58 @@ class Telemetry:
 # A record's keys in order (a producer's own meta keys follow).
 _RECORD_KEYS = ("step", "time", "rank", "module", "site", "phase", "run_id", *STAT_FIELDS,
                 "hist", "hist_edges", "first_nonfinite")
+
+
+def _build_records(groups, parts, rank, run_id) -> Tuple[List[dict], List[Tuple[dict, float]]]:
+    """The records of a flush from per-group host ``(rows, first_bad clocks)`` (clocks None:
+    the rows' own column), and
+    ``(record, clock)`` for each record whose row saw a NaN/Inf. Built by the compiled
+    ``rows_to_records`` where the extension is loaded (the flush's hot loop), else by
+    :func:`_python_records`, the reference it is tested against."""
+    fast = ops.rows_to_records()
+    records: List[dict] = []
+    bad: List[Tuple[dict, float]] = []
+    cache: Dict[Any, list] = {}  # (lo, hi, buckets) -> edges, compiled path
+    py_cache: Dict[Any, list] = {}  # tuple(edges) -> edges, Python path
+    for grp, (rows, clocks) in zip(groups, parts):
+        if rows.dtype != torch.float64:  # a producer's own rows
+            rows = rows.to(torch.float64)
+        if clocks is not None and clocks.dtype != torch.float64:
+            clocks = clocks.to(torch.float64)
+        metas = grp.metas if type(grp.metas) is list else list(grp.metas)
+        if fast is not None and all(type(m) is dict for m in metas):
+            kind = grp.hist
+            recs, bads = fast(rows, clocks, metas, grp.times, rank, run_id, _RECORD_KEYS,
+                              _stats._LOG2_EDGES_LIST, isinstance(kind, str) and kind == "log2",
+                              kind is None, cache)
+        else:
+            recs, bads = _python_records(rows, clocks, grp, metas, rank, run_id, py_cache)
+        records += recs
+        bad += bads
+    return records, bad
+
+
+def _python_records(rows, clocks, grp: _Group, metas, rank, run_id, edges_cache):
+    """:func:`_build_records` for one group in Python (the reference of ``rows_to_records``);
+    ``edges_cache`` makes equal edge lists one list."""
+    out: List[dict] = []
+    bad: List[Tuple[dict, float]] = []
+    log2_edges = _stats._LOG2_EDGES_LIST
+    values = rows_to_values(rows, grp.hist)
+    clocks = (rows[:, FIRST_BAD] if clocks is None else clocks.reshape(-1)).tolist()
+    for meta, stamp, (stats, counts, edges), clock in zip(metas, grp.times, values, clocks):
+        if stats[0] <= 0:  # numel: a row no call touched
+            continue
+        if edges and edges is not log2_edges:
+            edges = edges_cache.setdefault(tuple(edges), edges)
+        rec = dict(zip(_RECORD_KEYS, (
+            meta["step"], stamp, rank, meta["module"], meta["site"],
+            meta.get("phase", "train"), run_id, *stats, counts, edges, False)))
+        if len(meta) > 4 or "phase" not in meta:  # a producer's own keys are kept
+            for key, val in meta.items():
+                if key not in rec:
+                    rec[key] = val
+        if math.isfinite(clock):
+            bad.append((rec, clock))
+        out.append(rec)
+    return out, bad

@@ -92,6 +92,13 @@ def eager_accumulate():
     return getattr(_C, "accumulate", None) if _load() != "reference" else None
 
 
+def rows_to_records():
+    """The compiled telemetry record builder (``hookplug._C.rows_to_records``, see
+    ``csrc/stats_records.cpp``), or None on the reference backend or an extension that
+    lacks it (then :mod:`hookplug._telemetry` builds records in Python)."""
+    return getattr(_C, "rows_to_records", None) if _load() != "reference" else None
+
+
 def _register_fake() -> None:
     register = getattr(torch.library, "register_fake", None)  # torch >= 2.4
     if register is None:  # pragma: no cover - older torch

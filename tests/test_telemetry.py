@@ -953,3 +953,108 @@ def test_a_producer_may_refill_its_rows_while_an_earlier_flush_waits(monkeypatch
         s.flush()
     means = {r["step"]: r["mean"] for r in sink.records if r["module"] == "custom"}
     assert means[1] == 1.0 and means[2] == 2.0, means
+
+
+def _same_value(a, b):
+    """Equal, or both float NaN; bitwise for floats (0.0 vs -0.0 differ)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b))
+    return type(a) is type(b) and a == b
+
+
+def _random_groups(seed):
+    """Stats rows of random tensors (every float dtype, NaN/Inf, all-NaN, empty, tiny
+    values), one group per histogram kind, with metas of every shape a producer may give."""
+    from hookplug import ops
+    from hookplug._stats import HEAD, M2, empty_rows
+    from hookplug._telemetry import _Group
+
+    g = torch.Generator().manual_seed(seed)
+
+    def tensor(i):
+        dt = (torch.float32, torch.float64, torch.float16, torch.bfloat16)[i % 4]
+        n = int(torch.randint(0, 3000, (1,), generator=g))
+        x = (torch.randn(n, generator=g, dtype=torch.float64) * 10 ** float(torch.randint(-30, 5, (1,), generator=g))).to(dt)
+        if n and i % 3 == 0:
+            x[int(torch.randint(0, n, (1,), generator=g))] = math.nan
+        if n and i % 5 == 0:
+            x[0] = -math.inf
+        if n and i % 7 == 0:
+            x[:] = math.nan
+        return x
+
+    kinds = [dict(bins=0), dict(hist="log2"), dict(bins=7, hist="linear"),
+             dict(bins=5, hist="linear", range=(-1.0, 2.0))]
+    groups, parts = [], []
+    for k, kw in enumerate(kinds):
+        rows = torch.stack([ops.tensor_stats(tensor(i + 10 * k), **kw).row for i in range(9)])
+        rows = torch.cat([rows, empty_rows(1, rows.shape[1] - HEAD)])  # untouched
+        rows[1, M2] = -1e-30  # a negative M2 left by a merge is clamped
+        clocks = torch.full((rows.shape[0],), math.inf, dtype=torch.float64)
+        clocks[2], clocks[5] = 7.0, 3.0
+        metas = [{"step": 3 + (i % 2), "module": f"m{i}", "site": "output"} for i in range(rows.shape[0])]
+        metas[0]["phase"] = "eval"
+        metas[1]["phase"] = None
+        metas[2].update(phase="train", note="a producer's key", step_extra=1.5)
+        times = [100.0 + i for i in range(rows.shape[0])]
+        hist = {0: None, 1: "log2", 2: "linear", 3: ("linear", -1.0, 2.0)}[k]
+        groups.append(_Group(metas, times, 0, rows.shape[0], rows.shape[1], hist))
+        parts.append((rows, clocks if k % 2 else None))
+    return groups, parts
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_compiled_record_builder_equals_the_python_reference(seed, monkeypatch):
+    """The flush's compiled record builder (csrc/stats_records.cpp) gives, record for record,
+    the keys, order and values (floats bitwise) of the Python code it replaces, on rows of
+    every kind and dtype with NaN/Inf, no finite value, no call, and producers' own keys;
+    records with equal edges share one list, and the NaN/Inf rows come with their clocks."""
+    from hookplug import _telemetry, ops
+
+    if ops.rows_to_records() is None:
+        pytest.skip("the compiled extension is not loaded")
+    groups, parts = _random_groups(seed)
+    # non-contiguous rows and a separate clock column read in place
+    parts[1] = (parts[1][0].t().contiguous().t(), parts[1][1])
+    parts[2] = (parts[2][0], parts[2][0][:, hookplug._stats.FIRST_BAD:hookplug._stats.FIRST_BAD + 1] * 0 + 5.0)
+    fast, fast_bad = _telemetry._build_records(groups, parts, 1, "run-x")
+    monkeypatch.setattr(ops, "rows_to_records", lambda: None)
+    ref, ref_bad = _telemetry._build_records(groups, parts, 1, "run-x")
+    assert len(fast) == len(ref) == sum(int((r[:, 0] > 0).sum()) for r, _ in parts)
+    for a, b in zip(fast, ref):
+        assert list(a) == list(b)
+        for k in a:
+            if isinstance(a[k], list):
+                assert len(a[k]) == len(b[k]) and all(map(_same_value, a[k], b[k])), k
+            else:
+                assert _same_value(a[k], b[k]), (k, a[k], b[k])
+    assert [(r["module"], c) for r, c in fast_bad] == [(r["module"], c) for r, c in ref_bad]
+    assert len(fast_bad) > 0
+    for recs in (fast, ref):  # equal edges: one list
+        by_value = {}
+        for r in recs:
+            if r["hist_edges"]:
+                assert by_value.setdefault(tuple(r["hist_edges"]), r["hist_edges"]) is r["hist_edges"]
+
+
+def test_compiled_record_builder_rejects_bad_input_by_name():
+    from hookplug import ops
+    from hookplug._telemetry import _RECORD_KEYS
+
+    fast = ops.rows_to_records()
+    if fast is None:
+        pytest.skip("the compiled extension is not loaded")
+    rows = torch.zeros(2, 12, dtype=torch.float64)
+    rows[:, 0] = 1
+    metas = [{"step": 0, "module": "a", "site": "output"}] * 2
+    args = (metas, [0.0, 0.0], 0, None, _RECORD_KEYS, [], False, False, {})
+    with pytest.raises(ValueError, match="expected float64 CPU rows"):
+        fast(rows.float(), None, *args)
+    with pytest.raises(ValueError, match="expected 2 metas and stamps, got 1"):
+        fast(rows, None, metas[:1], *args[1:])
+    with pytest.raises(ValueError, match=r"first_bad clocks \(\[R\] or \[R, 1\]\)"):
+        fast(rows, torch.zeros(2, 2, dtype=torch.float64), *args)
+    with pytest.raises(TypeError, match="every meta must be a dict"):
+        fast(rows, None, [metas[0], ("not", "a dict")], *args[1:])
+    with pytest.raises(KeyError, match="module"):
+        fast(rows, None, [{"step": 0, "site": "output"}] * 2, *args[1:])
