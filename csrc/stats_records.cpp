@@ -45,14 +45,14 @@ void set_new(PyObject* d, PyObject* key, PyObject* value) {
   Py_DECREF(value);
 }
 
-// meta[key]; a KeyError as Python's meta[key] raises it when missing.
-PyObject* item(PyObject* meta, PyObject* key) {
+// meta[key] (a new reference); a KeyError as Python's meta[key] raises it when missing.
+py::object item(PyObject* meta, PyObject* key) {
   PyObject* v = PyDict_GetItemWithError(meta, key);
   if (v == nullptr) {
     if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
     throw py::error_already_set();
   }
-  return v;
+  return py::reinterpret_borrow<py::object>(v);
 }
 
 }  // namespace
@@ -76,7 +76,7 @@ py::tuple rows_to_records(const at::Tensor& rows, const std::optional<at::Tensor
                     rows.sizes(), " ", rows.scalar_type(), " on ", rows.device());
   const int64_t R = rows.size(0), W = rows.size(1), B = W - kHead;
   const int64_t rs = rows.stride(0), cs = rows.stride(1);
-  const double* data = rows.data_ptr<double>();
+  const double* data = rows.const_data_ptr<double>();
   const double* clocks = nullptr;  // none: each row's own kFirstBad column
   int64_t bs = 0;
   if (bad.has_value()) {
@@ -85,7 +85,7 @@ py::tuple rows_to_records(const at::Tensor& rows, const std::optional<at::Tensor
                       "rows_to_records: expected ", R, " float64 CPU first_bad clocks ([R] or "
                       "[R, 1]), got ", bad->sizes(), " ", bad->scalar_type(), " on ",
                       bad->device());
-    clocks = bad->data_ptr<double>();
+    clocks = bad->const_data_ptr<double>();
     bs = bad->stride(0);
   }
   TORCH_CHECK_VALUE(static_cast<int64_t>(metas.size()) == R &&
@@ -104,8 +104,15 @@ py::tuple rows_to_records(const at::Tensor& rows, const std::optional<at::Tensor
   for (int64_t r = 0; r < R; ++r) {
     const double* h = data + r * rs;  // column c at h[c * cs]
     const double numel = h[kNumel * cs];
-    if (!(numel > 0)) continue;  // a row no call touched
-    PyObject* meta = PyList_GET_ITEM(metas.ptr(), r);
+    if (!(numel >= 1.0)) {  // a row no call touched (Python: int(numel) <= 0)
+      for (int k = kNumel; k <= kZero; ++k) {  // int() of a NaN/Inf count raises there too
+        if (!std::isfinite(h[k * cs])) steal(PyLong_FromDouble(h[k * cs]));
+      }
+      continue;
+    }
+    // Owned references: allocations below may run arbitrary Python code (a GC pass).
+    const py::object meta_o = py::reinterpret_borrow<py::object>(PyList_GET_ITEM(metas.ptr(), r));
+    PyObject* meta = meta_o.ptr();
     if (!PyDict_Check(meta)) {
       throw py::type_error("rows_to_records: every meta must be a dict");
     }
@@ -131,18 +138,23 @@ py::tuple rows_to_records(const at::Tensor& rows, const std::optional<at::Tensor
       f[0] = f[1] = f[2] = f[3] = f[4] = f[6] = nan;
       f[5] = 0.0;
     }
-    f[7] = zero / numel;  // numel > 0 here
+    f[7] = zero / numel;  // numel >= 1 here
     // -- the record, keys in _RECORD_KEYS order
     py::object rec = steal(PyDict_New());
     PyObject* d = rec.ptr();
-    PyObject* has_phase = PyDict_GetItemWithError(meta, k_phase.ptr());
-    if (has_phase == nullptr && PyErr_Occurred()) throw py::error_already_set();
-    PyObject* meta_vals[kMetaKeys] = {item(meta, k_step.ptr()), PyList_GET_ITEM(stamps.ptr(), r),
-                                      rank.ptr(), item(meta, k_module.ptr()),
-                                      item(meta, k_site.ptr()),
-                                      has_phase ? has_phase : train.ptr(), run_id.ptr()};
+    PyObject* phase = PyDict_GetItemWithError(meta, k_phase.ptr());
+    if (phase == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    const bool has_phase = phase != nullptr;
+    const py::object meta_vals[kMetaKeys] = {
+        item(meta, k_step.ptr()),
+        py::reinterpret_borrow<py::object>(PyList_GET_ITEM(stamps.ptr(), r)),
+        rank,
+        item(meta, k_module.ptr()),
+        item(meta, k_site.ptr()),
+        has_phase ? py::reinterpret_borrow<py::object>(phase) : py::object(train),
+        run_id};
     for (int k = 0; k < kMetaKeys; ++k) {
-      if (PyDict_SetItem(d, key[k], meta_vals[k]) < 0) throw py::error_already_set();
+      if (PyDict_SetItem(d, key[k], meta_vals[k].ptr()) < 0) throw py::error_already_set();
     }
     const double counts[kCounts] = {numel, n_nan, n_inf, zero};
     for (int k = 0; k < kCounts; ++k) set_new(d, key[kMetaKeys + k], PyLong_FromDouble(counts[k]));
@@ -184,13 +196,15 @@ py::tuple rows_to_records(const at::Tensor& rows, const std::optional<at::Tensor
     if (PyDict_SetItem(d, key[kRecordKeys - 2], edges.ptr()) < 0) throw py::error_already_set();
     if (PyDict_SetItem(d, key[kRecordKeys - 1], Py_False) < 0) throw py::error_already_set();
     // -- a producer's own meta keys are kept
-    if (PyDict_GET_SIZE(meta) > 4 || has_phase == nullptr) {
+    if (PyDict_GET_SIZE(meta) > 4 || !has_phase) {
       PyObject *mk, *mv;
       Py_ssize_t pos = 0;
       while (PyDict_Next(meta, &pos, &mk, &mv)) {
-        const int has = PyDict_Contains(d, mk);
+        const py::object k = py::reinterpret_borrow<py::object>(mk);  // a key's __eq__ may run
+        const py::object v = py::reinterpret_borrow<py::object>(mv);
+        const int has = PyDict_Contains(d, k.ptr());
         if (has < 0) throw py::error_already_set();
-        if (!has && PyDict_SetItem(d, mk, mv) < 0) throw py::error_already_set();
+        if (!has && PyDict_SetItem(d, k.ptr(), v.ptr()) < 0) throw py::error_already_set();
       }
     }
     const double clock = clocks ? clocks[r * bs] : h[kFirstBad * cs];

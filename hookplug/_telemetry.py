@@ -320,13 +320,13 @@ def _build_records(groups, parts, rank, run_id) -> Tuple[List[dict], List[Tuple[
     """The records of a flush from per-group host ``(rows, first_bad clocks)`` (clocks None:
     the rows' own column), and
     ``(record, clock)`` for each record whose row saw a NaN/Inf. Built by the compiled
-    ``rows_to_records`` where the extension is loaded (the flush's hot loop), else by
+    ``rows_to_records`` where the extension is loaded (the flush's hot loop), else (the
+    reference backend, or a producer's metas that are not plain dicts) by
     :func:`_python_records`, the reference it is tested against."""
     fast = ops.rows_to_records()
     records: List[dict] = []
     bad: List[Tuple[dict, float]] = []
-    cache: Dict[Any, list] = {}  # (lo, hi, buckets) -> edges, compiled path
-    py_cache: Dict[Any, list] = {}  # tuple(edges) -> edges, Python path
+    cache: Dict[Any, list] = {}  # (lo, hi, buckets) -> edges: equal edges, one list
     for grp, (rows, clocks) in zip(groups, parts):
         if rows.dtype != torch.float64:  # a producer's own rows
             rows = rows.to(torch.float64)
@@ -339,7 +339,7 @@ def _build_records(groups, parts, rank, run_id) -> Tuple[List[dict], List[Tuple[
                               _stats._LOG2_EDGES_LIST, isinstance(kind, str) and kind == "log2",
                               kind is None, cache)
         else:
-            recs, bads = _python_records(rows, clocks, grp, metas, rank, run_id, py_cache)
+            recs, bads = _python_records(rows, clocks, grp, metas, rank, run_id, cache)
         records += recs
         bad += bads
     return records, bad
@@ -347,7 +347,8 @@ def _build_records(groups, parts, rank, run_id) -> Tuple[List[dict], List[Tuple[
 
 def _python_records(rows, clocks, grp: _Group, metas, rank, run_id, edges_cache):
     """:func:`_build_records` for one group in Python (the reference of ``rows_to_records``);
-    ``edges_cache`` makes equal edge lists one list."""
+    ``edges_cache`` (``(lo, hi, buckets) -> edges``, shared with the compiled builder) makes
+    equal edge lists one list."""
     out: List[dict] = []
     bad: List[Tuple[dict, float]] = []
     log2_edges = _stats._LOG2_EDGES_LIST
@@ -356,8 +357,8 @@ def _python_records(rows, clocks, grp: _Group, metas, rank, run_id, edges_cache)
     for meta, stamp, (stats, counts, edges), clock in zip(metas, grp.times, values, clocks):
         if stats[0] <= 0:  # numel: a row no call touched
             continue
-        if edges and edges is not log2_edges:
-            edges = edges_cache.setdefault(tuple(edges), edges)
+        if edges and edges is not log2_edges:  # (lo, hi, buckets) decide the edges
+            edges = edges_cache.setdefault((edges[0], edges[-1], len(edges) - 1), edges)
         rec = dict(zip(_RECORD_KEYS, (
             meta["step"], stamp, rank, meta["module"], meta["site"],
             meta.get("phase", "train"), run_id, *stats, counts, edges, False)))

@@ -69,9 +69,14 @@ run() {  # run NAME CMD...: log to $out/NAME.log, note pass/fail
 hist_variants() {  # the standalone histogram A/B: plain nvcc, no torch
   local arch
   arch="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n 1 | tr -d '.')"
+  rm -f /tmp/hookplug_hist_variants
   run hist_build nvcc -O3 -std=c++17 -arch="sm_${arch:-90}" -Xptxas -v -I csrc \
     -o /tmp/hookplug_hist_variants benchmarks/cuda/hist_variants.cu
-  run hist_variants timeout 120 /tmp/hookplug_hist_variants
+  if [[ "${summary[-1]}" == "hist_build: rc 0" ]]; then
+    run hist_variants timeout 120 /tmp/hookplug_hist_variants
+  else
+    summary+=("hist_variants: not run (the build failed)")
+  fi
 }
 
 case "$what" in hist|profile) hist_variants ;; esac

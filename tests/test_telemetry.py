@@ -3,6 +3,7 @@
 Records are checked against statistics computed here with plain torch hooks and float64
 torch reductions, never against values the code under test produced.
 """
+import collections
 import dataclasses
 import math
 import os
@@ -966,7 +967,7 @@ def _random_groups(seed):
     """Stats rows of random tensors (every float dtype, NaN/Inf, all-NaN, empty, tiny
     values), one group per histogram kind, with metas of every shape a producer may give."""
     from hookplug import ops
-    from hookplug._stats import HEAD, M2, empty_rows
+    from hookplug._stats import FIRST_BAD, HEAD, M2, empty_rows
     from hookplug._telemetry import _Group
 
     g = torch.Generator().manual_seed(seed)
@@ -984,22 +985,23 @@ def _random_groups(seed):
         return x
 
     kinds = [dict(bins=0), dict(hist="log2"), dict(bins=7, hist="linear"),
-             dict(bins=5, hist="linear", range=(-1.0, 2.0))]
+             dict(bins=5, hist="linear", range=(-1.0, 2.0)), dict(bins=5, hist="linear", range=(-1.0, 2.0))]
     groups, parts = [], []
     for k, kw in enumerate(kinds):
         rows = torch.stack([ops.tensor_stats(tensor(i + 10 * k), **kw).row for i in range(9)])
         rows = torch.cat([rows, empty_rows(1, rows.shape[1] - HEAD)])  # untouched
         rows[1, M2] = -1e-30  # a negative M2 left by a merge is clamped
-        clocks = torch.full((rows.shape[0],), math.inf, dtype=torch.float64)
-        clocks[2], clocks[5] = 7.0, 3.0
-        metas = [{"step": 3 + (i % 2), "module": f"m{i}", "site": "output"} for i in range(rows.shape[0])]
+        rows[2, FIRST_BAD], rows[5, FIRST_BAD] = 7.0, 3.0  # rows that saw a NaN/Inf
+        metas = [{"step": 3 + (i % 2), "module": f"g{k}.m{i}", "site": "output"} for i in range(rows.shape[0])]
         metas[0]["phase"] = "eval"
         metas[1]["phase"] = None
         metas[2].update(phase="train", note="a producer's key", step_extra=1.5)
+        if k == 4:  # not plain dicts: the Python builder, in the same flush
+            metas = [collections.OrderedDict(m) for m in metas]
         times = [100.0 + i for i in range(rows.shape[0])]
-        hist = {0: None, 1: "log2", 2: "linear", 3: ("linear", -1.0, 2.0)}[k]
+        hist = {0: None, 1: "log2", 2: "linear", 3: ("linear", -1.0, 2.0), 4: ("linear", -1.0, 2.0)}[k]
         groups.append(_Group(metas, times, 0, rows.shape[0], rows.shape[1], hist))
-        parts.append((rows, clocks if k % 2 else None))
+        parts.append((rows, None))  # None: the rows' own first_bad column
     return groups, parts
 
 
@@ -1014,9 +1016,15 @@ def test_compiled_record_builder_equals_the_python_reference(seed, monkeypatch):
     if ops.rows_to_records() is None:
         pytest.skip("the compiled extension is not loaded")
     groups, parts = _random_groups(seed)
-    # non-contiguous rows and a separate clock column read in place
-    parts[1] = (parts[1][0].t().contiguous().t(), parts[1][1])
-    parts[2] = (parts[2][0], parts[2][0][:, hookplug._stats.FIRST_BAD:hookplug._stats.FIRST_BAD + 1] * 0 + 5.0)
+    fb = hookplug._stats.FIRST_BAD
+    # rows and clocks read in place at their strides: non-contiguous rows with a separate
+    # clock tensor of other values, and the clock column as an [R] and an [R, 1] view
+    rows1 = parts[1][0].t().contiguous().t()
+    clocks1 = torch.full((rows1.shape[0],), math.inf, dtype=torch.float64)
+    clocks1[4], clocks1[6] = 11.0, 2.0
+    parts[1] = (rows1, clocks1)
+    parts[2] = (parts[2][0], parts[2][0][:, fb])
+    parts[3] = (parts[3][0], parts[3][0][:, fb:fb + 1])
     fast, fast_bad = _telemetry._build_records(groups, parts, 1, "run-x")
     monkeypatch.setattr(ops, "rows_to_records", lambda: None)
     ref, ref_bad = _telemetry._build_records(groups, parts, 1, "run-x")
@@ -1030,11 +1038,15 @@ def test_compiled_record_builder_equals_the_python_reference(seed, monkeypatch):
                 assert _same_value(a[k], b[k]), (k, a[k], b[k])
     assert [(r["module"], c) for r, c in fast_bad] == [(r["module"], c) for r, c in ref_bad]
     assert len(fast_bad) > 0
-    for recs in (fast, ref):  # equal edges: one list
+    assert [(r["module"], c) for r, c in fast_bad if r["module"].startswith("g1.")] == [("g1.m4", 11.0), ("g1.m6", 2.0)]
+    assert ("g2.m2", 7.0) in [(r["module"], c) for r, c in fast_bad]
+    for recs in (fast, ref):  # equal edges: one list, across both builders in one flush
         by_value = {}
         for r in recs:
             if r["hist_edges"]:
                 assert by_value.setdefault(tuple(r["hist_edges"]), r["hist_edges"]) is r["hist_edges"]
+    shared = [r["hist_edges"] for r in fast if r["module"][:3] in ("g3.", "g4.")]  # one range
+    assert len(shared) == 18 and all(e is shared[0] for e in shared)
 
 
 def test_compiled_record_builder_rejects_bad_input_by_name():
@@ -1058,3 +1070,30 @@ def test_compiled_record_builder_rejects_bad_input_by_name():
         fast(rows, None, [metas[0], ("not", "a dict")], *args[1:])
     with pytest.raises(KeyError, match="module"):
         fast(rows, None, [{"step": 0, "site": "output"}] * 2, *args[1:])
+
+
+def test_both_record_builders_skip_and_refuse_the_same_rows(monkeypatch):
+    """A row with numel below 1 is untouched (no record) and a NaN count raises as int()
+    does, in the compiled builder and in the Python reference alike."""
+    from hookplug import _telemetry, ops
+    from hookplug._stats import empty_rows
+    from hookplug._telemetry import _Group
+
+    rows = empty_rows(3, 0)
+    rows[0, 0], rows[1, 0], rows[2, 0] = 0.5, 1.0, 2.0
+    grp = _Group([{"step": 0, "module": f"m{i}", "site": "output"} for i in range(3)],
+                 [0.0] * 3, 0, 3, rows.shape[1], None)
+    builders = [lambda: _telemetry._build_records([grp], [(rows, None)], 0, None)]
+    if ops.rows_to_records() is not None:
+        def python_only():
+            with monkeypatch.context() as m:
+                m.setattr(ops, "rows_to_records", lambda: None)
+                return _telemetry._build_records([grp], [(rows, None)], 0, None)
+        builders.append(python_only)
+    for build in builders:
+        records, _ = build()
+        assert [r["module"] for r in records] == ["m1", "m2"]
+    rows[0, 1] = math.nan  # the untouched row's nan_count
+    for build in builders:
+        with pytest.raises(ValueError, match="NaN"):
+            build()

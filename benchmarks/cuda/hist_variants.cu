@@ -8,17 +8,21 @@
 // rate with the log2 histogram and 91 % / 60 % without: the same ~150 G elements/s for both
 // dtypes, so a per-element cost, not bytes, caps it. Every variant below runs the kernel's
 // per-thread float64 moments (as ThreadAcc in csrc/cuda/stats_kernels.cu) over the same
-// 16-byte vector loads and grid; they differ only in the histogram update:
+// 16-byte vector loads (one wave of blocks); they differ only in the histogram update:
 //   none     no histogram (bins=0)
 //   match    the kernel's: __match_any_sync per element, one shared atomic per distinct key
 //            in the warp, one shared copy per warp
 //   atomic   one shared copy per warp, a plain shared atomicAdd per element (no match)
-//   private  one uint16 counter per (bucket, thread) in shared memory, [bucket][thread]
-//            layout (no bank conflicts, no atomics), summed per block at the end
+//   private  one uint16 counter per (bucket, thread) in shared memory, no atomics: a
+//            thread's two buckets 2k, 2k+1 share one 32-bit word, words laid out
+//            [bucket pair][thread], so a warp's 32 lanes hit 32 banks; summed per block
+//            at the end (67.6 KB a block: the grid is sized by occupancy per variant)
 // Data: N(0, 1) (the case that crowds few buckets), fresh per size. Every variant's counts
 // must equal `match`'s: the table says so. Time: cudaEvent, median of 25 launches after 5
-// warm-up, rotating over 4 input buffers larger than L2. The copy line is a
-// device-to-device cudaMemcpy of one buffer (read + write).
+// warm-up, rotating over 4 input buffers of >= 64 MiB each (larger than an H100/H200 L2).
+// The copy line is a device-to-device cudaMemcpy of one buffer (read + write); "% copy
+// read" is copy time / kernel time, as bench_stats.py prints it (a read-only kernel can
+// exceed 100 %).
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -42,6 +46,7 @@ namespace {
 
 constexpr int kThreads = 256, kWarps = kThreads / 32, kBlocksPerSm = 3;
 constexpr int kBins = hookplug::kLog2Bins;
+constexpr int kPairs = (kBins + 1) / 2;  // private: 32-bit words per thread
 enum Variant { kNone = 0, kMatch = 1, kAtomic = 2, kPrivate = 3 };
 const char* kNames[] = {"none", "match", "atomic", "private"};
 
@@ -84,11 +89,11 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   extern __shared__ unsigned sh[];
   constexpr int kVec = BF16 ? 8 : 4;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int nsh = V == kPrivate ? kBins * kThreads / 2 : (V == kNone ? 0 : kWarps * kBins);
+  const int nsh = V == kPrivate ? kPairs * kThreads : (V == kNone ? 0 : kWarps * kBins);
   for (int k = threadIdx.x; k < nsh; k += kThreads) sh[k] = 0;
   __syncthreads();
   unsigned* wsh = sh + warp * kBins;
-  unsigned short* psh = reinterpret_cast<unsigned short*>(sh) + threadIdx.x;
+  unsigned short* psh = reinterpret_cast<unsigned short*>(sh) + 2 * threadIdx.x;
   Acc acc;
   auto visit = [&](float x, bool ok) {
     acc.add(x, ok);
@@ -99,7 +104,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     } else if (V == kAtomic) {
       if (key >= 0) atomicAdd(wsh + key, 1u);
     } else if (V == kPrivate) {
-      if (key >= 0) psh[key * kThreads] += 1;  // < 65536 elements a thread (checked on the host)
+      // word (pair, thread), half key & 1; < 65536 elements a thread (checked on the host)
+      if (key >= 0) psh[(key >> 1) * 2 * kThreads + (key & 1)] += 1;
     }
   };
   const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
@@ -125,7 +131,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     const unsigned short* p = reinterpret_cast<const unsigned short*>(sh);
     for (int k = warp; k < kBins; k += kWarps) {
       unsigned c = 0;
-      for (int t = lane; t < kThreads; t += 32) c += p[k * kThreads + t];
+      for (int t = lane; t < kThreads; t += 32) c += p[(k >> 1) * 2 * kThreads + 2 * t + (k & 1)];
       for (int o = 16; o > 0; o >>= 1) c += __shfl_down_sync(0xffffffffu, c, o);
       if (lane == 0 && c) atomicAdd(hist + k, static_cast<unsigned long long>(c));
     }
@@ -154,11 +160,15 @@ __global__ void fill_normal(void* out, int64_t n, bool bf16, uint64_t seed) {
   }
 }
 
+constexpr size_t smem_bytes(int v) {
+  return v == kPrivate ? sizeof(unsigned) * kPairs * kThreads
+                       : (v == kNone ? 0 : sizeof(unsigned) * kWarps * kBins);
+}
+
 template <bool BF16, int V>
 void launch(const void* buf, int64_t n, int grid, unsigned long long* hist, double* sink) {
+  constexpr size_t smem = smem_bytes(V);
   const int64_t nvec = n / (BF16 ? 8 : 4);
-  const size_t smem = V == kPrivate ? sizeof(unsigned short) * kBins * kThreads
-                                    : (V == kNone ? 0 : sizeof(unsigned) * kWarps * kBins);
   stats_kernel<BF16, V><<<grid, kThreads, smem>>>(static_cast<const uint4*>(buf), nvec, hist, sink);
 }
 
@@ -171,6 +181,27 @@ LaunchFn pick(int v) {
     case kMatch: return launch<BF16, kMatch>;
     case kAtomic: return launch<BF16, kAtomic>;
     default: return launch<BF16, kPrivate>;
+  }
+}
+
+// Resident blocks per SM of a variant (at most kBlocksPerSm, as the op's grid): one wave.
+template <bool BF16, int V>
+int blocks_per_sm() {
+  int b = 0;
+  if (V == kPrivate) {
+    CK(cudaFuncSetAttribute(stats_kernel<BF16, V>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            static_cast<int>(smem_bytes(V))));
+  }
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, stats_kernel<BF16, V>, kThreads, smem_bytes(V)));
+  return b < kBlocksPerSm ? b : kBlocksPerSm;
+}
+
+int occupancy(bool bf16, int v) {
+  switch (v) {
+    case kNone: return bf16 ? blocks_per_sm<true, kNone>() : blocks_per_sm<false, kNone>();
+    case kMatch: return bf16 ? blocks_per_sm<true, kMatch>() : blocks_per_sm<false, kMatch>();
+    case kAtomic: return bf16 ? blocks_per_sm<true, kAtomic>() : blocks_per_sm<false, kAtomic>();
+    default: return bf16 ? blocks_per_sm<true, kPrivate>() : blocks_per_sm<false, kPrivate>();
   }
 }
 
@@ -187,14 +218,12 @@ int main(int argc, char** argv) {
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, dev));
-  const int grid = sms * kBlocksPerSm;
-  const size_t private_smem = sizeof(unsigned short) * kBins * kThreads;
-  CK(cudaFuncSetAttribute(stats_kernel<false, kPrivate>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                          static_cast<int>(private_smem)));
-  CK(cudaFuncSetAttribute(stats_kernel<true, kPrivate>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                          static_cast<int>(private_smem)));
-  printf("hist_variants: %s, %d SMs, grid %d x %d threads\n", prop.name, sms, grid, kThreads);
-  const int64_t sizes[] = {int64_t{1} << 24, int64_t{1} << 26, int64_t{1} << 28};
+  const int grid = sms * kBlocksPerSm;  // the most any variant launches
+  printf("hist_variants: %s, %d SMs, %d threads a block; blocks per SM (f32/bf16):", prop.name,
+         sms, kThreads);
+  for (int v = 0; v < 4; ++v) printf(" %s %d/%d", kNames[v], occupancy(false, v), occupancy(true, v));
+  printf("\n");
+  const int64_t sizes[] = {int64_t{1} << 25, int64_t{1} << 26, int64_t{1} << 28};
   constexpr int kBufs = 4, kWarm = 5, kReps = 25;
   unsigned long long* hist;
   double* sink;
@@ -209,7 +238,8 @@ int main(int argc, char** argv) {
   for (int bf = 0; bf < 2; ++bf) {
     for (int64_t n : sizes) {
       const size_t bytes = static_cast<size_t>(n) * (bf ? 2 : 4);
-      if (n / (static_cast<int64_t>(grid) * kThreads) >= 65536) continue;  // the uint16 counters
+      const int64_t nvec = n / (bf ? 8 : 4), threads = static_cast<int64_t>(sms) * kThreads;
+      if ((nvec + threads - 1) / threads * (bf ? 8 : 4) > 65535) continue;  // private's uint16 counters
       std::vector<void*> bufs(kBufs);
       for (int b = 0; b < kBufs; ++b) {
         CK(cudaMalloc(&bufs[b], bytes));
@@ -234,9 +264,10 @@ int main(int argc, char** argv) {
       std::vector<unsigned long long> ref(kBins), got(kBins);
       for (int v = 0; v < 4; ++v) {
         const LaunchFn fn = bf ? pick<true>(v) : pick<false>(v);
+        const int vgrid = sms * occupancy(bf != 0, v);
         // counts of one launch over buffer 0, then the timing
         CK(cudaMemset(hist, 0, sizeof(unsigned long long) * kBins));
-        fn(bufs[0], n, grid, hist, sink);
+        fn(bufs[0], n, vgrid, hist, sink);
         CK(cudaGetLastError());
         CK(cudaMemcpy(got.data(), hist, sizeof(unsigned long long) * kBins, cudaMemcpyDeviceToHost));
         const char* verdict = "-";
@@ -254,7 +285,7 @@ int main(int argc, char** argv) {
         ts.clear();
         for (int r = 0; r < kWarm + kReps; ++r) {
           CK(cudaEventRecord(e0));
-          fn(bufs[r % kBufs], n, grid, hist + kBins, sink);
+          fn(bufs[r % kBufs], n, vgrid, hist + kBins, sink);
           CK(cudaEventRecord(e1));
           CK(cudaEventSynchronize(e1));
           float ms;
