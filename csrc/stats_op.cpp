@@ -25,6 +25,8 @@ pybind11::tuple rows_to_records(const at::Tensor& rows, const std::optional<at::
                                 const pybind11::tuple& keys, const pybind11::object& log2_edges,
                                 bool log2_kind, bool unknown_kind,
                                 const pybind11::dict& edges_cache);  // stats_records.cpp
+void snapshot_rows(const at::Tensor& acc, const at::Tensor& empty,
+                   const at::Tensor& snap);  // stats_snapshot.cpp
 namespace cpu {
 std::string cpu_isa();
 void set_cpu_isa(const std::string& isa);
@@ -104,6 +106,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "hookplug::stats_accumulate_ for eager callers (see hookplug._bank).");
   m.def("rows_to_records", &hookplug::rows_to_records,
         "Telemetry records from host stats rows (see csrc/stats_records.cpp, hookplug._telemetry).");
+  m.def("snapshot_rows", &hookplug::snapshot_rows,
+        "A CPU bank's step boundary: snap <- acc, acc <- empty (see csrc/stats_snapshot.cpp).");
   m.def("row_layout", []() {
     using namespace hookplug;
     return std::vector<std::pair<std::string, int>>{

@@ -143,7 +143,8 @@ class _DeviceRows:
     in one batch, at most every ``_FOLD_EVERY`` steps or when read). A snapshot holds the
     rows in use when it was taken (the meta row and one per key), not the whole capacity."""
 
-    __slots__ = ("acc", "gate", "empty", "totals", "unfolded", "lock", "_block", "_next", "_views")
+    __slots__ = ("acc", "gate", "empty", "totals", "unfolded", "lock", "_block", "_next", "_views",
+                 "_snapshot")
 
     @_outside_inference_mode
     def __init__(self, device, capacity: int, width: int, lo: float, hi: float, live: bool):
@@ -153,33 +154,43 @@ class _DeviceRows:
         self.unfolded: List[torch.Tensor] = []
         self.gate = torch.tensor([live], dtype=torch.bool, device=device)
         self.lock = threading.Lock()  # end_step's append and fold: readers may be other threads
-        self._block: Optional[torch.Tensor] = None  # snapshot memory for _FOLD_EVERY steps
-        self._next = 0  # the block's next free slot
+        self._block: Optional[Tuple[torch.Tensor, ...]] = None  # snapshot slots up to the next fold
+        self._next = 0  # the next free slot
         self._views: Tuple = (0, None, None)  # (used, acc[:used], empty[:used])
+        self._snapshot = None  # CPU: the compiled snap <- acc, acc <- empty (one call, no dispatcher)
+        if self.acc.device.type == "cpu":
+            from . import ops
+
+            self._snapshot = ops.snapshot_rows()
 
     @_outside_inference_mode
     def end_step(self, used: int) -> torch.Tensor:
         """Snapshot and reset the first ``used`` rows of ``acc`` in place (no other row was
         written); the snapshot waits in ``unfolded``. While the set of rows stays the same,
-        snapshots are slots of a block allocated once per fold batch (a block is never
-        reused: its slots live as long as anyone holds them), so a step costs two copies and
-        no allocation; the step after rows were added gets a copy of its own."""
+        snapshots are slots (views made with the block) of a block allocated once per fold
+        batch (a block is never reused: its slots live as long as anyone holds them), so a
+        step costs two copies, no allocation and, on the CPU, one call into the extension
+        and no torch op; the step after rows were added gets a copy of its own."""
         n, acc, empty = self._views
         if n != used:  # rows were added (or the bank grew): keys may keep arriving
             acc, empty = self.acc[:used], self.empty[:used]
             self._views = (used, acc, empty)
             self._block = None
             snap = acc.clone()
+            acc.copy_(empty)
         else:
-            block, i = self._block, self._next
-            if block is None or i == block.shape[0]:  # slots up to the next fold
-                slots = max(1, _FOLD_EVERY - len(self.unfolded))
-                block = self._block = acc.new_empty((slots, *acc.shape))
+            slots, i = self._block, self._next
+            if slots is None or i == len(slots):  # slots up to the next fold
+                count = max(1, _FOLD_EVERY - len(self.unfolded))
+                slots = self._block = acc.new_empty((count, *acc.shape)).unbind(0)
                 i = 0
             self._next = i + 1
-            snap = block[i]
-            snap.copy_(acc)
-        acc.copy_(empty)
+            snap = slots[i]
+            if self._snapshot is not None:
+                self._snapshot(acc, empty, snap)
+            else:
+                snap.copy_(acc)
+                acc.copy_(empty)
         with self.lock:
             self.unfolded.append(snap)
             if len(self.unfolded) >= _FOLD_EVERY:

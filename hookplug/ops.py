@@ -99,6 +99,13 @@ def rows_to_records():
     return getattr(_C, "rows_to_records", None) if _load() != "reference" else None
 
 
+def snapshot_rows():
+    """The compiled step boundary of a CPU bank (``hookplug._C.snapshot_rows(acc, empty,
+    snap)``: ``snap <- acc``, then ``acc <- empty``, see ``csrc/stats_snapshot.cpp``), or None
+    on the reference backend or an extension that lacks it (then two torch copies)."""
+    return getattr(_C, "snapshot_rows", None) if _load() != "reference" else None
+
+
 def _register_fake() -> None:
     register = getattr(torch.library, "register_fake", None)  # torch >= 2.4
     if register is None:  # pragma: no cover - older torch

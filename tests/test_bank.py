@@ -285,3 +285,59 @@ def test_totals_a_reader_holds_never_change_under_it():
         bank.end_step(step)
     assert torch.equal(held, before)
     assert dev.fold()[1, 0].item() == 3 * 40
+
+
+def test_compiled_snapshot_equals_torch_copies_and_advances_versions():
+    """``_C.snapshot_rows(acc, empty, snap)``: snap gets acc, acc gets empty (empty itself
+    untouched), and both written tensors' version counters advance as ``copy_`` would."""
+    snapshot = ops.snapshot_rows()
+    gen = torch.Generator().manual_seed(3)
+    acc = torch.randn(7, HEAD + 5, generator=gen, dtype=torch.float64)
+    empty = torch.randn(7, HEAD + 5, generator=gen, dtype=torch.float64)
+    snap = torch.zeros(4, 7, HEAD + 5, dtype=torch.float64).unbind(0)[2]  # a slot, as the bank's
+    acc0, empty0 = acc.clone(), empty.clone()
+    versions = acc._version, snap._version
+    snapshot(acc, empty, snap)
+    assert torch.equal(snap, acc0) and torch.equal(acc, empty0) and torch.equal(empty, empty0)
+    assert acc._version > versions[0] and snap._version > versions[1]
+
+
+@pytest.mark.parametrize("case", ["dtype", "shape", "strided", "overlap", "empty_shape"])
+def test_compiled_snapshot_refuses_bad_rows_by_name(case):
+    snapshot = ops.snapshot_rows()
+    acc = torch.zeros(4, HEAD + 2, dtype=torch.float64)
+    empty, snap = acc.clone(), acc.clone()
+    args = {"dtype": (acc, empty, snap.float()),
+            "shape": (acc, empty, snap[:3]),
+            "strided": (acc, empty, torch.zeros(HEAD + 2, 4, dtype=torch.float64).t()),
+            "overlap": (acc, empty, acc),
+            "empty_shape": (acc, empty[:, :3], snap)}[case]
+    before = [t.clone() for t in args]
+    with pytest.raises(ValueError, match="snapshot_rows: "):
+        snapshot(*args)
+    assert all(torch.equal(t, b) for t, b in zip(args, before))  # nothing written
+
+
+def test_bank_step_boundary_is_the_same_with_and_without_the_compiled_snapshot():
+    """Snapshots, resets and folds over 40 steps (more than two snapshot blocks) with the
+    compiled step boundary equal those of the torch copies it replaces."""
+    def run(compiled):
+        bank = StatsBank()
+        bank.prepare(torch.device("cpu"))
+        dev = bank.device_rows(torch.device("cpu"))
+        if not compiled:
+            dev._snapshot = None
+        gen = torch.Generator().manual_seed(5)
+        for step in range(40):
+            for j in range(3 + (step == 20)):  # a key first met mid-run
+                bank.accumulate(torch.randn(17 + j, generator=gen), (f"m{j}", "output", "train"))
+            bank.end_step(step)
+        snaps = [s.clone() for _, by_dev in bank.pending for s in by_dev.values()]
+        return snaps, dev.fold().clone(), dev.acc.clone()
+
+    fast, slow = run(True), run(False)
+    assert len(fast[0]) == len(slow[0]) == 40
+    for a, b in zip(fast[0], slow[0]):
+        assert torch.equal(a.nan_to_num(nan=7.0), b.nan_to_num(nan=7.0))
+    assert torch.equal(fast[1].nan_to_num(nan=7.0), slow[1].nan_to_num(nan=7.0))
+    assert torch.equal(fast[2].nan_to_num(nan=7.0), slow[2].nan_to_num(nan=7.0))
