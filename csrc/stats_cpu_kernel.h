@@ -375,9 +375,7 @@ template <class T, bool HIST>
 static void block_two_pass(const void* p, int64_t n, BlockResult* r, uint32_t* hist) {
   typedef typename T::S S;
   typedef typename T::V V;
-  typedef typename T::U U;
   typedef typename T::I I;
-  typedef Raw<S> RW;
   constexpr int W = T::W;
   const S inf = __builtin_inf();
 
@@ -503,9 +501,7 @@ template <class T, bool HIST>
 static void block_stats(const void* p, int64_t n, BlockResult* r, uint32_t* hist, double* shift) {
   typedef typename T::S S;
   typedef typename T::V V;
-  typedef typename T::U U;
   typedef typename T::I I;
-  typedef Raw<S> RW;
   constexpr int W = T::W;
   const S inf = __builtin_inf();
   S k = static_cast<S>(*shift);
