@@ -86,24 +86,28 @@ def backend() -> str:
     return _load()
 
 
+def _compiled_entry(name: str):
+    """``hookplug._C.<name>``, or None on the reference backend or an extension that lacks it."""
+    return getattr(_C, name, None) if _load() != "reference" else None
+
+
 def eager_accumulate():
     """The compiled op's eager entry point (``stats_accumulate_`` without the torch.ops
-    argument parsing), or None on the reference backend or an extension that lacks it."""
-    return getattr(_C, "accumulate", None) if _load() != "reference" else None
+    argument parsing), or None (see :func:`_compiled_entry`)."""
+    return _compiled_entry("accumulate")
 
 
 def rows_to_records():
-    """The compiled telemetry record builder (``hookplug._C.rows_to_records``, see
-    ``csrc/stats_records.cpp``), or None on the reference backend or an extension that
-    lacks it (then :mod:`hookplug._telemetry` builds records in Python)."""
-    return getattr(_C, "rows_to_records", None) if _load() != "reference" else None
+    """The compiled telemetry record builder (``csrc/stats_records.cpp``), or None (then
+    :mod:`hookplug._telemetry` builds records in Python)."""
+    return _compiled_entry("rows_to_records")
 
 
 def snapshot_rows():
-    """The compiled step boundary of a CPU bank (``hookplug._C.snapshot_rows(acc, empty,
-    snap)``: ``snap <- acc``, then ``acc <- empty``, see ``csrc/stats_snapshot.cpp``), or None
-    on the reference backend or an extension that lacks it (then two torch copies)."""
-    return getattr(_C, "snapshot_rows", None) if _load() != "reference" else None
+    """The compiled step boundary of a CPU bank (``snapshot_rows(acc, empty, snap)``: ``snap
+    <- acc``, then ``acc <- empty``, see ``csrc/stats_snapshot.cpp``), or None (then two
+    torch copies)."""
+    return _compiled_entry("snapshot_rows")
 
 
 def _register_fake() -> None:
