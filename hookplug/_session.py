@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from . import hookspecs
+from ._checkpoint import RecomputeMatcher
 from ._config import _records_given, attach_options
 from ._manager import PluginError, PluginLoadError, create_plugin, new_plugin_manager
 from ._selectors import named_modules, named_parameters, select, unwrap_model
@@ -349,6 +350,8 @@ class _ModuleBinding:
         if ctx is None:  # a recompute (activation checkpointing): forward is not observed again,
             ctx = HookContext(self.name, -1, None, s, _phase_of(module))  # grads still are
             fwd_out = ()
+            if out_grad:  # a reentrant checkpoint's: the ctx becomes the first call's
+                s._recompute.recompute_call(self, ctx)
         new = _fold(s, fwd_out, "hookplug_forward_output", output, (ctx, module, args, kwargs), (),
                     lambda: f"module {self.name!r}") if fwd_out else None
         if new is not None:
@@ -362,6 +365,8 @@ class _ModuleBinding:
                 # a leaf (a Parameter returned as is) would keep a tensor hook for good
                 if t.requires_grad and t.grad_fn is not None:
                     t.register_hook(functools.partial(self.grad_hook, ctx, module, path))
+        elif out_grad and not compiling and ctx.call_index >= 0 and ctx.phase == "train":
+            s._recompute.forward_call(self, ctx)  # autograd off: maybe a reentrant checkpoint
         return new
 
     def _grad_sites(self, ctx, module, args, output):
@@ -411,7 +416,10 @@ class _ModuleBinding:
         s = self.session
         if s._removed:
             return None
-        return _fold(s, self.all_grad if _is_compiling() else self.out_grad, "hookplug_output_grad",
+        compiling = _is_compiling()
+        if not compiling and ctx.call_index < 0:  # maybe a recompute's: tie it to its call
+            s._recompute.resolve(ctx)
+        return _fold(s, self.all_grad if compiling else self.out_grad, "hookplug_output_grad",
                      grad, (ctx, module), (path,), lambda: f"module {self.name!r} {path}")
 
 
@@ -540,6 +548,7 @@ class Session:
         self._handles: List[Any] = []
         self._guarded: List[Tuple[weakref.ref, int]] = []  # (module, hook id) left out of copies
         self._call_order: Dict[str, List[_Entry]] = {}  # hook name -> entries, in call order
+        self._recompute = RecomputeMatcher()  # reentrant checkpoints' grads -> their calls
         from ._telemetry import Telemetry, new_run_id
 
         self._telemetry = Telemetry()
@@ -667,6 +676,7 @@ class Session:
         ended = self._step
         self._step += 1
         self._steps_done += 1
+        self._recompute.clear()
         sampling = (self._step % self.every) == 0 and not self._removed
         if sampling != self._sampling:
             self._sampling = sampling
@@ -688,6 +698,7 @@ class Session:
             return
         self._removed = True
         self._sampling = False
+        self._recompute.clear()
         for h in self._handles:
             h.remove()
         self._handles.clear()

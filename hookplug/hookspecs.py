@@ -13,7 +13,8 @@ unchanged (observe only).
 ``call_index`` (how many times this module has been called in this session, from 0),
 ``step`` (the session's step counter) and ``session``; ``forward_input`` and
 ``forward_output`` of one call receive the same ``ctx`` object, and so do the gradient hooks
-of that call's outputs. ``output`` is None in ``forward_output`` when ``forward`` raised
+of that call's outputs (under a reentrant activation checkpoint, those of the recompute,
+which get the context of the call they repeat). ``output`` is None in ``forward_output`` when ``forward`` raised
 (the hook still runs so plugins can unwind per-call state; torch >= 2.1).
 
 Sampling (``attach(..., every=N)``): on unsampled steps only plugins whose class sets
