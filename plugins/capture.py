@@ -353,15 +353,28 @@ class CapturePlugin(hookplug.Plugin):
             and not isinstance(output, torch.Tensor)
             and any(t.requires_grad for _, t in iter_tensors(output))
         ):
-            name, call = ctx.name, ctx.call_index
-            skel = map_tensors(lambda p, _t: _Slot(p), output, "output")
-            self._skeletons[(name, call)] = skel
-            self._skel_calls.setdefault(name, {})[call] = None
-            if len(self._skeletons) > 4096:  # gradients that never came: forget the oldest
-                for k in list(self._skeletons)[:1024]:
-                    self._skeletons.pop(k, None)
-                    self._grad_parts.pop(k, None)
-                    self._skel_calls.get(k[0], {}).pop(k[1], None)
+            self._add_skeleton(ctx.name, ctx.call_index, output)
+
+    def _add_skeleton(self, name: str, call: int, output: Any) -> Any:
+        """Remember the structure of a call's output, for its gradients (one per tensor)."""
+        skel = map_tensors(lambda p, _t: _Slot(p), output, "output")
+        self._skeletons[(name, call)] = skel
+        self._skel_calls.setdefault(name, {})[call] = None
+        if len(self._skeletons) > 4096:  # gradients that never came: forget the oldest
+            for k in list(self._skeletons)[:1024]:
+                self._skeletons.pop(k, None)
+                self._grad_parts.pop(k, None)
+                self._skel_calls.get(k[0], {}).pop(k[1], None)
+        return skel
+
+    def _captured(self, kind: str, name: str, call: int) -> Any:
+        """What ``kind`` holds for that call of ``name``, or None."""
+        store, calls = self._store[kind], self._calls[kind]
+        if self.keep == "last":
+            return store.get(name) if calls.get(name) == call else None
+        cl = calls.get(name, [])
+        i = bisect.bisect_left(cl, call)
+        return store[name][i] if i < len(cl) and cl[i] == call else None
 
     @hookimpl
     def hookplug_output_grad(self, ctx, grad, path):
@@ -372,9 +385,14 @@ class CapturePlugin(hookplug.Plugin):
             return
         key = (name, call)
         skel = self._skeletons.get(key)
-        if skel is None:
-            if path != "output":
+        if skel is None and path != "output":
+            # a call that ran without autograd (a reentrant checkpoint's first forward; its
+            # recompute's grads come with its ctx): the structure is the captured output's
+            feature = self._captured("features", name, call)
+            if feature is None or isinstance(feature, torch.Tensor):
                 return  # the forward call was not captured
+            skel = self._add_skeleton(name, call, feature)
+        if skel is None:
             if not self._room("grads", name, call, grad.numel() * grad.element_size()):
                 return
             value = self._copy(grad)

@@ -290,6 +290,54 @@ def test_reentrant_recompute_that_matches_nothing_keeps_call_index_minus_one():
     assert seen and {c for _, c in seen} == {-1}
 
 
+class TwoOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y, {"twice": y * 2}
+
+
+class CheckpointsTwoOutputs(nn.Module):
+    def __init__(self, use_reentrant=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.two = TwoOutputs()
+        self.use_reentrant = use_reentrant
+
+    def segment(self, x):
+        y, d = self.two(x)
+        return y + d["twice"].tanh()
+
+    def forward(self, x):
+        if self.use_reentrant is None:
+            return self.segment(x)
+        return checkpoint(self.segment, x, use_reentrant=self.use_reentrant)
+
+
+@pytest.mark.parametrize("keep", ["all", "last"])
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_checkpoint_capture_grads_of_a_structured_output_equal_plain(use_reentrant, keep):
+    def run(mode):
+        model = CheckpointsTwoOutputs(mode)
+        with hookplug.attach(model, "TwoOutputs",
+                             plugins=("capture", {"keep": keep, "grads": True})) as s:
+            torch.manual_seed(1)
+            for _ in range(2):
+                model(torch.randn(2, 4, requires_grad=True)).square().sum().backward()
+                s.step()
+            grads = s["capture"].grads["two"]
+            return grads if keep == "all" else [grads]
+
+    plain, ckpt = run(None), run(use_reentrant)
+    assert len(plain) == len(ckpt) == (2 if keep == "all" else 1)
+    for want, got in zip(plain, ckpt):
+        torch.testing.assert_close(got[0], want[0])
+        torch.testing.assert_close(got[1]["twice"], want[1]["twice"])
+
+
 def test_hf_gpt2_reentrant_gradient_checkpointing_grads_match_plain():
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2,
