@@ -1,0 +1,314 @@
+"""Real models, every submodule hooked (selector ``"*"``) with stats (outputs and output
+gradients), capture (outputs and gradients of every call) and flops together, in one
+training step, against what plain torch computes:
+
+- the loss and every parameter gradient are bitwise those of the model without hooks;
+- stats equal a float64 reference built from plain torch hooks (counts, min and max exact,
+  mean and std to float64 rounding), for every module and every tensor of its outputs;
+- captured outputs and gradients equal what plain torch hooks see, call by call;
+- forward FLOPs per module equal ``torch.utils.flop_counter.FlopCounterMode``;
+- after the session no hook is left on any module.
+
+torchvision and timm models run where torchvision imports (the torch 2.14.1 stage of CI);
+🤗 transformers models are built from small configs. No weights are downloaded.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import hookplug
+from hookplug.structures import iter_tensors
+
+
+# -- the models ------------------------------------------------------------------------------------
+
+def _torchvision():
+    try:
+        import torchvision
+    except Exception as exc:  # noqa: BLE001 - PyPI torchvision does not import beside torch 2.13 CPU
+        pytest.skip(f"torchvision does not import here: {exc}")
+    return torchvision
+
+
+def _transformers():
+    return pytest.importorskip("transformers")
+
+
+def _images(n=2, size=64):
+    return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(1))
+
+
+def _tokens(n=2, length=12, vocab=100):
+    return torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(2))
+
+
+def tv(name, size=64, **kw):
+    def make():
+        factory = _torchvision().models
+        for part in name.split("."):
+            factory = getattr(factory, part)
+        return factory(**kw), (_images(size=size),), {}
+    return make
+
+
+def timm_model(name, size=64, **kw):
+    def make():
+        timm = pytest.importorskip("timm")
+        return (timm.create_model(name, pretrained=False, num_classes=10, **kw),
+                (_images(size=size),), {})
+    return make
+
+
+def tv_vit():
+    model = _torchvision().models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2,
+                              hidden_dim=32, mlp_dim=64, num_classes=10)
+    return model, (_images(size=32),), {}
+
+
+def hf_causal(config_name, model_name, **extra):
+    def make():
+        tr = _transformers()
+        config = getattr(tr, config_name)(vocab_size=100, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, max_position_embeddings=64,
+                                          use_cache=False, **extra)
+        ids = _tokens()
+        return getattr(tr, model_name)(config), (), {"input_ids": ids, "labels": ids}
+    return make
+
+
+def hf_gpt2():
+    tr = _transformers()
+    config = tr.GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                           use_cache=False)
+    ids = _tokens()
+    return tr.GPT2LMHeadModel(config), (), {"input_ids": ids, "labels": ids}
+
+
+def hf_bert():
+    tr = _transformers()
+    config = tr.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, intermediate_size=64, num_labels=3)
+    labels = torch.tensor([0, 2])
+    return tr.BertForSequenceClassification(config), (), {"input_ids": _tokens(), "labels": labels}
+
+
+def hf_t5():
+    tr = _transformers()
+    config = tr.T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                         use_cache=False, decoder_start_token_id=0, pad_token_id=0)
+    ids = _tokens()
+    return tr.T5ForConditionalGeneration(config), (), {"input_ids": ids, "labels": ids[:, :7].contiguous()}
+
+
+def hf_vit():
+    tr = _transformers()
+    config = tr.ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2,
+                          num_attention_heads=2, intermediate_size=64, num_labels=10)
+    return (tr.ViTForImageClassification(config), (),
+            {"pixel_values": _images(size=32), "labels": torch.tensor([1, 7])})
+
+
+MODELS = {
+    "torchvision.resnet50": tv("resnet50", num_classes=10),
+    "torchvision.mobilenet_v3_small": tv("mobilenet_v3_small", num_classes=10),  # in-place hardswish, SE
+    "torchvision.efficientnet_b0": tv("efficientnet_b0", num_classes=10),  # stochastic depth
+    "torchvision.convnext_tiny": tv("convnext_tiny", num_classes=10),  # permutes, LayerNorm2d
+    "torchvision.densenet121": tv("densenet121", num_classes=10),  # concatenations
+    "torchvision.squeezenet1_1": tv("squeezenet1_1", num_classes=10),  # ReLU(inplace) after Conv2d
+    "torchvision.shufflenet_v2_x0_5": tv("shufflenet_v2_x0_5", num_classes=10),  # channel shuffle
+    "torchvision.googlenet": tv("googlenet", size=96, num_classes=10, aux_logits=True,
+                                init_weights=True),  # a namedtuple output in training
+    "torchvision.lraspp_mobilenet_v3_large": tv("segmentation.lraspp_mobilenet_v3_large",
+                                                num_classes=4, weights_backbone=None),  # a dict
+    "torchvision.vit": tv_vit,
+    "timm.vit_tiny": timm_model("vit_tiny_patch16_224", size=32, img_size=32, patch_size=8),
+    "timm.convnext_atto": timm_model("convnext_atto"),
+    "timm.efficientnet_b0": timm_model("efficientnet_b0"),  # BatchNormAct2d, drop path
+    "timm.mobilevitv2_050": timm_model("mobilevitv2_050"),  # attention inside a CNN
+    "timm.regnety_002": timm_model("regnety_002"),
+    "transformers.gpt2": hf_gpt2,
+    "transformers.bert": hf_bert,
+    "transformers.t5": hf_t5,  # encoder-decoder; the shared embedding is called twice
+    "transformers.llama": hf_causal("LlamaConfig", "LlamaForCausalLM"),
+    "transformers.mixtral": hf_causal("MixtralConfig", "MixtralForCausalLM", num_local_experts=4,
+                                      num_experts_per_tok=2),  # experts see varying tokens
+    "transformers.vit": hf_vit,
+}
+
+
+# -- plain torch: the reference ------------------------------------------------------------------
+
+def _floats(output):
+    """``(path, tensor)`` of the floating dense tensors of an output (what stats measures)."""
+    return [(p, t) for p, t in iter_tensors(output)
+            if t.is_floating_point() and t.layout == torch.strided and not t.is_nested]
+
+
+def _loss(out):
+    """The training loss: the model's own (HF ``loss``) or the mean square of its outputs."""
+    if isinstance(out, dict) and out.get("loss") is not None:
+        return out["loss"]
+    return sum(t.float().square().mean() for _, t in _floats(out) if t.requires_grad)
+
+
+def _step(model, args, kwargs):
+    torch.manual_seed(0)  # dropout, stochastic depth: the same draws in every run
+    out = model(*args, **kwargs)
+    loss = _loss(out)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def _reference(model, args, kwargs):
+    """One step with plain torch hooks on every submodule: per module and call, the float64
+    copy of each output tensor (read when the module returns, as hookplug's hooks read it)
+    and of the gradient that reaches it."""
+    outs, grads, handles = {}, {}, []
+
+    def hook(name):
+        def fwd(module, _args, output):
+            call = len(outs.setdefault(name, []))
+            outs[name].append({p: t.detach().to(torch.float64, copy=True) for p, t in _floats(output)})
+            for p, t in _floats(output):
+                if t.requires_grad and t.grad_fn is not None:
+                    t.register_hook(lambda g, c=call, gp="grad" + p[len("output"):]: grads.setdefault(
+                        name, {}).setdefault(c, {}).__setitem__(gp, g.detach().to(torch.float64, copy=True)))
+        return fwd
+
+    for name, module in model.named_modules():
+        if name:  # the selector "*": every submodule, not the root
+            handles.append(module.register_forward_hook(hook(name)))
+    try:
+        loss, param_grads = _step(model, args, kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return loss, param_grads, outs, grads
+
+
+def _hook_dicts(module):
+    return [d for d in (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+                        module._backward_pre_hooks, getattr(module, "_forward_hooks_with_kwargs", {}),
+                        getattr(module, "_forward_pre_hooks_with_kwargs", {})) if d]
+
+
+def _exact(got, want, what):
+    got = got.detach().to(torch.float64)
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert torch.equal(got.isnan(), want.isnan()), what
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want)), what
+
+
+def _check_stats(st, values, what):
+    x = torch.cat([v.reshape(-1) for v in values])
+    finite = x[x.isfinite()]
+    d = st.to_dict()
+    assert d["numel"] == x.numel(), what
+    assert d["nan_count"] == int(x.isnan().sum()), what
+    assert d["inf_count"] == int(x.isinf().sum()), what
+    assert d["zero_count"] == int((x == 0).sum()), what
+    assert sum(d["hist_counts"]) == x.numel() - d["nan_count"], what
+    if finite.numel() == 0:
+        assert math.isnan(d["mean"]), what
+        return
+    assert d["min"] == float(finite.min()) and d["max"] == float(finite.max()), what
+    # The CPU op sums each block of 2048 float32 elements in float32 SIMD lanes (deviations
+    # from a shift within 4 std of the block mean), then merges blocks in float64: up to 128
+    # float32 adds per lane (AVX2; 256 on 4-lane SIMD), the error amplified up to 17x by the
+    # shift. Largest seen here (AVX2): 2.8e-6 x std (mean), 6.7e-6 relative (std).
+    std = float(finite.std(correction=0))
+    assert d["mean"] == pytest.approx(float(finite.mean()), rel=3e-5, abs=3e-5 * std), what
+    assert d["std"] == pytest.approx(std, rel=3e-5, abs=1e-300), what
+
+
+def _flops_by_module(model, args, kwargs):
+    torch.manual_seed(0)
+    with FlopCounterMode(display=False) as fcm:
+        model(*args, **kwargs)
+    root = type(model).__name__
+    return {k[len(root) + 1:]: sum(v.values()) for k, v in fcm.get_flop_counts().items()
+            if k.startswith(root + ".")}
+
+
+# -- the test ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model_id", list(MODELS))
+def test_real_model_all_modules_exact_against_plain_torch(model_id):
+    torch.manual_seed(0)
+    base, args, kwargs = MODELS[model_id]()
+    base.train()
+    ref_loss, ref_param_grads, ref_outs, ref_grads = _reference(copy.deepcopy(base), args, kwargs)
+    fcm = _flops_by_module(copy.deepcopy(base), args, kwargs)
+
+    model = copy.deepcopy(base)
+    plugins = [("stats", {"sites": ("output", "grad")}),
+               ("capture", {"keep": "all", "grads": True}),
+               ("flops", {"extra_formulas": False})]  # what FlopCounterMode counts
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. capture naming HF cache objects
+        with hookplug.attach(model, "*", plugins=plugins) as s:
+            loss, param_grads = _step(model, args, kwargs)
+            s.step()
+            stats = s["stats"].results()
+            features, captured_grads = s["capture"].features, s["capture"].grads
+            flops = s["flops"].results()
+
+    # hooks observe only: the step is bitwise the plain one
+    assert torch.equal(loss, ref_loss)
+    assert param_grads.keys() == ref_param_grads.keys()
+    for name, g in ref_param_grads.items():
+        assert torch.equal(param_grads[name], g), name
+
+    # stats: every module and output tensor, every gradient that arrived
+    expected = {}
+    for name, calls in ref_outs.items():
+        for call in calls:
+            for path, v in call.items():
+                expected.setdefault(name, {}).setdefault(path, []).append(v)
+    for name, by_call in ref_grads.items():
+        for call in by_call.values():
+            for path, v in call.items():
+                expected.setdefault(name, {}).setdefault(path, []).append(v)
+    assert set(stats) == set(expected), set(stats) ^ set(expected)
+    for name, paths in expected.items():
+        assert set(stats[name]) == set(paths), (name, set(stats[name]) ^ set(paths))
+        for path, values in paths.items():
+            _check_stats(stats[name][path], values, f"{model_id}: {name} {path}")
+
+    # capture: every call's output, and the gradient of every call that got one, in call order
+    assert set(features) == set(ref_outs)
+    for name, calls in ref_outs.items():
+        assert len(features[name]) == len(calls), name
+        for i, (value, want) in enumerate(zip(features[name], calls)):
+            got = dict(_floats(value))
+            for path, v in want.items():
+                _exact(got[path], v, f"{model_id}: features {name} call {i} {path}")
+    assert set(captured_grads) == set(ref_grads)
+    for name, by_call in ref_grads.items():
+        calls = [by_call[c] for c in sorted(by_call)]
+        assert len(captured_grads[name]) == len(calls), name
+        for value, want in zip(captured_grads[name], calls):
+            got = {"grad" + p[len("output"):]: t for p, t in iter_tensors(value)}
+            for path, v in want.items():
+                _exact(got[path], v, f"{model_id}: grads {name} {path}")
+
+    # flops: the forward of every module as FlopCounterMode counts it
+    for name, r in flops.items():
+        assert r["flops"] == fcm.get(name, 0), (model_id, name)
+    assert set(fcm) <= set(flops)
+    assert sum(fcm.values()) > 0
+
+    # nothing left behind
+    left = {n: len(_hook_dicts(m)) for n, m in model.named_modules() if _hook_dicts(m)}
+    assert not left, left
+    again, again_grads = _step(model.zero_grad(set_to_none=True) or model, args, kwargs)
+    assert torch.equal(again, ref_loss)
