@@ -1,5 +1,5 @@
 """Telemetry under torch.distributed: two CPU processes (gloo), each feeding half of every
-batch through a DDP-wrapped model; rank 0's records must be the statistics of the whole
+batch through a DDP-wrapped or FSDP2-sharded (``fully_shard``) model; rank 0's records must be the statistics of the whole
 batch, obtained by reducing the packed partial stats (never by gathering activations)."""
 import json
 import math
@@ -57,12 +57,22 @@ class DumpSink:
             json.dump(self.records, f)
 
 
-def worker(rank, port, out):
+def worker(rank, port, out, mode="ddp"):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         torch.set_num_threads(1)
         model = make_model()
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        if mode == "ddp":
+            ddp = torch.nn.parallel.DistributedDataParallel(model)
+        else:  # FSDP2: every Linear and the root sharded in place (no wrapper module)
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (WORLD,))
+            for m in model.modules():
+                if isinstance(m, torch.nn.Linear):
+                    fully_shard(m, mesh=mesh)
+            ddp = fully_shard(model, mesh=mesh)
         opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
         # the activations this rank computed, seen by plain torch hooks (the test's ground truth)
         seen, state = {}, {"step": 0}
@@ -93,8 +103,9 @@ def ref_stats(x):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-def test_two_gloo_ranks_reduce_to_the_whole_batch_stats(tmp_path):
-    mp.spawn(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_two_gloo_ranks_reduce_to_the_whole_batch_stats(tmp_path, mode):
+    mp.spawn(worker, args=(free_port(), str(tmp_path), mode), nprocs=WORLD, join=True)
 
     recs = [json.load(open(tmp_path / f"dump{r}.json")) for r in range(WORLD)]
     seen = [json.load(open(tmp_path / f"seen{r}.json")) for r in range(WORLD)]
