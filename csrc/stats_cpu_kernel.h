@@ -9,8 +9,8 @@
 //
 // One block = at most kBlock contiguous elements, read from memory once:
 //   one pass in SIMD lanes (block_stats): min, max, zero count and the sums of d = x - K
-//   and d^2 around a shift K (the previous block's mean in the chunk, else the block's
-//   first value); then, from L1, the raw log2 histogram: one counter per (sign, exponent
+//   and d^2 around a shift K (the previous block's mean in the chunk, else the mean of 16
+//   elements sampled over the block); then, from L1, the raw log2 histogram: one counter per (sign, exponent
 //   field), keys taken straight from the bits, spread over interleaved sub-tables.
 //   If d^2 is not finite (an Inf/NaN in the block, or a float overflow), the block is redone
 //   by the exact scalar path (block_slow); if K is far from the block mean (> 4 std, where
@@ -492,7 +492,27 @@ static void block_two_pass(const void* p, int64_t n, BlockResult* r, uint32_t* h
   if (HIST) T::hist(p, n, hist);  // ---- pass 3 (from L1): raw log2 histogram ---------
 }
 
-// One pass around a shift K (the previous block's mean, or the block's first value):
+// The mean of up to 16 finite elements spread evenly over a block (0 if none): a shift near
+// the block mean, so the float sums around it lose little to cancellation. (The first value
+// alone may lie several std from the mean: up to 17x the rounding error of the sums.)
+template <class T>
+static inline typename T::S sample_shift(const void* p, int64_t n) {
+  typedef typename T::S S;
+  constexpr int64_t kSamples = 16;
+  const int64_t m = n < kSamples ? n : kSamples;
+  double sum = 0;
+  int64_t count = 0;
+  for (int64_t j = 0; j < m; ++j) {
+    const double a = static_cast<double>(T::load1(p, j * n / m));
+    if (is_finite(a)) {
+      sum += a;
+      ++count;
+    }
+  }
+  return count ? static_cast<S>(sum / static_cast<double>(count)) : S(0);
+}
+
+// One pass around a shift K (the previous block's mean, or a sampled mean of the block):
 // min, max, zeros and the sums of d = x - K and d^2 in SIMD lanes. Falls back to the two-pass
 // path when the block holds an Inf/NaN or overflows (d^2 not finite), or when K is far from
 // the block mean (|mean - K| > 4 std: the float sums would cancel), so the result is as
@@ -505,7 +525,7 @@ static void block_stats(const void* p, int64_t n, BlockResult* r, uint32_t* hist
   constexpr int W = T::W;
   const S inf = __builtin_inf();
   S k = static_cast<S>(*shift);
-  if (!(k == k) || n == 0) k = n ? T::load1(p, 0) : S(0);
+  if (!(k == k)) k = sample_shift<T>(p, n);  // the first block of a chunk
   if (!is_finite(k)) k = 0;
   const V kv = V{} + k;
   // Two accumulators for the float sums (add/FMA latency), one for min, max and the
