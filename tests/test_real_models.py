@@ -222,12 +222,12 @@ def _check_stats(st, values, what):
         return
     assert d["min"] == float(finite.min()) and d["max"] == float(finite.max()), what
     # The CPU op sums each block of 2048 float32 elements in float32 SIMD lanes (deviations
-    # from a shift within 4 std of the block mean), then merges blocks in float64: up to 128
-    # float32 adds per lane (AVX2; 256 on 4-lane SIMD), the error amplified up to 17x by the
-    # shift. Largest seen here (AVX2): 2.8e-6 x std (mean), 6.7e-6 relative (std).
+    # from a shift: the previous block's mean, or a mean sampled over the block), then merges
+    # blocks in float64. Largest error over the 7347 outputs and gradients of these models
+    # (AVX2): 5.1e-7 x std for the mean, 1.3e-6 relative for the std.
     std = float(finite.std(correction=0))
-    assert d["mean"] == pytest.approx(float(finite.mean()), rel=3e-5, abs=3e-5 * std), what
-    assert d["std"] == pytest.approx(std, rel=3e-5, abs=1e-300), what
+    assert d["mean"] == pytest.approx(float(finite.mean()), rel=5e-6, abs=5e-6 * std), what
+    assert d["std"] == pytest.approx(std, rel=5e-6, abs=1e-300), what
 
 
 def _flops_by_module(model, args, kwargs):
