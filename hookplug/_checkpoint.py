@@ -6,8 +6,9 @@ autograd, so no gradient can be hooked there. Backward runs ``fn`` again (the re
 the gradients arrive on the recompute's outputs. The recompute is not a new call: the
 gradient hooks must see the context (call index, step, phase) of the call it repeats.
 
-How: forward calls made in training mode while autograd is off, by modules with a gradient
-plugin, are remembered in the order they finish. A checkpoint's recompute runs inside one
+How: forward calls made while autograd is off and the model (its root) is in training mode,
+by modules with a gradient plugin, are remembered in the order they finish (a frozen
+submodule in eval mode is remembered too: its recompute is part of the sequence). A checkpoint's recompute runs inside one
 backward node (the checkpoint's own) and is over before any of its gradients arrive. When the
 first one arrives, the node's recomputed calls (the same modules, in the same order) take the
 contexts of the latest unmatched run of remembered calls with those modules: backward visits
@@ -37,7 +38,8 @@ class RecomputeMatcher:
         self._pending: Dict[int, List[Tuple[Any, Any]]] = {}  # id(recompute ctx) -> its group
 
     def forward_call(self, binding, ctx) -> None:
-        """A training-mode call that finished while autograd was off (maybe a checkpoint's)."""
+        """A call that finished while autograd was off in a training model (maybe a
+        checkpoint's first forward)."""
         if len(self._forward) >= _MAX_REMEMBERED:
             del self._forward[: _MAX_REMEMBERED // 2]
         self._forward.append((binding, ctx))

@@ -365,7 +365,7 @@ class _ModuleBinding:
                 # a leaf (a Parameter returned as is) would keep a tensor hook for good
                 if t.requires_grad and t.grad_fn is not None:
                     t.register_hook(functools.partial(self.grad_hook, ctx, module, path))
-        elif out_grad and not compiling and ctx.call_index >= 0 and ctx.phase == "train":
+        elif out_grad and not compiling and ctx.call_index >= 0 and s._training():
             s._recompute.forward_call(self, ctx)  # autograd off: maybe a reentrant checkpoint
         return new
 
@@ -612,6 +612,12 @@ class Session:
         NaN/Inf, in execution order: ``{step, module, site, phase, rank}``, known once the
         step's telemetry was flushed."""
         return list(self._nonfinite)
+
+    def _training(self) -> bool:
+        """Whether the model is in training mode (its root: a frozen submodule in eval mode
+        inside a training model still counts as training)."""
+        model = self._model_ref()
+        return model is not None and model.training
 
     def _note_nonfinite(self, info: dict) -> None:
         self._nonfinite.append(info)

@@ -270,6 +270,62 @@ def test_checkpoint_grads_of_a_module_shared_by_segments_reach_their_own_call(us
             torch.testing.assert_close(got, want)
 
 
+class FrozenNormSegments(nn.Module):
+    """Two checkpointed segments, each a Linear and a BatchNorm1d frozen in eval mode (as
+    detection backbones freeze theirs) inside a model that trains."""
+
+    def __init__(self, use_reentrant=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.segs = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Tanh())
+                                  for _ in range(2))
+        self.use_reentrant = use_reentrant
+
+    def train(self, mode=True):
+        super().train(mode)
+        for seg in self.segs:
+            seg[1].eval()
+        return self
+
+    def forward(self, x):
+        for seg in self.segs:
+            x = seg(x) if self.use_reentrant is None else checkpoint(
+                seg, x, use_reentrant=self.use_reentrant)
+        return x
+
+
+def test_reentrant_checkpoint_with_frozen_norms_and_validation_between_steps():
+    """Calls of eval-mode submodules inside a training model are part of a recompute's
+    sequence; a validation forward (model.eval(), no_grad) is not remembered."""
+    def run(mode):
+        model = FrozenNormSegments(mode)
+        seen = []
+
+        class Contexts(hookplug.Plugin):
+            name = "ctx"
+
+            @hookplug.hookimpl
+            def hookplug_output_grad(self, ctx):
+                seen.append((ctx.name, ctx.call_index, ctx.step, ctx.phase))
+
+        torch.manual_seed(1)
+        with hookplug.attach(model, "Linear|BatchNorm1d", plugins=Contexts()) as s:
+            for _ in range(2):
+                model.eval()
+                with torch.no_grad():
+                    model(torch.randn(4, 6))
+                assert not s._recompute._forward  # nothing kept for a validation forward
+                model.train()
+                model(torch.randn(4, 6, requires_grad=True)).sum().backward()
+                s.step()
+        return sorted(seen)
+
+    plain = run(None)
+    assert len(plain) == 8 and {p for *_, p in plain} == {"train", "eval"}
+    assert [c for n, c, _, _ in plain if n == "segs.0.0"] == [1, 3]  # validation calls count
+    assert run(True) == plain
+
+
 def test_reentrant_recompute_that_matches_nothing_keeps_call_index_minus_one():
     """A checkpointed function whose modules ran no call without autograd (its first forward
     was not seen: attached in between) is not tied to a wrong call."""
