@@ -584,7 +584,10 @@ def test_lightning_trainer_steps_phases_and_tensorboard(tmp_path):
     assert [e.step for e in acc.Scalars("hookplug/max/net.2/output")] == [0, 1, 2, 3, 4, 5]
 
 
-def test_transformers_trainer_steps_and_eval_phase(tmp_path):
+@pytest.mark.parametrize("checkpointing", [None, "reentrant", "non-reentrant"])
+def test_transformers_trainer_steps_and_eval_phase(tmp_path, checkpointing):
+    """Also with the Trainer's gradient checkpointing: the recompute adds nothing, and the
+    output gradients are measured once per call."""
     transformers = pytest.importorskip("transformers")
     from hookplug.integrations.transformers import HookplugTrainerCallback
 
@@ -606,12 +609,16 @@ def test_transformers_trainer_steps_and_eval_phase(tmp_path):
             return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
     sink = Collect()
-    cb = HookplugTrainerCallback("Conv1D|Linear", ["stats"], sink=sink, flush_every=1)
+    cb = HookplugTrainerCallback("Conv1D|Linear", [("stats", {"sites": ("output", "grad")})],
+                                 sink=sink, flush_every=1)
+    ckpt = {} if checkpointing is None else {
+        "gradient_checkpointing": True,
+        "gradient_checkpointing_kwargs": {"use_reentrant": checkpointing == "reentrant"}}
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), max_steps=8, per_device_train_batch_size=4,
         gradient_accumulation_steps=2, per_device_eval_batch_size=4, eval_strategy="steps",
         eval_steps=4, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
-        disable_tqdm=True, learning_rate=1e-3)
+        disable_tqdm=True, learning_rate=1e-3, **ckpt)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Data(64),
                                    eval_dataset=Data(8), callbacks=[cb])
     trainer.train()
@@ -620,12 +627,16 @@ def test_transformers_trainer_steps_and_eval_phase(tmp_path):
     logged_eval = {e["step"] for e in trainer.state.log_history if "eval_loss" in e}
     assert logged == set(range(1, 9)) and logged_eval == {4, 8}
     first = next(iter(cb.session.modules))
-    train = [r for r in sink.records if r["phase"] == "train" and r["module"] == first]
-    ev = [r for r in sink.records if r["phase"] == "eval" and r["module"] == first]
-    assert sorted(r["step"] for r in train) == sorted(logged)  # one record per optimizer step
-    assert sorted(r["step"] for r in ev) == sorted(logged_eval)
+    mine = [r for r in sink.records if r["module"] == first]
+    train = [r for r in mine if r["phase"] == "train" and r["site"] == "output"]
+    grads = [r for r in mine if r["phase"] == "train" and r["site"] == "grad"]
+    ev = [r for r in mine if r["phase"] == "eval"]
+    assert sorted(r["step"] for r in train) == sorted(r["step"] for r in grads) == sorted(logged)
+    assert sorted(r["step"] for r in ev) == sorted(logged_eval)  # one record per optimizer step
+    assert {r["site"] for r in ev} == {"output"}  # no backward in evaluation
     # a step holds its 2 micro-batches of 4 sequences; an eval holds its 8 sequences
-    assert {r["numel"] for r in train} == {r["numel"] for r in ev} == {8 * 12 * 3 * 16}  # c_attn
+    assert {r["numel"] for r in train} == {r["numel"] for r in grads} == {r["numel"] for r in ev} \
+        == {8 * 12 * 3 * 16}  # c_attn
 
 
 def test_integrations_are_imported_lazily():
