@@ -500,10 +500,11 @@ static inline typename T::S sample_shift(const void* p, int64_t n) {
   typedef typename T::S S;
   constexpr int64_t kSamples = 16;
   const int64_t m = n < kSamples ? n : kSamples;
+  const int64_t stride = m ? n / m : 0;
   double sum = 0;
   int64_t count = 0;
   for (int64_t j = 0; j < m; ++j) {
-    const double a = static_cast<double>(T::load1(p, j * n / m));
+    const double a = static_cast<double>(T::load1(p, j * stride));
     if (is_finite(a)) {
       sum += a;
       ++count;
