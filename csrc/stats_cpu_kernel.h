@@ -345,8 +345,19 @@ static void block_slow(const void* p, int64_t n, BlockResult* r, uint32_t* hist)
       }
     }
   }
-  double mean = nf ? sum / static_cast<double>(nf) : 0.0, c = 0, m2 = 0;
-  if (nf) {
+  const double nd = static_cast<double>(nf);
+  double mean = nf ? sum / nd : 0.0, c = 0, m2 = 0;
+  if (nf && !is_finite(sum)) {  // finite float64 values whose sum overflowed: sum them scaled
+    double scaled = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const double a = static_cast<double>(T::load1(p, i));
+      if (is_finite(a)) scaled += a * 0x1p-32;
+    }
+    mean = scaled / nd * 0x1p32;
+  }
+  if (nf && mn == mx) {  // one finite value (any magnitude): exactly
+    mean = static_cast<double>(mn);
+  } else if (nf) {
     for (int64_t i = 0; i < n; ++i) {
       const double a = static_cast<double>(T::load1(p, i));
       if (is_finite(a)) {
@@ -355,8 +366,14 @@ static void block_slow(const void* p, int64_t n, BlockResult* r, uint32_t* hist)
         m2 += d * d;
       }
     }
-    m2 -= c * c / static_cast<double>(nf);
-    mean += c / static_cast<double>(nf);
+    if (is_finite(c)) {
+      mean += c / nd;
+      if (is_finite(m2)) m2 -= c * (c / nd);  // (c^2 <= n * m2: no overflow)
+    } else {  // values spanning more than the largest double
+      m2 = __builtin_inf();
+    }
+    // m2 = inf: the sum of squared deviations is past the largest double (std = inf, as
+    // torch's); it stays inf rather than becoming inf - inf.
   }
   r->n = nf;
   r->mean = mean;
@@ -506,11 +523,11 @@ static inline typename T::S sample_shift(const void* p, int64_t n) {
   for (int64_t j = 0; j < m; ++j) {
     const double a = static_cast<double>(T::load1(p, j * stride));
     if (is_finite(a)) {
-      sum += a;
+      sum += a / static_cast<double>(m);  // no overflow, even for float64 near its largest
       ++count;
     }
   }
-  return count ? static_cast<S>(sum / static_cast<double>(count)) : S(0);
+  return count ? static_cast<S>(sum / static_cast<double>(count) * static_cast<double>(m)) : S(0);
 }
 
 // One pass around a shift K (the previous block's mean, or a sampled mean of the block):

@@ -1,82 +1,97 @@
 """Gradients that arrive through a reentrant activation checkpoint, tied back to their call.
 
-Under ``torch.utils.checkpoint.checkpoint(fn, use_reentrant=True)`` (HF's
-``gradient_checkpointing_enable()`` default), the first forward of ``fn`` runs without
-autograd, so no gradient can be hooked there. Backward runs ``fn`` again (the recompute) and
-the gradients arrive on the recompute's outputs. The recompute is not a new call: the
-gradient hooks must see the context (call index, step, phase) of the call it repeats.
+Under ``torch.utils.checkpoint.checkpoint(fn, use_reentrant=True)`` (or any checkpoint built
+as a ``torch.autograd.Function``, e.g. DeepSpeed's or Megatron's), the first forward of ``fn``
+runs inside the Function's ``forward``, without autograd, so no gradient can be hooked there.
+Backward runs ``fn`` again (the recompute) inside that Function's backward node, and the
+gradients arrive on the recompute's outputs. The recompute is not a new call: its gradient
+hooks must get the context (call index, step, phase) of the call it repeats.
 
-How: forward calls made while autograd is off and the model (its root) is in training mode,
-by modules with a gradient plugin, are remembered in the order they finish (a frozen
-submodule in eval mode is remembered too: its recompute is part of the sequence). A checkpoint's recompute runs inside one
-backward node (the checkpoint's own) and is over before any of its gradients arrive. When the
-first one arrives, the node's recomputed calls (the same modules, in the same order) take the
-contexts of the latest unmatched run of remembered calls with those modules: backward visits
-checkpoints last to first. A recompute that matches nothing keeps ``call_index`` -1.
-Everything is forgotten at ``session.step()``.
+How: a call that finishes while autograd is off, in a training model, by a module with a
+gradient plugin, is remembered under the ``ctx`` of every ``autograd.Function.forward`` on the
+stack (found by walking the frames). That ``ctx`` is the very node that
+``torch._C._current_autograd_node()`` returns while the Function's backward runs, so the k-th
+recomputed call of a module inside that node takes the context of the k-th remembered call of
+that module under it (counted per backward pass, so ``retain_graph`` passes repeat it).
+Nesting works the same way: the inner checkpoint's first forward runs inside the outer one's,
+so its calls are remembered under both nodes. Nodes are held weakly: what is remembered goes
+with the graph. A recompute matching nothing gets a context with ``call_index`` -1.
 """
 
 from __future__ import annotations
 
+import sys
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
-_MAX_REMEMBERED = 1 << 16  # forward calls without autograd kept per step (no step() ever: bounded)
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_FunctionCtx = getattr(torch.autograd.function, "BackwardCFunction", None)
+_MAX_FRAMES = 256  # how far up the stack an enclosing Function.forward is looked for
+
+
+def enclosing_function_contexts() -> List[Any]:
+    """The ``ctx`` of every ``torch.autograd.Function.forward`` running on this thread's stack,
+    innermost first."""
+    found: List[Any] = []
+    if _FunctionCtx is None:
+        return found
+    frame = sys._getframe(1)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            break
+        code = frame.f_code
+        if code.co_name == "forward" and code.co_varnames[:1] == ("ctx",):
+            ctx = frame.f_locals.get("ctx")
+            if isinstance(ctx, _FunctionCtx):
+                found.append(ctx)
+        frame = frame.f_back
+    return found
 
 
 class RecomputeMatcher:
     """Per session: hands recomputed calls the contexts of the forward calls they repeat."""
 
-    __slots__ = ("_forward", "_group", "_group_node", "_pending")
+    __slots__ = ("_nodes",)
 
     def __init__(self) -> None:
-        self._forward: List[Tuple[Any, Any]] = []  # (binding, ctx) of calls made without autograd
-        self._group: Optional[List[Tuple[Any, Any]]] = None  # the recomputed calls of one node
-        self._group_node: Any = None
-        self._pending: Dict[int, List[Tuple[Any, Any]]] = {}  # id(recompute ctx) -> its group
+        # Function ctx (a backward node) -> ({binding: [ctx of its calls, in finish order]},
+        #                                    {(backward pass, binding): calls recomputed so far})
+        self._nodes: "weakref.WeakKeyDictionary[Any, Tuple[Dict[Any, List[Any]], Dict[Tuple[int, Any], int]]]" = (
+            weakref.WeakKeyDictionary())
 
     def forward_call(self, binding, ctx) -> None:
-        """A call that finished while autograd was off in a training model (maybe a
-        checkpoint's first forward)."""
-        if len(self._forward) >= _MAX_REMEMBERED:
-            del self._forward[: _MAX_REMEMBERED // 2]
-        self._forward.append((binding, ctx))
+        """A call that finished with autograd off in a training model: remembered under every
+        Function forward it ran inside (nothing when there is none)."""
+        for node in enclosing_function_contexts():
+            entry = self._nodes.get(node)
+            if entry is None:
+                entry = self._nodes[node] = ({}, {})
+            entry[0].setdefault(binding, []).append(ctx)
 
-    def recompute_call(self, binding, ctx) -> None:
-        """A call that finished inside backward (a recompute); ``ctx`` is completed by
-        :meth:`resolve` when its first gradient arrives."""
-        if not self._forward:  # nothing ran without autograd: not a reentrant checkpoint
-            return
+    def recompute_ctx(self, binding) -> Optional[Any]:
+        """The context of the call this recomputed call (running inside backward) repeats, or
+        None when it repeats none that was remembered."""
         node = _current_node()
         if node is None:
-            return
-        if self._group is None or self._group_node is not node:
-            self._group, self._group_node = [], node
-        self._group.append((binding, ctx))
-        self._pending[id(ctx)] = self._group
-
-    def resolve(self, ctx) -> None:
-        """Give ``ctx``'s recompute group the contexts of the forward calls it repeats."""
-        group = self._pending.get(id(ctx))
-        if group is None:
-            return
-        for _, c in group:
-            self._pending.pop(id(c), None)
-        if group is self._group:
-            self._group = self._group_node = None
-        forward, n = self._forward, len(group)
-        first = group[0][0]
-        for start in range(len(forward) - n, -1, -1):
-            if forward[start][0] is first and all(
-                    forward[start + i][0] is group[i][0] for i in range(1, n)):
-                for (_, c), (_, orig) in zip(group, forward[start:start + n]):
-                    c.call_index, c._step, c.phase = orig.call_index, orig._step, orig.phase
-                del forward[start:start + n]
-                return
+            return None
+        try:
+            entry = self._nodes.get(node)
+        except TypeError:  # a node type without weak references: not a Function's
+            return None
+        if entry is None:
+            return None
+        calls = entry[0].get(binding)
+        if not calls:
+            return None
+        key = (_graph_task_id(), binding)
+        k = entry[1].get(key, 0)
+        if k >= len(calls):
+            return None
+        entry[1][key] = k + 1
+        return calls[k]
 
     def clear(self) -> None:
-        self._forward.clear()
-        self._pending.clear()
-        self._group = self._group_node = None
+        self._nodes.clear()

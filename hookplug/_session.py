@@ -348,10 +348,10 @@ class _ModuleBinding:
         else:
             ctx = None if not compiling and _graph_task_id() != -1 else self._new_ctx(module, compiling)
         if ctx is None:  # a recompute (activation checkpointing): forward is not observed again,
-            ctx = HookContext(self.name, -1, None, s, _phase_of(module))  # grads still are
-            fwd_out = ()
-            if out_grad:  # a reentrant checkpoint's: the ctx becomes the first call's
-                s._recompute.recompute_call(self, ctx)
+            fwd_out = ()  # grads still are, with the context of the call it repeats
+            ctx = s._recompute.recompute_ctx(self) if out_grad else None
+            if ctx is None:
+                ctx = HookContext(self.name, -1, None, s, _phase_of(module))
         new = _fold(s, fwd_out, "hookplug_forward_output", output, (ctx, module, args, kwargs), (),
                     lambda: f"module {self.name!r}") if fwd_out else None
         if new is not None:
@@ -365,7 +365,7 @@ class _ModuleBinding:
                 # a leaf (a Parameter returned as is) would keep a tensor hook for good
                 if t.requires_grad and t.grad_fn is not None:
                     t.register_hook(functools.partial(self.grad_hook, ctx, module, path))
-        elif out_grad and not compiling and ctx.call_index >= 0 and s._training():
+        elif out_grad and not compiling and s._training():
             s._recompute.forward_call(self, ctx)  # autograd off: maybe a reentrant checkpoint
         return new
 
@@ -416,10 +416,7 @@ class _ModuleBinding:
         s = self.session
         if s._removed:
             return None
-        compiling = _is_compiling()
-        if not compiling and ctx.call_index < 0:  # maybe a recompute's: tie it to its call
-            s._recompute.resolve(ctx)
-        return _fold(s, self.all_grad if compiling else self.out_grad, "hookplug_output_grad",
+        return _fold(s, self.all_grad if _is_compiling() else self.out_grad, "hookplug_output_grad",
                      grad, (ctx, module), (path,), lambda: f"module {self.name!r} {path}")
 
 
@@ -548,7 +545,7 @@ class Session:
         self._handles: List[Any] = []
         self._guarded: List[Tuple[weakref.ref, int]] = []  # (module, hook id) left out of copies
         self._call_order: Dict[str, List[_Entry]] = {}  # hook name -> entries, in call order
-        self._recompute = RecomputeMatcher()  # reentrant checkpoints' grads -> their calls
+        self._recompute = RecomputeMatcher()  # reentrant checkpoints' recomputes -> their calls
         from ._telemetry import Telemetry, new_run_id
 
         self._telemetry = Telemetry()
@@ -682,7 +679,6 @@ class Session:
         ended = self._step
         self._step += 1
         self._steps_done += 1
-        self._recompute.clear()
         sampling = (self._step % self.every) == 0 and not self._removed
         if sampling != self._sampling:
             self._sampling = sampling

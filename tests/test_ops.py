@@ -284,6 +284,22 @@ def test_first_value_far_from_the_mean_keeps_std_to_float32_rounding(lead):
 
 
 @needs_ext
+@pytest.mark.parametrize("n", [16, 100, 2048, 5000])
+def test_float64_near_its_largest_keeps_a_finite_mean(n):
+    """float64 values whose sum overflows: the mean is still right (torch's own overflows),
+    a constant gives its value and std 0 whatever the sampled shift, and a sum of squared
+    deviations past the largest double gives std inf, never 0 or NaN."""
+    for v in (1e307, 1.2e307, -1.7e308, 1.7e308):
+        st = ops.tensor_stats(torch.full((n,), v, dtype=torch.float64)).to_dict()
+        assert (st["mean"], st["std"], st["min"], st["max"]) == (v, 0.0, v, v)
+    x = torch.randn(n, dtype=torch.float64, generator=gen(70)) * 1e306 + 1e307
+    st = ops.tensor_stats(x).to_dict()
+    assert st["mean"] == pytest.approx(float((x / 2**32).mean()) * 2**32, rel=1e-12)
+    assert st["std"] == math.inf
+    assert int(st["numel"]) == n and st["nan_count"] == 0 and st["inf_count"] == 0
+
+
+@needs_ext
 def test_float_overflow_of_partial_sums():
     x = torch.full((10_000,), 3e38)  # finite values whose float32 sum overflows
     x[::3] = 2e38

@@ -314,7 +314,7 @@ def test_reentrant_checkpoint_with_frozen_norms_and_validation_between_steps():
                 model.eval()
                 with torch.no_grad():
                     model(torch.randn(4, 6))
-                assert not s._recompute._forward  # nothing kept for a validation forward
+                assert not s._recompute._nodes  # nothing kept for a validation forward
                 model.train()
                 model(torch.randn(4, 6, requires_grad=True)).sum().backward()
                 s.step()
@@ -327,8 +327,8 @@ def test_reentrant_checkpoint_with_frozen_norms_and_validation_between_steps():
 
 
 def test_reentrant_recompute_that_matches_nothing_keeps_call_index_minus_one():
-    """A checkpointed function whose modules ran no call without autograd (its first forward
-    was not seen: attached in between) is not tied to a wrong call."""
+    """A checkpointed function whose first forward was not seen (attached in between) is not
+    tied to a wrong call, although other calls were remembered."""
     model = SharedAcrossCheckpoints(True)
     seen = []
 
@@ -341,9 +341,105 @@ def test_reentrant_recompute_that_matches_nothing_keeps_call_index_minus_one():
 
     x = torch.randn(4, 6, requires_grad=True)
     out = model(x).square().sum()  # forward before attach
-    with hookplug.attach(model, "Linear", plugins=Contexts()):
+    with hookplug.attach(model, "Linear", plugins=Contexts()) as s:
+        kept = model(torch.randn(4, 6, requires_grad=True))  # seen, never backpropagated
+        assert s._recompute._nodes
         out.backward()
+        del kept
     assert seen and {c for _, c in seen} == {-1}
+
+
+class Ckpt(nn.Module):
+    """``lin`` under a reentrant checkpoint, optionally inside an outer one with ``pre``."""
+
+    def __init__(self, nested=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre, self.lin = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.nested = nested
+
+    def inner(self, x):
+        return checkpoint(self.lin, x, use_reentrant=True)
+
+    def forward(self, x):
+        if self.nested:
+            return checkpoint(lambda t: self.inner(self.pre(t).tanh()), x, use_reentrant=True)
+        return self.inner(self.pre(x).tanh())
+
+
+def _contexts(model, run):
+    """``run(model, session)`` under a session recording (module, call_index, step, |grad|)."""
+    seen = []
+
+    class Contexts(hookplug.Plugin):
+        name = "ctx"
+
+        @hookplug.hookimpl
+        def hookplug_output_grad(self, ctx, grad):
+            seen.append((ctx.name, ctx.call_index, ctx.step, round(float(grad.abs().sum()), 4)))
+
+    with hookplug.attach(model, "Linear", plugins=Contexts()) as s:
+        run(model, s)
+        nodes = s._recompute._nodes
+    return sorted(seen), nodes
+
+
+def _two_forwards_then_two_backwards(model, s):
+    x = torch.randn(4, 6, requires_grad=True)
+    first, second = model(x).sum(), (model(x) * 10).sum()
+    first.backward()  # backward in forward order: the first pass's calls are not the latest
+    second.backward()
+
+
+def _no_grad_pass_between(model, s):
+    x = torch.randn(4, 6, requires_grad=True)
+    out = model(x).sum()
+    with torch.no_grad():  # e.g. a target pass of the same model, in training mode
+        model(x)
+    out.backward()
+
+
+def _retain_graph_twice(model, s):
+    out = model(torch.randn(4, 6, requires_grad=True)).sum()
+    out.backward(retain_graph=True)
+    out.backward()
+
+
+class _Unwrapped(nn.Module):
+    """Runs a :class:`Ckpt`'s modules without checkpointing."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, x):
+        return self.m.lin(self.m.pre(x).tanh())
+
+
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("run", [_two_forwards_then_two_backwards, _no_grad_pass_between,
+                                 _retain_graph_twice])
+def test_reentrant_checkpoint_grads_match_plain_in_unusual_orders(run, nested):
+    """Every grad hook sees the context of its own call: backward in forward order, a no-grad
+    pass between forward and backward, a graph backpropagated twice, nested checkpoints."""
+    torch.manual_seed(3)
+    plain, _ = _contexts(Ckpt(nested), lambda m, s: run(_Unwrapped(m), s))
+    torch.manual_seed(3)
+    ckpt, _ = _contexts(Ckpt(nested), run)
+    assert len(plain) >= 2 and min(c for _, c, _, _ in plain) >= 0
+    assert ckpt == plain
+
+
+def test_remembered_calls_go_with_the_graph():
+    """Nothing is held for a graph that is gone, even if step() is never called."""
+    import gc
+
+    model = Ckpt(nested=True)
+    with hookplug.attach(model, "Linear", plugins=("stats", {"sites": ("output", "grad")})) as s:
+        for _ in range(20):
+            model(torch.randn(4, 6, requires_grad=True)).sum().backward()
+        gc.collect()
+        assert len(s._recompute._nodes) == 0
 
 
 class TwoOutputs(nn.Module):
