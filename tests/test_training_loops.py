@@ -206,6 +206,20 @@ def test_checkpoint_reentrant_capture_grads_match_their_calls():
     assert ckpt[2] == plain[2] and set(ckpt[2].values()) == {2}
 
 
+class GradContexts(hookplug.Plugin):
+    """Records ``(module, call_index, step, phase, |grad|)`` for every output-gradient hook."""
+
+    name = "ctx"
+
+    def __init__(self):
+        self.seen = []
+
+    @hookplug.hookimpl
+    def hookplug_output_grad(self, ctx, grad):
+        self.seen.append((ctx.name, ctx.call_index, ctx.step, ctx.phase,
+                          round(float(grad.abs().sum()), 4)))
+
+
 class SharedAcrossCheckpoints(nn.Module):
     """``shared`` runs in every checkpoint segment (three calls per forward), and each segment
     has its own Linear: backward recomputes the segments last to first."""
@@ -233,17 +247,9 @@ def _shared_grads_and_contexts(use_reentrant, selector):
     """Two steps of two accumulated micro-batches: the captured grads per call, and the
     (call_index, step, phase) every grad hook saw, per module."""
     model = SharedAcrossCheckpoints(use_reentrant)
-    seen = {}
-
-    class Contexts(hookplug.Plugin):
-        name = "ctx"
-
-        @hookplug.hookimpl
-        def hookplug_output_grad(self, ctx):
-            seen.setdefault(ctx.name, []).append((ctx.call_index, ctx.step, ctx.phase))
-
+    contexts = GradContexts()
     with hookplug.attach(model, selector, plugins=[("capture", {"keep": "all", "grads": True}),
-                                                   Contexts()]) as s:
+                                                   contexts]) as s:
         torch.manual_seed(1)
         for _ in range(2):
             for _ in range(2):
@@ -251,6 +257,9 @@ def _shared_grads_and_contexts(use_reentrant, selector):
                 model(x).square().sum().backward()
             s.step()
         grads = {m: [g.clone() for g in v] for m, v in s["capture"].grads.items()}
+    seen = {}
+    for name, call, step, phase, _ in contexts.seen:
+        seen.setdefault(name, []).append((call, step, phase))
     return grads, {m: sorted(v) for m, v in seen.items()}
 
 
@@ -298,18 +307,9 @@ def test_reentrant_checkpoint_with_frozen_norms_and_validation_between_steps():
     """Calls of eval-mode submodules inside a training model are part of a recompute's
     sequence; a validation forward (model.eval(), no_grad) is not remembered."""
     def run(mode):
-        model = FrozenNormSegments(mode)
-        seen = []
-
-        class Contexts(hookplug.Plugin):
-            name = "ctx"
-
-            @hookplug.hookimpl
-            def hookplug_output_grad(self, ctx):
-                seen.append((ctx.name, ctx.call_index, ctx.step, ctx.phase))
-
+        model, contexts = FrozenNormSegments(mode), GradContexts()
         torch.manual_seed(1)
-        with hookplug.attach(model, "Linear|BatchNorm1d", plugins=Contexts()) as s:
+        with hookplug.attach(model, "Linear|BatchNorm1d", plugins=contexts) as s:
             for _ in range(2):
                 model.eval()
                 with torch.no_grad():
@@ -318,35 +318,26 @@ def test_reentrant_checkpoint_with_frozen_norms_and_validation_between_steps():
                 model.train()
                 model(torch.randn(4, 6, requires_grad=True)).sum().backward()
                 s.step()
-        return sorted(seen)
+        return sorted(contexts.seen)
 
     plain = run(None)
-    assert len(plain) == 8 and {p for *_, p in plain} == {"train", "eval"}
-    assert [c for n, c, _, _ in plain if n == "segs.0.0"] == [1, 3]  # validation calls count
+    assert len(plain) == 8 and {p for _, _, _, p, _ in plain} == {"train", "eval"}
+    assert [c for n, c, *_ in plain if n == "segs.0.0"] == [1, 3]  # validation calls count
     assert run(True) == plain
 
 
 def test_reentrant_recompute_that_matches_nothing_keeps_call_index_minus_one():
     """A checkpointed function whose first forward was not seen (attached in between) is not
     tied to a wrong call, although other calls were remembered."""
-    model = SharedAcrossCheckpoints(True)
-    seen = []
-
-    class Contexts(hookplug.Plugin):
-        name = "ctx"
-
-        @hookplug.hookimpl
-        def hookplug_output_grad(self, ctx):
-            seen.append((ctx.name, ctx.call_index))
-
+    model, contexts = SharedAcrossCheckpoints(True), GradContexts()
     x = torch.randn(4, 6, requires_grad=True)
     out = model(x).square().sum()  # forward before attach
-    with hookplug.attach(model, "Linear", plugins=Contexts()) as s:
+    with hookplug.attach(model, "Linear", plugins=contexts) as s:
         kept = model(torch.randn(4, 6, requires_grad=True))  # seen, never backpropagated
         assert s._recompute._nodes
         out.backward()
         del kept
-    assert seen and {c for _, c in seen} == {-1}
+    assert contexts.seen and {c for _, c, *_ in contexts.seen} == {-1}
 
 
 class Ckpt(nn.Module):
@@ -368,20 +359,11 @@ class Ckpt(nn.Module):
 
 
 def _contexts(model, run):
-    """``run(model, session)`` under a session recording (module, call_index, step, |grad|)."""
-    seen = []
-
-    class Contexts(hookplug.Plugin):
-        name = "ctx"
-
-        @hookplug.hookimpl
-        def hookplug_output_grad(self, ctx, grad):
-            seen.append((ctx.name, ctx.call_index, ctx.step, round(float(grad.abs().sum()), 4)))
-
-    with hookplug.attach(model, "Linear", plugins=Contexts()) as s:
+    """``run(model, session)`` under a session recording every grad hook's context."""
+    contexts = GradContexts()
+    with hookplug.attach(model, "Linear", plugins=contexts) as s:
         run(model, s)
-        nodes = s._recompute._nodes
-    return sorted(seen), nodes
+    return sorted(contexts.seen)
 
 
 def _two_forwards_then_two_backwards(model, s):
@@ -423,10 +405,10 @@ def test_reentrant_checkpoint_grads_match_plain_in_unusual_orders(run, nested):
     """Every grad hook sees the context of its own call: backward in forward order, a no-grad
     pass between forward and backward, a graph backpropagated twice, nested checkpoints."""
     torch.manual_seed(3)
-    plain, _ = _contexts(Ckpt(nested), lambda m, s: run(_Unwrapped(m), s))
+    plain = _contexts(Ckpt(nested), lambda m, s: run(_Unwrapped(m), s))
     torch.manual_seed(3)
-    ckpt, _ = _contexts(Ckpt(nested), run)
-    assert len(plain) >= 2 and min(c for _, c, _, _ in plain) >= 0
+    ckpt = _contexts(Ckpt(nested), run)
+    assert len(plain) >= 2 and min(c for _, c, *_ in plain) >= 0
     assert ckpt == plain
 
 
