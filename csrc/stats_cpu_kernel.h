@@ -10,8 +10,9 @@
 // One block = at most kBlock contiguous elements, read from memory once:
 //   one pass in SIMD lanes (block_stats): min, max, zero count and the sums of d = x - K
 //   and d^2 around a shift K (the previous block's mean in the chunk, else the mean of 16
-//   elements sampled over the block); then, from L1, the raw log2 histogram: one counter per (sign, exponent
-//   field), keys taken straight from the bits, spread over interleaved sub-tables.
+//   elements sampled over the block); then, from L1, the raw log2 histogram: one counter
+//   per (sign, exponent field), keys taken straight from the bits, spread over interleaved
+//   sub-tables.
 //   If d^2 is not finite (an Inf/NaN in the block, or a float overflow), the block is redone
 //   by the exact scalar path (block_slow); if K is far from the block mean (> 4 std, where
 //   the float sums would cancel) by two passes from L1 (block_two_pass: min/max/sum, then
@@ -347,17 +348,17 @@ static void block_slow(const void* p, int64_t n, BlockResult* r, uint32_t* hist)
   }
   const double nd = static_cast<double>(nf);
   double mean = nf ? sum / nd : 0.0, c = 0, m2 = 0;
-  if (nf && !is_finite(sum)) {  // finite float64 values whose sum overflowed: sum them scaled
-    double scaled = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      const double a = static_cast<double>(T::load1(p, i));
-      if (is_finite(a)) scaled += a * 0x1p-32;
-    }
-    mean = scaled / nd * 0x1p32;
-  }
   if (nf && mn == mx) {  // one finite value (any magnitude): exactly
     mean = static_cast<double>(mn);
   } else if (nf) {
+    if (!is_finite(sum)) {  // finite float64 values whose sum overflowed: sum them scaled
+      double scaled = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const double a = static_cast<double>(T::load1(p, i));
+        if (is_finite(a)) scaled += a * 0x1p-32;
+      }
+      mean = scaled / nd * 0x1p32;
+    }
     for (int64_t i = 0; i < n; ++i) {
       const double a = static_cast<double>(T::load1(p, i));
       if (is_finite(a)) {

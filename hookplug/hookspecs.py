@@ -14,8 +14,9 @@ unchanged (observe only).
 ``step`` (the session's step counter) and ``session``; ``forward_input`` and
 ``forward_output`` of one call receive the same ``ctx`` object, and so do the gradient hooks
 of that call's outputs (under a reentrant activation checkpoint, those of the recompute,
-which get the context of the call they repeat). ``output`` is None in ``forward_output`` when ``forward`` raised
-(the hook still runs so plugins can unwind per-call state; torch >= 2.1).
+which get the context of the call they repeat). ``output`` is None in ``forward_output``
+when ``forward`` raised (the hook still runs so plugins can unwind per-call state;
+torch >= 2.1).
 
 Sampling (``attach(..., every=N)``): on unsampled steps only plugins whose class sets
 ``sampled = False`` are called (plugins that steer gradients must run on every step).
