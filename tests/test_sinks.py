@@ -298,14 +298,111 @@ def test_prometheus_textfile_and_no_server(tmp_path):
     assert means == {r["module"]: r["mean"] for r in truth}
 
 
+# -- wandb ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def offline_wandb(tmp_path, monkeypatch):
+    """wandb in offline mode, writing under tmp_path; any run left active is finished."""
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    yield wandb
+    if wandb.run is not None:
+        wandb.run.finish()
+
+
+def logged_rows(run):
+    """Record every ``run.log`` call (the data still goes to the run)."""
+    rows, log = [], run.log
+
+    def spy(data, *args, **kwargs):
+        rows.append((dict(data), args, kwargs))
+        return log(data, *args, **kwargs)
+
+    run.log = spy
+    return rows
+
+
+def test_wandb_logs_every_record_to_the_active_run(tmp_path, offline_wandb):
+    from hookplug_plugins.sinks.tensorboard import hist_tag, scalar_tag
+    from hookplug_plugins.sinks.wandb import histogram_bins
+
+    run = offline_wandb.init(project="hookplug-test", dir=str(tmp_path))
+    rows = logged_rows(run)
+    truth, s, m = run_steps("wandb", steps=3, flush_every=2)
+    m.eval()
+    m(torch.randn(4, 32))
+    s.step()
+    s.remove()
+    assert offline_wandb.run is run  # a run the sink found active stays open
+    # one row per step, x-axis hookplug/step, never step= (the trainer's counter is left alone)
+    assert [r[0]["hookplug/step"] for r in rows] == [0, 1, 2, 3]
+    assert all(args == () and kwargs == {} for _, args, kwargs in rows)
+    by_step = {r[0]["hookplug/step"]: r[0] for r in rows}
+    evals = [k for k in by_step[3] if k.startswith("hookplug_eval/max/")]
+    assert len(evals) == 3 and not [k for k in by_step[3] if k.startswith("hookplug/max/")]
+    assert {r["phase"] for r in truth} == {"train", "eval"}  # truth: every record emitted
+    for rec in truth:
+        row = by_step[rec["step"]]
+        for stat in TB_STATS:
+            assert same(row[scalar_tag(stat, rec["module"], rec["site"], rec["phase"])], rec[stat])
+        assert scalar_tag("numel", rec["module"], rec["site"], rec["phase"]) not in row
+        hist = row[hist_tag(rec["module"], rec["site"], rec["phase"])]
+        counts, edges = histogram_bins(rec["hist"], rec["hist_edges"], rec["min"], rec["max"])
+        assert [int(c) for c in hist.histogram] == counts and list(hist.bins) == edges
+        assert sum(counts) == rec["numel"] - rec["nan_count"]
+        assert edges[0] <= rec["min"] and rec["max"] <= edges[-1]
+    assert run.summary["hookplug/max/fc2/output"] == by_step[2]["hookplug/max/fc2/output"]
+    run.finish()
+
+
+def test_wandb_sink_starts_and_finishes_a_run_of_its_own(tmp_path, offline_wandb):
+    sink = _manager.create_plugin("wandb", {"path": str(tmp_path / "wb"), "stats": ("mean",),
+                                            "init": {"tags": ["t1"]}})
+    truth, s, _ = run_steps(sink, steps=2)
+    run = sink.run
+    assert run is not None and run.name == s.run_id and list(run.tags) == ["t1"]
+    last = {r["module"]: r["mean"] for r in truth if r["step"] == 1}
+    assert run.summary["hookplug/mean/fc3/output"] == last["fc3"]
+    s.remove()
+    assert sink.run is None and offline_wandb.run is None  # finished with the session
+    assert [p.name for p in (tmp_path / "wb" / "wandb").glob("offline-run-*")]
+
+
+def test_wandb_histogram_bins_trim_widen_and_merge_exactly():
+    from hookplug_plugins.sinks.wandb import histogram_bins
+
+    assert histogram_bins([0, 0], [0.0, 1.0, 2.0]) is None
+    assert histogram_bins([0, 3, 0, 2, 0], [0, 1, 2, 3, 4, 5], 0.5, 9.0) == ([3, 0, 2], [0.5, 2, 3, 9.0])
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(0))
+    st = hookplug.ops.tensor_stats(x, bins=2000, hist="linear", range=(-5.0, 5.0))
+    counts, edges = st.hist_counts.tolist(), st.hist_edges.tolist()
+    got_counts, got_edges = histogram_bins(counts, edges)
+    assert len(got_counts) <= 512 and len(got_edges) == len(got_counts) + 1
+    assert sum(got_counts) == 10_000 and set(got_edges) <= set(edges)
+    # every merged bucket holds exactly the values between its edges
+    for c, lo, hi in zip(got_counts, got_edges, got_edges[1:]):
+        assert c == int(((x >= lo) & (x < hi)).sum()) or hi == got_edges[-1]
+
+
+def test_wandb_sink_rejects_bad_options(offline_wandb):
+    with pytest.raises(_manager.PluginError, match="wandb Run"):
+        _manager.create_plugin("wandb", {"run": object()})
+    with pytest.raises(_manager.PluginError, match="unknown stats"):
+        _manager.create_plugin("wandb", {"stats": ("maxx",)})
+
+
 # -- optional dependencies -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name, module, extra", [("prometheus", "prometheus_client", "prometheus"),
-                                                 ("tensorboard", "tensorboard", "tensorboard")])
+                                                 ("tensorboard", "tensorboard", "tensorboard"),
+                                                 ("wandb", "wandb", "wandb")])
 def test_missing_optional_dependency_names_the_extra(monkeypatch, name, module, extra):
     monkeypatch.setitem(sys.modules, module, None)
     cls = {"prometheus": "hookplug_plugins.sinks.prometheus:PrometheusSink",
-           "tensorboard": "hookplug_plugins.sinks.tensorboard:TensorBoardSink"}[name]
+           "tensorboard": "hookplug_plugins.sinks.tensorboard:TensorBoardSink",
+           "wandb": "hookplug_plugins.sinks.wandb:WandbSink"}[name]
     mod_name, attr = cls.split(":")
     factory = getattr(__import__(mod_name, fromlist=[attr]), attr)
     with pytest.raises(ImportError, match=rf"pip install '?hookplug\[{extra}\]"):

@@ -662,6 +662,57 @@ def test_lightning_trainer_steps_phases_and_tensorboard(tmp_path):
     assert [e.step for e in acc.Scalars("hookplug/max/net.2/output")] == [0, 1, 2, 3, 4, 5]
 
 
+def test_lightning_wandb_logger_and_the_wandb_sink_share_one_run(tmp_path, monkeypatch):
+    """``sink="wandb"`` logs into the run of the trainer's ``WandbLogger`` (offline), one row
+    per optimizer step labelled with Lightning's step, and leaves that run open."""
+    pl = pytest.importorskip("lightning.pytorch")
+    wandb = pytest.importorskip("wandb")
+    from lightning.pytorch.loggers import WandbLogger
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from hookplug.integrations.lightning import HookplugCallback
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+        def training_step(self, batch, idx):
+            loss = nn.functional.mse_loss(self.net(batch[0]), batch[1])
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    logger = WandbLogger(project="hookplug-test", save_dir=str(tmp_path), offline=True)
+    rows = []
+    sink = Collect()
+    cb = HookplugCallback("Linear", ["stats"], sink=[sink, ("wandb", {"stats": ("max",)})],
+                          flush_every=2)
+    trainer = pl.Trainer(max_steps=4, logger=logger, callbacks=[cb], log_every_n_steps=1,
+                         enable_progress_bar=False, enable_checkpointing=False,
+                         enable_model_summary=False, accelerator="cpu", devices=1)
+    run = logger.experiment
+    log = run.log
+    run.log = lambda data, *a, **k: (rows.append(dict(data)), log(data, *a, **k))[1]
+    try:
+        data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+        trainer.fit(Tiny(), DataLoader(data, batch_size=4))
+        mine = [r for r in rows if "hookplug/step" in r]
+        assert [r["hookplug/step"] for r in mine] == [0, 1, 2, 3]
+        for r in sink.records:
+            row = mine[r["step"]]
+            assert row[f"hookplug/max/{r['module']}/output"] == r["max"]
+        assert any("train_loss" in r for r in rows)  # Lightning's own rows, same run
+        assert wandb.run is run  # not finished by the sink
+    finally:
+        run.finish()
+
+
 @pytest.mark.parametrize("checkpointing", [None, "reentrant", "non-reentrant"])
 def test_transformers_trainer_steps_and_eval_phase(tmp_path, checkpointing):
     """Also with the Trainer's gradient checkpointing: the recompute adds nothing, and the

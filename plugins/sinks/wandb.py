@@ -1,0 +1,151 @@
+"""``wandb`` sink: telemetry logged to a Weights & Biases run.
+
+    wandb.init(project="exp1")                        # or a WandbLogger / report_to="wandb"
+    hookplug.attach(model, "Linear", plugins="stats", sink="wandb", flush_every=10)
+
+Logs into ``run=`` (a ``wandb`` Run), else the run active at the first flush
+(``wandb.run``: the one ``wandb.init``, Lightning's ``WandbLogger`` or the 🤗 Trainer's
+``report_to="wandb"`` started), else a run of its own: ``wandb.init(project=project,
+dir=path, name=<run-id>, **init)`` (``path`` unset: ``runs/<run-id>``; ``{rank}`` and
+``{run_id}`` are filled in), finished when the session ends. A run it did not start is
+never finished by it.
+
+Names are the TensorBoard sink's: ``hookplug/<stat>/<module>/<site>`` (``hookplug_eval/...``
+for eval-phase records; ``stats=`` picks which, by default ``min, max, mean, std, absmax,
+rms, zero_fraction, nan_count, inf_count``) and, when the record has a histogram,
+``hookplug/hist/<module>/<site>`` as a ``wandb.Histogram`` of its buckets (empty buckets
+at either end left out, the outer edges widened to the record's finite min/max, adjacent
+buckets summed to at most 512, wandb's limit). One ``run.log`` per step holds every record
+of that step with ``hookplug/step`` (the record's step, declared the x-axis of
+``hookplug/*`` and ``hookplug_eval/*`` through ``define_metric``), never ``step=``, so
+the trainer's own step counter is left alone.
+
+With ``all_ranks=True`` every rank logs to a run of its own (``name=<run-id>-rank<r>``,
+``group=<run-id>``) unless ``run=`` is given.
+
+Needs the ``wandb`` package: ``pip install 'hookplug[wandb]'``.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import hookplug
+from hookplug._optional import optional_import
+
+from ._tags import DEFAULT_SCALARS, hist_tag, scalar_tag
+
+__all__ = ["WandbSink", "histogram_bins"]
+
+STATS = hookplug.STAT_FIELDS  # what stats= may name
+MAX_BINS = 512  # wandb.Histogram's limit
+STEP_KEY = "hookplug/step"
+
+
+def _wandb():
+    (wandb,) = optional_import("wandb", feature="the hookplug 'wandb' sink", extra="wandb",
+                               package="wandb")
+    return wandb
+
+
+def histogram_bins(counts: Sequence[int], edges: Sequence[float], lo: float = math.nan,
+                   hi: float = math.nan, max_bins: int = MAX_BINS
+                   ) -> Optional[Tuple[List[int], List[float]]]:
+    """``(counts, edges)`` for a plot: empty buckets at either end dropped, the outer
+    edges widened to ``lo``/``hi`` (the finite min/max) where the data lies beyond them,
+    groups of adjacent buckets summed so at most ``max_bins`` remain (exact: only edges are
+    dropped). None when every bucket is empty."""
+    nz = [i for i, c in enumerate(counts) if c]
+    if not nz:
+        return None
+    first, last = nz[0], nz[-1]
+    counts = [int(c) for c in counts[first:last + 1]]
+    edges = [float(e) for e in edges[first:last + 2]]
+    group = -(-len(counts) // max_bins)
+    if group > 1:
+        counts = [sum(counts[i:i + group]) for i in range(0, len(counts), group)]
+        edges = edges[::group] + ([] if (len(edges) - 1) % group == 0 else [edges[-1]])
+    if math.isfinite(lo) and lo < edges[0]:
+        edges[0] = lo
+    if math.isfinite(hi) and hi > edges[-1]:
+        edges[-1] = hi
+    return counts, edges
+
+
+class WandbSink(hookplug.Sink):
+    """Log telemetry records to a Weights & Biases run (see the module docstring)."""
+
+    name = "wandb"
+
+    def __init__(self, path: Union[str, os.PathLike, None] = None, *, run: Any = None,
+                 project: Optional[str] = None, init: Optional[Mapping[str, Any]] = None,
+                 stats: Sequence[str] = DEFAULT_SCALARS, histogram: bool = True,
+                 all_ranks: bool = False):
+        super().__init__(path, all_ranks=all_ranks)
+        if isinstance(stats, str):
+            stats = (stats,)
+        unknown = [s for s in stats if s not in STATS]
+        if unknown:
+            raise ValueError(f"wandb sink: unknown stats {unknown}; choose from {list(STATS)}")
+        if run is not None:
+            if not (callable(getattr(run, "log", None)) and callable(getattr(run, "define_metric", None))):
+                raise TypeError("wandb sink: run= must be a wandb Run (log, define_metric), got "
+                                f"{type(run).__name__}")
+            if path is not None or project is not None or init:
+                raise ValueError("wandb sink: give run= or path=/project=/init=, not both")
+        self._wandb = _wandb()  # fail at attach time, not at the first flush
+        self.run = self._given_run = run
+        self.project = project
+        self.init = dict(init or {})
+        self.stats = tuple(stats)
+        self.histogram = histogram
+        self._own_run = False
+        self._declared: Optional[int] = None  # id() of the run the x-axis was declared on
+
+    def _open(self, session, rank: int):
+        if self.run is None and not self.all_ranks and self._wandb.run is not None:
+            self.run = self._wandb.run
+        if self.run is None:
+            self.path = self.resolve_path(session, rank)
+            os.makedirs(self.path, exist_ok=True)
+            run_id = getattr(session, "run_id", None) or "run"
+            kwargs: Dict[str, Any] = {"project": self.project or "hookplug", "dir": self.path,
+                                      "name": run_id}
+            if self.all_ranks:
+                kwargs.update(name=f"{run_id}-rank{rank}", group=run_id)
+            kwargs.update(self.init)
+            self.run = self._wandb.init(**kwargs)
+            self._own_run = True
+        if self._declared != id(self.run):
+            self.run.define_metric(STEP_KEY)
+            for root in ("hookplug/*", "hookplug_eval/*"):
+                self.run.define_metric(root, step_metric=STEP_KEY)
+            self._declared = id(self.run)
+        return self.run
+
+    @hookplug.hookimpl
+    def hookplug_flush(self, session, records: List[Dict[str, Any]]) -> None:
+        if not records:
+            return
+        run = self._open(session, records[0].get("rank", 0))
+        rows: Dict[int, Dict[str, Any]] = {}
+        for rec in records:
+            module, site, phase = rec["module"], rec["site"], rec.get("phase", "train")
+            row = rows.setdefault(rec["step"], {STEP_KEY: rec["step"]})
+            for stat in self.stats:
+                row[scalar_tag(stat, module, site, phase)] = rec[stat]
+            if self.histogram and rec.get("hist") and rec.get("hist_edges"):
+                bins = histogram_bins(rec["hist"], rec["hist_edges"], rec["min"], rec["max"])
+                if bins is not None:
+                    row[hist_tag(module, site, phase)] = self._wandb.Histogram(np_histogram=bins)
+        for step in sorted(rows):
+            run.log(rows[step])
+
+    def close(self) -> None:
+        """Finish the run the sink started (a run given to it or found active is left open)."""
+        if self.run is not None and self._own_run:
+            self.run.finish()
+        self.run = self._given_run  # a run found active may be gone by the next session
+        self._own_run = False
+        self._declared = None
