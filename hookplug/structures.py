@@ -42,7 +42,13 @@ def rebuild(obj: Any, items: List[Tuple[Any, Any]]) -> Any:
             return dict(items)
     values = [v for _, v in items]
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*values)
+        # _make builds through tuple.__new__: a subclass's own __new__ (PackedSequence's
+        # checks its fields) must not run on the placeholders some walkers put in
+        make = getattr(type(obj), "_make", None)
+        try:
+            return make(values) if make is not None else type(obj)(*values)
+        except Exception:  # noqa: BLE001
+            return tuple(values)
     if isinstance(obj, (list, tuple)):
         try:
             return type(obj)(values)

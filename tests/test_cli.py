@@ -170,7 +170,7 @@ def test_profile_json_schema(cnn_run):
     assert conv1["class"] == "Conv2d" and conv1["params"] == 2352
     assert conv1["output_shape"] == [8, 16, 32, 32] and conv1["stats"]["output"]["numel"] == 8 * 16 * 32 * 32
     t = doc["totals"]
-    assert {"modules", "params", "flops", "macs", "backward_flops", "model_flops", "numel", "nan_count",
+    assert {"modules", "params", "flops", "macs", "backward_flops", "numel", "nan_count",
             "inf_count"} <= set(t)
     assert t["modules"] == len(names)
     assert t["params"] == sum(m["params"] for m in doc["modules"].values())
@@ -365,6 +365,16 @@ def test_tensorboard_folder_that_cannot_be_created(where, call, tmp_path):
     (tmp_path / "x.txt").write_text("a file")
     _check_error(call("profile", "mlp", "--tensorboard", where, cwd=tmp_path),
                  "cannot create or write the folder")
+
+
+@pytest.mark.parametrize("option", ["--json", "--html"])
+def test_report_file_that_cannot_be_written_fails_before_the_run(option, call, tmp_path):
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("needs Linux /proc, where no file can be created")
+    _check_error(call("profile", "mlp", option, "/proc/hookplug-report.out", cwd=tmp_path),
+                 "cannot write the file")  # one line: no table printed before it
+    ok = tmp_path / "sub" / "r.out"
+    assert call("profile", "mlp", option, str(ok), cwd=tmp_path).returncode == 0 and ok.stat().st_size
 
 
 def test_parse_plugins_keeps_distinct_plugins_in_order():

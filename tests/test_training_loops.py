@@ -662,6 +662,26 @@ def test_lightning_trainer_steps_phases_and_tensorboard(tmp_path):
     assert [e.step for e in acc.Scalars("hookplug/max/net.2/output")] == [0, 1, 2, 3, 4, 5]
 
 
+def test_trainer_writer_reaches_a_tensorboard_sink_named_in_the_config_file(tmp_path):
+    """The callbacks' ``"tensorboard"`` sink without a path writes through the trainer's
+    writer also when it comes from ``config=`` (a file or a dict); a path keeps its own."""
+    from hookplug.integrations import _attach_kwargs_with_writer
+
+    writer = object()
+    cfg = tmp_path / "t.toml"
+    cfg.write_text('select = "Linear"\nflush_every = 2\n[plugins.stats]\nbins = 0\n'
+                   '[sinks.tensorboard]\nstats = ["max"]\n[sinks.jsonl]\npath = "runs/x"\n')
+    got = _attach_kwargs_with_writer({"config": str(cfg)}, writer)
+    assert got["sink"] == {"tensorboard": {"stats": ["max"], "writer": writer},
+                           "jsonl": {"path": "runs/x"}}
+    as_dict = {"select": "Linear", "sinks": {"tensorboard": {}}}
+    assert _attach_kwargs_with_writer({"config": as_dict}, writer)["sink"] == {"tensorboard": {"writer": writer}}
+    own = {"config": {"sinks": {"tensorboard": {"path": str(tmp_path)}}}}
+    assert "sink" not in _attach_kwargs_with_writer(own, writer)  # the file's path stands
+    assert _attach_kwargs_with_writer({"sink": "tensorboard"}, writer)["sink"] == ("tensorboard", {"writer": writer})
+    assert _attach_kwargs_with_writer({"config": str(cfg)}, None) == {"config": str(cfg)}
+
+
 def test_lightning_wandb_logger_and_the_wandb_sink_share_one_run(tmp_path, monkeypatch):
     """``sink="wandb"`` logs into the run of the trainer's ``WandbLogger`` (offline), one row
     per optimizer step labelled with Lightning's step, and leaves that run open."""

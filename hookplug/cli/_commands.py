@@ -166,6 +166,14 @@ def _output_path(option: str, value: Optional[str]) -> Optional[Path]:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"{option} {value}: cannot create folder {str(path.parent)!r}: {exc.strerror}") from None
+    existed = path.exists()
+    try:  # open it now, so a path that cannot be written fails before the run, not after
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{option} {value}: cannot write the file: {exc.strerror or exc}") from None
+    if not existed:
+        path.unlink()
     return path
 
 

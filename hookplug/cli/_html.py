@@ -291,10 +291,7 @@ def render_html(doc: Dict[str, Any]) -> str:
     cards = [("modules selected", f"{t['modules']:,}", f"of {m['modules']:,} in the model", False),
              ("parameters", fmt_si(t["params"]), f"selected · {fmt_si(m['params'])} in the model", False)]
     if has_flops:
-        mf = t.get("model_flops") or {}
-        cards.append(("FLOPs / step", fmt_si(t.get("flops")),
-                      "selected modules" + (f" · model {fmt_si(mf.get('flops'))}" if mf.get("flops") else ""),
-                      False))
+        cards.append(("FLOPs / step", fmt_si(t.get("flops")), "selected modules", False))
         if doc.get("backward"):
             cards.append(("backward FLOPs", fmt_si(t.get("backward_flops")), "selected modules", False))
     if has_stats:

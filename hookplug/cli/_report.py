@@ -160,8 +160,6 @@ def build_document(session, records: Sequence[Dict[str, Any]], meta: Dict[str, A
     if flops is not None:
         for k in ("flops", "macs", "backward_flops"):
             totals[k] = sum(_int((modules[n]["flops"] or {}).get(k)) for n in top)
-        total = next((s["flops_total"] for s in sections.values() if "flops_total" in s), None)
-        totals["model_flops"] = _per_step(total, steps)
     if stats is not None:
         sites = [(p, d) for m in modules.values() for p, d in (m["stats"] or {}).items()]
         for k in ("numel", "nan_count", "inf_count", "zero_count"):
@@ -343,12 +341,6 @@ def _ms_per_step(doc: Dict[str, Any]) -> Optional[float]:
 def _summary_lines(doc: Dict[str, Any]) -> List[str]:
     t, m = doc["totals"], doc["model"]
     parts = [f"model: {m['params']:,} parameters"]
-    mf = t.get("model_flops")
-    if mf and mf.get("flops") is not None:
-        text = f"{fmt_si(mf['flops'], ' FLOPs')} forward"
-        if _int(mf.get("backward_flops")):
-            text += f" + {fmt_si(mf['backward_flops'], ' FLOPs')} backward"
-        parts.append(text + " per step")
     ms = _ms_per_step(doc)
     if ms is not None:
         parts.append(f"{ms:.1f} ms/step (median, hooks attached)")

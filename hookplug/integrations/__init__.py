@@ -61,6 +61,25 @@ def _sink_with_writer(sink: Any, writer: Any) -> Tuple[Any, bool]:
     return fix(sink), used
 
 
+def _attach_kwargs_with_writer(kwargs: Dict[str, Any], writer: Any) -> Dict[str, Any]:
+    """``attach()`` keywords whose ``"tensorboard"`` sink given no path/writer (by ``sink=``,
+    or by the ``config=`` file when ``sink`` is unset) writes through ``writer``."""
+    kwargs = dict(kwargs)
+    if writer is None:
+        return kwargs
+    sink = kwargs.get("sink")
+    if sink is None and kwargs.get("config") is not None:
+        from hookplug._config import load_config, parse_config
+
+        config = kwargs["config"]
+        sink = (parse_config(config) if isinstance(config, dict) else load_config(config)).get("sink")
+    if sink is not None:
+        sink, used = _sink_with_writer(sink, writer)
+        if used:
+            kwargs["sink"] = sink  # given: it wins over the file's, which it repeats
+    return kwargs
+
+
 class _PendingStep:
     """The step bookkeeping both callbacks share: an ended optimizer step is handed to
     ``session.step(step=...)`` when the next one begins or training ends, so what ran

@@ -15,7 +15,8 @@
   batch). The step is ended when the next batch starts or training ends, so validation
   run right after it is recorded with the same step and ``phase="eval"`` (Lightning puts
   the module in eval mode; the core tags it);
-- a ``"tensorboard"`` sink given no ``path``/``writer`` writes through the trainer's
+- a ``"tensorboard"`` sink given no ``path``/``writer`` (in ``sink=`` or the ``config=``
+  file) writes through the trainer's
   TensorBoard ``SummaryWriter`` (``trainer.logger.experiment`` of a ``TensorBoardLogger``),
   so hookplug's ``hookplug/<stat>/<module>/<site>`` scalars sit beside the run's own;
 - removes the session when fitting ends (or on an exception); ``callback.session`` stays
@@ -29,7 +30,7 @@ from typing import Any, Optional
 
 from hookplug._optional import optional_import
 
-from . import _PendingStep, _sink_with_writer
+from . import _attach_kwargs_with_writer, _PendingStep
 
 try:  # the unified package first, then the standalone one
     import lightning.pytorch as _pl
@@ -70,9 +71,7 @@ class HookplugCallback(_pl.Callback):
 
         if self.session is not None and not self.session.removed:
             return
-        kwargs = dict(self.attach_kwargs)
-        if "sink" in kwargs:
-            kwargs["sink"], _ = _sink_with_writer(kwargs["sink"], _tensorboard_writer(trainer))
+        kwargs = _attach_kwargs_with_writer(self.attach_kwargs, _tensorboard_writer(trainer))
         self.session = hookplug.attach(pl_module, self.selector, self.plugins, **kwargs)
         self._steps = _PendingStep()
         self._steps.session = self.session

@@ -24,7 +24,9 @@ to open the file ends it with a newline (warning), and :func:`read_jsonl` skips 
 with one warning.
 
 One JSON object a line: the record as the session emits it (``step, time, rank, module,
-site, numel, nan_count, inf_count, zero_count, min, max, mean, std, absmax, hist``) plus
+site, phase, numel, nan_count, inf_count, zero_count, min, max, mean, std, absmax, l2, rms,
+zero_fraction, hist, hist_edges, first_nonfinite``; ``hookplug.STAT_FIELDS`` are the
+statistics) plus
 ``run_id`` (the session's ``run_id``, unless the record has one), so the runs that append to
 one file can be told apart (``read_jsonl(path, run_id=...)`` keeps one); strict
 JSON: a float that is NaN or infinite is written as ``null`` (``nan_count``/``inf_count``

@@ -4,20 +4,22 @@
     s["prometheus"].port        # the port it listens on (0 picks a free one)
 
 Serves ``prometheus_client``'s exposition from its own ``CollectorRegistry`` with
-``start_http_server(port, addr, registry=...)`` on ``addr`` (``127.0.0.1`` by default: pass
-``addr="0.0.0.0"`` to let another host scrape it). With ``all_ranks=True`` every rank
-serves, rank *r* on ``port + r`` (unless ``port=0``). ``port=None`` serves nothing; ``path``,
-when given, also writes the exposition to that file after every flush (node_exporter's
-textfile collector: give it a ``.prom`` file). The server stops at the end of the session.
+``start_http_server(port, addr, registry=...)`` on ``port`` (default 9464) and ``addr``
+(``127.0.0.1`` by default: pass ``addr="0.0.0.0"`` to let another host scrape it). With
+``all_ranks=True`` every rank serves, rank *r* on ``port + r`` (unless ``port=0``).
+``port=None`` serves nothing; ``path``, when given, also writes the exposition to that file
+after every flush (node_exporter's textfile collector: give it a ``.prom`` file). The server
+stops at the end of the session.
 
 Metrics, labelled ``module``, ``site`` and ``rank`` (``<namespace>`` = ``hookplug``):
 
-- ``<namespace>_tensor_<stat>`` gauges, ``stat`` in ``numel, nan_count, inf_count,
-  zero_count, min, max, mean, std, absmax``: the statistics of the latest step flushed;
+- ``<namespace>_tensor_<stat>`` gauges, ``stat`` in ``hookplug.STAT_FIELDS`` (``numel,
+  nan_count, inf_count, zero_count, min, max, mean, std, absmax, l2, rms, zero_fraction``):
+  the statistics of the latest step flushed;
 - ``<namespace>_tensor_nonfinite_total`` counter (NaN + Inf values over the whole run);
 - ``<namespace>_tensor_values`` histogram: the histogram buckets summed over every step
   flushed, bucket ``le`` = the right edge of each bucket (the log2 layout: ..., -1, -0.5,
-  ..., 0.5, 1, ...), the ``+Inf`` bucket counting every value seen. With negative buckets,
+  ..., 0.5, 1, ...), the ``+Inf`` bucket counting every value seen but NaNs (which no bucket holds). With negative buckets,
   as the log2 layout has, ``_sum`` and ``_count`` are left out (``prometheus_client``'s rule
   for histograms that can see negative values). It restarts (a counter reset) for a
   (module, site) whose bucket edges change;

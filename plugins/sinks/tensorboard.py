@@ -12,8 +12,10 @@ picks which: by default ``min, max, mean, std, absmax, rms, zero_fraction, nan_c
 inf_count``, no constant ``numel``) and, when the record has a histogram, one
 ``add_histogram_raw`` under ``hookplug/hist/<module>/<site>`` built from its buckets
 (``bucket_limits`` = the right edges; ``sum``/``sum_squares`` from the finite mean and std).
-``global_step`` is the record's step and ``walltime`` its time. The writer is flushed after
-every telemetry flush, so TensorBoard sees the data while the run goes on.
+``histogram=False`` leaves the histograms out. ``global_step`` is the record's step and
+``walltime`` its time. The writer is flushed after every telemetry flush, so TensorBoard
+sees the data while the run goes on (``flush_secs=30``: the period of the writer it opens).
+Rank 0 writes; ``all_ranks=True`` makes every rank write (put ``{rank}`` in ``path``).
 
 Needs the ``tensorboard`` package: ``pip install hookplug[tensorboard]``.
 """

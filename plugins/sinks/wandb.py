@@ -5,8 +5,8 @@
 
 Logs into ``run=`` (a ``wandb`` Run), else the run active at the first flush
 (``wandb.run``: the one ``wandb.init``, Lightning's ``WandbLogger`` or the 🤗 Trainer's
-``report_to="wandb"`` started), else a run of its own: ``wandb.init(project=project,
-dir=path, name=<run-id>, **init)`` (``path`` unset: ``runs/<run-id>``; ``{rank}`` and
+``report_to="wandb"`` started), else a run of its own: ``wandb.init(project=project or
+"hookplug", dir=path, name=<run-id>, **init)`` (``path`` unset: ``runs/<run-id>``; ``{rank}`` and
 ``{run_id}`` are filled in), finished when the session ends. A run it did not start is
 never finished by it.
 
@@ -15,7 +15,7 @@ for eval-phase records; ``stats=`` picks which, by default ``min, max, mean, std
 rms, zero_fraction, nan_count, inf_count``) and, when the record has a histogram,
 ``hookplug/hist/<module>/<site>`` as a ``wandb.Histogram`` of its buckets (empty buckets
 at either end left out, the outer edges widened to the record's finite min/max, adjacent
-buckets summed to at most 512, wandb's limit). One ``run.log`` per step holds every record
+buckets summed to at most 512, wandb's limit; ``histogram=False`` leaves them out). One ``run.log`` per step holds every record
 of that step with ``hookplug/step`` (the record's step, declared the x-axis of
 ``hookplug/*`` and ``hookplug_eval/*`` through ``define_metric``), never ``step=``, so
 the trainer's own step counter is left alone.
