@@ -263,7 +263,7 @@ def test_prometheus_endpoint_scraped_over_loopback():
         samples = {smp.labels["module"]: smp for smp in fams[f"hookplug_tensor_{stat}"].samples}
         assert set(samples) == {"fc1", "fc2", "fc3"}
         for mod, smp in samples.items():
-            assert smp.labels == {"module": mod, "site": "output", "rank": "0"}
+            assert smp.labels == {"module": mod, "site": "output", "phase": "train", "rank": "0"}
             assert same(smp.value, float(last[mod][stat])), (stat, mod, smp.value, last[mod][stat])
     assert fams["hookplug_step"].samples[0].value == 2
     # the histogram sums every step's buckets; Prometheus buckets are cumulative
@@ -296,6 +296,27 @@ def test_prometheus_textfile_and_no_server(tmp_path):
     fams = {f.name: f for f in text_string_to_metric_families(prom.read_text())}
     means = {smp.labels["module"]: smp.value for smp in fams["hookplug_tensor_mean"].samples}
     assert means == {r["module"]: r["mean"] for r in truth}
+
+
+def test_prometheus_keeps_eval_forwards_apart_from_training():
+    pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    s = hookplug.attach(m, "Linear", plugins="stats", sink=("prometheus", {"port": None}))
+    m(torch.ones(1, 2))
+    m.eval()
+    m(torch.full((3, 2), 100.0))
+    m.train()
+    s.step()
+    truth = {r["phase"]: r for r in s.flush()}
+    fams = {f.name: f for f in text_string_to_metric_families(s["prometheus"].exposition())}
+    s.remove()
+    got = {smp.labels["phase"]: smp.value for smp in fams["hookplug_tensor_max"].samples}
+    assert got == {"train": truth["train"]["max"], "eval": truth["eval"]["max"]}
+    inf_bucket = {smp.labels["phase"]: smp.value for smp in fams["hookplug_tensor_values"].samples
+                  if smp.name.endswith("_bucket") and smp.labels["le"] == "+Inf"}
+    assert inf_bucket == {"train": 2, "eval": 6}
 
 
 # -- wandb ---------------------------------------------------------------------------------------------

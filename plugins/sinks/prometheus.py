@@ -11,7 +11,9 @@ Serves ``prometheus_client``'s exposition from its own ``CollectorRegistry`` wit
 after every flush (node_exporter's textfile collector: give it a ``.prom`` file). The server
 stops at the end of the session.
 
-Metrics, labelled ``module``, ``site`` and ``rank`` (``<namespace>`` = ``hookplug``):
+Metrics, labelled ``module``, ``site``, ``phase`` (``train``/``eval``: eval-mode forwards
+are never mixed into the training series) and ``rank`` (``<namespace>``: the
+``namespace=`` option, ``hookplug`` by default):
 
 - ``<namespace>_tensor_<stat>`` gauges, ``stat`` in ``hookplug.STAT_FIELDS`` (``numel,
   nan_count, inf_count, zero_count, min, max, mean, std, absmax, l2, rms, zero_fraction``):
@@ -58,7 +60,7 @@ class _Collector:
         _, core = _client()
         sink = self.sink
         ns = sink.namespace
-        labels = ["module", "site", "rank"]
+        labels = ["module", "site", "phase", "rank"]
         with sink._lock:
             latest = dict(sink._latest)
             hists = {k: (list(v[0]), list(v[1]), v[2]) for k, v in sink._hists.items()}
@@ -114,9 +116,9 @@ class PrometheusSink(hookplug.Sink):
         self._server = None
         self._thread = None
         self._lock = threading.Lock()
-        self._latest: Dict[Tuple[str, str, str], Dict[str, Any]] = {}
-        self._hists: Dict[Tuple[str, str, str], Tuple[list, list, float]] = {}
-        self._nonfinite: Dict[Tuple[str, str, str], int] = {}
+        self._latest: Dict[Tuple[str, str, str, str], Dict[str, Any]] = {}
+        self._hists: Dict[Tuple[str, str, str, str], Tuple[list, list, float]] = {}
+        self._nonfinite: Dict[Tuple[str, str, str, str], int] = {}
         self._step: Optional[int] = None
 
     # -- serving -------------------------------------------------------------------------------
@@ -149,7 +151,7 @@ class PrometheusSink(hookplug.Sink):
     def hookplug_flush(self, session, records: List[Dict[str, Any]]) -> None:
         with self._lock:
             for rec in records:
-                key = (rec["module"], rec["site"], str(rec.get("rank", 0)))
+                key = (rec["module"], rec["site"], rec.get("phase", "train"), str(rec.get("rank", 0)))
                 prev = self._latest.get(key)
                 if prev is None or rec["step"] >= prev["step"]:
                     self._latest[key] = rec
