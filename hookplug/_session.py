@@ -56,6 +56,29 @@ def _in_recompute() -> bool:
     return not _is_compiling() and _graph_task_id() != -1
 
 
+def _own_outputs(output, args, kwargs):
+    """``output`` with each tensor that needs a gradient and is one of the call's inputs or
+    a leaf (``nn.Identity``, an empty ``nn.Sequential`` shortcut, Dropout in eval, a
+    Parameter returned as is) replaced by ``t.view_as(t)``: same values and memory, its own
+    autograd node, so a gradient hook on it sees the gradient through this module only (as
+    ``register_full_backward_hook``'s ``grad_output``), not every use of the shared tensor.
+    None when no tensor needs it."""
+    inputs = None
+    shared = set()
+    for _, t in iter_tensors(output):
+        if not t.requires_grad:
+            continue
+        if t.grad_fn is not None:
+            if inputs is None:
+                inputs = {id(x) for _, x in iter_tensors((args, kwargs))}
+            if id(t) not in inputs:
+                continue
+        shared.add(id(t))
+    if not shared:
+        return None
+    return map_tensors(lambda _, t: t.view_as(t) if id(t) in shared else t, output)
+
+
 def _phase_of(module: nn.Module) -> str:
     """``"eval"`` for a module in eval mode or under inference_mode, else ``"train"``
     (inside compiled code: the module's mode only; dynamo cannot read inference_mode)."""
@@ -361,6 +384,10 @@ class _ModuleBinding:
                 wrapped = self._grad_sites(ctx, module, args, output)
                 if wrapped is not None:
                     return wrapped
+            if not compiling:
+                own = _own_outputs(output, args, kwargs)
+                if own is not None:
+                    output = new = own
             for path, t in iter_tensors(output):
                 # a leaf (a Parameter returned as is) would keep a tensor hook for good
                 if t.requires_grad and t.grad_fn is not None:

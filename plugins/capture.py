@@ -112,6 +112,13 @@ def _objects_as_dicts(obj: Any, found: List[str], depth: int = 0) -> Any:
     return out
 
 
+def _shape_text(t: torch.Tensor) -> str:
+    """``(2, 3)``; a nested tensor has no single shape: ``nested(3 tensors)``."""
+    if t.is_nested:
+        return f"nested({t.size(0)} tensors)"
+    return f"{tuple(t.shape)}"
+
+
 def _nbytes(obj: Any) -> int:
     return sum(t.numel() * t.element_size() for _, t in iter_tensors(obj))
 
@@ -476,7 +483,7 @@ class CapturePlugin(hookplug.Plugin):
             for name, value in self._store[kind].items():
                 entries = value if isinstance(value, list) else [value]
                 last = entries[-1] if entries else None
-                shapes = ", ".join(f"{tuple(t.shape)}" for _, t in iter_tensors(last)) or "-"
+                shapes = ", ".join(_shape_text(t) for _, t in iter_tensors(last)) or "-"
                 dtypes = (
                     ", ".join(
                         sorted({str(t.dtype).replace("torch.", "") for _, t in iter_tensors(last)})

@@ -45,7 +45,11 @@ branches (q/k/v projections reading one tensor, a residual shortcut), where
 ``total()`` counts every op of every window once: with the root selected (``"*:"``) it is the
 whole model; ops outside all selected modules (the loss, the optimizer) are not seen.
 Forward runs of other threads are not counted; the backward of a counted forward is, on
-whichever thread autograd runs it. With ``every=N`` only sampled steps are counted.
+whichever thread autograd runs it. Under activation checkpointing the forward is counted once (the
+recompute is not counted as forward); with ``use_reentrant=False`` the recompute's ops count
+as backward FLOPs of the module whose backward node ran it (the work the device does), with
+``use_reentrant=True`` the modules inside the checkpoint get no backward FLOPs (their graph
+is rebuilt inside backward, where this plugin does not look). With ``every=N`` only sampled steps are counted.
 
 ``uncounted()`` lists the ops without a formula that do arithmetic (pointwise ops,
 reductions, normalizations, softmax, ...: torch counts those as 0 FLOPs and so does this
@@ -207,12 +211,16 @@ _EXPLICIT_KEYS = tuple(getattr(_DK, k) for k in (
 
 
 def _backend_key(args, kwargs) -> Optional[str]:
+    """The device type of the first tensor argument; None where a nested or sparse tensor
+    takes part (its kernels live under other dispatch keys: never decompose)."""
+    key = None
     for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor):
-            return a.device.type
-        if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
-            return a[0].device.type
-    return None
+        t = a[0] if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor) else a
+        if isinstance(t, torch.Tensor):
+            if t.is_nested or t.layout != torch.strided:
+                return None
+            key = key or t.device.type
+    return key
 
 
 def _decomposes(func, args, kwargs) -> bool:

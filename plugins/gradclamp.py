@@ -100,6 +100,8 @@ class GradClampPlugin(hookplug.Plugin):
     def reset(self) -> None:
         """Zero the changed-element counters."""
         self._changed: Dict[str, torch.Tensor] = {}
+        self._dtype_bounds: Dict[torch.dtype, tuple] = {}
+        self._layouts_warned: set = set()
 
     def _matches(self, pname: str) -> bool:
         hit = self._match.get(pname)
@@ -109,19 +111,42 @@ class GradClampPlugin(hookplug.Plugin):
 
     # -- the transform ---------------------------------------------------------------------------
 
+    def _bounds(self, dtype: torch.dtype):
+        """``min``/``max`` as ``dtype`` can hold them: a bound past its largest finite value
+        is +-inf (as a float16 gradient compares with 1e5), None where unset or without
+        effect (no tensor is made: this runs inside backward)."""
+        got = self._dtype_bounds.get(dtype)
+        if got is None:
+            big = torch.finfo(dtype).max
+
+            def fit(v):
+                return None if v is None else (math.copysign(math.inf, v) if abs(v) > big else v)
+            lo, hi = fit(self.min), fit(self.max)
+            got = self._dtype_bounds[dtype] = (None if lo == -math.inf else lo,
+                                               None if hi == math.inf else hi)
+        return got
+
     def _apply(self, key: str, what, grad: torch.Tensor) -> torch.Tensor:
         """Steer ``grad``; ``what()`` names it in an error (built only then: reading
         ctx.step per call would make compiled code recompile every step)."""
         if not grad.is_floating_point():
             return None
+        if grad.layout != torch.strided or grad.is_nested:
+            if grad.layout not in self._layouts_warned:
+                self._layouts_warned.add(grad.layout)
+                warnings.warn(f"gradclamp: the gradient of {what()} is a {grad.layout} tensor; "
+                              "only strided (dense) gradients are steered, this one is left as it "
+                              "is", RuntimeWarning, stacklevel=2)
+            return None
+        lo, hi = self._bounds(grad.dtype)
         g = grad
         if self.nan == "raise":
             if bool(torch.isnan(g).any()):  # the one deliberate sync
                 raise FloatingPointError(f"gradclamp: NaN in the gradient of {what()}")
         elif self.nan == "zero":
             g = torch.nan_to_num(g, nan=0.0, posinf=float("inf"), neginf=float("-inf"))
-        if self.min is not None or self.max is not None:
-            g = torch.clamp(g, min=self.min, max=self.max)
+        if lo is not None or hi is not None:
+            g = torch.clamp(g, min=lo, max=hi)
         if self.max_norm is not None:
             low = g.dtype in (torch.float16, torch.bfloat16)
             norm = torch.linalg.vector_norm(g, dtype=torch.float32 if low else None)
@@ -132,7 +157,6 @@ class GradClampPlugin(hookplug.Plugin):
             g = g * scale.to(g.dtype)
         if g is grad:
             return None
-        lo, hi = self.min, self.max
         if self.max_norm is None and self.nan != "zero":
             # only the clamp changed anything: count what it moved (NaN compares false, stays NaN)
             if lo is not None and hi is not None:

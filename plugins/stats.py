@@ -75,6 +75,12 @@ _STRIDED = torch.strided
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
 
+
+def _functorch_wrapped(t) -> bool:
+    """A tensor of a torch.func transform (BatchedTensor, GradTrackingTensor)."""
+    check = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+    return bool(check is not None and check(t))
+
 class StatsPlugin(hookplug.Plugin):
     """Per module and site, a :class:`hookplug.TensorStats` of every floating tensor, merged
     over calls and steps on the device. See the module docstring for the options."""
@@ -140,7 +146,15 @@ class StatsPlugin(hookplug.Plugin):
             t = self._strided(ctx, path, t)
             if t is None:
                 return
-        self.bank.accumulate(t, (ctx.name, path, ctx.phase))
+        try:
+            self.bank.accumulate(t, (ctx.name, path, ctx.phase))
+        except RuntimeError as exc:
+            if _functorch_wrapped(t):  # name the problem, not functorch's batching fallback
+                raise RuntimeError(
+                    f"stats: the {path} of {ctx.name!r} is batched by torch.func (vmap, and "
+                    "jacrev/hessian with the grad site); stats cannot measure it: run the "
+                    "model outside vmap, or pass on_error='warn' to switch stats off there") from exc
+            raise
 
     def _strided(self, ctx, path: str, t):
         """What the op measures of a tensor that is not a plain strided one: a nested

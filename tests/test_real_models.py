@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import hookplug
-from hookplug.structures import iter_tensors
+from hookplug.structures import iter_tensors, map_tensors
 
 
 # -- the models ------------------------------------------------------------------------------------
@@ -175,18 +175,27 @@ def _reference(model, args, kwargs):
     outs, grads, handles = {}, {}, []
 
     def hook(name):
-        def fwd(module, _args, output):
+        def fwd(module, _args, _kwargs, output):
+            # an output that is one of the inputs (or a leaf) gets a view of its own, so its
+            # gradient is the one through this module (register_full_backward_hook's
+            # grad_output), as hookplug documents
+            inputs = {id(x) for _, x in iter_tensors((_args, _kwargs))}
+            shared = {id(t) for _, t in iter_tensors(output)
+                      if t.requires_grad and (t.grad_fn is None or id(t) in inputs)}
+            if shared:
+                output = map_tensors(lambda _, t: t.view_as(t) if id(t) in shared else t, output)
             call = len(outs.setdefault(name, []))
             outs[name].append({p: t.detach().to(torch.float64, copy=True) for p, t in _floats(output)})
             for p, t in _floats(output):
                 if t.requires_grad and t.grad_fn is not None:
                     t.register_hook(lambda g, c=call, gp="grad" + p[len("output"):]: grads.setdefault(
                         name, {}).setdefault(c, {}).__setitem__(gp, g.detach().to(torch.float64, copy=True)))
+            return output if shared else None
         return fwd
 
     for name, module in model.named_modules():
         if name:  # the selector "*": every submodule, not the root
-            handles.append(module.register_forward_hook(hook(name)))
+            handles.append(module.register_forward_hook(hook(name), with_kwargs=True))
     try:
         loss, param_grads = _step(model, args, kwargs)
     finally:

@@ -1,0 +1,159 @@
+"""Real but unusual modules: shortcuts that return their input, packed sequences, the
+nested-tensor fast path of nn.TransformerEncoder, float16 and sparse gradients. Each case
+is compared with what plain torch (hooks, FlopCounterMode) gives."""
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.utils.rnn import pack_padded_sequence
+
+import hookplug
+
+
+class Residual(nn.Module):
+    """The CIFAR ResNet block: ``body(x) + shortcut(x)`` with an empty Sequential shortcut,
+    so the shortcut's output is the very tensor the body also reads."""
+
+    def __init__(self, shortcut):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Linear(4, 4)
+        self.body = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        self.shortcut = shortcut
+
+    def forward(self, x):
+        h = self.stem(x)
+        return (self.body(h) + 2 * self.shortcut(h)).square().sum()
+
+
+@pytest.mark.parametrize("shortcut", [nn.Sequential(), nn.Identity(), nn.Dropout(0.5)])
+def test_a_shortcut_returning_its_input_sees_only_its_own_gradient(shortcut):
+    model = Residual(shortcut).eval() if isinstance(shortcut, nn.Dropout) else Residual(shortcut)
+    x = torch.randn(3, 4)
+    seen = []
+    handle = model.shortcut.register_full_backward_hook(lambda m, gi, go: seen.append(go[0].clone()))
+    model(x).backward()
+    handle.remove()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    plugins = [("stats", {"sites": ("output", "grad")}), ("capture", {"grads": True})]
+    with hookplug.attach(model, "*:shortcut", plugins=plugins) as s:
+        model(x).backward()
+    got = s["capture"].grads["shortcut"]
+    assert torch.equal(got, seen[0])  # the gradient through the shortcut, not through h
+    st = s["stats"].results()["shortcut"]["grad"]
+    assert float(st.max) == float(seen[0].max()) and int(st.numel) == seen[0].numel()
+    assert all(torch.equal(p.grad, want_grads[n]) for n, p in model.named_parameters())
+    # steering the shortcut's gradient leaves the body's alone
+    model.zero_grad()
+    with hookplug.attach(model, "*:shortcut", plugins=("gradclamp", {"min": 0, "max": 0})):
+        model(x).backward()
+    body_only = Residual(nn.Sequential())
+    body_only.load_state_dict(model.state_dict())
+    (body_only.body(body_only.stem(x)) + 2 * body_only.stem(x).detach()).square().sum().backward()
+    assert torch.allclose(model.stem.weight.grad, body_only.stem.weight.grad)
+
+
+def test_identity_on_a_leaf_input_reports_its_gradient():
+    model = nn.Sequential(nn.Identity(), nn.Linear(3, 1))
+    x = torch.randn(2, 3, requires_grad=True)
+    with hookplug.attach(model, "Identity", plugins=[("capture", {"grads": True}),
+                                                    ("stats", {"sites": ("output", "grad")})]) as s:
+        out = model(x)
+        out.sum().backward()
+    assert torch.equal(s["capture"].grads["0"], model[1].weight.expand(2, 3))
+    assert int(s["stats"].results()["0"]["grad"].numel) == 6
+    assert torch.equal(x.grad, model[1].weight.expand(2, 3).detach())
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_lstm_on_a_packed_sequence_with_output_gradients(bidirectional):
+    torch.manual_seed(0)
+    lstm = nn.LSTM(4, 5, batch_first=True, bidirectional=bidirectional)
+    model = nn.ModuleDict({"lstm": lstm})
+    x = torch.randn(3, 6, 4)
+    packed = pack_padded_sequence(x, torch.tensor([6, 2, 4]), batch_first=True, enforce_sorted=False)
+    ref = {}
+
+    def hook(m, a, out):
+        out[0].data.register_hook(lambda g: ref.setdefault("data", g))
+
+    handle = lstm.register_forward_hook(hook)
+    out, (h, _) = lstm(packed)
+    (out.data.square().sum() + h.sum()).backward()
+    handle.remove()
+    want = {n: p.grad.clone() for n, p in lstm.named_parameters()}
+    lstm.zero_grad()
+    plugins = [("capture", {"grads": True}), ("stats", {"sites": ("output", "grad")})]
+    with hookplug.attach(model, "LSTM", plugins=plugins) as s:
+        out2, (h2, _) = lstm(packed)
+        (out2.data.square().sum() + h2.sum()).backward()
+    assert torch.equal(out2.data, out.data) and type(out2) is type(out)
+    assert all(torch.equal(p.grad, want[n]) for n, p in lstm.named_parameters())
+    got = s["capture"].grads["lstm"]
+    assert type(got[0]).__name__ == "PackedSequence" and torch.equal(got[0].data, ref["data"])
+    assert int(s["stats"].results()["lstm"]["grad[0][0]"].numel) == ref["data"].numel()
+
+
+def test_transformer_encoder_nested_fast_path_runs_with_flops_and_capture():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    x = torch.randn(3, 6, 8)
+    mask = torch.zeros(3, 6, dtype=torch.bool)
+    mask[1, 4:] = True
+    mask[2, 2:] = True
+    with torch.no_grad():
+        want = enc(x, src_key_padding_mask=mask)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the nested linear has no FLOP formula: listed, warned
+        with hookplug.attach(enc, "*", plugins=["flops", "capture"]) as s, torch.no_grad():
+            got = enc(x, src_key_padding_mask=mask)
+            report = s.report()
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+    assert s["capture"].features["layers.0.linear1"].is_nested
+    assert "nested(3 tensors)" in report
+
+
+def test_gradclamp_bounds_past_float16_saturate_like_the_comparison():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 4)).to(dtype)
+        x = torch.randn(2, 4, dtype=dtype)
+        with hookplug.attach(m, "Linear", plugins=("gradclamp", {"min": -1e5, "max": 0.5})) as s:
+            (m(x) * torch.tensor([[1.0, -1e3, 2.0, 0.1]], dtype=dtype)).sum().backward()
+        changed = int(s["gradclamp"].results()["0"]["changed"])
+        assert changed == 4, dtype  # the 1.0 and 2.0 columns of both rows; -1e5 clamps nothing
+        want = torch.tensor([[0.5, -1e3, 0.5, 0.1]] * 2, dtype=dtype)
+        assert torch.equal(m[0].bias.grad, want.sum(0))
+
+
+def test_gradclamp_leaves_a_sparse_gradient_alone_and_says_so():
+    emb = nn.Embedding(10, 3, sparse=True)
+    model = nn.Sequential(emb)
+    with hookplug.attach(model, "*", plugins=("gradclamp", {"max": 0.0, "params": "*"})):
+        with pytest.warns(RuntimeWarning, match="sparse_coo tensor; only strided"):
+            model(torch.tensor([1, 2, 2])).sum().backward()
+    assert emb.weight.grad.layout == torch.sparse_coo
+    assert torch.equal(emb.weight.grad.to_dense()[2], torch.full((3,), 2.0))
+
+
+def test_stats_under_vmap_says_what_it_cannot_measure():
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x = torch.randn(5, 4)
+
+    def loss(p, xi):
+        return functional_call(model, p, (xi.unsqueeze(0),)).square().sum()
+
+    with hookplug.attach(model, "Linear", plugins="stats") as s:
+        with pytest.raises(RuntimeError, match="batched by torch.func"):
+            vmap(grad(loss), in_dims=(None, 0))(params, x)
+        per_sample_free = grad(loss)(params, x[0])  # grad alone is measured
+        assert int(s["stats"].results()["0"]["output"].numel) == 8 and per_sample_free
