@@ -12,6 +12,7 @@ import importlib.abc
 import inspect
 import os
 import sys
+import threading
 import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -47,6 +48,7 @@ if "always_call" in inspect.signature(nn.Module.register_forward_hook).parameter
 
 
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+_get_ident = threading.get_ident
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
@@ -94,15 +96,16 @@ class HookContext:
     torch.compile'd code, where Python counters would make dynamo recompile), the session's
     ``step`` and ``session``."""
 
-    __slots__ = ("name", "call_index", "_step", "session", "phase")
+    __slots__ = ("name", "call_index", "_step", "session", "phase", "_thread")
 
     def __init__(self, name: str, call_index: int, step: Optional[int], session: "Session",
-                 phase: str = "train"):
+                 phase: str = "train", thread: Optional[int] = None):
         self.name = name
         self.call_index = call_index
         self._step = step
         self.session = session
         self.phase = phase
+        self._thread = thread  # the thread that made the call (eager code; None when compiled)
 
     @property
     def step(self) -> int:
@@ -315,7 +318,7 @@ class _ModuleBinding:
         index = self.calls
         self.calls = index + 1
         phase = "train" if module.training and not torch.is_inference_mode_enabled() else "eval"
-        return HookContext(self.name, index, self.session._step, self.session, phase)
+        return HookContext(self.name, index, self.session._step, self.session, phase, _get_ident())
 
     def pre_hook(self, module, args, kwargs):
         if _in_recompute():
@@ -362,6 +365,8 @@ class _ModuleBinding:
             fwd_out, out_grad = self.fwd_out, self.out_grad
         if self.has_pre and self._pending:
             ctx = self._pending.pop()
+            if not compiling and ctx is not None and ctx._thread != _get_ident():
+                ctx = self._own_pending(ctx)  # calls of this module overlap on two threads
             if not fwd_out and not out_grad:
                 return None
         elif not fwd_out and not out_grad:  # e.g. an unsampled step: count the call, no more
@@ -395,6 +400,18 @@ class _ModuleBinding:
         elif out_grad and not compiling and s._training():
             s._recompute.forward_call(self, ctx)  # autograd off: maybe a reentrant checkpoint
         return new
+
+    def _own_pending(self, top: HookContext) -> Optional[HookContext]:
+        """The latest pending context of this thread's call (``top``, another thread's, is
+        put back); ``top`` itself if none is this thread's."""
+        me, pending = _get_ident(), self._pending
+        for i in range(len(pending) - 1, -1, -1):
+            c = pending[i]
+            if c is None or c._thread == me:
+                del pending[i]
+                pending.append(top)
+                return c
+        return top
 
     def _grad_sites(self, ctx, module, args, output):
         """Compiled code: ``output`` with each tensor that needs a grad site passed through

@@ -119,6 +119,20 @@ def _shape_text(t: torch.Tensor) -> str:
     return f"{tuple(t.shape)}"
 
 
+_functorch = getattr(torch._C, "_functorch", None)
+
+
+def _is_batched(t: torch.Tensor) -> bool:
+    """A tensor of torch.func.vmap (at any depth of functorch wrapping)."""
+    if _functorch is None or not _functorch.is_functorch_wrapped_tensor(t):
+        return False
+    while _functorch.is_functorch_wrapped_tensor(t):
+        if _functorch.is_batchedtensor(t):
+            return True
+        t = _functorch.get_unwrapped(t)
+    return False
+
+
 def _nbytes(obj: Any) -> int:
     return sum(t.numel() * t.element_size() for _, t in iter_tensors(obj))
 
@@ -183,6 +197,7 @@ class CapturePlugin(hookplug.Plugin):
         self.skipped = 0
         self._warned = False
         self._warned_objects = False
+        self._warned_batched = False
 
     def _wait(self) -> None:
         events, self._events = self._events, []
@@ -321,6 +336,14 @@ class CapturePlugin(hookplug.Plugin):
                     cl.pop(0)
         self.nbytes += _nbytes(value)
 
+    def _warn_batched(self, what: str, name: str) -> None:
+        if not self._warned_batched:
+            self._warned_batched = True
+            warnings.warn(f"hookplug plugin 'capture': the {what} of {name or '<root>'!r} is batched "
+                          "by torch.func.vmap and is not kept (a tensor from inside vmap cannot be "
+                          "used after it); calls under vmap are not captured", RuntimeWarning,
+                          stacklevel=4)
+
     def _capture(self, kind: str, name: str, call: int, obj: Any, prefix: str) -> bool:
         if not isinstance(obj, torch.Tensor):
             found: List[str] = []
@@ -334,6 +357,9 @@ class CapturePlugin(hookplug.Plugin):
                     RuntimeWarning, stacklevel=4,
                 )
         tensors = list(iter_tensors(obj, prefix))
+        if any(_is_batched(t) for _, t in tensors):
+            self._warn_batched(prefix, name)
+            return False
         if not self._room(kind, name, call, sum(t.numel() * t.element_size() for _, t in tensors)):
             return False
         value = map_tensors(lambda _p, t: self._copy(t), obj, prefix)
@@ -386,6 +412,9 @@ class CapturePlugin(hookplug.Plugin):
     @hookimpl
     def hookplug_output_grad(self, ctx, grad, path):
         name, call = ctx.name, ctx.call_index
+        if _is_batched(grad):
+            self._warn_batched("gradient", name)
+            return
         floor = self._floor("grads", name)
         if floor is not None and call < floor:  # older than what is kept: never stored
             self._drop_grad_calls(name, floor)

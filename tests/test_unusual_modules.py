@@ -157,3 +157,65 @@ def test_stats_under_vmap_says_what_it_cannot_measure():
             vmap(grad(loss), in_dims=(None, 0))(params, x)
         per_sample_free = grad(loss)(params, x[0])  # grad alone is measured
         assert int(s["stats"].results()["0"]["output"].numel) == 8 and per_sample_free
+
+
+def test_calls_of_one_module_overlapping_on_two_threads_keep_their_own_context():
+    """Thread A enters forward, thread B (an inference_mode server thread) enters and
+    leaves, then A leaves: each call's input, output and phase stay together."""
+    import threading
+
+    a_in, b_in, a_done = threading.Event(), threading.Event(), threading.Event()
+
+    class Double(nn.Module):
+        def forward(self, x):
+            if threading.current_thread().name == "A":
+                a_in.set()
+                b_in.wait(10)
+            else:
+                b_in.set()
+                a_done.wait(10)
+            return x * 2
+
+    model = nn.Sequential(Double())
+
+    def run_a():
+        model(torch.full((2,), 1.0))
+        a_done.set()
+
+    def run_b():
+        a_in.wait(10)
+        with torch.inference_mode():
+            model(torch.full((2,), 100.0))
+
+    plugins = [("capture", {"inputs": True, "keep": "all"}), ("stats", {"sites": ("input", "output")})]
+    with hookplug.attach(model, "*", plugins=plugins) as s:
+        threads = [threading.Thread(target=run_a, name="A"), threading.Thread(target=run_b, name="B")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    cap = s["capture"]
+    pairs = [(float(i[0][0]), float(o[0])) for i, o in zip(cap.inputs["0"], cap.features["0"])]
+    assert sorted(pairs) == [(1.0, 2.0), (100.0, 200.0)]
+    means = {ph: {k: float(v.mean) for k, v in s["stats"].results(phase=ph)["0"].items()}
+             for ph in ("train", "eval")}
+    assert means == {"train": {"input[0]": 1.0, "output": 2.0}, "eval": {"input[0]": 100.0, "output": 200.0}}
+
+
+def test_capture_under_vmap_keeps_nothing_and_says_so():
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x = torch.randn(5, 4)
+
+    def loss(p, xi):
+        return functional_call(model, p, (xi.unsqueeze(0),)).square().sum()
+
+    with hookplug.attach(model, "Linear", plugins=("capture", {"grads": True})) as s:
+        with pytest.warns(RuntimeWarning, match="batched by torch.func.vmap"):
+            vmap(grad(loss), in_dims=(None, 0))(params, x)
+        assert s["capture"].features == {} and s["capture"].grads == {}
+        out = model(x)  # outside vmap: captured as usual
+        assert torch.equal(s["capture"].features["2"], out)
