@@ -129,7 +129,7 @@ def _outside_inference_mode(fn):
     later in-place resets would refuse); the context is entered only when it is on."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if torch.is_inference_mode_enabled():
+        if not _is_compiling() and torch.is_inference_mode_enabled():  # (dynamo cannot read it)
             with torch.inference_mode(False):
                 return fn(*args, **kwargs)
         return fn(*args, **kwargs)
@@ -282,12 +282,22 @@ class StatsBank:
         if row is None:
             row = len(self.keys) + 1
             if row >= self._capacity:
-                self._capacity *= 2
-                for dev in self._devices.values():
-                    dev.grow(self._capacity)
+                self.reserve(2 * self._capacity)
             self.keys.append(key)
             self.rows[key] = row
         return row
+
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` keys (a power of two). Done at session start for twice the keys
+        assigned then and 64 more (their eval-phase twins, extra output paths), so that
+        compiled code does not grow the bank while tracing."""
+        capacity = self._capacity
+        while capacity <= rows:
+            capacity *= 2
+        if capacity != self._capacity:
+            self._capacity = capacity
+            for dev in self._devices.values():
+                dev.grow(capacity)
 
     def device_rows(self, device) -> _DeviceRows:
         dev = self._devices.get(device)

@@ -389,10 +389,9 @@ class _ModuleBinding:
                 wrapped = self._grad_sites(ctx, module, args, output)
                 if wrapped is not None:
                     return wrapped
-            if not compiling:
-                own = _own_outputs(output, args, kwargs)
-                if own is not None:
-                    output = new = own
+            own = _own_outputs(output, args, kwargs)
+            if own is not None:
+                output = new = own
             for path, t in iter_tensors(output):
                 # a leaf (a Parameter returned as is) would keep a tensor hook for good
                 if t.requires_grad and t.grad_fn is not None:

@@ -594,6 +594,7 @@ class FlopsPlugin(hookplug.Plugin):
         model = session.model
         self._model_params = sum(p.numel() for p in model.parameters()) if model is not None else 0
         self._thread = threading.get_ident()
+        self._warned_thread = False
         self._ended = False
         self._counting = session.step_index % session.every == 0
         if _peek_seq is None:
@@ -617,7 +618,15 @@ class FlopsPlugin(hookplug.Plugin):
 
     @hookimpl
     def hookplug_forward_input(self, ctx):
-        if not self._counting or threading.get_ident() != self._thread or _in_backward():
+        if not self._counting or _in_backward():
+            return None
+        if threading.get_ident() != self._thread:
+            if not self._warned_thread:
+                self._warned_thread = True
+                warnings.warn(f"flops: {ctx.name or '<root>'!r} ran on a thread other than the one "
+                              "that called attach(); forwards of other threads are not counted "
+                              "(attach from the thread that runs the model)", RuntimeWarning,
+                              stacklevel=2)
             return None
         if self._calls:
             self._prune_stale_calls()

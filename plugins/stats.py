@@ -220,6 +220,7 @@ class StatsPlugin(hookplug.Plugin):
         for name in self._module_order:
             for site in self.sites:
                 self.bank.row_of((name, first_path[site], "train"))
+        self.bank.reserve(2 * len(self.bank.keys) + 64)  # no growth while compiled code traces
         model = session.model
         param = next(iter(model.parameters()), None) if model is not None else None
         self.bank.prepare(param.device if param is not None else None)

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import torch.nn as nn
 
 import hookplug
 from hookplug import ops
@@ -341,3 +342,28 @@ def test_bank_step_boundary_is_the_same_with_and_without_the_compiled_snapshot()
         assert torch.equal(a.nan_to_num(nan=7.0), b.nan_to_num(nan=7.0))
     assert torch.equal(fast[1].nan_to_num(nan=7.0), slow[1].nan_to_num(nan=7.0))
     assert torch.equal(fast[2].nan_to_num(nan=7.0), slow[2].nan_to_num(nan=7.0))
+
+
+def test_compiled_eval_rows_fit_without_growing_the_bank_while_tracing():
+    """36 Linear layers: their 36 eval-phase rows, assigned while dynamo traces the first
+    eval forward, would pass the bank's first 64 rows; the session reserves room at start,
+    so the fullgraph trace never grows it (it used to fail on torch.is_inference_mode_enabled)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(4, 4) for _ in range(36)])
+    x = torch.randn(2, 4)
+    eager = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        with hookplug.attach(m, "Linear", plugins="stats") as s:
+            f = torch.compile(m, backend="aot_eager", fullgraph=True) if compiled else m
+            m.train()
+            f(x).sum().backward()
+            m.eval()
+            with torch.no_grad():
+                f(x)
+            m.train()
+            res = {(n, ph): float(st["output"].max)
+                   for ph in ("train", "eval") for n, st in s["stats"].results(phase=ph).items()}
+        if not compiled:
+            eager = res
+    assert len(res) == 72 and res == pytest.approx(eager, rel=1e-6)

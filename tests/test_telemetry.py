@@ -477,10 +477,13 @@ def test_compiled_grad_site_keeps_aliases_containers_and_shared_tensors(backend)
     assert math.isclose(le, lc, rel_tol=1e-5)
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(ge, gc))
     # torch drops a tensor hook of a view modified in place (eager records no view/grad);
-    # after the compiled code's graph break the hook is registered on the new version
+    # after the compiled code's graph break the hook is registered on the new version. The
+    # alias module returns a view of its input (its own gradient, README), then modified in
+    # place: no alias/grad in eager (compiled: registered after the graph break, as the view)
     c.pop((0, "view", "grad"), None)
+    c.pop((0, "alias", "grad"), None)
     assert set(e) == set(c), (set(e) ^ set(c))
-    assert {k[1] for k in e} >= {"alias", "dc", "twice"}
+    assert {k[1] for k in e} >= {"dc", "twice"} and (0, "alias", "grad") not in e
     for k in e:
         assert e[k]["numel"] == c[k]["numel"] and e[k]["zero_count"] == c[k]["zero_count"], k
         assert math.isclose(e[k]["mean"], c[k]["mean"], rel_tol=1e-5, abs_tol=1e-7), k
