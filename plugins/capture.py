@@ -53,6 +53,7 @@ import torch
 
 import hookplug
 from hookplug import hookimpl
+from hookplug._func import is_batched as _is_batched
 from hookplug.structures import children, iter_tensors, map_tensors, rebuild
 
 __all__ = ["CapturePlugin"]
@@ -117,20 +118,6 @@ def _shape_text(t: torch.Tensor) -> str:
     if t.is_nested:
         return f"nested({t.size(0)} tensors)"
     return f"{tuple(t.shape)}"
-
-
-_functorch = getattr(torch._C, "_functorch", None)
-
-
-def _is_batched(t: torch.Tensor) -> bool:
-    """A tensor of torch.func.vmap (at any depth of functorch wrapping)."""
-    if _functorch is None or not _functorch.is_functorch_wrapped_tensor(t):
-        return False
-    while _functorch.is_functorch_wrapped_tensor(t):
-        if _functorch.is_batchedtensor(t):
-            return True
-        t = _functorch.get_unwrapped(t)
-    return False
 
 
 def _nbytes(obj: Any) -> int:

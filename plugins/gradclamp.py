@@ -40,6 +40,7 @@ import torch
 
 import hookplug
 from hookplug import hookimpl
+from hookplug._func import is_batched
 
 __all__ = ["GradClampPlugin"]
 
@@ -157,6 +158,8 @@ class GradClampPlugin(hookplug.Plugin):
             g = g * scale.to(g.dtype)
         if g is grad:
             return None
+        if is_batched(grad):  # under vmap: a count would be a BatchedTensor escaping it
+            return g
         if self.max_norm is None and self.nan != "zero":
             # only the clamp changed anything: count what it moved (NaN compares false, stays NaN)
             if lo is not None and hi is not None:

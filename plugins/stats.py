@@ -64,6 +64,7 @@ import hookplug
 from hookplug import hookimpl
 from hookplug._bank import (StatsBank, accumulate_by_key_op, check_hist_options, check_max_pending,
                             check_sites, host_copy)
+from hookplug._func import is_batched
 from hookplug._stats import FIRST_BAD, TensorStats
 from hookplug.structures import iter_tensors
 
@@ -75,11 +76,6 @@ _STRIDED = torch.strided
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
 
-
-def _functorch_wrapped(t) -> bool:
-    """A tensor of a torch.func transform (BatchedTensor, GradTrackingTensor)."""
-    check = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
-    return bool(check is not None and check(t))
 
 class StatsPlugin(hookplug.Plugin):
     """Per module and site, a :class:`hookplug.TensorStats` of every floating tensor, merged
@@ -149,7 +145,7 @@ class StatsPlugin(hookplug.Plugin):
         try:
             self.bank.accumulate(t, (ctx.name, path, ctx.phase))
         except RuntimeError as exc:
-            if _functorch_wrapped(t):  # name the problem, not functorch's batching fallback
+            if is_batched(t):  # name the problem, not functorch's batching fallback
                 raise RuntimeError(
                     f"stats: the {path} of {ctx.name!r} is batched by torch.func (vmap, and "
                     "jacrev/hessian with the grad site); stats cannot measure it: run the "

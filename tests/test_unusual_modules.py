@@ -219,3 +219,29 @@ def test_capture_under_vmap_keeps_nothing_and_says_so():
         assert s["capture"].features == {} and s["capture"].grads == {}
         out = model(x)  # outside vmap: captured as usual
         assert torch.equal(s["capture"].features["2"], out)
+
+
+def test_gradclamp_under_vmap_steers_and_keeps_working():
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x = torch.randn(5, 8)
+
+    def loss(p, xi):
+        return functional_call(model, p, (xi.unsqueeze(0),)).pow(2).sum()
+
+    def clamp_hook(mod, a, out):
+        out.register_hook(lambda g: g.clamp(max=0.01))
+
+    handles = [m.register_forward_hook(clamp_hook) for m in (model[0], model[2])]
+    want = vmap(grad(loss), in_dims=(None, 0))(params, x)
+    for h in handles:
+        h.remove()
+    with hookplug.attach(model, "Linear", plugins=("gradclamp", {"max": 0.01})) as s:
+        got = vmap(grad(loss), in_dims=(None, 0))(params, x)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        assert s["gradclamp"].results() == {}  # vmapped gradients are not counted
+        model(x).pow(2).sum().backward()  # the session goes on as usual
+        assert int(s["gradclamp"].results()["2"]["changed"]) > 0
