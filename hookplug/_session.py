@@ -363,10 +363,11 @@ class _ModuleBinding:
             fwd_out, out_grad = self.all_out, self.all_grad
         else:
             fwd_out, out_grad = self.fwd_out, self.out_grad
-        if self.has_pre and self._pending:
-            ctx = self._pending.pop()
-            if not compiling and ctx is not None and ctx._thread != _get_ident():
-                ctx = self._own_pending(ctx)  # calls of this module overlap on two threads
+        pending = self._pending
+        if self.has_pre and pending:
+            # one pending call is this thread's own (each thread takes only its own); with
+            # more, calls of this module are nested or overlap on two threads
+            ctx = pending.pop() if compiling or len(pending) == 1 else self._own_pending()
             if not fwd_out and not out_grad:
                 return None
         elif not fwd_out and not out_grad:  # e.g. an unsampled step: count the call, no more
@@ -400,17 +401,15 @@ class _ModuleBinding:
             s._recompute.forward_call(self, ctx)  # autograd off: maybe a reentrant checkpoint
         return new
 
-    def _own_pending(self, top: HookContext) -> Optional[HookContext]:
-        """The latest pending context of this thread's call (``top``, another thread's, is
-        put back); ``top`` itself if none is this thread's."""
+    def _own_pending(self) -> Optional[HookContext]:
+        """Take the latest pending context of this thread's call (None: a recompute's)."""
         me, pending = _get_ident(), self._pending
         for i in range(len(pending) - 1, -1, -1):
             c = pending[i]
             if c is None or c._thread == me:
                 del pending[i]
-                pending.append(top)
                 return c
-        return top
+        return pending.pop()
 
     def _grad_sites(self, ctx, module, args, output):
         """Compiled code: ``output`` with each tensor that needs a grad site passed through
