@@ -65,6 +65,11 @@ def _own_outputs(output, args, kwargs):
     autograd node, so a gradient hook on it sees the gradient through this module only (as
     ``register_full_backward_hook``'s ``grad_output``), not every use of the shared tensor.
     None when no tensor needs it."""
+    if isinstance(output, torch.Tensor):  # the common case, without walking anything
+        if not output.requires_grad or (output.grad_fn is not None
+                                        and id(output) not in _input_ids(args, kwargs)):
+            return None
+        return output.view_as(output)
     inputs = None
     shared = set()
     for _, t in iter_tensors(output):
@@ -72,13 +77,28 @@ def _own_outputs(output, args, kwargs):
             continue
         if t.grad_fn is not None:
             if inputs is None:
-                inputs = {id(x) for _, x in iter_tensors((args, kwargs))}
+                inputs = _input_ids(args, kwargs)
             if id(t) not in inputs:
                 continue
         shared.add(id(t))
     if not shared:
         return None
     return map_tensors(lambda _, t: t.view_as(t) if id(t) in shared else t, output)
+
+
+_SCALARS = (int, float, bool, str, type(None))
+
+
+def _input_ids(args, kwargs) -> set:
+    """``id`` of every tensor among a call's arguments (walked into containers only when
+    an argument is one)."""
+    ids = set()
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            ids.add(id(a))
+        elif not isinstance(a, _SCALARS):
+            return {id(x) for _, x in iter_tensors((args, kwargs))}
+    return ids
 
 
 def _phase_of(module: nn.Module) -> str:
