@@ -49,13 +49,10 @@ if "always_call" in inspect.signature(nn.Module.register_forward_hook).parameter
 
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 _get_ident = threading.get_ident
+# != -1 in eager code: a forward running inside backward, i.e. activation checkpointing
+# recomputing it (inside compiled code checkpointing is traced as a whole: never asked)
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-
-
-def _in_recompute() -> bool:
-    """A forward running inside backward: activation checkpointing recomputing it (never
-    asked inside compiled code, where checkpointing is traced as a whole)."""
-    return not _is_compiling() and _graph_task_id() != -1
+_inference_mode = torch.is_inference_mode_enabled
 
 
 def _own_outputs(output, args, kwargs):
@@ -158,12 +155,12 @@ def _describe(value) -> str:
     return type(value).__name__
 
 
-def _fold(session: "Session", impls, hook_name: str, value, before: tuple, after: tuple, where):
+def _fold(session: "Session", impls, hook_name: str, value, before: tuple, after: tuple, where: str):
     """pluggy's call loop for the per-call hooks that may replace a value: each ``(plugin,
     fn)`` in order is called with ``(*before, value, *after)``; a non-None result that
     passes :func:`_returned_ok` replaces ``value`` for the next plugin (failures go through
-    ``on_error``). Returns the final value, or None when no plugin changed it. ``where()``
-    names the call site in errors (built only then)."""
+    ``on_error``). Returns the final value, or None when no plugin changed it. Errors name
+    the call site as ``where`` followed by ``after`` (a gradient's path)."""
     changed = False
     for plugin, fn in impls:
         try:
@@ -171,7 +168,7 @@ def _fold(session: "Session", impls, hook_name: str, value, before: tuple, after
         except Exception as exc:  # noqa: BLE001 - on_error decides
             session._plugin_failed(plugin, hook_name, exc)
             continue
-        if res is not None and _returned_ok(session, plugin, hook_name, where(), value, res):
+        if res is not None and _returned_ok(session, plugin, hook_name, " ".join((where, *after)), value, res):
             value = res
             changed = True
     return value if changed else None
@@ -309,12 +306,13 @@ class _ModuleBinding:
     dynamo recompile); plugins that sample there gate themselves on the device (stats).
     """
 
-    __slots__ = ("name", "session", "fwd_in", "fwd_out", "out_grad", "all_in", "all_out",
+    __slots__ = ("name", "where", "session", "fwd_in", "fwd_out", "out_grad", "all_in", "all_out",
                  "all_grad", "grad_in_graph", "calls", "has_pre", "has_post", "variants",
                  "_pending", "__weakref__")
 
     def __init__(self, name: str, session: "Session"):
         self.name = name
+        self.where = f"module {name!r}"  # the call site, in plugin errors
         self.session = session
         self.fwd_in: Tuple = ()
         self.fwd_out: Tuple = ()
@@ -337,15 +335,15 @@ class _ModuleBinding:
                                "train" if module.training else "eval")
         index = self.calls
         self.calls = index + 1
-        phase = "train" if module.training and not torch.is_inference_mode_enabled() else "eval"
+        phase = "train" if module.training and not _inference_mode() else "eval"
         return HookContext(self.name, index, self.session._step, self.session, phase, _get_ident())
 
     def pre_hook(self, module, args, kwargs):
-        if _in_recompute():
+        compiling = _is_compiling()
+        if not compiling and _graph_task_id() != -1:  # a recompute (activation checkpointing)
             if self.has_post:
                 self._pending.append(None)
             return None
-        compiling = _is_compiling()
         impls = self.all_in if compiling else self.fwd_in
         if not impls and not self.has_post:
             if not compiling:
@@ -376,49 +374,96 @@ class _ModuleBinding:
         return (args, kwargs) if changed else None
 
     def post_hook(self, module, args, kwargs, output):
-        """Also runs (``always_call``) when ``forward`` raised; ``output`` is None then."""
-        s = self.session
-        compiling = _is_compiling()
-        if compiling:
-            fwd_out, out_grad = self.all_out, self.all_grad
-        else:
-            fwd_out, out_grad = self.fwd_out, self.out_grad
+        """Also runs (``always_call``) when ``forward`` raised; ``output`` is None then.
+        Eager code runs inline (the hot path): one plugin and no pre hook or gradient
+        plugin cost a context and one call."""
+        if _is_compiling():
+            return self._post_hook_compiled(module, args, kwargs, output)
+        fwd_out, out_grad = self.fwd_out, self.out_grad
         pending = self._pending
         if self.has_pre and pending:
             # one pending call is this thread's own (each thread takes only its own); with
             # more, calls of this module are nested or overlap on two threads
-            ctx = pending.pop() if compiling or len(pending) == 1 else self._own_pending()
+            ctx = pending.pop() if len(pending) == 1 else self._own_pending()
             if not fwd_out and not out_grad:
                 return None
-        elif not fwd_out and not out_grad:  # e.g. an unsampled step: count the call, no more
-            if not compiling:
-                self.calls += 1
-            return None
-        else:
-            ctx = None if not compiling and _graph_task_id() != -1 else self._new_ctx(module, compiling)
-        if ctx is None:  # a recompute (activation checkpointing): forward is not observed again,
-            fwd_out = ()  # grads still are, with the context of the call it repeats
-            ctx = s._recompute.recompute_ctx(self) if out_grad else None
             if ctx is None:
-                ctx = HookContext(self.name, -1, None, s, _phase_of(module))
-        new = _fold(s, fwd_out, "hookplug_forward_output", output, (ctx, module, args, kwargs), (),
-                    lambda: f"module {self.name!r}") if fwd_out else None
+                return self._post_hook_recompute(module, args, kwargs, output)
+        elif not fwd_out and not out_grad:  # e.g. an unsampled step: count the call, no more
+            self.calls += 1
+            return None
+        elif _graph_task_id() != -1:
+            return self._post_hook_recompute(module, args, kwargs, output)
+        else:  # no thread: only pre_hook's contexts wait in _pending
+            index = self.calls
+            self.calls = index + 1
+            s = self.session
+            ctx = HookContext(self.name, index, s._step, s,
+                              "train" if module.training and not _inference_mode() else "eval")
+        new = None
+        for plugin, fn in fwd_out:  # _fold's loop, inlined: the call costs as much as the rest
+            try:
+                res = fn(ctx, module, args, kwargs, output if new is None else new)
+            except Exception as exc:  # noqa: BLE001 - on_error decides
+                self.session._plugin_failed(plugin, "hookplug_forward_output", exc)
+                continue
+            if res is not None and _returned_ok(self.session, plugin, "hookplug_forward_output", self.where,
+                                                output if new is None else new, res):
+                new = res
+        if not out_grad:
+            return new
+        return self._watch_grads(ctx, module, args, kwargs, output if new is None else new, new)
+
+    def _post_hook_compiled(self, module, args, kwargs, output):
+        """``post_hook`` inside compiled code: the sampled tuples always, nothing Python-side
+        that changes per call (no recompiles), gradient sites traced into the graph."""
+        fwd_out, out_grad = self.all_out, self.all_grad
+        ctx = self._pending.pop() if self.has_pre and self._pending else None
+        if not fwd_out and not out_grad:
+            return None
+        if ctx is None:
+            ctx = self._new_ctx(module, True)
+        new = _fold(self.session, fwd_out, "hookplug_forward_output", output, (ctx, module, args, kwargs), (),
+                    self.where) if fwd_out else None
         if new is not None:
             output = new
         if out_grad and torch.is_grad_enabled():
-            if compiling and self.grad_in_graph:  # no tensor hook: traced into the backward graph
+            if self.grad_in_graph:  # no tensor hook: traced into the backward graph
                 wrapped = self._grad_sites(ctx, module, args, output)
                 if wrapped is not None:
                     return wrapped
-            own = _own_outputs(output, args, kwargs)
-            if own is not None:
-                output = new = own
-            for path, t in iter_tensors(output):
-                # a leaf (a Parameter returned as is) would keep a tensor hook for good
-                if t.requires_grad and t.grad_fn is not None:
-                    t.register_hook(functools.partial(self.grad_hook, ctx, module, path))
-        elif out_grad and not compiling and s._training():
-            s._recompute.forward_call(self, ctx)  # autograd off: maybe a reentrant checkpoint
+            return self._hook_grads(ctx, module, args, kwargs, output, new)
+        return new
+
+    def _post_hook_recompute(self, module, args, kwargs, output):
+        """A recompute (activation checkpointing): forward is not observed again, grads
+        still are, with the context of the call it repeats."""
+        if not self.out_grad:
+            return None
+        ctx = self.session._recompute.recompute_ctx(self)
+        if ctx is None:
+            ctx = HookContext(self.name, -1, None, self.session, _phase_of(module))
+        return self._watch_grads(ctx, module, args, kwargs, output, None)
+
+    def _watch_grads(self, ctx, module, args, kwargs, output, new):
+        """Eager code: :meth:`_hook_grads` with autograd on; with it off, remember a call
+        that may be a reentrant checkpoint's first forward and return ``new``."""
+        if not torch.is_grad_enabled():
+            if self.session._training():
+                self.session._recompute.forward_call(self, ctx)
+            return new
+        return self._hook_grads(ctx, module, args, kwargs, output, new)
+
+    def _hook_grads(self, ctx, module, args, kwargs, output, new):
+        """A tensor hook on each output tensor that needs a gradient (a module's own view of
+        one it shares, see :func:`_own_outputs`); returns the output to use, or ``new``."""
+        own = _own_outputs(output, args, kwargs)
+        if own is not None:
+            output = new = own
+        for path, t in iter_tensors(output):
+            # a leaf (a Parameter returned as is) would keep a tensor hook for good
+            if t.requires_grad and t.grad_fn is not None:
+                t.register_hook(functools.partial(self.grad_hook, ctx, module, path))
         return new
 
     def _own_pending(self) -> Optional[HookContext]:
@@ -479,7 +524,7 @@ class _ModuleBinding:
         if s._removed:
             return None
         return _fold(s, self.all_grad if _is_compiling() else self.out_grad, "hookplug_output_grad",
-                     grad, (ctx, module), (path,), lambda: f"module {self.name!r} {path}")
+                     grad, (ctx, module), (path,), self.where)
 
 
 class _ParamBinding:
@@ -505,7 +550,7 @@ class _ParamBinding:
             ctx = HookContext(self.name, self.calls, s._step, s)
             self.calls += 1
         return _fold(s, self.impls, "hookplug_param_grad", grad, (ctx, self.name, self.param_ref()), (),
-                     lambda: f"parameter {self.name!r}")
+                     f"parameter {self.name!r}")
 
 
 # -- copies of the model ------------------------------------------------------------------------
