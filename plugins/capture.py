@@ -36,8 +36,9 @@ live: their tensors are captured (detached, cloned) in a dict of the object's at
 (``{"key_cache": [...], "value_cache": [...], ...}``), with one warning per plugin naming
 the class; the dict saves and loads like any other structure.
 
-A call whose ``forward`` raised (``output`` is None) captures nothing and leaves the last
-capture in place. With ``grads=True``, the gradient copies of a call that the kept calls
+A call whose ``forward`` raised captures nothing (its inputs neither: they are held aside
+until ``forward`` returns) and leaves the last capture in place, so ``inputs`` and
+``features`` stay call by call alike. A module that returns None is captured as None. With ``grads=True``, the gradient copies of a call that the kept calls
 have moved past (``keep="last"``/``N``) are dropped; every gradient held is counted in
 ``nbytes`` and bounded by ``max_bytes``.
 """
@@ -45,6 +46,7 @@ have moved past (``keep="last"``/``N``) are dropped; every gradient held is coun
 from __future__ import annotations
 
 import bisect
+import sys
 import types
 import warnings
 from typing import Any, Dict, List, Literal, Optional, Union
@@ -185,6 +187,8 @@ class CapturePlugin(hookplug.Plugin):
         self._warned = False
         self._warned_objects = False
         self._warned_batched = False
+        # (module, call) -> (inputs, bytes): read before forward, kept once it returned
+        self._staged: Dict[tuple, tuple] = {}
 
     def _wait(self) -> None:
         events, self._events = self._events, []
@@ -331,7 +335,9 @@ class CapturePlugin(hookplug.Plugin):
                           "used after it); calls under vmap are not captured", RuntimeWarning,
                           stacklevel=4)
 
-    def _capture(self, kind: str, name: str, call: int, obj: Any, prefix: str) -> bool:
+    def _capture(self, kind: str, name: str, call: int, obj: Any, prefix: str, stage: bool = False) -> bool:
+        """Copy ``obj`` (within ``max_bytes``) into ``kind``'s store, or with ``stage`` aside
+        until :meth:`_commit_staged` (its bytes are held and counted meanwhile)."""
         if not isinstance(obj, torch.Tensor):
             found: List[str] = []
             obj = _objects_as_dicts(obj, found)
@@ -353,18 +359,43 @@ class CapturePlugin(hookplug.Plugin):
         if tensors:
             for dev in {t.device for _, t in tensors if t.device.type == "cuda"}:
                 self._after_copy(dev)
+        if stage:
+            staged = self._staged
+            nbytes = _nbytes(value)
+            staged[(name, call)] = (value, nbytes)
+            self.nbytes += nbytes
+            if len(staged) > 4096:  # forwards whose end never came (no always_call): forget
+                for key in list(staged)[:1024]:
+                    self.nbytes -= staged.pop(key)[1]
+            return True
         self._put(kind, name, call, value)
         return True
+
+    def _commit_staged(self, name: str, call: int, keep: bool) -> None:
+        """The staged inputs of a call whose forward ended: into the store (``keep``), or
+        dropped (forward raised)."""
+        item = self._staged.pop((name, call), None)
+        if item is None:
+            return
+        value, nbytes = item
+        self.nbytes -= nbytes
+        if keep:
+            self._put("inputs", name, call, value)
 
     # -- hooks (hot path) ------------------------------------------------------------------------
 
     @hookimpl
     def hookplug_forward_input(self, ctx, args):
-        self._capture("inputs", ctx.name, ctx.call_index, tuple(args), "input")
+        self._capture("inputs", ctx.name, ctx.call_index, tuple(args), "input", stage=True)
 
     @hookimpl
     def hookplug_forward_output(self, ctx, output):
-        if output is None:  # forward raised: nothing to capture, keep the last capture
+        # torch runs always_call hooks from its exception handler: None there means forward
+        # raised (nothing to capture, the last capture stays); elsewhere the module returned None
+        raised = output is None and sys.exc_info()[1] is not None
+        if self._staged:
+            self._commit_staged(ctx.name, ctx.call_index, keep=not raised)
+        if raised:
             return
         ok = self._capture("features", ctx.name, ctx.call_index, output, "output")
         if (

@@ -509,4 +509,67 @@ def test_forward_that_raises_keeps_the_last_capture():
     assert not s.disabled
     feat = s["capture"].features[""]
     assert torch.equal(feat[0], x.detach() * 2) and torch.equal(feat[1], x.detach() + 1)
-    assert s["capture"].hookplug_forward_output(ctx=None, output=None) is None
+    # the raised call's inputs were held aside and dropped: inputs are still the first call's
+    assert torch.equal(s["capture"].inputs[""][0], x.detach())
+    held = sum(t.numel() * t.element_size() for t in (*feat, *s["capture"].inputs[""]))
+    assert s["capture"].nbytes == held
+
+
+@pytest.mark.parametrize("keep", ["all", 2])
+def test_inputs_and_features_stay_call_by_call_alike_when_a_forward_raises(keep):
+    class Flaky(nn.Module):
+        def forward(self, x):
+            if torch.isnan(x).any():
+                raise ValueError("NaN in the batch")
+            return x * 2
+
+    m = nn.Sequential(nn.Linear(3, 3), Flaky())
+    xs = [torch.randn(2, 3), torch.full((2, 3), float("nan")), torch.randn(2, 3)]
+    with hookplug.attach(m, "Flaky", plugins=("capture", {"keep": keep, "inputs": True})) as s:
+        for x in xs:
+            try:
+                m(x)
+            except ValueError:
+                pass
+    cap = s["capture"]
+    ins, feats = cap.inputs["1"], cap.features["1"]
+    assert len(ins) == len(feats) == 2
+    for (inp,), out in zip(ins, feats):
+        assert torch.equal(out, inp * 2)
+    assert cap._staged == {}
+    assert cap.nbytes == sum(t.numel() * t.element_size() for t in (*feats, *(i for (i,) in ins)))
+
+
+def test_a_module_returning_none_is_captured_as_none(tmp_path):
+    class Sink(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def forward(self, x):
+            self.seen.append(x.sum().item())
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.sink = nn.Linear(3, 3), Sink()
+
+        def forward(self, x):
+            y = self.lin(x)
+            self.sink(y)
+            return y
+
+    net = Net()
+    x = torch.randn(4, 3)
+    with hookplug.attach(net, "Sink", plugins=("capture", {"keep": "all", "inputs": True})) as s:
+        y1 = net(x)
+        y2 = net(x + 1)
+    cap = s["capture"]
+    assert cap.features["sink"] == [None, None]
+    assert [torch.equal(i, y.detach()) for (i,), y in zip(cap.inputs["sink"], (y1, y2))] == [True, True]
+    assert "sink" in s.report()
+    path = tmp_path / "none.safetensors"
+    cap.save(path)
+    back = hookplug.load_capture(path, what="all")
+    assert back["features"]["sink"] == [None, None]
+    assert [torch.equal(i, y.detach()) for (i,), y in zip(back["inputs"]["sink"], (y1, y2))] == [True, True]
