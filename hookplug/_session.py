@@ -528,17 +528,44 @@ class _ModuleBinding:
 
 
 class _ParamBinding:
-    """The tensor hook on one parameter's gradient."""
+    """The tensor hook on one parameter's gradient. The parameter is reached through its
+    module (held weakly) and attribute name: a weak reference to the tensor itself would
+    stop ``torch.utils.swap_tensors`` (``module.double()`` under
+    ``torch.__future__.set_swap_module_params_on_conversion(True)``)."""
 
-    __slots__ = ("name", "param_ref", "session", "impls", "calls", "variants")
+    __slots__ = ("name", "owner_ref", "attr", "session", "impls", "calls", "variants", "handle", "impl_id")
 
-    def __init__(self, name: str, param: torch.Tensor, session: "Session"):
+    def __init__(self, name: str, owner: nn.Module, attr: str, session: "Session"):
         self.name = name
-        self.param_ref = weakref.ref(param)
+        self.owner_ref = weakref.ref(owner)
+        self.attr = attr
         self.session = session
+        self.handle = None  # of the tensor hook, on the at::Tensor whose address is impl_id
+        self.impl_id = 0
         self.impls: Tuple = ()
         self.variants: Dict[bool, Tuple] = {}
         self.calls = 0
+
+    def param(self) -> Optional[torch.Tensor]:
+        owner = self.owner_ref()
+        return None if owner is None else owner._parameters.get(self.attr)
+
+    def hook(self) -> None:
+        """Put the tensor hook on the parameter (the session keeps the handle). Again after
+        ``swap_tensors`` gave the parameter a new at::Tensor: the Python hook dict moves
+        with the object, the autograd hook that runs it does not; assigning the dict back
+        installs it on the new one (every hook in it runs again, not only ours)."""
+        param = self.param()
+        if param is None or (self.handle is not None and param._cdata == self.impl_id):
+            return
+        swapped = self.handle is not None
+        hooks = param._backward_hooks
+        if self.handle is None or hooks is None or self.handle.id not in hooks:
+            self.handle = param.register_hook(self)
+            self.session._handles.append(self.handle)
+        if swapped:
+            param._backward_hooks = param._backward_hooks
+        self.impl_id = param._cdata
 
     def __call__(self, grad):
         s = self.session
@@ -549,7 +576,7 @@ class _ParamBinding:
         else:
             ctx = HookContext(self.name, self.calls, s._step, s)
             self.calls += 1
-        return _fold(s, self.impls, "hookplug_param_grad", grad, (ctx, self.name, self.param_ref()), (),
+        return _fold(s, self.impls, "hookplug_param_grad", grad, (ctx, self.name, self.param()), (),
                      f"parameter {self.name!r}")
 
 
@@ -787,6 +814,9 @@ class Session:
         self._step += 1
         self._steps_done += 1
         sampling = (self._step % self.every) == 0 and not self._removed
+        for pb in self._param_bindings.values():
+            if pb.handle is not None and not self._removed:
+                pb.hook()  # module.to()/.double() under swap_module_params_on_conversion
         if sampling != self._sampling:
             self._sampling = sampling
             self._apply_sampling()
@@ -913,8 +943,13 @@ class Session:
                 for p in mods[mn].parameters():
                     if p.requires_grad and id(p) in params_by_id:
                         wanted_params[params_by_id[id(p)]] = p
+        owners: Dict[int, Tuple[nn.Module, str]] = {}
+        for mod in mods.values():
+            for attr, p in mod._parameters.items():
+                if p is not None:
+                    owners.setdefault(id(p), (mod, attr))
         for pname, p in wanted_params.items():
-            self._param_bindings[pname] = _ParamBinding(pname, p, self)
+            self._param_bindings[pname] = _ParamBinding(pname, *owners[id(p)], self)
         self._rebind()
         for name, binding in self._bindings.items():
             mod = mods[name]
@@ -924,9 +959,9 @@ class Session:
                 self._keep_handle(mod, mod.register_forward_pre_hook(binding.pre_hook, with_kwargs=True))
             if binding.has_post:
                 self._keep_handle(mod, mod.register_forward_hook(binding.post_hook, **_POST_HOOK_KWARGS))
-        for pname, pb in self._param_bindings.items():
+        for pb in self._param_bindings.values():
             if pb.variants[True]:
-                self._handles.append(wanted_params[pname].register_hook(pb))
+                pb.hook()
 
     def _keep_handle(self, module: nn.Module, handle) -> None:
         """Keep ``handle`` for ``remove()``; copies and pickles of ``module`` leave its hook out."""

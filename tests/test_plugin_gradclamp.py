@@ -235,6 +235,30 @@ def test_params_and_outputs_together():
     assert_grads_equal(got, want)
 
 
+@pytest.mark.parametrize("swap", [False, True])
+def test_params_still_steered_after_a_dtype_change(swap):
+    """``model.double()`` while attached: with ``swap_module_params_on_conversion`` torch
+    swaps each parameter's at::Tensor (refused while a weak reference to it exists; tensor
+    hooks stay with the old one): the session hooks the new one at the next step()."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(swap)
+    try:
+        torch.manual_seed(0)
+        model = MLP(8, 16, 4)
+        x = torch.randn(5, 8, dtype=torch.float64)
+        with hookplug.attach(model, "*", plugins=("gradclamp", {"min": 0, "max": 0, "params": "*.bias"})) as s:
+            model.double()
+            s.step()
+            grads = run(model, x)
+        assert all(p.dtype == torch.float64 for p in model.parameters())
+        biases = [n for n in grads if n.endswith("bias")]
+        assert biases and all(torch.count_nonzero(grads[n]) == 0 for n in biases)
+        assert any(torch.count_nonzero(g) > 0 for n, g in grads.items() if n.endswith("weight"))
+        assert all(p._backward_hooks in (None, {}) for p in model.parameters())  # removed
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+
+
 def test_params_glob_matching_nothing_warns():
     with pytest.warns(RuntimeWarning, match="matches no parameter"):
         hookplug.attach(
