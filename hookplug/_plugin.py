@@ -17,6 +17,11 @@ class Plugin:
     #: ``attach(..., every=N)`` calls the plugin on sampled steps only; a plugin that must
     #: act on every step (gradient steering) sets this to False.
     sampled: bool = True
+    #: Inside ``torch.compile``d code the session's hooks are traced by dynamo, and contexts
+    #: carry no per-call Python state (``call_index`` -1). A plugin that keeps Python state
+    #: per call (capture) sets this to False: where it is attached, the hooks run outside
+    #: the graph (a graph break per hooked call) exactly as in eager code.
+    traceable: bool = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -30,6 +30,9 @@ safetensors holds dense strided tensors only: nested tensors (``torch.nested``, 
 ``nn.TransformerEncoder``'s fast path) and sparse ones are captured like any other, but
 ``save`` leaves them out with one warning naming them (they load back as ``None``).
 
+Under ``torch.compile`` the capture hooks run outside the graph, as in eager code (the
+plugin sets ``traceable = False``: a graph break per hooked call, call indices counted).
+
 Objects that are not tensors, containers or dataclasses but hold tensors (HF caches such
 as ``past_key_values``: a ``DynamicCache`` with lists of key/value tensors) are not kept
 live: their tensors are captured (detached, cloned) in a dict of the object's attributes
@@ -140,6 +143,7 @@ class CapturePlugin(hookplug.Plugin):
     See the module docstring for the options."""
 
     name = "capture"
+    traceable = False  # per-call Python state: under torch.compile its hooks run as in eager code
 
     def __init__(
         self,

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import hookplug
 from hookplug import PluginError
 from hookplug.models import MLP, resnet34_like
+from hookplug.structures import iter_tensors
 
 
 def conv_inputs_by_hand(model, x):
@@ -573,3 +574,55 @@ def test_a_module_returning_none_is_captured_as_none(tmp_path):
     back = hookplug.load_capture(path, what="all")
     assert back["features"]["sink"] == [None, None]
     assert [torch.equal(i, y.detach()) for (i,), y in zip(back["inputs"]["sink"], (y1, y2))] == [True, True]
+
+
+@pytest.mark.parametrize("keep", ["last", "all"])
+def test_compiled_model_captures_what_eager_captures(keep):
+    """capture is not traceable: under torch.compile its hooks run outside the graph with
+    eager contexts, so a module called twice a forward (MLP's fc2) keeps the right call's
+    output, input and gradient, call indices included."""
+    torch._dynamo.reset()
+    got = {}
+    for compiled in (False, True):
+        torch.manual_seed(1)
+        model = MLP(8, 16, 4)
+        opts = {"keep": keep, "grads": True, "inputs": True}
+        with hookplug.attach(model, "Linear", plugins=("capture", opts)) as s:
+            run = torch.compile(model, backend="aot_eager") if compiled else model
+            for i in range(3):
+                model.zero_grad()
+                run(torch.linspace(-1, 1, 40).reshape(5, 8) * (i + 1)).square().sum().backward()
+                s.step()
+        cap = s["capture"]
+        got[compiled] = (cap.features, cap.grads, cap.inputs, cap._calls)
+    for what in range(3):  # features, grads, inputs: the same paths and values
+        eager, comp = got[False][what], got[True][what]
+        assert eager.keys() == comp.keys()
+        for name in eager:
+            te, tc = list(iter_tensors(eager[name])), list(iter_tensors(comp[name]))
+            assert [p for p, _ in te] == [p for p, _ in tc] and te
+            assert all(torch.allclose(a, b, atol=1e-6) for (_, a), (_, b) in zip(te, tc))
+    assert got[False][3] == got[True][3]  # the call indices kept
+    torch._dynamo.reset()
+
+
+def test_compiled_after_attach_in_a_fresh_process_counts_calls(tmp_path):
+    """Attached before torch._dynamo was imported (attach does not import it), then
+    compiled: the hooks still run outside the graph, every call counted."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "fresh.py"
+    script.write_text(
+        "import sys, torch, hookplug\n"
+        "from hookplug.models import MLP\n"
+        "model = MLP(8, 16, 4)\n"
+        "s = hookplug.attach(model, 'Linear', plugins=('capture', {'keep': 'all'}))\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        "run = torch.compile(model, backend='eager')\n"
+        "for _ in range(3):\n"
+        "    run(torch.randn(2, 8))\n"
+        "print(s['capture']._calls['features'])\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "{'fc1': [0, 1, 2], 'fc2': [0, 1, 2, 3, 4, 5], 'fc3': [0, 1, 2]}"

@@ -335,6 +335,52 @@ def test_pluggy_not_called_per_forward(monkeypatch):
     assert len(rec.calls) == 4
 
 
+@pytest.mark.parametrize("all_args", [True, False])
+def test_eager_forward_hook_calls_no_helper_of_ours(all_args):
+    """The hot path (benchmarks/bench_dispatch.py: <= 1.5 us over a bare torch hook) stays
+    inline: one output plugin costs the hook, its context and the plugin's method (behind
+    one lambda when it takes fewer arguments than the spec); a helper of ours per call (a
+    fold loop, a closure, a ctx factory) added 0.1-0.35 us each. Python functions called
+    while the module runs, as a profiler sees them."""
+    import os
+    import sys
+
+    class AllArgs(hookplug.Plugin):
+        name = "o"
+
+        @hookimpl
+        def hookplug_forward_output(self, ctx, module, args, kwargs, output):
+            return None
+
+    class OnlyOutput(hookplug.Plugin):
+        name = "o"
+
+        @hookimpl
+        def hookplug_forward_output(self, output):
+            return None
+
+    root = os.path.dirname(hookplug.__file__)
+    model = nn.Sequential(nn.Identity())
+    x = torch.zeros(2)
+    with hookplug.attach(model, "Identity", plugins=AllArgs() if all_args else OnlyOutput()):
+        model[0](x)  # warm
+        seen = []
+
+        def prof(frame, event, arg):
+            if event == "call":
+                code = frame.f_code
+                if code.co_filename.startswith(root) or code.co_filename == __file__:
+                    seen.append(code.co_name)
+
+        sys.setprofile(prof)
+        try:
+            model[0](x)
+        finally:
+            sys.setprofile(None)
+    adapter = [] if all_args else ["<lambda>"]
+    assert seen == ["post_hook", "__init__", *adapter, "hookplug_forward_output"]
+
+
 def test_only_needed_torch_hooks_are_registered():
     class OnlyOutput(hookplug.Plugin):
         name = "o"
@@ -585,3 +631,33 @@ def test_attach_to_a_compiled_wrapper_uses_plain_names():
         assert list(s.modules) == ["fc1", "fc2", "fc3"]
         m(torch.randn(2, 32))
     assert [c[0] for c in rec.calls] == ["fc1", "fc2", "fc2", "fc3"]
+
+
+@pytest.mark.parametrize("traceable", [True, False])
+def test_untraceable_plugin_runs_as_eager_code_inside_compiled_models(traceable):
+    """``traceable = False``: under torch.compile the hooks run outside the graph, with the
+    contexts of eager code (call_index counts calls); traceable plugins get -1 there."""
+    class Calls(hookplug.Plugin):
+        name = "calls"
+
+        def __init__(self):
+            self.seen = []
+
+        @hookimpl
+        def hookplug_forward_output(self, ctx, output):
+            self.seen.append((ctx.name, ctx.call_index))
+
+    Calls.traceable = traceable
+    torch._dynamo.reset()
+    model = MLP(8, 16, 4)
+    plugin = Calls()
+    with hookplug.attach(model, "Linear", plugins=plugin):
+        compiled = torch.compile(model, backend="eager")
+        for _ in range(2):
+            compiled(torch.randn(3, 8))
+    torch._dynamo.reset()
+    if traceable:  # traced: appended at trace time only, call_index -1
+        assert plugin.seen and all(i == -1 for _, i in plugin.seen)
+    else:
+        assert plugin.seen == [("fc1", 0), ("fc2", 0), ("fc2", 1), ("fc3", 0),
+                               ("fc1", 1), ("fc2", 2), ("fc2", 3), ("fc3", 1)]
