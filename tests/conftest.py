@@ -13,6 +13,23 @@ def _seed():
 
 
 @pytest.fixture
+def fresh_python(tmp_path):
+    """``fresh_python(source)``: run ``source`` in a new Python process (nothing imported
+    yet: torch._dynamo neither) and return its last line of output; fails on its error."""
+    import subprocess
+    import sys
+
+    def run(source: str) -> str:
+        script = tmp_path / "fresh.py"
+        script.write_text(source)
+        out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout.strip().splitlines()[-1]
+
+    return run
+
+
+@pytest.fixture
 def fresh_discovery():
     """Forget discovered entry points before and after a test that monkeypatches them."""
     hookplug._manager._reset_discovery()

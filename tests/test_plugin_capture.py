@@ -606,14 +606,10 @@ def test_compiled_model_captures_what_eager_captures(keep):
     torch._dynamo.reset()
 
 
-def test_compiled_after_attach_in_a_fresh_process_counts_calls(tmp_path):
+def test_compiled_after_attach_in_a_fresh_process_counts_calls(fresh_python):
     """Attached before torch._dynamo was imported (attach does not import it), then
     compiled: the hooks still run outside the graph, every call counted."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "fresh.py"
-    script.write_text(
+    last = fresh_python(
         "import sys, torch, hookplug\n"
         "from hookplug.models import MLP\n"
         "model = MLP(8, 16, 4)\n"
@@ -623,6 +619,4 @@ def test_compiled_after_attach_in_a_fresh_process_counts_calls(tmp_path):
         "for _ in range(3):\n"
         "    run(torch.randn(2, 8))\n"
         "print(s['capture']._calls['features'])\n")
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "{'fc1': [0, 1, 2], 'fc2': [0, 1, 2, 3, 4, 5], 'fc3': [0, 1, 2]}"
+    assert last == "{'fc1': [0, 1, 2], 'fc2': [0, 1, 2, 3, 4, 5], 'fc3': [0, 1, 2]}"
