@@ -122,7 +122,7 @@ class HookContext:
         self._step = step
         self.session = session
         self.phase = phase
-        self._thread = thread  # the thread that made the call (eager code; None when compiled)
+        self._thread = thread  # the calling thread, for contexts the pre hook leaves in _pending (else None)
 
     @property
     def step(self) -> int:
