@@ -321,7 +321,7 @@ def _eager_runner_ready() -> bool:
 def _outside_graph(hook, *args):
     """Run a hook from compiled code as eager code: dynamo does not trace it (a graph break),
     so ``is_compiling()`` is False inside and the eager path runs. Where the runner does not
-    exist yet, dynamo breaks the graph on making it (once; the next trace finds it)."""
+    exist yet, the first compiled call makes it, outside the graph."""
     if not _EAGER_RUNNER:
         _EAGER_RUNNER.append(torch.compiler.disable(_call))
     return _EAGER_RUNNER[0](hook, *args)
