@@ -568,15 +568,14 @@ class _ParamBinding:
     stop ``torch.utils.swap_tensors`` (``module.double()`` under
     ``torch.__future__.set_swap_module_params_on_conversion(True)``)."""
 
-    __slots__ = ("name", "owner_ref", "attr", "session", "impls", "calls", "variants", "handle", "impl_id")
+    __slots__ = ("name", "owner_ref", "attr", "session", "impls", "calls", "variants", "handle")
 
     def __init__(self, name: str, owner: nn.Module, attr: str, session: "Session"):
         self.name = name
         self.owner_ref = weakref.ref(owner)
         self.attr = attr
         self.session = session
-        self.handle = None  # of the tensor hook, on the at::Tensor whose address is impl_id
-        self.impl_id = 0
+        self.handle = None  # of the tensor hook
         self.impls: Tuple = ()
         self.variants: Dict[bool, Tuple] = {}
         self.calls = 0
@@ -586,21 +585,22 @@ class _ParamBinding:
         return None if owner is None else owner._parameters.get(self.attr)
 
     def hook(self) -> None:
-        """Put the tensor hook on the parameter (the session keeps the handle). Again after
-        ``swap_tensors`` gave the parameter a new at::Tensor: the Python hook dict moves
-        with the object, the autograd hook that runs it does not; assigning the dict back
-        installs it on the new one (every hook in it runs again, not only ours)."""
+        """Put the tensor hook on the parameter (the session keeps the handle), and on
+        every later call install its hook dict again: ``swap_tensors`` (``module.double()``
+        under ``swap_module_params_on_conversion``) gives the parameter a new at::Tensor,
+        and the dict moves with the Python object but the autograd hook that runs it does
+        not. Assigning the dict back installs it on the current one (0.2 us; every hook in
+        it runs again, not only ours; an address check would miss a reused address). A
+        parameter now frozen is left without a hook until it needs a gradient again."""
         param = self.param()
-        if param is None or (self.handle is not None and param._cdata == self.impl_id):
+        if param is None or not param.requires_grad:
             return
-        swapped = self.handle is not None
         hooks = param._backward_hooks
         if self.handle is None or hooks is None or self.handle.id not in hooks:
-            self.handle = param.register_hook(self)
+            self.handle = param.register_hook(self)  # first time, or a new Parameter object
             self.session._handles.append(self.handle)
-        if swapped:
-            param._backward_hooks = param._backward_hooks
-        self.impl_id = param._cdata
+        else:
+            param._backward_hooks = hooks
 
     def __call__(self, grad):
         s = self.session
@@ -849,9 +849,10 @@ class Session:
         self._step += 1
         self._steps_done += 1
         sampling = (self._step % self.every) == 0 and not self._removed
-        for pb in self._param_bindings.values():
-            if pb.handle is not None and not self._removed:
-                pb.hook()  # module.to()/.double() under swap_module_params_on_conversion
+        if not self._removed:
+            for pb in self._param_bindings.values():
+                if pb.handle is not None:
+                    pb.hook()  # module.to()/.double() under swap_module_params_on_conversion
         if sampling != self._sampling:
             self._sampling = sampling
             self._apply_sampling()

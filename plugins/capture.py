@@ -39,9 +39,11 @@ live: their tensors are captured (detached, cloned) in a dict of the object's at
 (``{"key_cache": [...], "value_cache": [...], ...}``), with one warning per plugin naming
 the class; the dict saves and loads like any other structure.
 
-A call whose ``forward`` raised captures nothing (its inputs neither: they are held aside
-until ``forward`` returns) and leaves the last capture in place, so ``inputs`` and
-``features`` stay call by call alike. A module that returns None is captured as None. With ``grads=True``, the gradient copies of a call that the kept calls
+A call whose ``forward`` raised captures nothing: its output is not captured and its
+inputs (read before ``forward``) are dropped again, so ``inputs`` and ``features`` stay call
+by call alike; with ``keep="last"`` the last output stays and the module has no ``inputs``
+entry until a call returns. A module that returns None is captured as None (also when
+called while an exception is being handled). With ``grads=True``, the gradient copies of a call that the kept calls
 have moved past (``keep="last"``/``N``) are dropped; every gradient held is counted in
 ``nbytes`` and bounded by ``max_bytes``.
 """
@@ -125,6 +127,21 @@ def _shape_text(t: torch.Tensor) -> str:
     return f"{tuple(t.shape)}"
 
 
+def _forward_raised(module: torch.nn.Module) -> bool:
+    """In a forward hook given ``output=None``: whether ``module``'s forward raised (torch
+    runs ``always_call`` hooks from the handler in ``Module._call_impl``, the frame that
+    catches the exception being handled) rather than returned None (maybe while the caller
+    handles an exception of its own)."""
+    tb = sys.exc_info()[2]
+    if tb is None:
+        return False
+    frame = tb.tb_frame
+    return frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is module
+
+
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
+
+
 def _nbytes(obj: Any) -> int:
     return sum(t.numel() * t.element_size() for _, t in iter_tensors(obj))
 
@@ -191,8 +208,6 @@ class CapturePlugin(hookplug.Plugin):
         self._warned = False
         self._warned_objects = False
         self._warned_batched = False
-        # (module, call) -> (inputs, bytes): read before forward, kept once it returned
-        self._staged: Dict[tuple, tuple] = {}
 
     def _wait(self) -> None:
         events, self._events = self._events, []
@@ -339,9 +354,7 @@ class CapturePlugin(hookplug.Plugin):
                           "used after it); calls under vmap are not captured", RuntimeWarning,
                           stacklevel=4)
 
-    def _capture(self, kind: str, name: str, call: int, obj: Any, prefix: str, stage: bool = False) -> bool:
-        """Copy ``obj`` (within ``max_bytes``) into ``kind``'s store, or with ``stage`` aside
-        until :meth:`_commit_staged` (its bytes are held and counted meanwhile)."""
+    def _capture(self, kind: str, name: str, call: int, obj: Any, prefix: str) -> bool:
         if not isinstance(obj, torch.Tensor):
             found: List[str] = []
             obj = _objects_as_dicts(obj, found)
@@ -363,43 +376,34 @@ class CapturePlugin(hookplug.Plugin):
         if tensors:
             for dev in {t.device for _, t in tensors if t.device.type == "cuda"}:
                 self._after_copy(dev)
-        if stage:
-            staged = self._staged
-            nbytes = _nbytes(value)
-            staged[(name, call)] = (value, nbytes)
-            self.nbytes += nbytes
-            if len(staged) > 4096:  # forwards whose end never came (no always_call): forget
-                for key in list(staged)[:1024]:
-                    self.nbytes -= staged.pop(key)[1]
-            return True
         self._put(kind, name, call, value)
         return True
 
-    def _commit_staged(self, name: str, call: int, keep: bool) -> None:
-        """The staged inputs of a call whose forward ended: into the store (``keep``), or
-        dropped (forward raised)."""
-        item = self._staged.pop((name, call), None)
-        if item is None:
+    def _discard(self, kind: str, name: str, call: int) -> None:
+        """Forget what ``kind`` holds for that call of ``name`` (nothing if it holds none)."""
+        store, calls = self._store[kind], self._calls[kind]
+        if self.keep == "last":
+            if name in store and calls.get(name) == call:
+                self.nbytes -= _nbytes(store.pop(name))
+                del calls[name]
             return
-        value, nbytes = item
-        self.nbytes -= nbytes
-        if keep:
-            self._put("inputs", name, call, value)
+        cl = calls.get(name, [])
+        i = bisect.bisect_left(cl, call)
+        if i < len(cl) and cl[i] == call:
+            self.nbytes -= _nbytes(store[name].pop(i))
+            cl.pop(i)
 
     # -- hooks (hot path) ------------------------------------------------------------------------
 
     @hookimpl
     def hookplug_forward_input(self, ctx, args):
-        self._capture("inputs", ctx.name, ctx.call_index, tuple(args), "input", stage=True)
+        self._capture("inputs", ctx.name, ctx.call_index, tuple(args), "input")
 
     @hookimpl
-    def hookplug_forward_output(self, ctx, output):
-        # torch runs always_call hooks from its exception handler: None there means forward
-        # raised (nothing to capture, the last capture stays); elsewhere the module returned None
-        raised = output is None and sys.exc_info()[1] is not None
-        if self._staged:
-            self._commit_staged(ctx.name, ctx.call_index, keep=not raised)
-        if raised:
+    def hookplug_forward_output(self, ctx, module, output):
+        if output is None and _forward_raised(module):  # nothing to capture, the last capture stays
+            if self.keep_inputs:
+                self._discard("inputs", ctx.name, ctx.call_index)
             return
         ok = self._capture("features", ctx.name, ctx.call_index, output, "output")
         if (

@@ -510,10 +510,9 @@ def test_forward_that_raises_keeps_the_last_capture():
     assert not s.disabled
     feat = s["capture"].features[""]
     assert torch.equal(feat[0], x.detach() * 2) and torch.equal(feat[1], x.detach() + 1)
-    # the raised call's inputs were held aside and dropped: inputs are still the first call's
-    assert torch.equal(s["capture"].inputs[""][0], x.detach())
-    held = sum(t.numel() * t.element_size() for t in (*feat, *s["capture"].inputs[""]))
-    assert s["capture"].nbytes == held
+    # the raised call's inputs were dropped again: no inputs entry, only the features held
+    assert "" not in s["capture"].inputs
+    assert s["capture"].nbytes == sum(t.numel() * t.element_size() for t in feat)
 
 
 @pytest.mark.parametrize("keep", ["all", 2])
@@ -537,8 +536,43 @@ def test_inputs_and_features_stay_call_by_call_alike_when_a_forward_raises(keep)
     assert len(ins) == len(feats) == 2
     for (inp,), out in zip(ins, feats):
         assert torch.equal(out, inp * 2)
-    assert cap._staged == {}
     assert cap.nbytes == sum(t.numel() * t.element_size() for t in (*feats, *(i for (i,) in ins)))
+
+
+def test_none_returned_while_the_caller_handles_an_exception_is_captured():
+    """A module returning None, called from the caller's own ``except`` block (a retry): it
+    did not raise, so the call is captured (the exception being handled is not its own)."""
+    class Sink(nn.Module):
+        def forward(self, x):
+            return None
+
+    m = nn.Sequential(Sink())
+    x = torch.randn(2, 3)
+    with hookplug.attach(m, "Sink", plugins=("capture", {"keep": "all", "inputs": True})) as s:
+        m(x)
+        try:
+            raise ValueError("first attempt failed")
+        except ValueError:
+            m(x + 1)
+    assert s["capture"].features["0"] == [None, None]
+    assert [torch.equal(i, v) for (i,), v in zip(s["capture"].inputs["0"], (x, x + 1))] == [True, True]
+
+
+def test_max_bytes_budget_of_one_step_keeps_refreshing_nested_captures():
+    """keep="last" under a budget that fits exactly one step: the next steps replace every
+    capture (inputs of an outer module included) and skip none."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    xs = [torch.randn(3, 4) for _ in range(3)]
+    with hookplug.attach(m, "*", plugins=("capture", {"inputs": True})) as s:
+        m(xs[0])
+    budget = s["capture"].nbytes
+    with hookplug.attach(m, "*", plugins=("capture", {"inputs": True, "max_bytes": budget})) as s:
+        for x in xs:
+            y = m(x)
+    cap = s["capture"]
+    assert cap.skipped == 0 and cap.nbytes == budget
+    assert torch.equal(cap.features["0.0"], m[0][0](xs[-1]).detach()) and torch.equal(cap.features["0"], y.detach())
 
 
 def test_a_module_returning_none_is_captured_as_none(tmp_path):

@@ -259,6 +259,32 @@ def test_params_still_steered_after_a_dtype_change(swap):
         torch.__future__.set_swap_module_params_on_conversion(before)
 
 
+def test_param_hooks_survive_round_trips_and_replaced_parameters():
+    """``double()`` then ``float()`` between steps (the tensor's address often comes back:
+    the hook must not be taken for installed), then a parameter replaced by a frozen one
+    (skipped, no error) and by a trainable one (hooked at the next step)."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model = nn.Sequential(nn.Linear(3, 3))
+        x = torch.randn(2, 3)
+        with hookplug.attach(model, "*", plugins=("gradclamp", {"min": 0, "max": 0, "params": "*"})) as s:
+            for _ in range(4):
+                model.double()
+                model.float()
+                s.step()
+                grads = run(model, x)
+                assert all(torch.count_nonzero(g) == 0 for g in grads.values())
+            model[0].bias = nn.Parameter(torch.zeros(3), requires_grad=False)
+            s.step()
+            model[0].bias = nn.Parameter(torch.ones(3))
+            s.step()
+            grads = run(model, x)
+            assert torch.count_nonzero(grads["0.bias"]) == 0 and torch.count_nonzero(grads["0.weight"]) == 0
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+
+
 def test_params_glob_matching_nothing_warns():
     with pytest.warns(RuntimeWarning, match="matches no parameter"):
         hookplug.attach(
