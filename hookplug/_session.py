@@ -310,20 +310,17 @@ def _call(hook, *args):
 _EAGER_RUNNER: List[Callable] = []  # [torch.compiler.disable(_call)], made once dynamo is imported
 
 
-def _eager_runner_ready() -> bool:
-    """Make the runner where torch._dynamo is imported already (importing it for a session
-    that may never compile would cost seconds)."""
-    if not _EAGER_RUNNER and hasattr(sys.modules.get("torch._dynamo"), "disable"):
+def _make_eager_runner() -> None:
+    if not _EAGER_RUNNER:
         _EAGER_RUNNER.append(torch.compiler.disable(_call))
-    return bool(_EAGER_RUNNER)
 
 
 def _outside_graph(hook, *args):
     """Run a hook from compiled code as eager code: dynamo does not trace it (a graph break),
-    so ``is_compiling()`` is False inside and the eager path runs. Where the runner does not
-    exist yet, the first compiled call makes it, outside the graph."""
-    if not _EAGER_RUNNER:
-        _EAGER_RUNNER.append(torch.compiler.disable(_call))
+    so ``is_compiling()`` is False inside and the eager path runs. The runner is made at
+    attach where dynamo is imported already (importing it for a session that may never
+    compile would cost seconds), else by the first compiled call, outside the graph."""
+    _make_eager_runner()
     return _EAGER_RUNNER[0](hook, *args)
 
 
@@ -1052,8 +1049,8 @@ class Session:
             binding.grad_in_graph = all(getattr(p, "grad_in_graph", False) for p, _ in binding.all_grad)
             binding.eager_only = not all(getattr(p, "traceable", True)
                                          for impls in binding.variants[True] for p, _ in impls)
-            if binding.eager_only:
-                _eager_runner_ready()
+            if binding.eager_only and hasattr(sys.modules.get("torch._dynamo"), "disable"):
+                _make_eager_runner()
         for pb in self._param_bindings.values():
             covering = [e for e in live if pb.name in self._params_of(e)]
             pb.variants = {sampling: impls_for("hookplug_param_grad", covering, sampling)

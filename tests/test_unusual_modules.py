@@ -141,8 +141,10 @@ def test_gradclamp_leaves_a_sparse_gradient_alone_and_says_so():
     assert torch.equal(emb.weight.grad.to_dense()[2], torch.full((3,), 2.0))
 
 
-def test_stats_under_vmap_says_what_it_cannot_measure():
-    from torch.func import functional_call, grad, vmap
+def _per_sample_loss():
+    """A small model, its detached parameters, a batch and a per-sample loss for
+    ``vmap(grad(loss), in_dims=(None, 0))(params, x)``."""
+    from torch.func import functional_call
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
@@ -151,6 +153,14 @@ def test_stats_under_vmap_says_what_it_cannot_measure():
 
     def loss(p, xi):
         return functional_call(model, p, (xi.unsqueeze(0),)).square().sum()
+
+    return model, params, x, loss
+
+
+def test_stats_under_vmap_says_what_it_cannot_measure():
+    from torch.func import grad, vmap
+
+    model, params, x, loss = _per_sample_loss()
 
     with hookplug.attach(model, "Linear", plugins="stats") as s:
         with pytest.raises(RuntimeError, match="batched by torch.func"):
@@ -203,15 +213,9 @@ def test_calls_of_one_module_overlapping_on_two_threads_keep_their_own_context()
 
 
 def test_capture_under_vmap_keeps_nothing_and_says_so():
-    from torch.func import functional_call, grad, vmap
+    from torch.func import grad, vmap
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
-    params = {k: v.detach() for k, v in model.named_parameters()}
-    x = torch.randn(5, 4)
-
-    def loss(p, xi):
-        return functional_call(model, p, (xi.unsqueeze(0),)).square().sum()
+    model, params, x, loss = _per_sample_loss()
 
     with hookplug.attach(model, "Linear", plugins=("capture", {"grads": True})) as s:
         with pytest.warns(RuntimeWarning, match="batched by torch.func.vmap"):
