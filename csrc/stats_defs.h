@@ -9,9 +9,11 @@
 //   kMean, kM2                  mean and sum of squared deviations of the finite values
 //   kHistLo, kHistHi            the histogram's range (0, 0 when it has none)
 //   kFirstBad                   the clock value of the first call that saw NaN/Inf (+inf: none)
+//   kCalls                      how many calls were folded in (an empty tensor counts: a
+//                               row with kCalls > 0 and kNumel == 0 saw only empty tensors)
 //   kHead + i                   histogram bucket i
-// An empty row is (0, 0, 0, 0, +inf, -inf, 0, 0, lo, hi, +inf, 0...). Rows merge exactly:
-// counts and buckets add, extremes and kFirstBad combine, mean/M2 by Chan's formula.
+// An empty row is (0, 0, 0, 0, +inf, -inf, 0, 0, lo, hi, +inf, 0, 0...). Rows merge exactly:
+// counts, kCalls and buckets add, extremes and kFirstBad combine, mean/M2 by Chan's formula.
 // hookplug::tensor_stats(x, ...) returns one fresh row; hookplug::stats_accumulate_(x, acc,
 // row, gate, ...) merges x's statistics into acc[row] in place. acc[0] is the bank's meta
 // row: acc[0][kClock] counts accumulate calls (the clock kFirstBad refers to).
@@ -54,7 +56,7 @@ constexpr int64_t kHistLinear = 1;
 
 // Row columns (see the layout above).
 constexpr int kNumel = 0, kNan = 1, kInf = 2, kZero = 3, kMin = 4, kMax = 5, kMean = 6,
-              kM2 = 7, kHistLo = 8, kHistHi = 9, kFirstBad = 10, kHead = 11;
+              kM2 = 7, kHistLo = 8, kHistHi = 9, kFirstBad = 10, kCalls = 11, kHead = 12;
 constexpr int kClock = 0;  // column of the meta row acc[0] that counts accumulate calls
 
 // Log2 bucket of a finite nonzero value with sign `neg` and binary exponent e
@@ -130,11 +132,13 @@ HOOKPLUG_HD void init_row(double* row, int64_t nbins, double lo, double hi) {
   row[kHistLo] = lo;
   row[kHistHi] = hi;
   row[kFirstBad] = inf;
+  row[kCalls] = 0.0;
   for (int64_t i = 0; i < nbins; ++i) row[kHead + i] = 0.0;
 }
 
-// Merges s into the head columns of row (the caller adds the buckets). `clock` is the
-// call's clock value, kept in kFirstBad when s holds the row's first NaN/Inf.
+// Merges s, one call's statistics, into the head columns of row (the caller adds the
+// buckets). `clock` is the call's clock value, kept in kFirstBad when s holds the row's
+// first NaN/Inf.
 HOOKPLUG_HD void fold_summary(double* row, const Summary& s, double clock) {
   Moments m{row[kNumel] - row[kNan] - row[kInf], row[kMean], row[kM2]};
   moments_merge(m, s.n, s.mean, s.m2);
@@ -147,6 +151,7 @@ HOOKPLUG_HD void fold_summary(double* row, const Summary& s, double clock) {
   row[kMean] = m.mean;
   row[kM2] = m.m2;
   if (s.nan + s.inf > 0 && clock < row[kFirstBad]) row[kFirstBad] = clock;
+  row[kCalls] += 1.0;
 }
 
 }  // namespace hookplug

@@ -29,7 +29,7 @@ namespace {
 
 // The record keys in order (_telemetry._RECORD_KEYS): 7 meta keys, 4 counts, 8 floats,
 // hist, hist_edges, first_nonfinite.
-constexpr int kMetaKeys = 7, kCounts = 4, kFloats = 8, kRecordKeys = kMetaKeys + kCounts + kFloats + 3;
+constexpr int kMetaKeys = 7, kCounts = 5, kFloats = 8, kRecordKeys = kMetaKeys + kCounts + kFloats + 3;
 
 py::object steal(PyObject* o) {
   if (o == nullptr) throw py::error_already_set();
@@ -63,7 +63,7 @@ py::object item(PyObject* meta, PyObject* key) {
 // log2_kind / unknown_kind: the group's histogram kind is "log2" / None (see
 // _stats._edges). edges_cache: {(lo, hi, buckets): edges} shared by the groups of one
 // flush, so records with equal edges share one list. Returns (records, [(record, clock)
-// for rows whose clock is finite]); rows whose numel is 0 give no record. Reads the
+// for rows whose clock is finite]); rows no call touched (calls and numel 0) give no record. Reads the
 // tensors in place: no torch op runs (each would cost a flush microseconds, cold).
 py::tuple rows_to_records(const at::Tensor& rows, const std::optional<at::Tensor>& bad,
                           const py::list& metas, const py::list& stamps, const py::object& rank,
@@ -103,9 +103,9 @@ py::tuple rows_to_records(const at::Tensor& rows, const std::optional<at::Tensor
   py::list records, bads;
   for (int64_t r = 0; r < R; ++r) {
     const double* h = data + r * rs;  // column c at h[c * cs]
-    const double numel = h[kNumel * cs];
-    if (!(numel >= 1.0)) {  // a row no call touched (Python: int(numel) <= 0)
-      for (int k = kNumel; k <= kZero; ++k) {  // int() of a NaN/Inf count raises there too
+    const double numel = h[kNumel * cs], calls = h[kCalls * cs];
+    if (!(numel >= 1.0) && !(calls >= 1.0)) {  // a row no call touched (Python: touched())
+      for (int k : {kNumel, kNan, kInf, kZero, kCalls}) {  // int() of a NaN/Inf count raises there too
         if (!std::isfinite(h[k * cs])) steal(PyLong_FromDouble(h[k * cs]));
       }
       continue;
@@ -138,7 +138,7 @@ py::tuple rows_to_records(const at::Tensor& rows, const std::optional<at::Tensor
       f[0] = f[1] = f[2] = f[3] = f[4] = f[6] = nan;
       f[5] = 0.0;
     }
-    f[7] = zero / numel;  // numel >= 1 here
+    f[7] = numel > 0 ? zero / numel : nan;
     // -- the record, keys in _RECORD_KEYS order
     py::object rec = steal(PyDict_New());
     PyObject* d = rec.ptr();
@@ -156,7 +156,7 @@ py::tuple rows_to_records(const at::Tensor& rows, const std::optional<at::Tensor
     for (int k = 0; k < kMetaKeys; ++k) {
       if (PyDict_SetItem(d, key[k], meta_vals[k].ptr()) < 0) throw py::error_already_set();
     }
-    const double counts[kCounts] = {numel, n_nan, n_inf, zero};
+    const double counts[kCounts] = {numel, n_nan, n_inf, zero, calls};
     for (int k = 0; k < kCounts; ++k) set_new(d, key[kMetaKeys + k], PyLong_FromDouble(counts[k]));
     for (int k = 0; k < kFloats; ++k) set_new(d, key[kMetaKeys + kCounts + k], PyFloat_FromDouble(f[k]));
     PyObject* hist = PyList_New(B);

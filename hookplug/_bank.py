@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ._stats import HEAD, StatsBlock, TensorStats, empty_rows, merge_rows
+from ._stats import HEAD, StatsBlock, TensorStats, empty_rows, merge_rows, touched
 
 __all__ = ["StatsBank"]
 
@@ -404,10 +404,10 @@ class StatsBank:
                    for d in self._devices.values()]
         rows = per_dev[0] if len(per_dev) == 1 else merge_rows(
             torch.stack([r.to(per_dev[0].device) for r in per_dev]))
-        touched = (rows[:, 0] > 0).tolist()  # rows assigned in advance may never be used
+        used = touched(rows).tolist()  # rows assigned in advance may never be used
         groups: Dict[Tuple, List[int]] = {}
         for i, key in enumerate(self.keys):
-            group = select(key) if touched[i] else None
+            group = select(key) if used[i] else None
             if group is not None:
                 groups.setdefault(group, []).append(i)
         return {g: TensorStats(rows[idx[0]] if len(idx) == 1 else merge_rows(rows[idx]), self.kind)

@@ -11,10 +11,11 @@ checks both agree when the extension loads):
 ``mean, m2``                mean and sum of squared deviations of the finite values
 ``hist_lo, hist_hi``        the histogram's range (0, 0 when there is none)
 ``first_bad``               clock of the first call that saw a NaN/Inf (+inf: none)
+``calls``                   how many calls were folded in (empty tensors count)
 ``HEAD + i``                histogram bucket ``i``
 ==========================  =====================================================
 
-Rows merge exactly with :func:`merge_rows` (counts and buckets add, extremes combine,
+Rows merge exactly with :func:`merge_rows` (counts, calls and buckets add, extremes combine,
 mean/M2 by the parallel formula) — the one merge used by ``TensorStats.merge``, the stats
 plugin's step boundary and the distributed reduction. A bank (``empty_rows``) is a 2-D
 tensor of rows; its row 0 is a meta row whose column ``CLOCK`` counts accumulate calls.
@@ -26,17 +27,18 @@ from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 import torch
 
-__all__ = ["TensorStats", "StatsBlock", "merge_rows", "empty_rows", "ROW_LAYOUT", "HEAD"]
+__all__ = ["TensorStats", "StatsBlock", "merge_rows", "empty_rows", "touched", "ROW_LAYOUT", "HEAD"]
 
 # -- the layout ------------------------------------------------------------------------
-COUNT_COLUMNS = ("numel", "nan_count", "inf_count", "zero_count")
+COUNT_COLUMNS = ("numel", "nan_count", "inf_count", "zero_count", "calls")
 ROW_LAYOUT: Dict[str, int] = {
     "numel": 0, "nan_count": 1, "inf_count": 2, "zero_count": 3, "min": 4, "max": 5,
-    "mean": 6, "m2": 7, "hist_lo": 8, "hist_hi": 9, "first_bad": 10, "head": 11, "clock": 0,
+    "mean": 6, "m2": 7, "hist_lo": 8, "hist_hi": 9, "first_bad": 10, "calls": 11, "head": 12,
+    "clock": 0,
 }
 NUMEL, NAN, INF, ZERO = 0, 1, 2, 3
 MIN, MAX, MEAN, M2 = 4, 5, 6, 7
-HIST_LO, HIST_HI, FIRST_BAD, HEAD = 8, 9, 10, 11
+HIST_LO, HIST_HI, FIRST_BAD, CALLS, HEAD = 8, 9, 10, 11, 12
 CLOCK = 0
 
 LOG2_MIN_EXP = -32
@@ -51,6 +53,12 @@ def empty_rows(n: int, bins: int, lo: float = 0.0, hi: float = 0.0,
     row[MIN], row[MAX] = math.inf, -math.inf
     row[HIST_LO], row[HIST_HI], row[FIRST_BAD] = lo, hi, math.inf
     return row.expand(n, -1).contiguous().to(device)
+
+
+def touched(rows: torch.Tensor) -> torch.Tensor:
+    """Which rows of ``[..., HEAD + B]`` some call folded into (a bool tensor ``[...]``):
+    ``calls > 0``, or ``numel > 0`` for rows a producer filled without counting calls."""
+    return (rows[..., CALLS] > 0) | (rows[..., NUMEL] > 0)
 
 
 def merge_rows(rows: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -100,7 +108,9 @@ class TensorStats:
     tensor's device. Every field is a 0-d device tensor computed on access (no host sync).
 
     - ``numel``, ``nan_count``, ``inf_count`` (+Inf and -Inf), ``zero_count`` (+0 and -0):
-      int64 counts.
+      int64 counts. ``calls``: how many tensors were folded in (1 for ``tensor_stats``; a
+      bank row counts its calls, empty tensors included, so ``calls > 0`` with
+      ``numel == 0`` means the site ran but saw only empty tensors).
     - ``min``, ``max``, ``mean``, ``std``, ``absmax``, ``l2`` (L2 norm), ``rms``: float64,
       over the *finite* values only; ``std`` is the population standard deviation
       (correction 0), so merging is exact. NaN when there is no finite value.
@@ -142,6 +152,7 @@ class TensorStats:
     nan_count = property(lambda self: self._count(NAN))
     inf_count = property(lambda self: self._count(INF))
     zero_count = property(lambda self: self._count(ZERO))
+    calls = property(lambda self: self._count(CALLS))
 
     @property
     def _n(self) -> torch.Tensor:
@@ -270,7 +281,7 @@ class StatsBlock(NamedTuple):
     """What a telemetry producer may return from ``hookplug_collect`` instead of one
     ``(meta, TensorStats)`` pair per record: ``metas[i]`` (``{"step", "module", "site",
     ...}``) describes ``rows[i]`` of a ``[R, HEAD + B]`` float64 device tensor. Rows no call
-    touched (numel 0) produce no record."""
+    touched (``calls`` and ``numel`` 0) produce no record."""
 
     metas: List[Dict[str, Any]]
     rows: torch.Tensor
@@ -297,6 +308,7 @@ def rows_to_values(rows: torch.Tensor, hist: Any = None) -> List[Tuple[list, lis
     out = []
     for head, counts in zip(heads, buckets):
         numel, n_nan, n_inf, zero, mn, mx, mean, m2, lo, hi = head[:HIST_HI + 1]
+        calls = head[CALLS]
         n = numel - n_nan - n_inf
         m2 = 0.0 if m2 < 0.0 else m2  # clamp_min(0); a NaN stays NaN
         if n > 0:
@@ -308,7 +320,7 @@ def rows_to_values(rows: torch.Tensor, hist: Any = None) -> List[Tuple[list, lis
         else:  # no finite value: NaN statistics, an L2 norm of 0
             floats = [nan, nan, nan, nan, nan, 0.0, nan]
         floats.append(zero / numel if numel > 0 else nan)
-        out.append(([int(numel), int(n_nan), int(n_inf), int(zero), *floats], counts,
+        out.append(([int(numel), int(n_nan), int(n_inf), int(zero), int(calls), *floats], counts,
                      _edges(lo, hi, hist, b) if b > 0 else []))
     return out
 

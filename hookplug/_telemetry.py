@@ -17,7 +17,8 @@ A flush:
 4. copies the buffer to pinned host memory with ``non_blocking=True`` and records a CUDA
    event behind the copy (on the CPU the buffer already is host memory);
 5. once the event has completed, turns the rows into flat records and hands them to
-   every sink (``hookplug_flush``). Rows no call touched (numel 0) give no record.
+   every sink (``hookplug_flush``). Rows no call touched (``calls`` and ``numel`` 0) give
+   no record.
 
 The training loop never waits: ``step()`` starts a flush every ``flush_every`` steps and
 only *polls* the flushes in flight (``event.query()``). ``session.flush()`` (``wait=True``)
@@ -27,11 +28,13 @@ flush order.
 Records (flat dicts, one per ``(step, module, site, phase)``)::
 
     {"step", "time", "rank", "module", "site", "phase", "run_id",
-     "numel", "nan_count", "inf_count", "zero_count",
+     "numel", "nan_count", "inf_count", "zero_count", "calls",
      "min", "max", "mean", "std", "absmax", "l2", "rms", "zero_fraction",
      "hist": [int, ...], "hist_edges": [float, ...], "first_nonfinite": bool}
 
-``time`` is the wall-clock time at which the record's step ended. ``hist`` is empty
+``time`` is the wall-clock time at which the record's step ended. ``calls`` counts the
+tensors folded into the record (a module called twice in the step: 2; ``numel`` 0 with
+``calls`` > 0: the site saw only empty tensors, e.g. an expert no token was routed to). ``hist`` is empty
 without a histogram, otherwise ``len(hist_edges) == len(hist) + 1``; records with equal
 edges share one list. Extra keys a producer puts in ``meta`` are kept. min/max/mean/std/
 absmax/rms are NaN where the tensor had no finite value. ``first_nonfinite`` marks, per
@@ -312,6 +315,7 @@ class Telemetry:
 
 
 # A record's keys in order (a producer's own meta keys follow).
+_CALLS_AT = STAT_FIELDS.index("calls")
 _RECORD_KEYS = ("step", "time", "rank", "module", "site", "phase", "run_id", *STAT_FIELDS,
                 "hist", "hist_edges", "first_nonfinite")
 
@@ -355,7 +359,7 @@ def _python_records(rows, clocks, grp: _Group, metas, rank, run_id, edges_cache)
     values = rows_to_values(rows, grp.hist)
     clocks = (rows[:, FIRST_BAD] if clocks is None else clocks.reshape(-1)).tolist()
     for meta, stamp, (stats, counts, edges), clock in zip(metas, grp.times, values, clocks):
-        if stats[0] <= 0:  # numel: a row no call touched
+        if stats[0] <= 0 and stats[_CALLS_AT] <= 0:  # numel and calls: a row no call touched
             continue
         if edges and edges is not log2_edges:  # (lo, hi, buckets) decide the edges
             edges = edges_cache.setdefault((edges[0], edges[-1], len(edges) - 1), edges)

@@ -87,7 +87,7 @@ def hookplug_collect(session, step):
     ``meta`` being ``{"step": int, "module": str, "site": str, ...}``; or ``None``. The rows
     stay on the device: the session concatenates them into one buffer, merges it across
     ranks under ``torch.distributed``, copies it to the host in one non-blocking transfer
-    and turns it into flat records for the sinks (rows with numel 0 give no record); CPU
+    and turns it into flat records for the sinks (rows no call touched, ``calls`` and ``numel`` 0, give no record); CPU
     rows are read at once. Either way the rows are free for the producer to refill once
     this hook has returned (device rows: in stream order)."""
 

@@ -32,8 +32,9 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from . import _loader
-from ._stats import (CLOCK, HEAD, HIST_HI, HIST_LO, LOG2_BINS, LOG2_MAX_EXP, LOG2_MIN_EXP,
-                     ROW_LAYOUT, TensorStats, empty_rows, merge_rows)
+from ._stats import (CALLS, CLOCK, FIRST_BAD, HEAD, HIST_HI, HIST_LO, INF, LOG2_BINS,
+                     LOG2_MAX_EXP, LOG2_MIN_EXP, NAN, ROW_LAYOUT, TensorStats, empty_rows,
+                     merge_rows)
 from ._stats import log2_edges as _log2_edges
 
 __all__ = ["tensor_stats", "accumulate_", "reference_tensor_stats", "backend", "LOG2_MIN_EXP",
@@ -260,8 +261,8 @@ def reference_accumulate_(x, acc, row, gate, bins, hist_mode, lo=None, hi=None) 
     rng = (lo, hi) if lo is not None else None
     new = reference_tensor_stats(x, bins=bins, hist=hist, range=rng).row
     clock = acc[0, CLOCK].clone()
-    bad = (new[1] + new[2]) > 0
-    new[10] = torch.where(bad, clock, math.inf)
+    bad = (new[NAN] + new[INF]) > 0
+    new[FIRST_BAD] = torch.where(bad, clock, math.inf)
     merged = merge_rows(torch.stack([acc[row], new]))
     if gate is not None:
         merged = torch.where(gate.reshape(()), merged, acc[row])
@@ -306,7 +307,8 @@ def reference_tensor_stats(x: torch.Tensor, *, bins: Optional[int] = None, hist:
     row[4], row[5] = mn, mx
     row[6] = torch.where(has, mean, 0.0)
     row[7] = (d * d).sum()
-    row[10] = torch.where(row[1] + row[2] > 0, 0.0, math.inf)
+    row[FIRST_BAD] = torch.where(row[NAN] + row[INF] > 0, 0.0, math.inf)
+    row[CALLS] = 1
     if nb and hist == "log2":
         _, e = torch.frexp(v)  # v = m * 2**e, 0.5 <= |m| < 1: binary exponent e - 1
         e = (e.to(i64) - 1).clamp(LOG2_MIN_EXP, LOG2_MAX_EXP)

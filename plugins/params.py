@@ -77,7 +77,7 @@ import hookplug
 from hookplug import hookimpl
 from hookplug._bank import StatsBank, check_hist_options, check_max_pending, check_sites, pad_rows
 from hookplug._selectors import clean_name
-from hookplug._stats import NUMEL, TensorStats
+from hookplug._stats import TensorStats, touched
 
 __all__ = ["ParamsPlugin"]
 
@@ -400,7 +400,7 @@ class ParamsPlugin(hookplug.Plugin):
         if self._last is None:
             return cur
         last = pad_rows(next(iter(self._last.values())), dev.empty[:n + 1])[1:n + 1]
-        return torch.where((cur[:, NUMEL] > 0)[:, None], cur, last)
+        return torch.where(touched(cur)[:, None], cur, last)
 
     def results(self, over: str = "step") -> Dict[str, Dict[str, TensorStats]]:
         """``{param: {site: TensorStats}}`` of this rank (unmerged under torch.distributed:
@@ -412,10 +412,10 @@ class ParamsPlugin(hookplug.Plugin):
         rows = self._rows(over)
         if rows is None:
             return {}
-        touched = (rows[:, NUMEL] > 0).tolist()
+        used = touched(rows).tolist()
         out: Dict[str, Dict[str, TensorStats]] = {}
         for i, key in enumerate(self.bank.keys):
-            if touched[i]:
+            if used[i]:
                 out.setdefault(key[0], {})[key[1]] = TensorStats(rows[i], self.bank.kind)
         return out
 

@@ -43,8 +43,9 @@ check in eager code: no recompiles.
 Every floating tensor of the structure is measured and keyed by its path: ``"output"``,
 ``"output[1]"``, ``"output.logits"``; ``"input[0]"``, ``"input.mask"`` (keyword argument
 ``mask``); ``"grad"``, ``"grad[1]"`` (the gradient of ``output``, ``output[1]``). Integer,
-bool and complex tensors are skipped. A row counts elements, not calls: a site whose
-tensors were empty in every call (``numel`` 0) has no entry in ``results()`` or telemetry. Phases: forwards of a module in eval mode or under
+bool and complex tensors are skipped. A row counts its calls too (``calls``): a site whose
+tensors were empty in every call (an expert no token reached) has an entry with ``calls > 0``,
+``numel`` 0 and NaN statistics. Phases: forwards of a module in eval mode or under
 ``torch.inference_mode`` are kept apart (``phase="eval"`` in records); activation
 checkpointing's recomputed forwards are not counted (the session does not call forward
 hooks during a recompute).

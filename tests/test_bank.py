@@ -10,7 +10,7 @@ import torch.nn as nn
 import hookplug
 from hookplug import ops
 from hookplug._bank import StatsBank
-from hookplug._stats import HEAD, TensorStats, empty_rows
+from hookplug._stats import CALLS, HEAD, TensorStats, empty_rows, merge_rows
 
 pytestmark = pytest.mark.skipif(ops.eager_accumulate() is None, reason="needs the compiled op")
 
@@ -367,3 +367,77 @@ def test_compiled_eval_rows_fit_without_growing_the_bank_while_tracing():
         if not compiled:
             eager = res
     assert len(res) == 72 and res == pytest.approx(eager, rel=1e-6)
+
+
+# -- the calls column: every folded call counts, empty tensors included --------------------------
+
+@pytest.mark.parametrize("via", ["eager", "torch_ops", "reference"])
+def test_calls_column_counts_every_call_even_empty_ones(via):
+    fn = {"eager": ops.eager_accumulate(), "torch_ops": torch.ops.hookplug.stats_accumulate_,
+          "reference": ops.reference_accumulate_}[via]
+    gen = torch.Generator().manual_seed(3)
+    parts = [torch.randn(5, generator=gen), torch.empty(0), torch.randn(3, 4, generator=gen).t(),
+             torch.empty(2, 0), _values(70000, torch.float32, gen)]
+    acc = empty_rows(3, ops.LOG2_BINS)
+    on, off = torch.tensor([True]), torch.tensor([False])
+    for x in parts:
+        fn(x, acc, 1, None, 1, 0, None, None)
+        fn(x, acc, 2, off, 1, 0, None, None)  # a gated-off call is not a call
+    fn(torch.empty(0), acc, 2, on, 1, 0, None, None)
+    st, only_empty = TensorStats(acc[1]), TensorStats(acc[2])
+    assert int(st.calls) == len(parts) and int(acc[0, 0]) == len(parts) + 1
+    assert int(st.numel) == sum(x.numel() for x in parts)
+    whole = ops.reference_tensor_stats(torch.cat([x.reshape(-1).float() for x in parts]))
+    assert int(whole.calls) == 1 and int(st.nan_count) == int(whole.nan_count)
+    assert int(only_empty.calls) == 1 and int(only_empty.numel) == 0
+    assert math.isnan(float(only_empty.mean)) and math.isnan(float(only_empty.zero_fraction))
+    merged = merge_rows(torch.stack([acc[1], acc[2], empty_rows(1, ops.LOG2_BINS)[0]]))
+    assert int(merged[CALLS]) == len(parts) + 1
+
+
+def test_tensor_stats_is_one_call_on_every_backend():
+    for x in (torch.randn(10), torch.empty(0), torch.full((4,), math.nan)):
+        assert int(ops.tensor_stats(x).calls) == 1 == int(ops.reference_tensor_stats(x).calls)
+
+
+class _Router(nn.Module):
+    """Two experts; ``idle`` gets no token (an empty slice) in every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.busy, self.idle = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.busy(self.busy(x)).sum() + self.idle(x[:0]).sum()
+
+
+def test_a_site_empty_in_every_call_has_an_entry_and_a_record():
+    """An expert no token reached ran with empty tensors: it gets stats with ``calls`` and
+    ``numel`` 0 (NaN statistics), in ``results()`` and in the telemetry records; a module
+    called twice a step has ``calls`` 2."""
+    model, kept = _Router(), []
+
+    class Keep(hookplug.Plugin):
+        name = "keep"
+
+        @hookplug.hookimpl
+        def hookplug_flush(self, records):
+            kept.extend(records)
+
+    stats = ("stats", {"sites": ("input", "output", "grad")})
+    with hookplug.attach(model, "Linear", plugins=[stats, Keep()], flush_every=1) as s:
+        for _ in range(2):
+            model(torch.randn(3, 4)).backward()
+            s.step()
+        res = s["stats"].results()
+    assert int(res["idle"]["output"].calls) == 2 and int(res["idle"]["output"].numel) == 0
+    assert int(res["idle"]["input[0]"].calls) == 2 and int(res["idle"]["grad"].calls) == 2
+    assert math.isnan(float(res["idle"]["output"].max))
+    assert int(res["busy"]["output"].calls) == 4 and int(res["busy"]["output"].numel) == 4 * 12
+    by = {(r["step"], r["module"], r["site"]): r for r in kept}
+    for step in (0, 1):
+        idle = by[(step, "idle", "output")]
+        assert (idle["calls"], idle["numel"]) == (1, 0)
+        assert math.isnan(idle["mean"]) and math.isnan(idle["zero_fraction"]) and idle["l2"] == 0.0
+        assert by[(step, "idle", "grad")]["calls"] == 1
+        assert by[(step, "busy", "output")]["calls"] == 2

@@ -24,7 +24,7 @@ to open the file ends it with a newline (warning), and :func:`read_jsonl` skips 
 with one warning.
 
 One JSON object a line: the record as the session emits it (``step, time, rank, module,
-site, phase, numel, nan_count, inf_count, zero_count, min, max, mean, std, absmax, l2, rms,
+site, phase, numel, nan_count, inf_count, zero_count, calls, min, max, mean, std, absmax, l2, rms,
 zero_fraction, hist, hist_edges, first_nonfinite``; ``hookplug.STAT_FIELDS`` are the
 statistics) plus
 ``run_id`` (the session's ``run_id``, unless the record has one), so the runs that append to
@@ -48,13 +48,14 @@ import warnings
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import hookplug
+from hookplug._stats import COUNT_COLUMNS
 
 __all__ = ["JsonlSink", "read_jsonl"]
 
 _SUFFIXES = (".jsonl", ".json", ".ndjson")
 _CHUNK = 1 << 20  # bytes per os.write (whole lines)
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
-_FLOATS = hookplug.STAT_FIELDS[4:] + ("time",)  # the float fields (after the 4 counts)
+_FLOATS = hookplug.STAT_FIELDS[len(COUNT_COLUMNS):] + ("time",)  # the float fields (after the counts)
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ are never mixed into the training series) and ``rank`` (``<namespace>``: the
 ``namespace=`` option, ``hookplug`` by default):
 
 - ``<namespace>_tensor_<stat>`` gauges, ``stat`` in ``hookplug.STAT_FIELDS`` (``numel,
-  nan_count, inf_count, zero_count, min, max, mean, std, absmax, l2, rms, zero_fraction``):
+  nan_count, inf_count, zero_count, calls, min, max, mean, std, absmax, l2, rms, zero_fraction``):
   the statistics of the latest step flushed;
 - ``<namespace>_tensor_nonfinite_total`` counter (NaN + Inf values over the whole run);
 - ``<namespace>_tensor_values`` histogram: the histogram buckets summed over every step
