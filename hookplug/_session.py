@@ -596,6 +596,9 @@ class _ParamBinding:
         if self.handle is None or hooks is None or self.handle.id not in hooks:
             self.handle = param.register_hook(self)  # first time, or a new Parameter object
             self.session._handles.append(self.handle)
+            if not self.session._fsdp2_warned and _sharded_by_fsdp2(param, self.session.model):
+                self.session._fsdp2_warned = True  # once a session: it names the first one
+                _warn_fsdp2_param(self.name)
         else:
             param._backward_hooks = hooks
 
@@ -610,6 +613,25 @@ class _ParamBinding:
             self.calls += 1
         return _fold(s, self.impls, "hookplug_param_grad", grad, (ctx, self.name, self.param()), (),
                      f"parameter {self.name!r}")
+
+
+def _sharded_by_fsdp2(param: torch.Tensor, model: Optional[nn.Module]) -> bool:
+    """``param`` is a DTensor of a model that ``fully_shard`` (FSDP2) manages."""
+    if not any(c.__name__ == "DTensor" for c in type(param).__mro__) or model is None:
+        return False
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    cls = getattr(fsdp, "FSDPModule", None)
+    return cls is not None and any(isinstance(m, cls) for m in model.modules())
+
+
+def _warn_fsdp2_param(name: str) -> None:
+    warnings.warn(
+        f"hookplug: parameter {name!r} (and every other one sharded by FSDP2's fully_shard) "
+        "gets no gradient hook: FSDP2 computes its gradient "
+        "on an unsharded copy and reduce-scatters it into .grad directly, so a "
+        "parameter-gradient hook (hookplug_param_grad: gradclamp params=, ...) never runs for "
+        "it. Steer module-output gradients instead, or clip after backward (the params "
+        "plugin measures FSDP2 gradients from .grad)", RuntimeWarning, stacklevel=4)
 
 
 # -- copies of the model ------------------------------------------------------------------------
@@ -703,6 +725,7 @@ class Session:
         self._sampling = True
         self._nonfinite: List[dict] = []
         self._removed = False
+        self._fsdp2_warned = False
         self._entries: Dict[str, _Entry] = {}  # plugins, then sinks, in attach order
         self._entry_of: Dict[int, _Entry] = {}  # id(plugin) -> its entry
         self._module_refs: Dict[str, weakref.ref] = {}
