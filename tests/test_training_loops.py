@@ -807,3 +807,34 @@ def test_integrations_are_imported_lazily():
             "assert not {'lightning', 'pytorch_lightning', 'transformers'} & set(sys.modules); "
             "assert i.__all__ == ['lightning', 'transformers']")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# -- where a session starts, trainers failing, manual optimization ------------------------------------
+
+def _hookplug_hooks(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+               for m in model.modules())
+
+
+def test_start_step_numbers_the_first_step_for_sampling():
+    """``every=N`` samples by step number from the very first step: a loop resumed at global
+    step 5 records 6 and 9 with every=3 (not 5, which used to be taken as step 0)."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for start, want in ((5, [6, 9]), (6, [6, 9]), (0, [0, 3, 6, 9])):
+        sink = Collect()
+        with hookplug.attach(model, "Linear", plugins=["stats", "params"], every=3, sink=sink,
+                             flush_every=1, start_step=start) as s:
+            assert s.step_index == start and s.sampled == (start % 3 == 0)
+            for gstep in range(start, 11):
+                model(torch.randn(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                s.step(step=gstep)
+        stats = sorted({r["step"] for r in sink.records if "calls" in r and r["site"] == "output"})
+        params = sorted({r["step"] for r in sink.records if r["site"] in ("weight", "update")})
+        assert stats == want and params == want, (start, stats, params)
+    for bad in (-1, 1.0, True):
+        with pytest.raises(ValueError, match="start_step"):
+            hookplug.attach(model, "Linear", plugins="stats", start_step=bad)
+
