@@ -838,3 +838,124 @@ def test_start_step_numbers_the_first_step_for_sampling():
         with pytest.raises(ValueError, match="start_step"):
             hookplug.attach(model, "Linear", plugins="stats", start_step=bad)
 
+
+def _tiny_gpt2(transformers):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=8, n_layer=1, n_head=2,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config)  # from config: no weights downloaded
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(n)
+        self.ids = torch.randint(0, 32, (n, 8), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _hf_args(transformers, tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4,
+                per_device_eval_batch_size=4, report_to=[], use_cpu=True, save_strategy="no",
+                disable_tqdm=True, logging_strategy="no")
+    return transformers.TrainingArguments(**{**base, **kw})
+
+
+@pytest.mark.parametrize("how", ["callback_raises", "nonfinite_raise", "add_callback"])
+def test_transformers_trainer_raising_removes_the_session_and_flushes(tmp_path, how):
+    """``train()`` raising (another callback, hookplug's own ``nonfinite="raise"``) leaves no
+    hook on the model; the telemetry so far is flushed and the error reaches the caller as it
+    was raised."""
+    transformers = pytest.importorskip("transformers")
+    from hookplug.integrations.transformers import HookplugTrainerCallback
+
+    model = _tiny_gpt2(transformers)
+    plugins = ["stats"]
+    if how == "nonfinite_raise":
+        plugins = [("stats", {"nonfinite": "raise"})]
+        with torch.no_grad():
+            model.lm_head.weight[0, 0] = float("inf")  # tied to the embedding: step 1 is non-finite
+
+    class Boom(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 3:
+                raise RuntimeError("boom at step 3")
+
+    sink = Collect()
+    cb = HookplugTrainerCallback("Linear", plugins, sink=sink, flush_every=10)
+    callbacks = [cb, Boom()] if how != "nonfinite_raise" else [cb]
+    trainer = transformers.Trainer(model=model, args=_hf_args(transformers, tmp_path, max_steps=6),
+                                   train_dataset=_Tokens(40),
+                                   callbacks=None if how == "add_callback" else callbacks)
+    if how == "add_callback":  # after the Trainer is made: no on_init_end for it
+        for c in callbacks:
+            trainer.add_callback(c)
+    error = FloatingPointError if how == "nonfinite_raise" else RuntimeError
+    with pytest.raises(error, match="lm_head" if how == "nonfinite_raise" else "boom at step 3"):
+        trainer.train()
+    assert cb.session.removed and _hookplug_hooks(model) == 0
+    steps = sorted({r["step"] for r in sink.records})
+    if how == "nonfinite_raise":
+        assert steps == [1] and cb.session.nonfinite == [
+            {"step": 1, "module": "lm_head", "site": "output", "phase": "train", "rank": 0}]
+    else:
+        assert steps == [1, 2, 3]
+        assert {r["numel"] for r in sink.records} == {4 * 8 * 32}
+    seen = {k: int(v["output"].numel) for k, v in cb.session["stats"].results().items()}
+    with torch.no_grad():
+        model(torch.randint(0, 32, (2, 8)))  # later use of the model adds nothing
+    assert {k: int(v["output"].numel) for k, v in cb.session["stats"].results().items()} == seen
+
+
+def test_transformers_callback_as_a_context_manager_removes_the_session():
+    pytest.importorskip("transformers")
+    from hookplug.integrations.transformers import HookplugTrainerCallback
+
+    m = nn.Sequential(nn.Linear(3, 3))
+    cb = HookplugTrainerCallback("Linear", ["stats"])
+    with pytest.raises(KeyError):
+        with cb:
+            cb.on_train_begin(None, None, None, model=m)
+            assert _hookplug_hooks(m) > 0
+            raise KeyError("stop")
+    assert cb.session.removed and _hookplug_hooks(m) == 0
+    with pytest.raises(TypeError, match="start_step"):
+        HookplugTrainerCallback("Linear", ["stats"], start_step=3)
+
+
+@pytest.mark.parametrize("eval_on_start", [False, True])
+def test_transformers_every_and_eval_on_start_follow_the_trainer_steps(tmp_path, eval_on_start):
+    """``every=2`` samples the Trainer's steps 2, 4 (step 1, the session's first, is not
+    taken); ``eval_on_start=True`` records the evaluation before training at step 0, where the
+    Trainer logs it."""
+    transformers = pytest.importorskip("transformers")
+    from hookplug.integrations.transformers import HookplugTrainerCallback
+
+    evaluated = []
+
+    class Evals(transformers.TrainerCallback):
+        def on_evaluate(self, args, state, control, **kw):
+            evaluated.append(state.global_step)
+
+    results = {}
+    for every in (1, 2):
+        sink = Collect()
+        cb = HookplugTrainerCallback("Linear", ["stats"], sink=sink, flush_every=1, every=every)
+        evaluated.clear()
+        args = _hf_args(transformers, tmp_path, max_steps=5, eval_strategy="steps", eval_steps=2,
+                        eval_on_start=eval_on_start)
+        transformers.Trainer(model=_tiny_gpt2(transformers), args=args, train_dataset=_Tokens(40),
+                             eval_dataset=_Tokens(8), callbacks=[cb, Evals()]).train()
+        results[every] = (sorted(r["step"] for r in sink.records if r["phase"] == "train"),
+                          sorted(r["step"] for r in sink.records if r["phase"] == "eval"),
+                          {r["numel"] for r in sink.records if r["phase"] == "eval"})
+    evals = [0, 2, 4, 5] if eval_on_start else [2, 4, 5]
+    assert evaluated == evals
+    assert results[1] == ([1, 2, 3, 4, 5], evals, {8 * 8 * 32})  # one eval run each
+    assert results[2] == ([2, 4], [s for s in evals if s % 2 == 0], {8 * 8 * 32})
+
