@@ -959,3 +959,121 @@ def test_transformers_every_and_eval_on_start_follow_the_trainer_steps(tmp_path,
     assert results[1] == ([1, 2, 3, 4, 5], evals, {8 * 8 * 32})  # one eval run each
     assert results[2] == ([2, 4], [s for s in evals if s % 2 == 0], {8 * 8 * 32})
 
+
+def _lightning_step_logger(pl, key):
+    from lightning.pytorch.loggers import Logger
+
+    class Steps(Logger):
+        name, version = "steps", 0
+
+        def __init__(self):
+            super().__init__()
+            self.steps = []
+
+        def log_metrics(self, metrics, step=None):
+            if key in metrics:
+                self.steps.append(step)
+
+        def log_hyperparams(self, *a, **k):
+            pass
+
+    return Steps()
+
+
+def _lightning_gan(pl):
+    class GAN(pl.LightningModule):
+        """Manual optimization, two optimizers: ``global_step`` advances by 2 per batch."""
+
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.automatic_optimization = False
+            self.g, self.d = nn.Linear(8, 8), nn.Linear(8, 1)
+
+        def training_step(self, batch, idx):
+            (x,) = batch
+            opt_g, opt_d = self.optimizers()
+            loss_d = self.d(x).mean() - self.d(self.g(x).detach()).mean()
+            opt_d.zero_grad()
+            self.manual_backward(loss_d)
+            opt_d.step()
+            loss_g = -self.d(self.g(x)).mean()
+            opt_g.zero_grad()
+            self.manual_backward(loss_g)
+            opt_g.step()
+            self.log("loss_g", loss_g)
+
+        def configure_optimizers(self):
+            return (torch.optim.SGD(self.g.parameters(), lr=0.01),
+                    torch.optim.SGD(self.d.parameters(), lr=0.01))
+
+    return GAN()
+
+
+def _lightning_regression(pl):
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+
+        def training_step(self, batch, idx):
+            (x,) = batch
+            loss = self.net(x).pow(2).mean()
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return Tiny()
+
+
+_LIGHTNING_QUIET = dict(enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                        devices=1, log_every_n_steps=1)
+
+
+def test_lightning_manual_optimization_two_optimizers_steps_as_logged():
+    pl = pytest.importorskip("lightning.pytorch")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from hookplug.integrations.lightning import HookplugCallback
+
+    sink = Collect()
+    cb = HookplugCallback("Linear", ["stats"], sink=sink, flush_every=2)
+    logger = _lightning_step_logger(pl, "loss_g")
+    trainer = pl.Trainer(max_epochs=1, limit_train_batches=4, callbacks=[cb], logger=logger,
+                         enable_checkpointing=False, **_LIGHTNING_QUIET)
+    trainer.fit(_lightning_gan(pl), DataLoader(TensorDataset(torch.randn(16, 8)), batch_size=4))
+    assert trainer.global_step == 8 and logger.steps == [0, 1, 2, 3]
+    assert sorted(r["step"] for r in sink.records if r["module"] == "g") == [0, 1, 2, 3]
+    # one batch per step: g runs twice on 4 samples
+    assert {r["numel"] for r in sink.records if r["module"] == "g"} == {2 * 4 * 8}
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_lightning_resumed_run_samples_by_the_logged_step(tmp_path, manual):
+    """A run resumed from a mid-epoch checkpoint with ``every=2`` records the logged steps
+    that are even, from the first one on (its first step is 3: not sampled)."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from hookplug.integrations.lightning import HookplugCallback
+
+    make = _lightning_gan if manual else _lightning_regression
+    key = "loss_g" if manual else "loss"
+    per_batch = 2 if manual else 1  # global steps per batch
+    data = DataLoader(TensorDataset(torch.randn(40, 8)), batch_size=4)
+    ck = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=3 * per_batch,
+                         save_top_k=-1)
+    pl.Trainer(max_steps=3 * per_batch, callbacks=[ck], logger=False, **_LIGHTNING_QUIET).fit(
+        make(pl), data)
+    (path,) = (tmp_path / "ck").iterdir()
+    sink = Collect()
+    cb = HookplugCallback("Linear", ["stats"], sink=sink, flush_every=1, every=2)
+    logger = _lightning_step_logger(pl, key)
+    pl.Trainer(max_steps=8 * per_batch, callbacks=[cb], logger=logger, enable_checkpointing=False,
+               **_LIGHTNING_QUIET).fit(make(pl), data, ckpt_path=str(path))
+    assert logger.steps == [3, 4, 5, 6, 7]
+    assert sorted({r["step"] for r in sink.records}) == [4, 6]
