@@ -809,7 +809,7 @@ def test_integrations_are_imported_lazily():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-# -- where a session starts, trainers failing, manual optimization ------------------------------------
+# -- where a session starts, trainers failing, manual optimization -------------------------
 
 def _hookplug_hooks(model):
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)

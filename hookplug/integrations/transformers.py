@@ -104,7 +104,8 @@ class HookplugTrainerCallback(_trainer_callback.TrainerCallback):
 
         if model is None:
             raise ValueError("HookplugTrainerCallback: the Trainer passed no model to on_train_begin")
-        self._steps.close(failed=True)  # a session an earlier train() left (not through Trainer.train)
+        # a session an earlier train() left (one that never reached Trainer.train)
+        self._steps.close(failed=True)
         g = getattr(state, "global_step", 0) or 0
         # the first step in progress: the evaluation of eval_on_start, logged at step g, else
         # the optimizer step that ends with global step g + 1
