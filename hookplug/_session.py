@@ -707,7 +707,7 @@ class Session:
     """
 
     def __init__(self, model: nn.Module, *, every: int = 1, on_error: str = "raise",
-                 flush_every: Optional[int] = None):
+                 flush_every: Optional[int] = None, start_step: int = 0):
         if not isinstance(model, nn.Module):
             raise TypeError(f"attach() expects a torch.nn.Module, got {type(model).__name__}")
         if on_error not in _ON_ERROR:
@@ -716,13 +716,17 @@ class Session:
             raise ValueError(f"every must be an int >= 1, got {every!r}")
         if flush_every is not None and (not isinstance(flush_every, int) or flush_every < 1):
             raise ValueError(f"flush_every must be None or an int >= 1, got {flush_every!r}")
+        if not isinstance(start_step, int) or isinstance(start_step, bool) or start_step < 0:
+            raise ValueError(f"start_step must be an int >= 0, got {start_step!r}")
         self._model_ref = weakref.ref(model)
         self.every = every
         self.on_error = on_error
         self.flush_every = flush_every
-        self._step = 0
+        # the number of the step in progress; sampling (every=N) follows it from the first
+        # step on: the same rule on every rank, no communication
+        self._step = start_step
         self._steps_done = 0  # step() calls (flush_every counts these)
-        self._sampling = True
+        self._sampling = start_step % every == 0
         self._nonfinite: List[dict] = []
         self._removed = False
         self._fsdp2_warned = False
@@ -772,7 +776,8 @@ class Session:
 
     @property
     def step_index(self) -> int:
-        """The current step (0 before the first ``step()``)."""
+        """The number of the step in progress (``start_step``, 0 by default, before the
+        first ``step()``)."""
         return self._step
 
     @property
@@ -860,7 +865,8 @@ class Session:
         when given, e.g. a trainer's global step, else the session's counter) and the next
         one is numbered one more; plugins see ``hookplug_step``, sampling (``every=N``, on
         step numbers) and ``flush_every`` take effect. A resumed run passes its global step
-        and continues from it. Also usable as ``with session.step(): ...``."""
+        and continues from it (``attach(start_step=...)`` numbers its first step before it
+        runs, for sampling). Also usable as ``with session.step(): ...``."""
         if step is not None:
             if not isinstance(step, int) or isinstance(step, bool) or step < 0:
                 raise ValueError(f"session.step(step=...) expects an int >= 0, got {step!r}")
@@ -1205,6 +1211,7 @@ def attach(
     strict: bool = False,
     flush_every: Optional[int] = None,
     config: Union[str, "os.PathLike[str]", Dict[str, Any], None] = None,
+    start_step: int = 0,
     _given: frozenset = frozenset(),
 ) -> Session:
     """Attach ``plugins`` to the modules of ``model`` that ``selector`` picks.
@@ -1217,13 +1224,17 @@ def attach(
     the producers' stats to the sinks every K steps without waiting for the device; with
     ``flush_every`` set and no ``sink``, records go to ``runs/<run-id>/telemetry.jsonl``.
     ``config=`` a TOML file (see ``hookplug.load_config``) supplies what is not passed here.
+    ``start_step=S`` numbers the first step ``S`` (a resumed run's global step), so that
+    ``every=N`` samples it only when ``S % N == 0``, like every later step; by default the
+    first step is 0, always sampled.
     """
     selector, plugins, every, sink, on_error, strict, flush_every = attach_options(
         config, _given, selector, plugins, every=every, sink=sink, on_error=on_error,
         strict=strict, flush_every=flush_every)
     if isinstance(model, nn.Module):
         model = unwrap_model(model)  # hooks on the wrapped modules serve the wrapper too
-    session = Session(model, every=every, on_error=on_error, flush_every=flush_every)
+    session = Session(model, every=every, on_error=on_error, flush_every=flush_every,
+                      start_step=start_step)
     if isinstance(selector, dict):
         if plugins is not None:
             raise PluginError("attach(): with a {selector: plugins} dict, leave plugins= unset")

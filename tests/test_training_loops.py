@@ -807,3 +807,273 @@ def test_integrations_are_imported_lazily():
             "assert not {'lightning', 'pytorch_lightning', 'transformers'} & set(sys.modules); "
             "assert i.__all__ == ['lightning', 'transformers']")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# -- where a session starts, trainers failing, manual optimization -------------------------
+
+def _hookplug_hooks(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+               for m in model.modules())
+
+
+def test_start_step_numbers_the_first_step_for_sampling():
+    """``every=N`` samples by step number from the very first step: a loop resumed at global
+    step 5 records 6 and 9 with every=3 (not 5, which used to be taken as step 0)."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for start, want in ((5, [6, 9]), (6, [6, 9]), (0, [0, 3, 6, 9])):
+        sink = Collect()
+        with hookplug.attach(model, "Linear", plugins=["stats", "params"], every=3, sink=sink,
+                             flush_every=1, start_step=start) as s:
+            assert s.step_index == start and s.sampled == (start % 3 == 0)
+            for gstep in range(start, 11):
+                model(torch.randn(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                s.step(step=gstep)
+        stats = sorted({r["step"] for r in sink.records if "calls" in r and r["site"] == "output"})
+        params = sorted({r["step"] for r in sink.records if r["site"] in ("weight", "update")})
+        assert stats == want and params == want, (start, stats, params)
+    for bad in (-1, 1.0, True):
+        with pytest.raises(ValueError, match="start_step"):
+            hookplug.attach(model, "Linear", plugins="stats", start_step=bad)
+
+
+def _tiny_gpt2(transformers):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=8, n_layer=1, n_head=2,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config)  # from config: no weights downloaded
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(n)
+        self.ids = torch.randint(0, 32, (n, 8), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _hf_args(transformers, tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4,
+                per_device_eval_batch_size=4, report_to=[], use_cpu=True, save_strategy="no",
+                disable_tqdm=True, logging_strategy="no")
+    return transformers.TrainingArguments(**{**base, **kw})
+
+
+@pytest.mark.parametrize("how", ["callback_raises", "nonfinite_raise", "add_callback"])
+def test_transformers_trainer_raising_removes_the_session_and_flushes(tmp_path, how):
+    """``train()`` raising (another callback, hookplug's own ``nonfinite="raise"``) leaves no
+    hook on the model; the telemetry so far is flushed and the error reaches the caller as it
+    was raised."""
+    transformers = pytest.importorskip("transformers")
+    from hookplug.integrations.transformers import HookplugTrainerCallback
+
+    model = _tiny_gpt2(transformers)
+    plugins = ["stats"]
+    if how == "nonfinite_raise":
+        plugins = [("stats", {"nonfinite": "raise"})]
+        with torch.no_grad():
+            model.lm_head.weight[0, 0] = float("inf")  # tied to the embedding: step 1 is non-finite
+
+    class Boom(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 3:
+                raise RuntimeError("boom at step 3")
+
+    sink = Collect()
+    cb = HookplugTrainerCallback("Linear", plugins, sink=sink, flush_every=10)
+    callbacks = [cb, Boom()] if how != "nonfinite_raise" else [cb]
+    trainer = transformers.Trainer(model=model, args=_hf_args(transformers, tmp_path, max_steps=6),
+                                   train_dataset=_Tokens(40),
+                                   callbacks=None if how == "add_callback" else callbacks)
+    if how == "add_callback":  # after the Trainer is made: no on_init_end for it
+        for c in callbacks:
+            trainer.add_callback(c)
+    error = FloatingPointError if how == "nonfinite_raise" else RuntimeError
+    with pytest.raises(error, match="lm_head" if how == "nonfinite_raise" else "boom at step 3"):
+        trainer.train()
+    assert cb.session.removed and _hookplug_hooks(model) == 0
+    steps = sorted({r["step"] for r in sink.records})
+    if how == "nonfinite_raise":
+        assert steps == [1] and cb.session.nonfinite == [
+            {"step": 1, "module": "lm_head", "site": "output", "phase": "train", "rank": 0}]
+    else:
+        assert steps == [1, 2, 3]
+        assert {r["numel"] for r in sink.records} == {4 * 8 * 32}
+    seen = {k: int(v["output"].numel) for k, v in cb.session["stats"].results().items()}
+    with torch.no_grad():
+        model(torch.randint(0, 32, (2, 8)))  # later use of the model adds nothing
+    assert {k: int(v["output"].numel) for k, v in cb.session["stats"].results().items()} == seen
+
+
+def test_transformers_callback_as_a_context_manager_removes_the_session():
+    pytest.importorskip("transformers")
+    from hookplug.integrations.transformers import HookplugTrainerCallback
+
+    m = nn.Sequential(nn.Linear(3, 3))
+    cb = HookplugTrainerCallback("Linear", ["stats"])
+    with pytest.raises(KeyError):
+        with cb:
+            cb.on_train_begin(None, None, None, model=m)
+            assert _hookplug_hooks(m) > 0
+            raise KeyError("stop")
+    assert cb.session.removed and _hookplug_hooks(m) == 0
+    with pytest.raises(TypeError, match="start_step"):
+        HookplugTrainerCallback("Linear", ["stats"], start_step=3)
+
+
+@pytest.mark.parametrize("eval_on_start", [False, True])
+def test_transformers_every_and_eval_on_start_follow_the_trainer_steps(tmp_path, eval_on_start):
+    """``every=2`` samples the Trainer's steps 2, 4 (step 1, the session's first, is not
+    taken); ``eval_on_start=True`` records the evaluation before training at step 0, where the
+    Trainer logs it."""
+    transformers = pytest.importorskip("transformers")
+    from hookplug.integrations.transformers import HookplugTrainerCallback
+
+    evaluated = []
+
+    class Evals(transformers.TrainerCallback):
+        def on_evaluate(self, args, state, control, **kw):
+            evaluated.append(state.global_step)
+
+    results = {}
+    for every in (1, 2):
+        sink = Collect()
+        cb = HookplugTrainerCallback("Linear", ["stats"], sink=sink, flush_every=1, every=every)
+        evaluated.clear()
+        args = _hf_args(transformers, tmp_path, max_steps=5, eval_strategy="steps", eval_steps=2,
+                        eval_on_start=eval_on_start)
+        transformers.Trainer(model=_tiny_gpt2(transformers), args=args, train_dataset=_Tokens(40),
+                             eval_dataset=_Tokens(8), callbacks=[cb, Evals()]).train()
+        results[every] = (sorted(r["step"] for r in sink.records if r["phase"] == "train"),
+                          sorted(r["step"] for r in sink.records if r["phase"] == "eval"),
+                          {r["numel"] for r in sink.records if r["phase"] == "eval"})
+    evals = [0, 2, 4, 5] if eval_on_start else [2, 4, 5]
+    assert evaluated == evals
+    assert results[1] == ([1, 2, 3, 4, 5], evals, {8 * 8 * 32})  # one eval run each
+    assert results[2] == ([2, 4], [s for s in evals if s % 2 == 0], {8 * 8 * 32})
+
+
+def _lightning_step_logger(pl, key):
+    from lightning.pytorch.loggers import Logger
+
+    class Steps(Logger):
+        name, version = "steps", 0
+
+        def __init__(self):
+            super().__init__()
+            self.steps = []
+
+        def log_metrics(self, metrics, step=None):
+            if key in metrics:
+                self.steps.append(step)
+
+        def log_hyperparams(self, *a, **k):
+            pass
+
+    return Steps()
+
+
+def _lightning_gan(pl):
+    class GAN(pl.LightningModule):
+        """Manual optimization, two optimizers: ``global_step`` advances by 2 per batch."""
+
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.automatic_optimization = False
+            self.g, self.d = nn.Linear(8, 8), nn.Linear(8, 1)
+
+        def training_step(self, batch, idx):
+            (x,) = batch
+            opt_g, opt_d = self.optimizers()
+            loss_d = self.d(x).mean() - self.d(self.g(x).detach()).mean()
+            opt_d.zero_grad()
+            self.manual_backward(loss_d)
+            opt_d.step()
+            loss_g = -self.d(self.g(x)).mean()
+            opt_g.zero_grad()
+            self.manual_backward(loss_g)
+            opt_g.step()
+            self.log("loss_g", loss_g)
+
+        def configure_optimizers(self):
+            return (torch.optim.SGD(self.g.parameters(), lr=0.01),
+                    torch.optim.SGD(self.d.parameters(), lr=0.01))
+
+    return GAN()
+
+
+def _lightning_regression(pl):
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+
+        def training_step(self, batch, idx):
+            (x,) = batch
+            loss = self.net(x).pow(2).mean()
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return Tiny()
+
+
+_LIGHTNING_QUIET = dict(enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                        devices=1, log_every_n_steps=1)
+
+
+def test_lightning_manual_optimization_two_optimizers_steps_as_logged():
+    pl = pytest.importorskip("lightning.pytorch")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from hookplug.integrations.lightning import HookplugCallback
+
+    sink = Collect()
+    cb = HookplugCallback("Linear", ["stats"], sink=sink, flush_every=2)
+    logger = _lightning_step_logger(pl, "loss_g")
+    trainer = pl.Trainer(max_epochs=1, limit_train_batches=4, callbacks=[cb], logger=logger,
+                         enable_checkpointing=False, **_LIGHTNING_QUIET)
+    trainer.fit(_lightning_gan(pl), DataLoader(TensorDataset(torch.randn(16, 8)), batch_size=4))
+    assert trainer.global_step == 8 and logger.steps == [0, 1, 2, 3]
+    assert sorted(r["step"] for r in sink.records if r["module"] == "g") == [0, 1, 2, 3]
+    # one batch per step: g runs twice on 4 samples
+    assert {r["numel"] for r in sink.records if r["module"] == "g"} == {2 * 4 * 8}
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_lightning_resumed_run_samples_by_the_logged_step(tmp_path, manual):
+    """A run resumed from a mid-epoch checkpoint with ``every=2`` records the logged steps
+    that are even, from the first one on (its first step is 3: not sampled)."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from hookplug.integrations.lightning import HookplugCallback
+
+    make = _lightning_gan if manual else _lightning_regression
+    key = "loss_g" if manual else "loss"
+    per_batch = 2 if manual else 1  # global steps per batch
+    data = DataLoader(TensorDataset(torch.randn(40, 8)), batch_size=4)
+    ck = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=3 * per_batch,
+                         save_top_k=-1)
+    pl.Trainer(max_steps=3 * per_batch, callbacks=[ck], logger=False, **_LIGHTNING_QUIET).fit(
+        make(pl), data)
+    (path,) = (tmp_path / "ck").iterdir()
+    sink = Collect()
+    cb = HookplugCallback("Linear", ["stats"], sink=sink, flush_every=1, every=2)
+    logger = _lightning_step_logger(pl, key)
+    pl.Trainer(max_steps=8 * per_batch, callbacks=[cb], logger=logger, enable_checkpointing=False,
+               **_LIGHTNING_QUIET).fit(make(pl), data, ckpt_path=str(path))
+    assert logger.steps == [3, 4, 5, 6, 7]
+    assert sorted({r["step"] for r in sink.records}) == [4, 6]

@@ -6,14 +6,17 @@ imports a trainer):
 - :mod:`hookplug.integrations.transformers`: ``HookplugTrainerCallback``, a 🤗
   ``TrainerCallback`` (``pip install 'hookplug[transformers]'``).
 
-Both attach at the start of training, end a hookplug step on each optimizer step
-(gradient accumulation aware) numbered as the trainer logs it, and remove the session at
-the end of training. A step is ended when the next one starts (or at the end of
-training), so evaluation run right after step N is recorded with step N and
+Both attach at the start of training, numbering the session's first step as the trainer
+will log it (``attach(start_step=...)``: ``every=N`` samples a resumed run's first step only
+when its number is a multiple of N), end a hookplug step on each optimizer step (gradient
+accumulation aware) numbered as the trainer logs it, and remove the session at the end of
+training, also when training raises. A step is ended when the next one starts (or at the
+end of training), so evaluation run right after step N is recorded with step N and
 ``phase="eval"``, as the trainer logs its eval metrics.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = ["lightning", "transformers"]
@@ -61,6 +64,13 @@ def _sink_with_writer(sink: Any, writer: Any) -> Tuple[Any, bool]:
     return fix(sink), used
 
 
+def _check_attach_kwargs(kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    if "start_step" in kwargs:
+        raise TypeError("start_step= is not a callback option: the callback numbers the steps "
+                        "as the trainer logs them, from the trainer's global step")
+    return dict(kwargs)
+
+
 def _attach_kwargs_with_writer(kwargs: Dict[str, Any], writer: Any) -> Dict[str, Any]:
     """``attach()`` keywords whose ``"tensorboard"`` sink given no path/writer (by ``sink=``,
     or by the ``config=`` file when ``sink`` is unset) writes through ``writer``."""
@@ -96,3 +106,22 @@ class _PendingStep:
         if self.session is not None and self.pending is not None:
             label, self.pending = self.pending, None
             self.session.step(step=label)
+
+    def close(self, failed: bool = False) -> None:
+        """Commit the ended step and remove the session (flushing it). ``failed``: training
+        is ending with an exception, which must go on unchanged: an error here (e.g. the
+        stats option ``nonfinite="raise"`` on the step committed) becomes a warning, and
+        the session is removed in any case."""
+        session = self.session
+        if session is None or session.removed:
+            return
+        try:
+            try:
+                self.commit()
+            finally:
+                session.remove()
+        except Exception as exc:
+            if not failed:
+                raise
+            warnings.warn(f"hookplug: ending the session after training failed: "
+                          f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)

@@ -9,12 +9,17 @@
 - attaches to the ``LightningModule`` when training starts (``on_train_start``: after the
   sanity check, whose forwards are not training), with ``selector``, ``plugins`` and any
   :func:`hookplug.attach` keyword (``config=``, ``every=``, ``sink=``, ``flush_every=``...);
-- ends a hookplug step on every optimizer step (``trainer.global_step`` advanced; with
-  ``accumulate_grad_batches=k`` once per k batches), numbered as Lightning logs it: the
-  step ending with global step ``g`` is ``g - 1`` (Lightning's ``self.log`` step of that
-  batch). The step is ended when the next batch starts or training ends, so validation
-  run right after it is recorded with the same step and ``phase="eval"`` (Lightning puts
-  the module in eval mode; the core tags it);
+- ends a hookplug step on every batch with an optimizer step (``trainer.global_step``
+  advanced; with ``accumulate_grad_batches=k`` once per k batches), numbered as Lightning
+  logs it (the step of ``self.log`` in that batch): under automatic optimization the step
+  ending with global step ``g`` is ``g - 1``; under manual optimization, where
+  ``global_step`` counts every ``optimizer.step()`` (two per batch for a GAN's two
+  optimizers), the number is Lightning's logging step of the batch, one per batch
+  (``fit_loop.epoch_loop._batches_that_stepped``). The session's first step is numbered
+  before it runs (``attach(start_step=...)``), so ``every=N`` samples steps ``0, N, 2N...``
+  from the first one on, also when resuming from a checkpoint. The step is ended when the
+  next batch starts or training ends, so validation run right after it is recorded with the
+  same step and ``phase="eval"`` (Lightning puts the module in eval mode; the core tags it);
 - a ``"tensorboard"`` sink given no ``path``/``writer`` (in ``sink=`` or the ``config=``
   file) writes through the trainer's
   TensorBoard ``SummaryWriter`` (``trainer.logger.experiment`` of a ``TensorBoardLogger``),
@@ -30,7 +35,7 @@ from typing import Any, Optional
 
 from hookplug._optional import optional_import
 
-from . import _attach_kwargs_with_writer, _PendingStep
+from . import _attach_kwargs_with_writer, _check_attach_kwargs, _PendingStep
 
 try:  # the unified package first, then the standalone one
     import lightning.pytorch as _pl
@@ -42,6 +47,37 @@ except ImportError:
                                  extra="lightning", package="lightning")
 
 __all__ = ["HookplugCallback"]
+
+
+def _batch_step(trainer, pl_module) -> int:
+    """The step Lightning's loggers give what the batch in progress logs (its ``self.log``
+    step): ``global_step`` under automatic optimization (one optimizer step per logged step),
+    else the epoch loop's count of batches that stepped, which Lightning logs with and which
+    advances once per batch however many optimizers step in it."""
+    if getattr(pl_module, "automatic_optimization", True):
+        return trainer.global_step
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    step = getattr(loop, "_batches_that_stepped", None)
+    return step if isinstance(step, int) else trainer.global_step
+
+
+def _first_batch_step(trainer, pl_module) -> int:
+    """At ``on_train_start``: the step the first batch will log at. Under manual optimization
+    Lightning's count of batches that stepped is one short when resuming from a checkpoint
+    saved after a batch ended: the epoch loop adds the one when it starts, after
+    ``on_train_start`` (``TrainingEpochLoop.reset``; manual optimization never accumulates),
+    so the same test is made here (else the first step of a resumed run would be sampled by
+    the number before its own)."""
+    step = _batch_step(trainer, pl_module)
+    if getattr(pl_module, "automatic_optimization", True):
+        return step
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    try:
+        if loop.restarting and (loop.restarted_on_train_batch_end or not loop.restarted_on_last):
+            step += 1
+    except AttributeError:  # another Lightning: the first step is numbered by the count alone
+        pass
+    return step
 
 
 def _tensorboard_writer(trainer) -> Optional[Any]:
@@ -60,10 +96,11 @@ class HookplugCallback(_pl.Callback):
         super().__init__()
         self.selector = selector
         self.plugins = plugins
-        self.attach_kwargs = dict(attach_kwargs)
+        self.attach_kwargs = _check_attach_kwargs(attach_kwargs)
         self.session = None
         self._steps = _PendingStep()
         self._seen_global_step = 0
+        self._batch_step = 0
 
     # -- lifecycle -----------------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
@@ -72,19 +109,21 @@ class HookplugCallback(_pl.Callback):
         if self.session is not None and not self.session.removed:
             return
         kwargs = _attach_kwargs_with_writer(self.attach_kwargs, _tensorboard_writer(trainer))
-        self.session = hookplug.attach(pl_module, self.selector, self.plugins, **kwargs)
+        self.session = hookplug.attach(pl_module, self.selector, self.plugins,
+                                       start_step=_first_batch_step(trainer, pl_module), **kwargs)
         self._steps = _PendingStep()
         self._steps.session = self.session
         self._seen_global_step = trainer.global_step
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._steps.commit()
+        self._batch_step = _batch_step(trainer, pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         g = trainer.global_step
         if g != self._seen_global_step:  # an optimizer step happened in this batch
             self._seen_global_step = g
-            self._steps.end(g - 1)
+            self._steps.end(g - 1 if pl_module.automatic_optimization else self._batch_step)
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._steps.commit()
@@ -93,12 +132,10 @@ class HookplugCallback(_pl.Callback):
         self._remove()
 
     def on_exception(self, trainer, pl_module, exception) -> None:
-        self._remove()
+        self._steps.close(failed=True)  # the exception goes on unchanged
 
     def teardown(self, trainer, pl_module, stage) -> None:
         self._remove()
 
     def _remove(self) -> None:
-        if self.session is not None and not self.session.removed:
-            self._steps.commit()
-            self.session.remove()
+        self._steps.close()
