@@ -714,7 +714,8 @@ class Session:
             raise ValueError(f"on_error must be one of {_ON_ERROR}, got {on_error!r}")
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"every must be an int >= 1, got {every!r}")
-        if flush_every is not None and (not isinstance(flush_every, int) or flush_every < 1):
+        if flush_every is not None and (not isinstance(flush_every, int) or isinstance(flush_every, bool)
+                                        or flush_every < 1):
             raise ValueError(f"flush_every must be None or an int >= 1, got {flush_every!r}")
         if not isinstance(start_step, int) or isinstance(start_step, bool) or start_step < 0:
             raise ValueError(f"start_step must be an int >= 0, got {start_step!r}")
@@ -1228,6 +1229,8 @@ def attach(
     ``every=N`` samples it only when ``S % N == 0``, like every later step; by default the
     first step is 0, always sampled.
     """
+    if not isinstance(strict, bool):
+        raise TypeError(f"attach(): strict must be True or False, got {strict!r}")
     selector, plugins, every, sink, on_error, strict, flush_every = attach_options(
         config, _given, selector, plugins, every=every, sink=sink, on_error=on_error,
         strict=strict, flush_every=flush_every)

@@ -197,6 +197,9 @@ def test_profile_backward_steps_and_a_module_called_twice_in_rich(tmp_path):
     assert "grad std" in header and "grad NaN" in header  # gradient stats in the table too
     assert {r["site"] for r in doc["telemetry"]} == {"output", "grad"}
     assert sorted({r["step"] for r in doc["telemetry"]}) == [0, 1, 2]
+    fc2_out = [r for r in doc["telemetry"] if r["module"] == "fc2" and r["site"] == "output"]
+    assert [r["calls"] for r in fc2_out] == [2, 2, 2] and {r["numel"] for r in fc2_out} == {2 * 16 * 64}
+    assert {"zero_count", "l2", "rms", "zero_fraction"} <= set(fc2_out[0])
 
 
 class _Page(HTMLParser):

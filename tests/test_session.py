@@ -493,6 +493,10 @@ def test_bad_arguments_get_clear_errors():
         hookplug.attach(m, "Linear", plugins=Recorder(), on_error="ignore")
     with pytest.raises(ValueError, match="every must be an int >= 1, got 0"):
         hookplug.attach(m, "Linear", plugins=Recorder(), every=0)
+    with pytest.raises(ValueError, match="flush_every must be None or an int >= 1, got True"):
+        hookplug.attach(m, "Linear", plugins=Recorder(), flush_every=True)
+    with pytest.raises(TypeError, match="strict must be True or False, got 'no'"):
+        hookplug.attach(m, "Linear", plugins=Recorder(), strict="no")
     with pytest.raises(TypeError, match="torch.nn.Module"):
         hookplug.attach([1], "Linear", plugins=Recorder())
     with pytest.raises(hookplug.SelectorError):

@@ -20,7 +20,8 @@ __all__ = ["build_document", "to_json", "print_profile", "print_plugins", "print
 
 # what the document keeps of each telemetry record (histograms are in the module totals)
 _RECORD_KEYS = ("step", "module", "site", "phase", "rank", "numel", "nan_count", "inf_count",
-                "min", "max", "mean", "std", "absmax", "first_nonfinite")
+                "zero_count", "calls", "min", "max", "mean", "std", "absmax", "l2", "rms",
+                "zero_fraction", "first_nonfinite")
 _KINDS = ("outputs", "stats", "flops")  # section keys the renderers draw; others go to "extra"
 
 # -- host numbers ----------------------------------------------------------------------------

@@ -319,7 +319,7 @@ def read_jsonl(path: str, *, run_id: Optional[str] = None) -> List[Dict[str, Any
             edges[key] = rec["hist_edges"]
         elif rec.get("hist"):
             rec["hist_edges"] = edges.get(key)
-        for k in ("min", "max", "mean", "std", "absmax"):
+        for k in _FLOATS:  # every float the writer turns to null when not finite
             if k in rec and rec[k] is None:
                 rec[k] = math.nan
         out.append(rec)
