@@ -872,11 +872,15 @@ class Session:
         """Collect telemetry from the producers and hand the records to every sink (see
         ``hookplug._telemetry``). ``wait=True`` finishes every flush in flight (a device sync);
         ``wait=False`` starts one and emits only what is already done. Returns the records
-        emitted by this call."""
+        emitted by this call. Under torch.distributed a session with a telemetry producer
+        flushes collectively: call it on every rank."""
         return self._telemetry.flush(self, wait=wait)
 
     def remove(self) -> None:
-        """Take every hook off (idempotent) and end the session for its plugins."""
+        """Take every hook off (idempotent) and end the session for its plugins, after a
+        final telemetry flush: when a sink is given, and under torch.distributed (world
+        size > 1) on every rank when a plugin produces telemetry (the flush is collective,
+        so it cannot depend on which ranks have a sink)."""
         if self._removed:
             return
         self._removed = True

@@ -7,13 +7,28 @@ A flush:
    snapshots) or ``(meta, TensorStats)`` pairs (stacked into blocks here);
 2. concatenates the rows of each device into **one** float64 buffer (one ``torch.cat``;
    CPU rows are host memory already and are converted to Python numbers at once instead);
-3. under ``torch.distributed`` (available and initialized), merges the rows across ranks
-   in one collective round: an ``all_gather`` of the buffer, then the same
+3. under ``torch.distributed`` (available and initialized, world size > 1), merges the
+   rows across ranks: an ``all_gather`` of the rows, then the same
    :func:`hookplug._stats.merge_rows` that merges steps and calls (exact counts, extremes
    and buckets; mean/M2 by the parallel formula). Rows are statistics, never activations.
-   The ranks first agree on the layout (the record keys) whenever it changed since the
-   last flush (``all_gather_object`` of a signature); a mismatch raises a clear error on
-   every rank instead of a collective on buffers of different shapes;
+   The ranks may hold different keys (an eval forward or a module run on some ranks only,
+   a producer disabled on one rank): they reduce by the *union* of their keys. One
+   ``all_gather_object`` exchanges the layouts (a rank sends its own only when it changed
+   since it last sent it); every rank lays its rows out in the union order (a key it lacks:
+   empty rows, which merge as identity) and one ``all_gather_into_tensor`` per device type
+   gathers them. Every rank gets the same merged records. ``first_nonfinite`` stays per
+   rank (each rank's own clock). The first exchange also gives every rank rank 0's
+   ``run_id`` (``session.run_id`` changes to it there).
+
+   **Collective-safe.** Whether and how many collectives a flush runs depends only on what
+   is the same on every rank: a session is *collective* when torch.distributed runs more
+   than one rank and some plugin of the session implements ``hookplug_collect`` (disabled
+   or not). Its flushes (every ``flush_every`` steps, ``session.flush()``, and the final
+   one of ``remove()``, which then runs on every rank even without a sink there) run the
+   exchange on every rank, a rank with nothing to contribute included; records go only to
+   the sinks the rank has. So a collective session must be attached on every rank, and
+   ``step()``/``flush()``/``remove()`` called as often on each. ``step()`` flushes even
+   when a plugin's ``hookplug_step`` raised (the error is raised after it);
 4. copies the buffer to pinned host memory with ``non_blocking=True`` and records a CUDA
    event behind the copy (on the CPU the buffer already is host memory);
 5. once the event has completed, turns the rows into flat records and hands them to
@@ -24,6 +39,12 @@ The training loop never waits: ``step()`` starts a flush every ``flush_every`` s
 only *polls* the flushes in flight (``event.query()``). ``session.flush()`` (``wait=True``)
 waits for every flush in flight; ``remove()`` finishes everything. Records come out in
 flush order.
+
+Errors: a producer or sink that raises goes through the session's ``on_error`` like any
+plugin hook. A flush that fails outside them (a collective, a producer's block that cannot
+be laid out) does too: a ``RuntimeWarning`` under ``"warn"``, the error under ``"raise"``,
+raised once the flush's collectives are done; the rows of a failed collective are sent
+again by the next flush (once).
 
 Records (flat dicts, one per ``(step, module, site, phase)``)::
 
