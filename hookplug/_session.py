@@ -731,6 +731,7 @@ class Session:
         self._nonfinite: List[dict] = []
         self._removed = False
         self._fsdp2_warned = False
+        self._attached = False  # attach() finished (a failed attach has no final flush to share)
         self._entries: Dict[str, _Entry] = {}  # plugins, then sinks, in attach order
         self._entry_of: Dict[int, _Entry] = {}  # id(plugin) -> its entry
         self._module_refs: Dict[str, weakref.ref] = {}
@@ -883,7 +884,17 @@ class Session:
         if sampling != self._sampling:
             self._sampling = sampling
             self._apply_sampling()
-        self._dispatch("hookplug_step", step=ended)
+        try:
+            self._dispatch("hookplug_step", step=ended)
+        except Exception as exc:
+            if self._telemetry.collective(self):  # the other ranks flush now: so does this one
+                try:
+                    self._telemetry.on_step(self, ended)
+                except Exception as other:  # noqa: BLE001 - the plugin's error is the one raised
+                    if hasattr(exc, "add_note"):
+                        exc.add_note(f"(the telemetry flush of this step also failed: "
+                                     f"{type(other).__name__}: {other})")
+            raise
         self._telemetry.on_step(self, ended)  # polls flushes in flight; never waits
         return _StepScope(self)
 
@@ -891,11 +902,15 @@ class Session:
         """Collect telemetry from the producers and hand the records to every sink (see
         ``hookplug._telemetry``). ``wait=True`` finishes every flush in flight (a device sync);
         ``wait=False`` starts one and emits only what is already done. Returns the records
-        emitted by this call."""
+        emitted by this call. Under torch.distributed a session with a telemetry producer
+        flushes collectively: call it on every rank."""
         return self._telemetry.flush(self, wait=wait)
 
     def remove(self) -> None:
-        """Take every hook off (idempotent) and end the session for its plugins."""
+        """Take every hook off (idempotent) and end the session for its plugins, after a
+        final telemetry flush: when a sink is given, and under torch.distributed (world
+        size > 1) on every rank when a plugin produces telemetry (the flush is collective,
+        so it cannot depend on which ranks have a sink)."""
         if self._removed:
             return
         self._removed = True
@@ -915,7 +930,9 @@ class Session:
         self._param_bindings.clear()
         _guard_module_hooks()  # compiled code that ran with the hooks recompiles without
         try:
-            if self.has_sinks:
+            # under torch.distributed the final flush is collective: every rank runs it when
+            # the session has a telemetry producer, whether or not a sink is given here
+            if self.has_sinks or (self._attached and self._telemetry.collective(self)):
                 self.flush(wait=True)
         finally:
             # disabled plugins get their cleanup call too; one failing never skips the others
@@ -948,6 +965,14 @@ class Session:
                       RuntimeWarning, stacklevel=3)
         if not self._removed:  # a removed session has no bindings left to rebuild
             self._rebind()
+
+    def _telemetry_failed(self, exc: BaseException) -> None:
+        """A telemetry flush failed outside any plugin hook (a collective, a producer's
+        malformed rows): raised under ``on_error="raise"``, else a warning."""
+        if self.on_error == "raise":
+            raise exc
+        warnings.warn(f"hookplug telemetry: a flush failed (on_error='warn'): {type(exc).__name__}: {exc}",
+                      RuntimeWarning, stacklevel=4)
 
     def _dispatch(self, hook_name: str, *, on_result=None, skip=None, include_disabled: bool = False,
                   run_all: bool = False, **kwargs) -> None:
@@ -1286,6 +1311,7 @@ def attach(
         session._bind(model)
         _guard_module_hooks()
         session._dispatch("hookplug_session_start")
+        session._attached = True
     except BaseException:
         session.remove()
         raise

@@ -7,13 +7,28 @@ A flush:
    snapshots) or ``(meta, TensorStats)`` pairs (stacked into blocks here);
 2. concatenates the rows of each device into **one** float64 buffer (one ``torch.cat``;
    CPU rows are host memory already and are converted to Python numbers at once instead);
-3. under ``torch.distributed`` (available and initialized), merges the rows across ranks
-   in one collective round: an ``all_gather`` of the buffer, then the same
+3. under ``torch.distributed`` (available and initialized, world size > 1), merges the
+   rows across ranks: an ``all_gather`` of the rows, then the same
    :func:`hookplug._stats.merge_rows` that merges steps and calls (exact counts, extremes
    and buckets; mean/M2 by the parallel formula). Rows are statistics, never activations.
-   The ranks first agree on the layout (the record keys) whenever it changed since the
-   last flush (``all_gather_object`` of a signature); a mismatch raises a clear error on
-   every rank instead of a collective on buffers of different shapes;
+   The ranks may hold different keys (an eval forward or a module run on some ranks only,
+   a producer disabled on one rank): they reduce by the *union* of their keys. One
+   ``all_gather_object`` exchanges the layouts (a rank sends its own only when it changed
+   since it last sent it); every rank lays its rows out in the union order (a key it lacks:
+   empty rows, which merge as identity) and one ``all_gather_into_tensor`` per device type
+   gathers them. Every rank gets the same merged records. ``first_nonfinite`` stays per
+   rank (each rank's own clock). The first exchange also gives every rank rank 0's
+   ``run_id`` (``session.run_id`` changes to it there).
+
+   **Collective-safe.** Whether and how many collectives a flush runs depends only on what
+   is the same on every rank: a session is *collective* when torch.distributed runs more
+   than one rank and some plugin of the session implements ``hookplug_collect`` (disabled
+   or not). Its flushes (every ``flush_every`` steps, ``session.flush()``, and the final
+   one of ``remove()``, which then runs on every rank even without a sink there) run the
+   exchange on every rank, a rank with nothing to contribute included; records go only to
+   the sinks the rank has. So a collective session must be attached on every rank, and
+   ``step()``/``flush()``/``remove()`` called as often on each. ``step()`` flushes even
+   when a plugin's ``hookplug_step`` raised (the error is raised after it);
 4. copies the buffer to pinned host memory with ``non_blocking=True`` and records a CUDA
    event behind the copy (on the CPU the buffer already is host memory);
 5. once the event has completed, turns the rows into flat records and hands them to
@@ -24,6 +39,12 @@ The training loop never waits: ``step()`` starts a flush every ``flush_every`` s
 only *polls* the flushes in flight (``event.query()``). ``session.flush()`` (``wait=True``)
 waits for every flush in flight; ``remove()`` finishes everything. Records come out in
 flush order.
+
+Errors: a producer or sink that raises goes through the session's ``on_error`` like any
+plugin hook. A flush that fails outside them (a collective, a producer's block that cannot
+be laid out) does too: a ``RuntimeWarning`` under ``"warn"``, the error under ``"raise"``,
+raised once the flush's collectives are done; the rows of a failed collective are sent
+again by the next flush (once).
 
 Records (flat dicts, one per ``(step, module, site, phase)``)::
 
@@ -51,15 +72,16 @@ import collections
 import itertools
 import math
 import os
+import pickle
 import time
-import zlib
 from typing import Any, Deque, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
 from . import _stats, ops
 from ._bank import host_copy
-from ._stats import FIRST_BAD, STAT_FIELDS, StatsBlock, TensorStats, merge_rows, rows_to_values
+from ._stats import (FIRST_BAD, HEAD, HIST_HI, HIST_LO, STAT_FIELDS, StatsBlock, TensorStats, empty_rows,
+                     merge_rows, rows_to_values, touched)
 
 __all__ = ["Telemetry", "new_run_id", "STAT_FIELDS"]
 
@@ -152,14 +174,25 @@ class _Flight:
 
 
 class Telemetry:
-    """Per-session flush state: flushes in flight, step end times, the agreed layout."""
+    """Per-session flush state: flushes in flight, step end times, and under torch.distributed
+    the layout the ranks agreed on (see :class:`_Layouts`)."""
 
     def __init__(self):
         self.in_flight: Deque[_Flight] = collections.deque()
         self.step_times: Dict[int, float] = {}
         self.flushes = 0
         self.records_emitted = 0
-        self._agreed: Optional[int] = None  # layout signature all ranks agreed on
+        self._carry: List[StatsBlock] = []  # blocks of a failed collective flush, sent again once
+        self._layouts = _Layouts()
+
+    @staticmethod
+    def collective(session) -> bool:
+        """Whether this session's flushes are collective: torch.distributed is initialized
+        with more than one rank and some plugin of the session (disabled or not) implements
+        ``hookplug_collect``. Then every flush runs the same collectives on every rank."""
+        dist = _dist()
+        return (dist is not None and dist.get_world_size() > 1
+                and bool(session._call_order.get("hookplug_collect")))
 
     # -- driven by the session --------------------------------------------------------------------
 
@@ -171,19 +204,25 @@ class Telemetry:
         if len(times) > _MAX_STEP_TIMES:  # nobody flushes: keep the newest only
             for old in list(times)[: len(times) // 2]:
                 del times[old]
-        if self.in_flight:
-            self.poll(session)
         fe = session.flush_every
         if fe and session._steps_done % fe == 0:
             self.flush(session, wait=False)
+        elif self.in_flight:
+            self.poll(session)
 
     def flush(self, session, *, wait: bool = True) -> List[dict]:
         """Start a flush and emit every finished one; with ``wait`` finish them all.
-        Returns the records emitted by this call."""
-        emitted = self.poll(session)
-        flights = self._start(session)
+        Returns the records emitted by this call. The collectives of a distributed flush
+        run before anything that may raise on one rank only (sinks, record building); a
+        failure goes through the session's ``on_error`` once the flush is done."""
+        try:
+            flights, error = self._start(session)
+        except Exception as exc:  # noqa: BLE001 - on_error decides
+            flights, error = [], exc
         self.in_flight.extend(flights)
-        emitted += self.poll(session, wait=wait)
+        emitted = self.poll(session, wait=wait)
+        if error is not None:
+            session._telemetry_failed(error)
         return emitted
 
     def poll(self, session, *, wait: bool = False) -> List[dict]:
@@ -192,7 +231,11 @@ class Telemetry:
         while self.in_flight and (wait or self.in_flight[0].ready()):
             flight = self.in_flight.popleft()
             flight.wait()
-            records = self._records(session, flight)
+            try:
+                records = self._records(session, flight)
+            except Exception as exc:  # noqa: BLE001 - on_error decides
+                session._telemetry_failed(exc)
+                continue
             if records:
                 session._dispatch("hookplug_flush", records=records,
                                   skip=lambda p: flight.rank != 0 and not getattr(p, "all_ranks", False))
@@ -201,26 +244,49 @@ class Telemetry:
 
     # -- collect and pack (device side, no sync) ----------------------------------------------------
 
-    def _collect(self, session) -> List[StatsBlock]:
-        blocks: List[StatsBlock] = []
+    def _collect(self, session) -> Tuple[List[StatsBlock], Optional[BaseException]]:
+        """The producers' blocks (after those of a failed collective flush), and the error
+        that stopped the round (``on_error="raise"``), if any: the blocks gathered before it
+        are still flushed."""
+        blocks, self._carry = self._carry, []
 
         def take(name, res):
             blocks.extend(_as_blocks(name, res))
 
-        session._dispatch("hookplug_collect", step=session.step_index, on_result=take)
-        return blocks
+        try:
+            session._dispatch("hookplug_collect", step=session.step_index, on_result=take)
+        except Exception as exc:  # noqa: BLE001 - raised after the flush (the ranks flush together)
+            return blocks, exc
+        return blocks, None
 
-    def _start(self, session) -> List[_Flight]:
-        blocks = self._collect(session)
+    def _start(self, session) -> Tuple[List[_Flight], Optional[BaseException]]:
+        """Collect and start this flush: its flights, and an error to report once it is done."""
+        carried = {id(b) for b in self._carry}
+        blocks, error = self._collect(session)
+        dist = _dist()
+        if self.collective(session):
+            try:
+                flights, prep_error = self._start_collective(session, blocks, dist)
+            except Exception as exc:  # a collective failed: send the steps again once
+                self._layouts = _Layouts()
+                fresh = [b for b in blocks if id(b) not in carried]
+                self._carry = [StatsBlock(b.metas, b.rows.clone(), b.hist) for b in fresh]
+                lost = len(blocks) - len(fresh)
+                raise RuntimeError(
+                    f"hookplug telemetry: the distributed flush failed ({type(exc).__name__}: {exc}); "
+                    f"{len(fresh)} block(s) of stats rows are kept for the next flush"
+                    + (f", {lost} block(s) that had failed before are dropped" if lost else "")) from exc
+            self._prune_times(session)
+            self.flushes += 1
+            return flights, error or prep_error
         if not blocks:
             self._prune_times(session)
-            return []
+            return [], error
         now = time.time()
         times = self.step_times
         by_device: Dict[torch.device, List[StatsBlock]] = {}
         for b in blocks:
             by_device.setdefault(b.rows.device, []).append(b)
-        dist = _dist()
         rank = dist.get_rank() if dist is not None else 0
         run_id = getattr(session, "run_id", None)
         flights = []
@@ -232,21 +298,18 @@ class Telemetry:
                 stamps = [times.get(m["step"], now) for m in b.metas]
                 groups.append(_Group(b.metas, stamps, offset, b.rows.shape[0], b.rows.shape[1], b.hist))
                 offset += b.rows.numel() + b.rows.shape[0]
-            rows = [b.rows for b in items]
-            if dist is not None and dist.get_world_size() > 1:
-                parts = self._reduce(groups, rows, dist)
-            else:  # (rows, None): the first_bad clocks are the rows' own column
-                parts = [(r, None) for r in rows]
-            if dev.type == "cpu" and not _PACK_CPU_ROWS:  # host memory already: no packing, no copy
-                built = _build_records(groups, parts, rank, run_id)
-                flights.append(_Flight(None, None, groups, rank, None, built))
-                continue
-            buf = torch.cat([m.reshape(-1) for r, bad in parts
-                             for m in (r, r[:, FIRST_BAD] if bad is None else bad)])
-            flights.append(self._copy(buf, groups, rank))
+            parts = [(b.rows, None) for b in items]  # first_bad clocks: the rows' own column
+            flights.append(self._flight(dev, groups, parts, rank, run_id))
         self._prune_times(session)  # after the lookups: a record's time is its step's end
         self.flushes += 1
-        return flights
+        return flights, error
+
+    def _flight(self, dev, groups, parts, rank: int, run_id) -> _Flight:
+        if dev.type == "cpu" and not _PACK_CPU_ROWS:  # host memory already: no packing, no copy
+            return _Flight(None, None, groups, rank, None, _build_records(groups, parts, rank, run_id))
+        buf = torch.cat([m.reshape(-1) for r, bad in parts
+                         for m in (r, r[:, FIRST_BAD] if bad is None else bad)])
+        return self._copy(buf, groups, rank)
 
     def _copy(self, buf: torch.Tensor, groups, rank: int) -> _Flight:
         host, event = host_copy(buf)
@@ -259,32 +322,48 @@ class Telemetry:
 
     # -- torch.distributed -----------------------------------------------------------------------------
 
-    def _reduce(self, groups, rows, dist) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        """Merge every group's rows across ranks (one all_gather, then merge_rows): per group
-        ``(merged rows, this rank's first_bad column)``."""
-        keys = [(m["step"], m["module"], m["site"], m.get("phase")) for g in groups for m in g.metas]
-        shape = [(g.rows, g.width) for g in groups]
-        signature = zlib.crc32(repr((keys, shape)).encode())
-        if signature != self._agreed:
-            seen: List[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(seen, signature)
-            if len(set(seen)) != 1:
-                raise RuntimeError(
-                    "hookplug telemetry: the ranks flushed different (step, module, site) records "
-                    f"(layout signatures by rank: {seen}); under torch.distributed every rank must "
-                    "run the same selected modules on the same sampled steps and flush together")
-            self._agreed = signature
-        flat = torch.cat([r.reshape(-1) for r in rows])
-        world = dist.get_world_size()
-        gathered = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
-        dist.all_gather_into_tensor(gathered, flat)
-        gathered = gathered.view(world, -1)
-        out, start = [], 0
-        for r in rows:
-            part = gathered[:, start:start + r.numel()].reshape(world, *r.shape)
-            start += r.numel()
-            out.append((merge_rows(part), r[:, FIRST_BAD]))
-        return out
+    def _start_collective(self, session, blocks, dist):
+        """A flush every rank runs alike, whatever it holds: one ``all_gather_object`` (the
+        layouts, see :class:`_Layouts`), then per device type of the union one
+        ``all_gather_into_tensor`` of the rows laid out in the union order (a key this rank
+        lacks: empty rows, which merge as identity) and ``merge_rows``. Returns the flights
+        and the error of blocks this rank could not lay out (they are left out; raised or
+        warned once the flush is done)."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        local, error = _describe(blocks)
+        union = self._layouts.agree(session, local, dist, world, rank)
+        now = time.time()
+        times = self.step_times
+        run_id = getattr(session, "run_id", None)
+        homes: Dict[str, torch.device] = {}
+        for c in local.classes.values():
+            homes.setdefault(c.key[0], c.parts[0][0].device)
+        by_type: Dict[str, list] = {}
+        for ucls in union.classes:
+            by_type.setdefault(ucls.key[0], []).append(ucls)
+        flights = []
+        for dev_type, uclasses in by_type.items():
+            home = homes.get(dev_type) or _default_device(dev_type)
+            lays, groups, offset = [], [], 0
+            for ucls in uclasses:
+                c = local.classes.get(ucls.key)
+                laid, metas = union.lay_out(ucls, c, local.base, home)
+                lays.append(laid)
+                stamps = [times.get(m["step"], now) for m in metas]
+                groups.append(_Group(metas, stamps, offset, laid.shape[0], laid.shape[1],
+                                     c.hist if c is not None else ucls.key[2]))
+                offset += laid.numel() + laid.shape[0]
+            flat = torch.cat([laid.reshape(-1) for laid in lays]) if len(lays) > 1 else lays[0].reshape(-1)
+            gathered = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
+            dist.all_gather_into_tensor(gathered, flat)
+            gathered = gathered.view(world, -1)
+            parts, start = [], 0
+            for laid in lays:
+                part = gathered[:, start:start + laid.numel()].view(world, *laid.shape)
+                start += laid.numel()
+                parts.append((_merge_ranks(part), laid[:, FIRST_BAD]))  # this rank's clocks
+            flights.append(self._flight(home, groups, parts, rank, run_id))
+        return flights, error
 
     # -- host side --------------------------------------------------------------------------------------
 
@@ -312,6 +391,271 @@ class Telemetry:
             session._note_nonfinite({k: rec[k] for k in ("step", "module", "site", "phase", "rank")})
         self.records_emitted += len(out)
         return out
+
+
+# -- the layout of a distributed flush ------------------------------------------------------------
+#
+# A row's *ident* is ``(step, module, site, phase, extras)``: ``step`` relative to the
+# smallest int step of the rank's flush (other steps as they are), ``extras`` the repr of a
+# producer's own meta keys (None without). A *class* of rows shares ``(device type, width,
+# histogram kind)``: one class's rows merge row by row; each device type is gathered apart.
+
+_META_KEYS = ("step", "module", "site", "phase")
+
+
+def _hashable(kind):
+    try:
+        hash(kind)
+        return kind
+    except TypeError:
+        return repr(kind)
+
+
+def _default_device(dev_type: str) -> torch.device:
+    """Where a rank with no rows of a device type lays out its (empty) rows of it."""
+    if dev_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(dev_type)
+
+
+class _Class:
+    """This rank's rows of one class: unique ``idents`` in first-seen order with their
+    ``metas`` and ``extras`` (a producer's own meta keys, or None), and ``parts`` (each
+    block's rows and the ident index of every row; ``dups``: an ident came twice)."""
+
+    __slots__ = ("key", "hist", "idents", "extras", "metas", "index", "parts", "dups")
+
+    def __init__(self, key, hist):
+        self.key, self.hist = key, hist
+        self.idents: List[tuple] = []
+        self.extras: List[Optional[dict]] = []
+        self.metas: List[dict] = []
+        self.index: Dict[tuple, int] = {}
+        self.parts: List[Tuple[torch.Tensor, List[int]]] = []
+        self.dups = False
+
+
+class _Local(NamedTuple):
+    base: Optional[int]  # the smallest int step (idents' steps are relative to it)
+    classes: Dict[tuple, _Class]
+
+    def describe(self) -> list:
+        """What the other ranks need of this rank's layout (plain data)."""
+        return [(c.key, c.idents, c.extras) for c in self.classes.values()]
+
+
+def _describe(blocks: List[StatsBlock]) -> Tuple[_Local, Optional[BaseException]]:
+    """This rank's blocks by class; a block whose metas cannot be described (no ``step``,
+    ``module`` or ``site``) is left out and its error returned."""
+    error = None
+    steps = []
+    for b in blocks:
+        for m in b.metas:
+            try:
+                s = m["step"]
+            except Exception:  # noqa: BLE001 - the block is reported below
+                continue
+            if type(s) is int:
+                steps.append(s)
+    base = min(steps) if steps else None
+    classes: Dict[tuple, _Class] = {}
+    for b in blocks:
+        try:
+            rows = b.rows
+            idents = []
+            for m in b.metas:
+                step = m["step"]
+                if type(step) is int:
+                    step -= base
+                if len(m) == 4 and "phase" in m:
+                    idents.append(((step, m["module"], m["site"], m["phase"], None), None))
+                else:
+                    extras = {k: v for k, v in m.items() if k not in _META_KEYS} or None
+                    idents.append(((step, m["module"], m["site"], m.get("phase"),
+                                    None if extras is None else repr(sorted(extras.items()))), extras))
+            if _unpicklable(idents):
+                raise TypeError("a meta's own keys must be picklable (they travel to the other ranks)")
+            key = (rows.device.type, rows.shape[1], _hashable(b.hist))
+        except Exception as exc:  # noqa: BLE001 - reported once the flush is done
+            error = error or exc
+            continue
+        c = classes.get(key)
+        if c is None:
+            c = classes[key] = _Class(key, b.hist)
+        idx = []
+        for (ident, extras), meta in zip(idents, b.metas):
+            i = c.index.get(ident)
+            if i is None:
+                i = c.index[ident] = len(c.idents)
+                c.idents.append(ident)
+                c.extras.append(extras)
+                c.metas.append(meta)
+            else:
+                c.dups = True
+            idx.append(i)
+        c.parts.append((rows, idx))
+    return _Local(base, classes), error
+
+
+def _unpicklable(idents) -> bool:
+    """Whether a producer's own meta keys cannot travel to the other ranks."""
+    for _, extras in idents:
+        if extras is not None:
+            try:
+                pickle.dumps(extras)
+            except Exception:  # noqa: BLE001
+                return True
+    return False
+
+
+class _UnionClass:
+    """One class of the union layout: its key and idents (steps relative to the union's
+    ``ref``), in step order; and, for this rank, where its local idents go (``where``, None:
+    the local idents are the union's, in order) and which local ident each row holds
+    (``local``, -1: none)."""
+
+    __slots__ = ("key", "idents", "extras", "where", "local")
+
+    def __init__(self, key, idents, extras):
+        self.key, self.idents, self.extras = key, idents, extras
+        self.where: Optional[List[int]] = None
+        self.local: Optional[List[int]] = None
+
+
+class _Union:
+    """The union of every rank's layout, and this rank's place in it."""
+
+    def __init__(self, descs, shifts, mine: Optional[list], my_shift: int):
+        merged: Dict[tuple, Dict[tuple, Any]] = {}
+        for desc, shift in zip(descs, shifts):
+            for key, idents, extras in desc:
+                u = merged.setdefault(key, {})
+                for ident, ex in zip(idents, extras):
+                    if shift and type(ident[0]) is int:
+                        ident = (ident[0] + shift,) + ident[1:]
+                    if ident not in u:
+                        u[ident] = ex
+        self.classes: List[_UnionClass] = []
+        for key, u in merged.items():
+            items = list(u.items())
+            first: Dict[Any, int] = {}
+            for ident, _ in items:
+                first.setdefault(ident[0], len(first))
+            # step order (int steps by value, others by first appearance), then first seen
+            items.sort(key=lambda it: (0, it[0][0], 0) if type(it[0][0]) is int else (1, 0, first[it[0][0]]))
+            self.classes.append(_UnionClass(key, [i for i, _ in items], [e for _, e in items]))
+        mine_by_key = {key: idents for key, idents, _ in (mine or ())}
+        for ucls in self.classes:
+            idents = mine_by_key.get(ucls.key)
+            if idents is None:
+                continue
+            if my_shift:
+                idents = [(i[0] + my_shift,) + i[1:] if type(i[0]) is int else i for i in idents]
+            if idents == ucls.idents:
+                continue  # the common case: every rank has the same rows
+            pos = {ident: p for p, ident in enumerate(ucls.idents)}
+            ucls.where = [pos[i] for i in idents]
+            ucls.local = [-1] * len(ucls.idents)
+            for li, p in enumerate(ucls.where):
+                ucls.local[p] = li
+        self.ref: Optional[int] = None  # set by the caller at every flush
+
+    def lay_out(self, ucls: _UnionClass, c: Optional[_Class], base: Optional[int], home):
+        """This rank's rows of ``ucls`` in the union order on ``home`` (float64; rows of an
+        ident seen twice here merged) and the metas of the union's rows."""
+        n, width = len(ucls.idents), ucls.key[1]
+        if c is None:
+            return empty_rows(n, width - HEAD, device=home), [self._meta(ucls, p) for p in range(n)]
+        rows = [r if r.device == home and r.dtype == torch.float64 else r.to(home, torch.float64)
+                for r, _ in c.parts]
+        if ucls.where is None and not c.dups:
+            return (rows[0] if len(rows) == 1 else torch.cat(rows)), c.metas
+        where = ucls.where if ucls.where is not None else list(range(n))
+        target, count = [], {}
+        for _, idx in c.parts:
+            for i in idx:
+                p = where[i]
+                k = count.get(p, 0)  # the k-th row of this ident here: layer k
+                count[p] = k + 1
+                target.append(k * n + p)
+        layers = max(count.values()) if count else 1
+        laid = empty_rows(layers * n, width - HEAD, device=home)
+        laid.index_copy_(0, torch.tensor(target, device=home), torch.cat(rows) if len(rows) > 1 else rows[0])
+        laid = laid[:n] if layers == 1 else merge_rows(laid.view(layers, n, -1))
+        if ucls.local is None:
+            return laid, c.metas
+        metas = [c.metas[li] if li >= 0 else self._meta(ucls, p) for p, li in enumerate(ucls.local)]
+        return laid, metas
+
+    def _meta(self, ucls: _UnionClass, p: int) -> dict:
+        """The meta of a union row this rank has no row of (its step made absolute)."""
+        step, module, site, phase, _ = ucls.idents[p]
+        if type(step) is int and self.ref is not None:
+            step += self.ref
+        meta = {"step": step, "module": module, "site": site}
+        if phase is not None:
+            meta["phase"] = phase
+        extras = ucls.extras[p]
+        if extras:
+            meta.update(extras)
+        return meta
+
+
+class _Layouts:
+    """The ranks' layouts, agreed on in one ``all_gather_object`` per flush of
+    ``(version, base step, layout or None, run_id)``: a rank sends its layout only when it
+    changed since it last sent one (else its version, which every rank knows); the union is
+    rebuilt only when a version or a rank's base step relative to the others changed. The
+    first exchange also hands rank 0's ``run_id`` to every rank."""
+
+    def __init__(self):
+        self.version = 0
+        self.sent: Optional[list] = None  # what this rank sent last
+        self.known: Dict[int, Tuple[int, list]] = {}  # rank -> (version, layout)
+        self.union_key: Any = None
+        self.union: Optional[_Union] = None
+        self.run_id_agreed = False
+
+    def agree(self, session, local: _Local, dist, world: int, rank: int) -> _Union:
+        desc = local.describe()
+        changed = desc != self.sent
+        if changed:
+            self.version += 1
+        run_id = getattr(session, "run_id", None) if rank == 0 and not self.run_id_agreed else None
+        seen: List[Any] = [None] * world
+        dist.all_gather_object(seen, (self.version, local.base, desc if changed else None, run_id))
+        self.sent = desc
+        for r, (version, _, layout, _) in enumerate(seen):
+            if layout is not None:
+                self.known[r] = (version, layout)
+            elif self.known.get(r, (None,))[0] != version:
+                raise RuntimeError(f"hookplug telemetry: rank {r}'s layout (version {version}) is "
+                                   "unknown here (a flush failed part way before)")
+        if not self.run_id_agreed:
+            self.run_id_agreed = True
+            if seen[0][3]:
+                session.run_id = seen[0][3]
+        bases = [b for _, b, _, _ in seen]
+        ints = [b for b in bases if b is not None]
+        ref = min(ints) if ints else None
+        shifts = [0 if b is None else b - ref for b in bases]
+        key = tuple((v, s) for (v, _, _, _), s in zip(seen, shifts))
+        if key != self.union_key:
+            self.union = _Union([self.known[r][1] for r in range(world)], shifts, desc, shifts[rank])
+            self.union_key = key
+        self.union.ref = ref
+        return self.union
+
+
+def _merge_ranks(part: torch.Tensor) -> torch.Tensor:
+    """``[world, R, W]`` gathered rows merged over the ranks; the histogram range of each row
+    is that of the first rank that touched it (a rank without the row sent an empty one)."""
+    merged = merge_rows(part)
+    if part.shape[-1] > HEAD and part.shape[0] > 1:
+        first = touched(part).to(torch.float64).argmax(0)  # the first touched rank (0: none)
+        idx = first.view(1, -1, 1).expand(1, -1, 2)
+        merged[:, HIST_LO:HIST_HI + 1] = part[:, :, HIST_LO:HIST_HI + 1].gather(0, idx)[0]
+    return merged
 
 
 # A record's keys in order (a producer's own meta keys follow).

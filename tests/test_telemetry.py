@@ -294,6 +294,32 @@ def test_bad_collect_result_names_the_plugin():
     assert "bad" in s.disabled
 
 
+def test_a_failing_flush_warns_under_warn_instead_of_raising_from_step():
+    """A flush that fails outside any plugin hook (here a producer's block without a step)
+    goes through on_error: a warning from session.step() under "warn", the error under "raise"."""
+    from hookplug._stats import StatsBlock
+
+    class NoStep:
+        name = "nostep"
+
+        @hookplug.hookimpl
+        def hookplug_collect(self):
+            st = hookplug.ops.tensor_stats(torch.ones(3))
+            return [StatsBlock([{"module": "m", "site": "output"}], st.row.reshape(1, -1), st.hist)]
+
+    m = MLP()
+    s = hookplug.attach(m, "Linear", plugins=NoStep(), sink=ListSink(), flush_every=1, on_error="warn")
+    with pytest.warns(RuntimeWarning, match="hookplug telemetry: a flush failed.*KeyError"):
+        s.step()
+    with pytest.warns(RuntimeWarning, match="a flush failed"):
+        s.remove()
+    s = hookplug.attach(m, "Linear", plugins=NoStep(), sink=ListSink(), flush_every=1)
+    with pytest.raises(KeyError):
+        s.step()
+    with pytest.raises(KeyError):
+        s.remove()
+
+
 def test_failing_sink_is_disabled_under_warn():
     class Broken:
         name = "broken"

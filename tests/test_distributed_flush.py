@@ -1,0 +1,271 @@
+"""Distributed flushes are collective-safe: two gloo ranks (CPU processes) whose local state
+differs (a plugin disabled on one rank, a sink on rank 0 only, an eval forward or a module
+called on one rank only) still flush together, never hang, and reduce by the union of their
+keys: a record is the exact statistics of every rank's data for its key, on every rank.
+
+Collectives get a short timeout (a regression fails instead of hanging); each worker writes
+what it saw to a JSON file that the test then checks."""
+import datetime
+import json
+import math
+import os
+import socket
+import traceback
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+import hookplug
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")]
+
+WORLD = 2
+TIMEOUT = datetime.timedelta(seconds=15)  # a rank left alone in a collective fails in 15 s
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, fn_name, port, out):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD, timeout=TIMEOUT)
+    res = {}
+    try:
+        torch.set_num_threads(1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            res = globals()[fn_name](rank, out)
+        res["warnings"] = [str(w.message) for w in caught if str(w.message).startswith("hookplug")]
+        dist.barrier()  # every rank left its session: none is stuck in a collective
+    except BaseException as exc:  # noqa: BLE001 - reported by the test
+        res = {"error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()[-3000:]}
+    finally:
+        with open(os.path.join(out, f"res{rank}.json"), "w") as f:
+            json.dump(res, f)
+        dist.destroy_process_group()
+
+
+def spawn(fn_name, tmp_path):
+    mp.spawn(_worker, args=(fn_name, free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    res = [json.load(open(tmp_path / f"res{r}.json")) for r in range(WORLD)]
+    for r, got in enumerate(res):
+        assert "error" not in got, (r, got.get("error"), got.get("tb"))
+    return res
+
+
+class Dump:
+    """Keeps every record on every rank."""
+
+    name = "dump"
+    all_ranks = True
+
+    def __init__(self):
+        self.records = []
+
+    @hookplug.hookimpl
+    def hookplug_flush(self, records):
+        self.records.extend(records)
+
+
+class Net(nn.Module):
+    """fc1 -> fc2 always; ``extra`` only when asked (an early exit, an expert)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.extra = nn.Linear(6, 5), nn.Linear(5, 3), nn.Linear(3, 3)
+
+    def forward(self, x, extra=False):
+        y = self.fc2(torch.relu(self.fc1(x)))
+        return self.extra(y) if extra else y
+
+
+def watch(model, state):
+    """Every Linear output, seen by plain torch hooks: ``{"step|module|phase": [values]}``."""
+    seen = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear):
+            mod.register_forward_hook(lambda m, i, o, name=name: seen.setdefault(
+                f"{state['step']}|{name}|{'train' if m.training else 'eval'}", []).extend(
+                o.detach().double().reshape(-1).tolist()))
+    return seen
+
+
+def ref_stats(values):
+    x = torch.tensor(values, dtype=torch.float64)
+    return {"numel": x.numel(), "min": float(x.min()), "max": float(x.max()),
+            "mean": float(x.mean()), "std": float(x.std(correction=0)), "zero_count": int((x == 0).sum())}
+
+
+def key(rec):
+    return f"{rec['step']}|{rec['module']}|{rec['phase']}"
+
+
+def assert_exact(records, seen_by_rank, ranks=(0, 1)):
+    """Each record: the statistics of what the given ranks computed for its key (float64)."""
+    for rec in records:
+        values = [v for r in ranks for v in seen_by_rank[r].get(key(rec), [])]
+        want = ref_stats(values)
+        for k in ("numel", "zero_count", "min", "max"):
+            assert rec[k] == want[k], (key(rec), k, rec[k], want[k])
+        for k in ("mean", "std"):
+            assert math.isclose(rec[k], want[k], rel_tol=1e-6, abs_tol=1e-7), (key(rec), k, rec[k], want[k])
+        edges = torch.tensor(rec["hist_edges"], dtype=torch.float64)
+        assert rec["hist"] == torch.histogram(torch.tensor(values, dtype=torch.float64), bins=edges)[0].long().tolist()
+
+
+def same_on_every_rank(res):
+    strip = lambda recs: sorted(({k: v for k, v in r.items() if k not in ("rank", "time")} for r in recs),
+                                key=lambda r: (r["step"], r["module"], r["phase"]))
+    assert strip(res[0]["records"]) == strip(res[1]["records"])
+
+
+# -- a module or phase on one rank only -------------------------------------------------------------
+
+def one_rank_keys(rank, out):
+    """flush_every=2; step 0: an eval forward on rank 0 only; step 1: ``extra`` runs on rank 1
+    only; step 2: ``extra`` on rank 0 only, at step 3 (flushed by remove()) on both."""
+    torch.manual_seed(0)
+    model = Net()
+    state = {"step": 0}
+    seen = watch(model, state)
+    dump = Dump()
+    g = torch.Generator().manual_seed(100 + rank)
+    with hookplug.attach(model, "Linear", plugins="stats", sink=dump, flush_every=2, on_error="warn") as s:
+        for step in range(4):
+            state["step"] = step
+            extra = (step == 1 and rank == 1) or (step == 2 and rank == 0) or step == 3
+            model(torch.randn(4, 6, generator=g) * (1 + step + rank), extra=extra).sum().backward()
+            if step == 0 and rank == 0:
+                model.eval()
+                with torch.no_grad():
+                    model(torch.randn(2, 6, generator=g) + 50.0)
+                model.train()
+            s.step()
+        run_id = s.run_id
+    return {"records": dump.records, "seen": seen, "run_id": run_id, "disabled": s.disabled}
+
+
+def test_keys_seen_on_one_rank_only_reduce_by_the_union_exactly(tmp_path):
+    res = spawn("one_rank_keys", tmp_path)
+    seen = [r["seen"] for r in res]
+    for r in res:
+        assert not r["warnings"] and not r["disabled"], r["warnings"]
+        got = {key(rec) for rec in r["records"]}
+        assert got == set(seen[0]) | set(seen[1])  # one record per key seen on any rank
+        assert len(r["records"]) == len(got)
+        assert "0|fc1|eval" in got and "1|extra|train" in got and "2|extra|train" in got
+        assert_exact(r["records"], seen)
+        # records come out in step order
+        steps = [rec["step"] for rec in r["records"]]
+        assert steps == sorted(steps)
+    same_on_every_rank(res)
+
+
+# -- a plugin disabled on one rank -------------------------------------------------------------------
+
+def disabled_on_one_rank(rank, out):
+    """stats(nonfinite="raise") under on_error="warn": a NaN on rank 1 at step 1 disables stats
+    there; rank 0 goes on (no DDP: the NaN stays on rank 1). A second producer (params) stays
+    live on both ranks."""
+    torch.manual_seed(0)
+    model = Net()
+    state = {"step": 0}
+    seen = watch(model, state)
+    dump = Dump()
+    g = torch.Generator().manual_seed(100 + rank)
+    with hookplug.attach(model, "Linear", plugins=[("stats", {"nonfinite": "raise"}), ("params", {"bins": 0})],
+                         sink=dump, flush_every=2, on_error="warn") as s:
+        for step in range(5):
+            state["step"] = step
+            x = torch.randn(4, 6, generator=g)
+            if rank == 1 and step == 1:
+                x[0, 0] = math.nan
+            model(x).nan_to_num().sum().backward()
+            model.zero_grad()
+            s.step()
+    return {"records": dump.records, "seen": seen, "disabled": list(s.disabled)}
+
+
+def test_a_plugin_disabled_on_one_rank_does_not_hang_the_flush(tmp_path):
+    res = spawn("disabled_on_one_rank", tmp_path)
+    assert res[0]["disabled"] == [] and res[1]["disabled"] == ["stats"]
+    seen = [r["seen"] for r in res]
+    for r in res:
+        outputs = [rec for rec in r["records"] if rec["site"] == "output"]
+        # rank 1's stats rows stop with its plugin (steps 0 and 1 were pending there): from
+        # then on the records are rank 0's data, still written, flush after flush
+        assert sorted({rec["step"] for rec in outputs}) == [0, 1, 2, 3, 4]
+        assert_exact(outputs, seen, ranks=(0,))
+        weights = [rec for rec in r["records"] if rec["site"] == "weight"]
+        assert sorted({rec["step"] for rec in weights}) == [0, 1, 2, 3, 4]
+    same_on_every_rank(res)
+    assert any("'stats' failed and is disabled" in w for w in res[1]["warnings"])
+
+
+# -- a sink on rank 0 only, run ids -----------------------------------------------------------------
+
+def sink_on_rank0(rank, out):
+    """The usual "log on rank 0" pattern: a jsonl sink on rank 0, none on rank 1, no
+    flush_every: remove() runs the final flush on both ranks."""
+    torch.manual_seed(0)
+    model = Net()
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)  # extra: unused
+    state = {"step": 0}
+    seen = watch(model, state)
+    g = torch.Generator().manual_seed(100 + rank)
+    sink = ("jsonl", {"path": os.path.join(out, "j")}) if rank == 0 else None
+    with hookplug.attach(ddp, "Linear", plugins="stats", sink=sink) as s:
+        for step in range(3):
+            state["step"] = step
+            ddp(torch.randn(4, 6, generator=g)).sum().backward()
+            s.step()
+        sinks = list(s.sinks)
+    return {"seen": seen, "sinks": sinks, "run_id": s.run_id}
+
+
+def test_a_sink_on_rank_0_only_writes_every_step_without_hanging(tmp_path):
+    from hookplug_plugins.sinks.jsonl import read_jsonl
+
+    res = spawn("sink_on_rank0", tmp_path)
+    assert res[0]["sinks"] == ["jsonl"] and res[1]["sinks"] == []
+    records = read_jsonl(str(tmp_path / "j"))
+    assert sorted((rec["step"], rec["module"]) for rec in records) == \
+        [(step, m) for step in range(3) for m in ("fc1", "fc2")]
+    assert_exact(records, [r["seen"] for r in res])  # both ranks' data, though rank 1 has no sink
+    assert {rec["run_id"] for rec in records} == {res[0]["run_id"]} and res[0]["run_id"] == res[1]["run_id"]
+
+
+def shared_file(rank, out):
+    """Both ranks append to one jsonl file (all_ranks=True); their process ids differ, the
+    run id they write must not. Read after the first flush."""
+    torch.manual_seed(0)
+    model = Net()
+    before = None
+    with hookplug.attach(model, "Linear", plugins="stats", flush_every=1,
+                         sink=("jsonl", {"path": os.path.join(out, "shared"), "all_ranks": True})) as s:
+        before = s.run_id
+        for _ in range(2):
+            model(torch.randn(4, 6)).sum().backward()
+            s.step()
+        after_first_flush = s.run_id
+    return {"before": before, "after": after_first_flush}
+
+
+def test_every_rank_takes_rank_0s_run_id(tmp_path):
+    from hookplug_plugins.sinks.jsonl import read_jsonl
+
+    res = spawn("shared_file", tmp_path)
+    assert res[0]["before"] != res[1]["before"]  # time + pid: different processes
+    assert res[0]["after"] == res[1]["after"] == res[0]["before"]
+    records = read_jsonl(str(tmp_path / "shared"))
+    assert {rec["rank"] for rec in records} == {0, 1}
+    assert {rec["run_id"] for rec in records} == {res[0]["before"]}
+    assert len(read_jsonl(str(tmp_path / "shared"), run_id=res[0]["before"])) == len(records) == 2 * 2 * 2
