@@ -36,7 +36,6 @@ _BANKS: "weakref.WeakValueDictionary[int, StatsBank]" = weakref.WeakValueDiction
 _bank_ids = itertools.count(1)
 _by_key_op: Any = None  # the op, or False where this torch cannot keep it in a graph
 
-
 def accumulate_by_key_op():
     """``hookplug::stats_accumulate_by_key(x, bank, module, site, phase) -> ()``, or None
     where torch offers no way to keep it in a compiled graph (grad sites then graph-break
@@ -299,16 +298,22 @@ class StatsBank:
             for dev in self._devices.values():
                 dev.grow(capacity)
 
-    def device_rows(self, device) -> _DeviceRows:
+    def device_rows(self, device) -> Optional[_DeviceRows]:
+        """The rows of ``device``, made the first time; None for the meta device: a meta
+        tensor has no values (a model built on ``meta`` and materialized later with
+        ``to_empty``), and a bank there could never be read."""
         dev = self._devices.get(device)
         if dev is None:
+            if torch.device(device).type == "meta":
+                return None
             dev = self._devices[device] = _DeviceRows(device, self._capacity, self.width,
                                                       *self._range_cols, self.live)
         return dev
 
     def prepare(self, device=None) -> None:
         """Before the first call (e.g. at session start): the op and the likely device's
-        bank, so compiled code never creates them while tracing."""
+        bank, so compiled code never creates them while tracing (none for the meta device:
+        the bank of the device the model is materialized on is made by its first call)."""
         from . import ops
 
         if ops.backend() != "reference":
@@ -324,12 +329,15 @@ class StatsBank:
     # -- the hot path ------------------------------------------------------------------------
     def accumulate(self, t: torch.Tensor, key: Tuple, gated: bool = False) -> None:
         """Merge the statistics of ``t`` (strided, floating) into ``key``'s row (``gated``:
-        sampling left to the device gate alone, as in compiled code)."""
+        sampling left to the device gate alone, as in compiled code). A meta tensor has no
+        values: its key gets a row, nothing is measured."""
         compiling = _is_compiling()
         if not compiling and not self.live and not gated:
             return  # an unsampled step (eager); traced code reads the device gate instead
         row = self.rows.get(key) or self.row_of(key)
         dev = self._devices.get(t.device) or self.device_rows(t.device)
+        if dev is None:  # the meta device
+            return
         # The gate is passed in eager code too: a CUDA graph captured there replays the op,
         # and the device flag is what keeps sampling working on replay.
         if not compiling and self._eager is not None and type(t) in _PLAIN_TENSORS:

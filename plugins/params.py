@@ -211,8 +211,8 @@ class ParamsPlugin(hookplug.Plugin):
         elif self._world > 1 and self.plain_tensors == "replicated":
             if self._rank != pr.index % self._world:
                 return None
-        if not t.is_floating_point() or t.layout is not torch.strided:
-            return None
+        if not t.is_floating_point() or t.layout is not torch.strided or t.is_meta:
+            return None  # a meta tensor (not materialized yet) has no values
         return t.detach()
 
     # -- measuring ---------------------------------------------------------------------------------
@@ -248,7 +248,7 @@ class ParamsPlugin(hookplug.Plugin):
             if prev is None:
                 continue
             w = self._local(pr, pr.tensor())
-            if w is None or w.shape != prev.shape:
+            if w is None or w.shape != prev.shape or w.device != prev.device:
                 continue
             torch.sub(w, prev, out=prev)  # prev now holds the update (refilled before the next)
             self.bank.accumulate(prev, pr.keys["update"])
@@ -308,7 +308,7 @@ class ParamsPlugin(hookplug.Plugin):
                 device = t.device if not (_DTensor is not None and isinstance(t, _DTensor)) \
                     else t.to_local().device
                 break
-        self.bank.prepare(device)
+        self.bank.prepare(device)  # none on the meta device: made when it is materialized
         self.bank.set_live(session.sampled)
         if self._optimizers is None:
             from torch.optim.optimizer import (register_optimizer_step_post_hook,

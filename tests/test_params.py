@@ -171,3 +171,107 @@ def test_wrapper_names_are_cleaned():
         opt.step()
         assert set(s["params"].results()) == {"0.weight", "0.bias", "2.weight", "2.bias"}
         assert set(s["stats"].results()) == {"0", "2"}
+
+
+def _close(k, got, want):
+    """``got[k]`` equals the float64 reference to float32 rounding (the CPU op sums float32
+    blocks in float32 lanes: a mean is exact to ~1e-7 of the std, README)."""
+    tol = 1e-6 * want["std"] if k == "mean" else 1e-6 * abs(want[k])
+    return abs(got[k] - want[k]) <= tol + 1e-12
+
+
+# -- a model built on the meta device, materialized after attach ----------------------------------
+
+def _meta_mlp(device):
+    with torch.device(device):
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _materialize(m):
+    m.to_empty(device="cpu")
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return m
+
+
+def test_attach_on_meta_then_to_empty_equals_attach_after():
+    """FSDP2's deferred init (and a common single-process recipe): attach on a meta model,
+    to_empty() and initialize, train. Everything (results, report, flush, remove) works and
+    gives the numbers of the materialized model: those of a session attached after
+    to_empty, and the float64 references."""
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(3))
+    plugins = ["params", ("stats", {"sites": ("output", "grad")})]
+
+    def run(meta_first):
+        m = _meta_mlp("meta")
+        if meta_first:
+            s = hookplug.attach(m, "Linear", plugins=plugins)
+            _materialize(m)
+        else:
+            _materialize(m)
+            s = hookplug.attach(m, "Linear", plugins=plugins)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        want = []
+        outs = {}
+        hs = [mod.register_forward_hook(lambda mod, i, o, n=n: outs.__setitem__(n, o.detach().double()))
+              for n, mod in m.named_children() if isinstance(mod, nn.Linear)]
+        for step in range(2):
+            opt.zero_grad()
+            m(x * (step + 1)).square().mean().backward()
+            before = {n: p.detach().double().clone() for n, p in m.named_parameters()}
+            grads = {n: p.grad.detach().double().clone() for n, p in m.named_parameters()}
+            opt.step()
+            want.append({"params": {n: {"weight": before[n], "grad": grads[n],
+                                        "update": p.detach().double() - before[n]}
+                                    for n, p in m.named_parameters()},
+                         "outputs": dict(outs)})
+            s.step()
+        for h in hs:
+            h.remove()
+        res = {k: {n: {site: st.to_dict() for site, st in v.items()} for n, v in r.items()}
+               for k, r in s.results().items()}
+        report = s.report()
+        recs = s.flush()
+        s.remove()
+        return want, res, report, recs
+
+    want, res, report, recs = run(True)
+    _, res2, report2, recs2 = run(False)
+    assert res == res2
+    assert "0.weight" in report and report.splitlines()[1:] == report2.splitlines()[1:]
+    strip = lambda rs: sorted(({k: v for k, v in r.items() if k not in ("time", "run_id")}  # noqa: E731
+                               for r in rs), key=lambda r: (r["step"], r["module"], r["site"]))
+    assert strip(recs) == strip(recs2)
+    by = {(r["step"], r["module"], r["site"]): r for r in recs}
+    assert len(by) == 2 * (4 * 3 + 2 * 2)
+    for step in range(2):
+        for name, sites in want[step]["params"].items():
+            for site, t in sites.items():
+                w, r = ref(t), by[(step, name, site)]
+                assert r["numel"] == w["numel"]
+                for k in ("min", "max", "mean", "std", "l2"):
+                    assert _close(k, r, w), (name, site, k, r[k], w[k])
+        for name, t in want[step]["outputs"].items():
+            w, r = ref(t), by[(step, name, "output")]
+            assert r["numel"] == w["numel"]
+            for k in ("min", "max", "mean", "std"):
+                assert _close(k, r, w), (name, k, r[k], w[k])
+
+
+def test_meta_forward_records_nothing_and_no_meta_bank():
+    """A forward on the meta model (shape inference before materializing) measures nothing:
+    no bank is ever made on the meta device."""
+    m = _meta_mlp("meta")
+    s = hookplug.attach(m, "Linear", plugins=["params", "stats"])
+    m(torch.randn(4, 8, device="meta"))
+    assert s["stats"].results() == {} and s["params"].results() == {}
+    s.step()
+    assert all(d.type != "meta" for p in ("stats", "params") for d in s[p].bank._devices)
+    _materialize(m)
+    y = m(torch.randn(4, 8))
+    st = s["stats"].results()["2"]["output"]
+    check(st, ref(y))
+    assert s.flush() is not None
+    s.remove()
