@@ -1,8 +1,10 @@
 """The ``params`` plugin under torch.distributed (gloo, CPU processes on 127.0.0.1): the
-records of a DDP / FSDP2 / HSDP run equal those of the same model trained unsharded in one
-process (counts exact, float fields to 1e-6 relative), with one packed collective per flush
-and no gather of parameters or gradients. ``head`` has one output row, so under FSDP2 a rank
+records of a DDP / FSDP2 / HSDP run, and of DDP with ``ZeroRedundancyOptimizer`` (a wrapper
+whose step() calls its inner optimizer's, given the loss as a closure), equal those of the
+same model trained unsharded in one process (counts exact, float fields to 1e-6 relative),
+with one packed collective per flush and no gather of parameters or gradients. ``head`` has one output row, so under FSDP2 a rank
 holds an empty shard of it and still takes part in every collective."""
+import datetime
 import json
 import math
 import os
@@ -61,8 +63,14 @@ class DumpSink:
         self.records.extend(records)
 
 
-def train(model, wrapped, chunk, world):
-    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
+def train(model, wrapped, chunk, world, zero=False):
+    if zero:  # each rank's inner SGD steps its partition, then ZeRO broadcasts the others
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.SGD,
+                                      lr=0.1, momentum=0.9)
+    else:
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
     sink = DumpSink()
     calls = {"gather": 0}
     real = dist.all_gather_into_tensor
@@ -70,9 +78,18 @@ def train(model, wrapped, chunk, world):
                          sink=sink) as s:
         for x, y in batches():
             xc, yc = x.chunk(world)[chunk], y.chunk(world)[chunk]
-            (wrapped(xc) - yc).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+            if zero:
+                def closure():
+                    opt.zero_grad()
+                    loss = (wrapped(xc) - yc).square().mean()
+                    loss.backward()
+                    return loss
+
+                opt.step(closure)
+            else:
+                (wrapped(xc) - yc).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
             s.step()
 
         def counting(*a, **k):
@@ -89,11 +106,11 @@ def train(model, wrapped, chunk, world):
 
 def worker(rank, mode, world, port, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         torch.set_num_threads(1)
         model = make_model()
-        if mode == "ddp":
+        if mode in ("ddp", "zero"):
             wrapped = nn.parallel.DistributedDataParallel(model)
         else:
             from torch.distributed.device_mesh import init_device_mesh
@@ -105,7 +122,7 @@ def worker(rank, mode, world, port, out):
                 fully_shard(m, mesh=mesh)
             fully_shard(model, mesh=mesh)
             wrapped = model
-        records, gathers = train(model, wrapped, rank, world)
+        records, gathers = train(model, wrapped, rank, world, zero=mode == "zero")
         with open(os.path.join(out, f"r{rank}.json"), "w") as f:
             json.dump({"records": records, "gathers": gathers}, f)
     finally:
@@ -137,7 +154,7 @@ def close(a, b):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-@pytest.mark.parametrize("mode,world", [("ddp", 2), ("fsdp", 2), ("hsdp", 4)])
+@pytest.mark.parametrize("mode,world", [("ddp", 2), ("fsdp", 2), ("hsdp", 4), ("zero", 2)])
 def test_sharded_param_stats_equal_unsharded(tmp_path, mode, world):
     mp.spawn(worker, args=(mode, world, free_port(), str(tmp_path)), nprocs=world, join=True)
     want, norms = reference()
