@@ -26,7 +26,7 @@ import torch
 
 from ._stats import HEAD, StatsBlock, TensorStats, empty_rows, merge_rows, touched
 
-__all__ = ["StatsBank"]
+__all__ = ["StatsBank", "is_dtensor", "dtensor_local"]
 
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 MAX_BINS = 1 << 16
@@ -35,6 +35,48 @@ _FOLD_EVERY = 16  # ended steps merged into the totals in one batch
 _BANKS: "weakref.WeakValueDictionary[int, StatsBank]" = weakref.WeakValueDictionary()
 _bank_ids = itertools.count(1)
 _by_key_op: Any = None  # the op, or False where this torch cannot keep it in a graph
+
+try:  # torch >= 2.4
+    from torch.distributed.tensor import DTensor as _DTensor
+except Exception:  # pragma: no cover - older torch / no distributed
+    try:
+        from torch.distributed._tensor import DTensor as _DTensor
+    except Exception:
+        _DTensor = None
+
+
+def is_dtensor(t) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor``."""
+    return _DTensor is not None and isinstance(t, _DTensor)
+
+
+def dtensor_local(t, owner: int) -> Tuple[Optional[torch.Tensor], bool]:
+    """The part of the DTensor ``t`` this rank counts, such that merging every rank's rows
+    (telemetry's cross-rank merge) gives the statistics of the whole logical tensor, each
+    element counted once: ``(local tensor or None, partial)``.
+
+    - ``Shard`` mesh dimensions: the local shard (``to_local()``; it may be empty).
+    - ``Replicate`` mesh dimensions: every rank along the dimension holds the same data, so
+      only the rank whose coordinate there is ``owner % size`` counts it (callers spread
+      ``owner``, e.g. a row or parameter index, so the work is spread over the replicas).
+    - ``Partial`` placements: partial sums have no mergeable statistics: ``(None, True)``
+      (the caller warns).
+    - a rank outside the DTensor's mesh: ``(None, False)``.
+
+    Replication *outside* the mesh (a DTensor on a sub-mesh of the world) is not visible
+    here: every replica of that sub-mesh counts its part, as data-parallel copies of a plain
+    tensor are."""
+    mesh = t.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return None, False
+    for dim, pl in enumerate(t.placements):
+        if pl.is_partial():
+            return None, True
+        if pl.is_replicate() and coord[dim] != owner % mesh.size(dim):
+            return None, False
+    return t.to_local(), False
+
 
 def accumulate_by_key_op():
     """``hookplug::stats_accumulate_by_key(x, bank, module, site, phase) -> ()``, or None

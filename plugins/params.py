@@ -99,21 +99,14 @@ import torch
 
 import hookplug
 from hookplug import hookimpl
-from hookplug._bank import StatsBank, check_hist_options, check_max_pending, check_sites, pad_rows
+from hookplug._bank import (StatsBank, check_hist_options, check_max_pending, check_sites,
+                            dtensor_local, is_dtensor, pad_rows)
 from hookplug._selectors import clean_name
 from hookplug._stats import TensorStats, touched
 
 __all__ = ["ParamsPlugin"]
 
 _SITES = ("weight", "grad", "update")
-
-try:  # torch >= 2.4
-    from torch.distributed.tensor import DTensor as _DTensor
-except Exception:  # pragma: no cover - older torch / no distributed
-    try:
-        from torch.distributed._tensor import DTensor as _DTensor
-    except Exception:
-        _DTensor = None
 
 
 def _dist():
@@ -240,22 +233,16 @@ class ParamsPlugin(hookplug.Plugin):
         """The part of ``t`` this rank counts (None: nothing)."""
         if t is None:
             return None
-        if _DTensor is not None and isinstance(t, _DTensor):
-            coord = t.device_mesh.get_coordinate()
-            if coord is None:
+        if is_dtensor(t):
+            placements = t.placements
+            t, partial = dtensor_local(t, pr.index)  # owner on Replicate dims: round-robin
+            if partial and not self._warned_partial:
+                self._warned_partial = True
+                warnings.warn(f"hookplug plugin 'params': {pr.name} is a DTensor with a "
+                              f"Partial placement ({placements}); partial sums have no "
+                              "mergeable statistics, it is skipped", RuntimeWarning)
+            if t is None:
                 return None
-            for dim, pl in enumerate(t.placements):
-                if pl.is_replicate():
-                    if coord[dim] != pr.index % t.device_mesh.size(dim):
-                        return None
-                elif pl.is_partial():
-                    if not self._warned_partial:
-                        self._warned_partial = True
-                        warnings.warn(f"hookplug plugin 'params': {pr.name} is a DTensor with a "
-                                      f"Partial placement ({t.placements}); partial sums have no "
-                                      "mergeable statistics, it is skipped", RuntimeWarning)
-                    return None
-            t = t.to_local()
         elif self._world > 1 and self.plain_tensors == "replicated":
             if self._rank != pr.index % self._world:
                 return None
@@ -424,8 +411,7 @@ class ParamsPlugin(hookplug.Plugin):
         for pr in self._params:
             t = pr.tensor()
             if t is not None:
-                device = t.to_local().device if _DTensor is not None and isinstance(t, _DTensor) \
-                    else t.device
+                device = t.to_local().device if is_dtensor(t) else t.device
                 break
         self.bank.prepare(device)  # none on the meta device: made when it is materialized
         self.bank.set_live(session.sampled)

@@ -52,6 +52,22 @@ hooks during a recompute).
 
 ``results(phase=None)`` is ``{module: {path: TensorStats}}`` over every call and step of
 every phase (``phase="train"``/``"eval"``: one phase); telemetry records are per phase.
+
+**Under torch.distributed** every rank measures its own tensors and telemetry merges the
+rows across ranks (one collective per flush): a record describes the tensors of every rank
+together (``results()`` is this rank's part). A plain tensor is counted on every rank:
+right for data-parallel activations (each rank's batch is different data); a tensor that
+is in fact the same on several ranks (the input every tensor-parallel rank is given, or
+the output of ``RowwiseParallel`` with its default ``Replicate()`` layout returned as a
+local tensor) is then counted once per rank: counts, ``l2`` and histogram scale with the
+number of copies, while min/max/mean/std/rms are those of one copy. A **DTensor**
+(tensor/sequence parallel activations, e.g. ``SequenceParallel``'s output, and their
+gradients) is measured by its local shard, and a ``Replicate()`` mesh dimension is counted
+once (on one coordinate of that dimension, chosen per key): the merged record is the
+statistics of the whole logical tensor, each element once (replication outside the
+DTensor's mesh is not visible). ``Partial()`` DTensors (pending sums) are skipped with one
+warning. A model built on the ``meta`` device is measured once materialized
+(``to_empty()``): meta tensors are never measured.
 """
 
 from __future__ import annotations
@@ -65,7 +81,7 @@ import torch
 import hookplug
 from hookplug import hookimpl
 from hookplug._bank import (StatsBank, accumulate_by_key_op, check_hist_options, check_max_pending,
-                            check_sites, host_copy)
+                            check_sites, dtensor_local, host_copy, is_dtensor)
 from hookplug._func import is_batched
 from hookplug._stats import FIRST_BAD, TensorStats
 from hookplug.structures import iter_tensors
@@ -75,6 +91,7 @@ __all__ = ["StatsPlugin"]
 _SITES = ("input", "output", "grad")
 _PHASES = ("train", "eval")
 _STRIDED = torch.strided
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # not a DTensor: no isinstance check
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
 
@@ -121,6 +138,7 @@ class StatsPlugin(hookplug.Plugin):
             self.hookplug_output_grad = None
         self._module_order: Dict[str, int] = {}
         self._warned_layout = False
+        self._warned_partial = False
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -140,6 +158,10 @@ class StatsPlugin(hookplug.Plugin):
     def _record(self, ctx, path: str, t) -> None:
         if not t.is_floating_point():
             return
+        if type(t) not in _PLAIN_TENSORS and is_dtensor(t):
+            t = self._local(ctx, path, t)
+            if t is None:
+                return
         if t.is_nested or t.layout is not _STRIDED:
             t = self._strided(ctx, path, t)
             if t is None:
@@ -153,6 +175,22 @@ class StatsPlugin(hookplug.Plugin):
                     "jacrev/hessian with the grad site); stats cannot measure it: run the "
                     "model outside vmap, or pass on_error='warn' to switch stats off there") from exc
             raise
+
+    def _local(self, ctx, path: str, t):
+        """What this rank measures of a DTensor (tensor/sequence parallel activations and
+        their gradients): its local shard, counted once over the ``Replicate()`` mesh
+        dimensions (``hookplug._bank.dtensor_local``, owner: the key's row, the same on
+        every rank), so telemetry's cross-rank merge gives the whole tensor's statistics;
+        None: nothing here (the key still gets its row: every rank keeps the same layout)."""
+        key = (ctx.name, path, ctx.phase)
+        local, partial = dtensor_local(t, self.bank.row_of(key))
+        if partial and not self._warned_partial:
+            self._warned_partial = True
+            warnings.warn(
+                f"hookplug plugin 'stats': {path} of {ctx.name or '<root>'!r} is a DTensor with "
+                f"a Partial placement ({t.placements}); partial sums have no mergeable "
+                "statistics, such tensors are skipped", RuntimeWarning, stacklevel=2)
+        return local
 
     def _strided(self, ctx, path: str, t):
         """What the op measures of a tensor that is not a plain strided one: a nested
@@ -203,6 +241,10 @@ class StatsPlugin(hookplug.Plugin):
         site = "grad" + path[6:] if path.startswith("output") else f"grad.{path}"
         if _is_compiling() and self.grad_in_graph:  # a compiled backward: the op names bank and key,
             if grad.is_floating_point():  # no bank tensor (see StatsBank.accumulate_by_key)
+                if is_dtensor(grad):
+                    grad = self._local(ctx, site, grad)
+                    if grad is None:
+                        return
                 self.bank.accumulate_by_key(grad, (ctx.name, site, ctx.phase))
             return
         self._record(ctx, site, grad)
