@@ -35,6 +35,9 @@ _FOLD_EVERY = 16  # ended steps merged into the totals in one batch
 _BANKS: "weakref.WeakValueDictionary[int, StatsBank]" = weakref.WeakValueDictionary()
 _bank_ids = itertools.count(1)
 _by_key_op: Any = None  # the op, or False where this torch cannot keep it in a graph
+# banks whose device is not known yet (a model on the meta device): made when dynamo starts
+# compiling, so that compiled code never makes a bank while it traces
+_DEFERRED: "weakref.WeakSet[StatsBank]" = weakref.WeakSet()
 
 try:  # torch >= 2.4
     from torch.distributed.tensor import DTensor as _DTensor
@@ -116,6 +119,25 @@ def _register_ordered_effect(op) -> None:
         register(op._name, effects._EffectType.ORDERED)
     else:  # older torch: the op overload
         effects._register_effectful_op(op, effects._EffectType.ORDERED)
+
+
+def _hook_compile_start() -> None:
+    """Have dynamo call ``_prepare_deferred`` when it starts compiling a frame (torch's
+    compile-start callbacks; imports dynamo; registered again after a
+    ``torch._dynamo.reset()``, which clears them). Where this torch has none, a deferred
+    bank is made by its first call, as any bank (traced: graph breaks at warm-up)."""
+    try:
+        from torch._dynamo.callback import callback_handler
+
+        if _prepare_deferred not in callback_handler.start_callbacks:
+            callback_handler.register_start_callback(_prepare_deferred)
+    except Exception:  # noqa: BLE001 - a torch without them (private API)
+        pass
+
+
+def _prepare_deferred(_args=None) -> None:
+    for bank in list(_DEFERRED):
+        bank.prepare_deferred()
 
 
 def check_sites(who: str, sites, allowed) -> tuple:
@@ -300,6 +322,7 @@ class StatsBank:
             self.kind, self._range_cols = ("linear", *range), tuple(range)
         self._capacity = 64
         self._devices: Dict[torch.device, _DeviceRows] = {}
+        self._later: Optional[Callable[[], Any]] = None  # where the device will be (prepare)
         self._accumulate: Optional[Callable] = None
         self._eager: Optional[Callable] = None
         self._by_key: Optional[Callable] = None
@@ -352,10 +375,12 @@ class StatsBank:
                                                       *self._range_cols, self.live)
         return dev
 
-    def prepare(self, device=None) -> None:
+    def prepare(self, device=None, *, later: Optional[Callable[[], Any]] = None) -> None:
         """Before the first call (e.g. at session start): the op and the likely device's
-        bank, so compiled code never creates them while tracing (none for the meta device:
-        the bank of the device the model is materialized on is made by its first call)."""
+        bank, so compiled code never creates them while tracing. None for the meta device;
+        ``later()`` then says where the tensors are once known (e.g. the device of the
+        model's parameters after ``to_empty``, None while still meta): its bank is made
+        when dynamo starts compiling (eager code makes it at its first call anyway)."""
         from . import ops
 
         if ops.backend() != "reference":
@@ -367,6 +392,23 @@ class StatsBank:
         _BANKS[self.id] = self  # found by id from now on (again after a close(): attached once more)
         if device is not None:
             self.device_rows(device)
+        if later is not None:
+            self._later = later
+            _DEFERRED.add(self)
+            _hook_compile_start()
+
+    def prepare_deferred(self) -> None:
+        """Make the bank of the device ``prepare(later=...)`` names, once it is known."""
+        later = self._later
+        if later is None:
+            _DEFERRED.discard(self)
+            return
+        device = later()
+        if device is None or torch.device(device).type == "meta":
+            return
+        self._later = None
+        _DEFERRED.discard(self)
+        self.device_rows(device)
 
     # -- the hot path ------------------------------------------------------------------------
     def accumulate(self, t: torch.Tensor, key: Tuple, gated: bool = False) -> None:
@@ -393,6 +435,8 @@ class StatsBank:
         """The session ended: a compiled backward that still runs finds no bank by id
         (records nothing, as removed tensor hooks do)."""
         _BANKS.pop(self.id, None)
+        _DEFERRED.discard(self)
+        self._later = None
 
     def accumulate_by_key(self, t: torch.Tensor, key: Tuple[str, str, str]) -> None:
         """``accumulate`` as one op that names the bank and key, no bank tensor: what a

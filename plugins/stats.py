@@ -67,13 +67,16 @@ once (on one coordinate of that dimension, chosen per key): the merged record is
 statistics of the whole logical tensor, each element once (replication outside the
 DTensor's mesh is not visible). ``Partial()`` DTensors (pending sums) are skipped with one
 warning. A model built on the ``meta`` device is measured once materialized
-(``to_empty()``): meta tensors are never measured.
+(``to_empty()``): meta tensors are never measured, and the bank of the device it is
+materialized on is made when dynamo starts compiling (torch's compile-start callback), so a
+compiled model keeps one graph as if attached after ``to_empty``.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from typing import Any, Dict, Literal, Optional, Sequence, Tuple
 
 import torch
@@ -262,8 +265,12 @@ class StatsPlugin(hookplug.Plugin):
                 self.bank.row_of((name, first_path[site], "train"))
         self.bank.reserve(2 * len(self.bank.keys) + 64)  # no growth while compiled code traces
         model = session.model
-        param = next(iter(model.parameters()), None) if model is not None else None
-        self.bank.prepare(param.device if param is not None else None)
+        device = _param_device(model)
+        if device is not None and device.type == "meta":  # materialized later (to_empty)
+            ref = weakref.ref(model)
+            self.bank.prepare(None, later=lambda: _param_device(ref()))
+        else:
+            self.bank.prepare(device)
         self.bank.set_live(session.sampled)
 
     @hookimpl
@@ -396,6 +403,14 @@ class StatsPlugin(hookplug.Plugin):
                 lines.append("  ".join("-" * w for w in widths))
         return "\n".join(lines)
 
+
+
+def _param_device(model) -> Optional[torch.device]:
+    """The device of the model's first parameter (a DTensor's local one), or None."""
+    param = next(iter(model.parameters()), None) if model is not None else None
+    if param is None:
+        return None
+    return param.to_local().device if is_dtensor(param) else param.device
 
 
 def _site_rank(site: str) -> int:

@@ -594,3 +594,45 @@ def test_lightning_automatic_optimization_grad_is_the_one_applied(accumulate):
             assert r["numel"] == w["numel"] and r["calls"] == 1
             for k in ("min", "max", "mean", "std", "l2"):
                 assert _close(k, r, w), (step, name, k, r[k], w[k])
+
+
+def test_meta_attach_then_compile_traces_no_bank_creation():
+    """A model attached on meta, materialized, then compiled: the bank of its device is made
+    when dynamo starts compiling (not while tracing, which would break the graph): one graph
+    per forward, as when attached after to_empty, and the numbers of plain torch."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(5))
+
+    def run(meta_first):
+        runs = {"n": 0}
+
+        def counting(gm, example_inputs):
+            def call(*a):
+                runs["n"] += 1
+                return gm.forward(*a)
+            return call
+
+        torch._dynamo.reset()
+        m = _meta_mlp("meta")
+        if meta_first:
+            s = hookplug.attach(m, "Linear", plugins=["stats"])
+            _materialize(m)
+        else:
+            _materialize(m)
+            s = hookplug.attach(m, "Linear", plugins=["stats"])
+        cm = torch.compile(m, backend=counting)
+        with torch.no_grad():
+            outs = []
+            for i in range(4):
+                if i == 2:
+                    runs["n"] = 0
+                outs.append(cm(x * (i + 1)))
+                s.step()
+        st = s["stats"].results()["2"]["output"]
+        s.remove()
+        return runs["n"] / 2, st, torch.cat(outs)
+
+    graphs, st, y = run(True)
+    graphs_after, st_after, _ = run(False)
+    assert graphs == graphs_after == 1
+    check(st, ref(y))
+    assert st.to_dict() == st_after.to_dict()
