@@ -477,7 +477,8 @@ def test_attach_on_meta_then_to_empty_equals_attach_after():
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         want = []
         outs = {}
-        hs = [mod.register_forward_hook(lambda mod, i, o, n=n: outs.__setitem__(n, o.detach().double()))
+        hs = [mod.register_forward_hook(
+                  lambda mod, i, o, n=n: outs.__setitem__(n, o.detach().double()))
               for n, mod in m.named_children() if isinstance(mod, nn.Linear)]
         for step in range(2):
             opt.zero_grad()
@@ -503,8 +504,9 @@ def test_attach_on_meta_then_to_empty_equals_attach_after():
     _, res2, report2, recs2 = run(False)
     assert res == res2
     assert "0.weight" in report and report.splitlines()[1:] == report2.splitlines()[1:]
-    strip = lambda rs: sorted(({k: v for k, v in r.items() if k not in ("time", "run_id")}  # noqa: E731
-                               for r in rs), key=lambda r: (r["step"], r["module"], r["site"]))
+    def strip(rs):
+        return sorted(({k: v for k, v in r.items() if k not in ("time", "run_id")} for r in rs),
+                      key=lambda r: (r["step"], r["module"], r["site"]))
     assert strip(recs) == strip(recs2)
     by = {(r["step"], r["module"], r["site"]): r for r in recs}
     assert len(by) == 2 * (4 * 3 + 2 * 2)

@@ -1,10 +1,10 @@
 """The ``params`` plugin under torch.distributed (gloo, CPU processes on 127.0.0.1): the
 records of a DDP / FSDP2 / HSDP run, of FSDP2 attached on a meta model before ``to_empty``
 (deferred init), and of DDP with ``ZeroRedundancyOptimizer`` (a wrapper whose step() calls
-its inner optimizer's, given the loss as a closure), equal those of the
-same model trained unsharded in one process (counts exact, float fields to 1e-6 relative),
-with one packed collective per flush and no gather of parameters or gradients. ``head`` has one output row, so under FSDP2 a rank
-holds an empty shard of it and still takes part in every collective."""
+its inner optimizer's, given the loss as a closure), equal those of the same model trained
+unsharded in one process (counts exact, float fields to 1e-6 relative), with one packed
+collective per flush and no gather of parameters or gradients. ``head`` has one output row,
+so under FSDP2 a rank holds an empty shard of it and still takes part in every collective."""
 import datetime
 import json
 import math

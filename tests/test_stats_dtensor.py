@@ -103,15 +103,15 @@ def worker(rank, port, out):
         parallelize_module(m, mesh, {
             "norm": SequenceParallel(),  # output: a DTensor Shard(1)
             "fc1": ColwiseParallel(input_layouts=Shard(1)),  # input Replicate DTensor, output local
-            "fc2": RowwiseParallel(output_layouts=Shard(1)),  # input Shard(-1) DTensor, output local
+            "fc2": RowwiseParallel(output_layouts=Shard(1)),  # input Shard(-1) DTensor, out local
             "rep": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(),
                                    use_local_output=False),  # output: a DTensor Replicate
         })
         sink = DumpSink()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with hookplug.attach(m, "LayerNorm|Linear|ToPartial", plugins=("stats", {"sites": SITES}),
-                                 sink=sink) as s:
+            with hookplug.attach(m, "LayerNorm|Linear|ToPartial",
+                                 plugins=("stats", {"sites": SITES}), sink=sink) as s:
                 for step in range(2):
                     y, r = m(rank_input(rank) * (step + 1))
                     assert type(r).__name__ == "DTensor"
