@@ -26,7 +26,7 @@ import torch
 
 from ._stats import HEAD, StatsBlock, TensorStats, empty_rows, merge_rows, touched
 
-__all__ = ["StatsBank"]
+__all__ = ["StatsBank", "is_dtensor", "dtensor_local"]
 
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 MAX_BINS = 1 << 16
@@ -35,6 +35,50 @@ _FOLD_EVERY = 16  # ended steps merged into the totals in one batch
 _BANKS: "weakref.WeakValueDictionary[int, StatsBank]" = weakref.WeakValueDictionary()
 _bank_ids = itertools.count(1)
 _by_key_op: Any = None  # the op, or False where this torch cannot keep it in a graph
+# banks whose device is not known yet (a model on the meta device): made when dynamo starts
+# compiling, so that compiled code never makes a bank while it traces
+_DEFERRED: "weakref.WeakSet[StatsBank]" = weakref.WeakSet()
+
+try:  # torch >= 2.4
+    from torch.distributed.tensor import DTensor as _DTensor
+except Exception:  # pragma: no cover - older torch / no distributed
+    try:
+        from torch.distributed._tensor import DTensor as _DTensor
+    except Exception:
+        _DTensor = None
+
+
+def is_dtensor(t) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor``."""
+    return _DTensor is not None and isinstance(t, _DTensor)
+
+
+def dtensor_local(t, owner: int) -> Tuple[Optional[torch.Tensor], bool]:
+    """The part of the DTensor ``t`` this rank counts, such that merging every rank's rows
+    (telemetry's cross-rank merge) gives the statistics of the whole logical tensor, each
+    element counted once: ``(local tensor or None, partial)``.
+
+    - ``Shard`` mesh dimensions: the local shard (``to_local()``; it may be empty).
+    - ``Replicate`` mesh dimensions: every rank along the dimension holds the same data, so
+      only the rank whose coordinate there is ``owner % size`` counts it (callers spread
+      ``owner``, e.g. a row or parameter index, so the work is spread over the replicas).
+    - ``Partial`` placements: partial sums have no mergeable statistics: ``(None, True)``
+      (the caller warns).
+    - a rank outside the DTensor's mesh: ``(None, False)``.
+
+    Replication *outside* the mesh (a DTensor on a sub-mesh of the world) is not visible
+    here: every replica of that sub-mesh counts its part, as data-parallel copies of a plain
+    tensor are."""
+    mesh = t.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return None, False
+    for dim, pl in enumerate(t.placements):
+        if pl.is_partial():
+            return None, True
+        if pl.is_replicate() and coord[dim] != owner % mesh.size(dim):
+            return None, False
+    return t.to_local(), False
 
 
 def accumulate_by_key_op():
@@ -75,6 +119,25 @@ def _register_ordered_effect(op) -> None:
         register(op._name, effects._EffectType.ORDERED)
     else:  # older torch: the op overload
         effects._register_effectful_op(op, effects._EffectType.ORDERED)
+
+
+def _hook_compile_start() -> None:
+    """Have dynamo call ``_prepare_deferred`` when it starts compiling a frame (torch's
+    compile-start callbacks; imports dynamo; registered again after a
+    ``torch._dynamo.reset()``, which clears them). Where this torch has none, a deferred
+    bank is made by its first call, as any bank (traced: graph breaks at warm-up)."""
+    try:
+        from torch._dynamo.callback import callback_handler
+
+        if _prepare_deferred not in callback_handler.start_callbacks:
+            callback_handler.register_start_callback(_prepare_deferred)
+    except Exception:  # noqa: BLE001 - a torch without them (private API)
+        pass
+
+
+def _prepare_deferred(_args=None) -> None:
+    for bank in list(_DEFERRED):
+        bank.prepare_deferred()
 
 
 def check_sites(who: str, sites, allowed) -> tuple:
@@ -259,6 +322,7 @@ class StatsBank:
             self.kind, self._range_cols = ("linear", *range), tuple(range)
         self._capacity = 64
         self._devices: Dict[torch.device, _DeviceRows] = {}
+        self._later: Optional[Callable[[], Any]] = None  # where the device will be (prepare)
         self._accumulate: Optional[Callable] = None
         self._eager: Optional[Callable] = None
         self._by_key: Optional[Callable] = None
@@ -299,16 +363,24 @@ class StatsBank:
             for dev in self._devices.values():
                 dev.grow(capacity)
 
-    def device_rows(self, device) -> _DeviceRows:
+    def device_rows(self, device) -> Optional[_DeviceRows]:
+        """The rows of ``device``, made the first time; None for the meta device: a meta
+        tensor has no values (a model built on ``meta`` and materialized later with
+        ``to_empty``), and a bank there could never be read."""
         dev = self._devices.get(device)
         if dev is None:
+            if torch.device(device).type == "meta":
+                return None
             dev = self._devices[device] = _DeviceRows(device, self._capacity, self.width,
                                                       *self._range_cols, self.live)
         return dev
 
-    def prepare(self, device=None) -> None:
+    def prepare(self, device=None, *, later: Optional[Callable[[], Any]] = None) -> None:
         """Before the first call (e.g. at session start): the op and the likely device's
-        bank, so compiled code never creates them while tracing."""
+        bank, so compiled code never creates them while tracing. None for the meta device;
+        ``later()`` then says where the tensors are once known (e.g. the device of the
+        model's parameters after ``to_empty``, None while still meta): its bank is made
+        when dynamo starts compiling (eager code makes it at its first call anyway)."""
         from . import ops
 
         if ops.backend() != "reference":
@@ -320,16 +392,36 @@ class StatsBank:
         _BANKS[self.id] = self  # found by id from now on (again after a close(): attached once more)
         if device is not None:
             self.device_rows(device)
+        if later is not None:
+            self._later = later
+            _DEFERRED.add(self)
+            _hook_compile_start()
+
+    def prepare_deferred(self) -> None:
+        """Make the bank of the device ``prepare(later=...)`` names, once it is known."""
+        later = self._later
+        if later is None:
+            _DEFERRED.discard(self)
+            return
+        device = later()
+        if device is None or torch.device(device).type == "meta":
+            return
+        self._later = None
+        _DEFERRED.discard(self)
+        self.device_rows(device)
 
     # -- the hot path ------------------------------------------------------------------------
     def accumulate(self, t: torch.Tensor, key: Tuple, gated: bool = False) -> None:
         """Merge the statistics of ``t`` (strided, floating) into ``key``'s row (``gated``:
-        sampling left to the device gate alone, as in compiled code)."""
+        sampling left to the device gate alone, as in compiled code). A meta tensor has no
+        values: its key gets a row, nothing is measured."""
         compiling = _is_compiling()
         if not compiling and not self.live and not gated:
             return  # an unsampled step (eager); traced code reads the device gate instead
         row = self.rows.get(key) or self.row_of(key)
         dev = self._devices.get(t.device) or self.device_rows(t.device)
+        if dev is None:  # the meta device
+            return
         # The gate is passed in eager code too: a CUDA graph captured there replays the op,
         # and the device flag is what keeps sampling working on replay.
         if not compiling and self._eager is not None and type(t) in _PLAIN_TENSORS:
@@ -343,6 +435,8 @@ class StatsBank:
         """The session ended: a compiled backward that still runs finds no bank by id
         (records nothing, as removed tensor hooks do)."""
         _BANKS.pop(self.id, None)
+        _DEFERRED.discard(self)
+        self._later = None
 
     def accumulate_by_key(self, t: torch.Tensor, key: Tuple[str, str, str]) -> None:
         """``accumulate`` as one op that names the bank and key, no bank tensor: what a

@@ -39,6 +39,28 @@ optimizer, or ``GradScaler`` skipping a step) is measured at ``session.step()`` 
 ``session.step()`` calls. The per-micro-batch gradient tensor hook is not used: it sees the
 local, not yet reduced gradient, and FSDP2's sharded parameters get none.
 
+- ``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS): the closure
+  computes the gradient inside ``step()`` (zero_grad, forward, backward, Lightning's
+  accumulation and clipping), so the pre-hook passes the optimizer a wrapped closure and
+  the gradient is measured when the closure **first** returns: the gradient of that
+  evaluation, at the weights the pre-hook measured. For every optimizer that evaluates the
+  closure once (SGD, Adam, ..., Lightning) that is exactly the gradient it applies. LBFGS
+  evaluates it several times per step (more iterations, line search): the grad site is the
+  first evaluation, the gradient at the step's starting weights (which LBFGS's first
+  inner update uses); later evaluations are not measured; the update is the change over
+  the whole step. A closure the optimizer never calls: the gradient present when
+  ``step()`` returns.
+- An optimizer step inside another (a wrapper whose ``step()`` calls an inner optimizer's,
+  e.g. ``ZeroRedundancyOptimizer``, or a subclass calling ``super().step()``): torch's
+  hooks fire for both; a parameter is measured by the outermost step that holds it, its
+  update when that step returns (after, e.g., ZeRO's broadcast), once. A step that raised
+  is forgotten at ``session.step()`` (or when its closure raised).
+- A model built on the ``meta`` device and materialized after ``attach`` (``to_empty()``,
+  FSDP2's deferred init): nothing is measured while it is on ``meta``; the parameters are
+  found through their modules, so the materialized ones are measured, as if attached
+  after ``to_empty``. (Without an optimizer, the first step's update needs the baseline
+  taken at ``attach``: it is left out.)
+
 **Memory.** ``"update"`` keeps one copy of the (local shard of the) selected parameters
 between the two optimizer hooks; leave it out of ``sites`` to save that memory. Under
 replication the copy is kept only on the rank that counts the parameter.
@@ -67,7 +89,9 @@ update copy is preallocated and reused), so a CUDA-graph-captured or ``torch.com
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
+import warnings
 import weakref
 from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
@@ -75,21 +99,14 @@ import torch
 
 import hookplug
 from hookplug import hookimpl
-from hookplug._bank import StatsBank, check_hist_options, check_max_pending, check_sites, pad_rows
+from hookplug._bank import (StatsBank, check_hist_options, check_max_pending, check_sites,
+                            dtensor_local, is_dtensor, pad_rows)
 from hookplug._selectors import clean_name
 from hookplug._stats import TensorStats, touched
 
 __all__ = ["ParamsPlugin"]
 
 _SITES = ("weight", "grad", "update")
-
-try:  # torch >= 2.4
-    from torch.distributed.tensor import DTensor as _DTensor
-except Exception:  # pragma: no cover - older torch / no distributed
-    try:
-        from torch.distributed._tensor import DTensor as _DTensor
-    except Exception:
-        _DTensor = None
 
 
 def _dist():
@@ -117,6 +134,30 @@ class _Param:
     def tensor(self) -> Optional[torch.Tensor]:
         mod = self.module_ref()
         return None if mod is None else getattr(mod, self.attr, None)
+
+
+class _Frame:
+    """One ``optimizer.step()`` in progress: the parameters its pre-hook measured (those of
+    an enclosing step excluded) and whether their gradients wait for its closure."""
+
+    __slots__ = ("opt", "prs", "grad_pending")
+
+    def __init__(self, opt, prs: List[_Param]):
+        self.opt = opt
+        self.prs = prs
+        self.grad_pending = False
+
+
+def _closure_of(args, kwargs) -> Tuple[Any, Any]:
+    """The closure passed to ``optimizer.step`` and where: ``(closure, "closure")`` (keyword),
+    ``(closure, 1)`` (positional; ``args[0]`` is the optimizer), or ``(None, None)``."""
+    if kwargs:
+        c = kwargs.get("closure")
+        if c is not None:
+            return (c, "closure") if callable(c) else (None, None)
+    if args is not None and len(args) > 1 and callable(args[1]):
+        return args[1], 1
+    return None, None
 
 
 class ParamsPlugin(hookplug.Plugin):
@@ -158,6 +199,7 @@ class ParamsPlugin(hookplug.Plugin):
         self._params: List[_Param] = []
         self._by_id: Dict[int, _Param] = {}
         self._opt_cache: Dict[int, Tuple[int, List[_Param]]] = {}
+        self._frames: List[_Frame] = []  # optimizer steps in progress, outermost first
         self._handles: List[Any] = []
         self._session_ref = None
         self._opt_seen = False
@@ -191,35 +233,30 @@ class ParamsPlugin(hookplug.Plugin):
         """The part of ``t`` this rank counts (None: nothing)."""
         if t is None:
             return None
-        if _DTensor is not None and isinstance(t, _DTensor):
-            coord = t.device_mesh.get_coordinate()
-            if coord is None:
+        if is_dtensor(t):
+            placements = t.placements
+            t, partial = dtensor_local(t, pr.index)  # owner on Replicate dims: round-robin
+            if partial and not self._warned_partial:
+                self._warned_partial = True
+                warnings.warn(f"hookplug plugin 'params': {pr.name} is a DTensor with a "
+                              f"Partial placement ({placements}); partial sums have no "
+                              "mergeable statistics, it is skipped", RuntimeWarning)
+            if t is None:
                 return None
-            for dim, pl in enumerate(t.placements):
-                if pl.is_replicate():
-                    if coord[dim] != pr.index % t.device_mesh.size(dim):
-                        return None
-                elif pl.is_partial():
-                    if not self._warned_partial:
-                        self._warned_partial = True
-                        import warnings
-                        warnings.warn(f"hookplug plugin 'params': {pr.name} is a DTensor with a "
-                                      f"Partial placement ({t.placements}); partial sums have no "
-                                      "mergeable statistics, it is skipped", RuntimeWarning)
-                    return None
-            t = t.to_local()
         elif self._world > 1 and self.plain_tensors == "replicated":
             if self._rank != pr.index % self._world:
                 return None
-        if not t.is_floating_point() or t.layout is not torch.strided:
-            return None
+        if not t.is_floating_point() or t.layout is not torch.strided or t.is_meta:
+            return None  # a meta tensor (not materialized yet) has no values
         return t.detach()
 
     # -- measuring ---------------------------------------------------------------------------------
 
-    def _measure(self, prs, *, snapshot: bool) -> None:
-        """Weight and grad of ``prs`` (and the weight copy for the update)."""
+    def _measure(self, prs, *, snapshot: bool, grads: bool = True) -> None:
+        """Weight and grad of ``prs`` (and the weight copy for the update); ``grads=False``:
+        the gradients are measured later (``_measure_grads``, after the step's closure)."""
         bank, sites = self.bank, self.sites
+        grads = grads and "grad" in sites
         for pr in prs:
             pr.done = True
             p = pr.tensor()
@@ -228,12 +265,22 @@ class ParamsPlugin(hookplug.Plugin):
                 continue
             if "weight" in sites:
                 bank.accumulate(w, pr.keys["weight"])
-            if "grad" in sites:
+            if grads:
                 g = self._local(pr, p.grad)
                 if g is not None:
                     bank.accumulate(g, pr.keys["grad"])
             if snapshot:
                 self._snapshot(pr, w)
+
+    def _measure_grads(self, prs) -> None:
+        bank = self.bank
+        for pr in prs:
+            p = pr.tensor()
+            if self._local(pr, p) is None:  # as _measure: what this rank does not count
+                continue
+            g = self._local(pr, p.grad)
+            if g is not None:
+                bank.accumulate(g, pr.keys["grad"])
 
     def _snapshot(self, pr: _Param, w: torch.Tensor) -> None:
         prev = pr.prev
@@ -248,7 +295,7 @@ class ParamsPlugin(hookplug.Plugin):
             if prev is None:
                 continue
             w = self._local(pr, pr.tensor())
-            if w is None or w.shape != prev.shape:
+            if w is None or w.shape != prev.shape or w.device != prev.device:
                 continue
             torch.sub(w, prev, out=prev)  # prev now holds the update (refilled before the next)
             self.bank.accumulate(prev, pr.keys["update"])
@@ -268,20 +315,79 @@ class ParamsPlugin(hookplug.Plugin):
         return prs
 
     def _opt_pre(self, opt, args=None, kwargs=None):
+        """The step pre-hook: weight (and the copy for the update) now; the gradient now, or,
+        when a closure is passed, once the closure first returns (see the module docstring).
+        A step inside another optimizer's step (a wrapper calling its inner optimizer)
+        leaves out the parameters the enclosing step measures."""
         if not self.bank.live or self._removed():
             return None
+        frames = self._frames
         prs = self._of_optimizer(opt)
-        if prs:
-            self._opt_seen = True
-            self._measure(prs, snapshot="update" in self.sites)
+        if frames and prs:  # nested (a wrapper's inner optimizer, a subclass's super().step()):
+            # what an enclosing step measures is its own
+            outer = {pr.index for f in frames for pr in f.prs}
+            prs = [pr for pr in prs if pr.index not in outer]
+        frame = _Frame(opt, prs)
+        frames.append(frame)
+        if not prs:
+            return None
+        self._opt_seen = True
+        snapshot = "update" in self.sites
+        closure, where = _closure_of(args, kwargs) if "grad" in self.sites else (None, None)
+        if closure is None:
+            self._measure(prs, snapshot=snapshot)
+            return None
+        # optimizer.step(closure): the closure computes the gradient (zero_grad, forward,
+        # backward, clipping: Lightning's automatic optimization): measure it when it returns
+        self._measure(prs, snapshot=snapshot, grads=False)
+        frame.grad_pending = True
+        wrapped = self._wrap_closure(closure, frame)
+        if where == "closure":
+            kwargs = {**kwargs, "closure": wrapped}
+        else:
+            args = (*args[:where], wrapped, *args[where + 1:])
+        return args, kwargs
+
+    def _wrap_closure(self, closure, frame: _Frame):
+        ref = weakref.ref(self)
+
+        @functools.wraps(closure)
+        def measured_closure(*a, **k):
+            try:
+                out = closure(*a, **k)
+            except BaseException:
+                me = ref()
+                if me is not None:
+                    me._pop_frame(frame.opt, frame)  # the step raises: it never finishes
+                raise
+            if frame.grad_pending:  # the first call: the gradient at the weights measured
+                frame.grad_pending = False
+                me = ref()
+                if me is not None and me.bank.live and not me._removed():
+                    me._measure_grads(frame.prs)
+            return out
+
+        return measured_closure
+
+    def _pop_frame(self, opt, frame: Optional[_Frame] = None) -> Optional[_Frame]:
+        """Take ``opt``'s step (or ``frame``) and any step left open inside it off the stack."""
+        frames = self._frames
+        for i in range(len(frames) - 1, -1, -1):
+            f = frames[i]
+            if (f is frame) if frame is not None else (f.opt is opt):
+                del frames[i:]
+                return f
         return None
 
     def _opt_post(self, opt, args=None, kwargs=None):
-        if not self.bank.live or "update" not in self.sites or self._removed():
+        frame = self._pop_frame(opt)
+        if frame is None or not frame.prs or not self.bank.live or self._removed():
             return None
-        prs = self._of_optimizer(opt)
-        if prs:
-            self._update(prs)
+        if frame.grad_pending:  # a closure the optimizer never called: the grad as it is
+            frame.grad_pending = False
+            self._measure_grads(frame.prs)
+        if "update" in self.sites:
+            self._update(frame.prs)
         return None
 
     def _removed(self) -> bool:
@@ -305,10 +411,9 @@ class ParamsPlugin(hookplug.Plugin):
         for pr in self._params:
             t = pr.tensor()
             if t is not None:
-                device = t.device if not (_DTensor is not None and isinstance(t, _DTensor)) \
-                    else t.to_local().device
+                device = t.to_local().device if is_dtensor(t) else t.device
                 break
-        self.bank.prepare(device)
+        self.bank.prepare(device)  # none on the meta device: made when it is materialized
         self.bank.set_live(session.sampled)
         if self._optimizers is None:
             from torch.optim.optimizer import (register_optimizer_step_post_hook,
@@ -328,7 +433,12 @@ class ParamsPlugin(hookplug.Plugin):
 
     @hookimpl
     def hookplug_step(self, session, step):
+        frames, self._frames = self._frames, []  # steps left open (one raised) end here
         if self.bank.live:
+            for f in frames:
+                if f.grad_pending and f.prs:
+                    f.grad_pending = False
+                    self._measure_grads(f.prs)
             todo = [pr for pr in self._params if not pr.done]
             if todo:
                 if not self._opt_seen and "update" in self.sites:
@@ -352,6 +462,7 @@ class ParamsPlugin(hookplug.Plugin):
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._frames = []
         for pr in self._params:
             pr.prev = None  # the update copies' memory
 

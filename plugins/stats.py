@@ -52,12 +52,31 @@ hooks during a recompute).
 
 ``results(phase=None)`` is ``{module: {path: TensorStats}}`` over every call and step of
 every phase (``phase="train"``/``"eval"``: one phase); telemetry records are per phase.
+
+**Under torch.distributed** every rank measures its own tensors and telemetry merges the
+rows across ranks (one collective per flush): a record describes the tensors of every rank
+together (``results()`` is this rank's part). A plain tensor is counted on every rank:
+right for data-parallel activations (each rank's batch is different data); a tensor that
+is in fact the same on several ranks (the input every tensor-parallel rank is given, or
+the output of ``RowwiseParallel`` with its default ``Replicate()`` layout returned as a
+local tensor) is then counted once per rank: counts, ``l2`` and histogram scale with the
+number of copies, while min/max/mean/std/rms are those of one copy. A **DTensor**
+(tensor/sequence parallel activations, e.g. ``SequenceParallel``'s output, and their
+gradients) is measured by its local shard, and a ``Replicate()`` mesh dimension is counted
+once (on one coordinate of that dimension, chosen per key): the merged record is the
+statistics of the whole logical tensor, each element once (replication outside the
+DTensor's mesh is not visible). ``Partial()`` DTensors (pending sums) are skipped with one
+warning. A model built on the ``meta`` device is measured once materialized
+(``to_empty()``): meta tensors are never measured, and the bank of the device it is
+materialized on is made when dynamo starts compiling (torch's compile-start callback), so a
+compiled model keeps one graph as if attached after ``to_empty``.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from typing import Any, Dict, Literal, Optional, Sequence, Tuple
 
 import torch
@@ -65,7 +84,7 @@ import torch
 import hookplug
 from hookplug import hookimpl
 from hookplug._bank import (StatsBank, accumulate_by_key_op, check_hist_options, check_max_pending,
-                            check_sites, host_copy)
+                            check_sites, dtensor_local, host_copy, is_dtensor)
 from hookplug._func import is_batched
 from hookplug._stats import FIRST_BAD, TensorStats
 from hookplug.structures import iter_tensors
@@ -75,6 +94,7 @@ __all__ = ["StatsPlugin"]
 _SITES = ("input", "output", "grad")
 _PHASES = ("train", "eval")
 _STRIDED = torch.strided
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # not a DTensor: no isinstance check
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
 
@@ -121,6 +141,7 @@ class StatsPlugin(hookplug.Plugin):
             self.hookplug_output_grad = None
         self._module_order: Dict[str, int] = {}
         self._warned_layout = False
+        self._warned_partial = False
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -140,6 +161,10 @@ class StatsPlugin(hookplug.Plugin):
     def _record(self, ctx, path: str, t) -> None:
         if not t.is_floating_point():
             return
+        if type(t) not in _PLAIN_TENSORS and is_dtensor(t):
+            t = self._local(ctx, path, t)
+            if t is None:
+                return
         if t.is_nested or t.layout is not _STRIDED:
             t = self._strided(ctx, path, t)
             if t is None:
@@ -153,6 +178,22 @@ class StatsPlugin(hookplug.Plugin):
                     "jacrev/hessian with the grad site); stats cannot measure it: run the "
                     "model outside vmap, or pass on_error='warn' to switch stats off there") from exc
             raise
+
+    def _local(self, ctx, path: str, t):
+        """What this rank measures of a DTensor (tensor/sequence parallel activations and
+        their gradients): its local shard, counted once over the ``Replicate()`` mesh
+        dimensions (``hookplug._bank.dtensor_local``, owner: the key's row, the same on
+        every rank), so telemetry's cross-rank merge gives the whole tensor's statistics;
+        None: nothing here (the key still gets its row: every rank keeps the same layout)."""
+        key = (ctx.name, path, ctx.phase)
+        local, partial = dtensor_local(t, self.bank.row_of(key))
+        if partial and not self._warned_partial:
+            self._warned_partial = True
+            warnings.warn(
+                f"hookplug plugin 'stats': {path} of {ctx.name or '<root>'!r} is a DTensor with "
+                f"a Partial placement ({t.placements}); partial sums have no mergeable "
+                "statistics, such tensors are skipped", RuntimeWarning, stacklevel=2)
+        return local
 
     def _strided(self, ctx, path: str, t):
         """What the op measures of a tensor that is not a plain strided one: a nested
@@ -203,6 +244,10 @@ class StatsPlugin(hookplug.Plugin):
         site = "grad" + path[6:] if path.startswith("output") else f"grad.{path}"
         if _is_compiling() and self.grad_in_graph:  # a compiled backward: the op names bank and key,
             if grad.is_floating_point():  # no bank tensor (see StatsBank.accumulate_by_key)
+                if is_dtensor(grad):
+                    grad = self._local(ctx, site, grad)
+                    if grad is None:
+                        return
                 self.bank.accumulate_by_key(grad, (ctx.name, site, ctx.phase))
             return
         self._record(ctx, site, grad)
@@ -220,8 +265,12 @@ class StatsPlugin(hookplug.Plugin):
                 self.bank.row_of((name, first_path[site], "train"))
         self.bank.reserve(2 * len(self.bank.keys) + 64)  # no growth while compiled code traces
         model = session.model
-        param = next(iter(model.parameters()), None) if model is not None else None
-        self.bank.prepare(param.device if param is not None else None)
+        device = _param_device(model)
+        if device is not None and device.type == "meta":  # materialized later (to_empty)
+            ref = weakref.ref(model)
+            self.bank.prepare(None, later=lambda: _param_device(ref()))
+        else:
+            self.bank.prepare(device)
         self.bank.set_live(session.sampled)
 
     @hookimpl
@@ -354,6 +403,14 @@ class StatsPlugin(hookplug.Plugin):
                 lines.append("  ".join("-" * w for w in widths))
         return "\n".join(lines)
 
+
+
+def _param_device(model) -> Optional[torch.device]:
+    """The device of the model's first parameter (a DTensor's local one), or None."""
+    param = next(iter(model.parameters()), None) if model is not None else None
+    if param is None:
+        return None
+    return param.to_local().device if is_dtensor(param) else param.device
 
 
 def _site_rank(site: str) -> int:

@@ -171,3 +171,470 @@ def test_wrapper_names_are_cleaned():
         opt.step()
         assert set(s["params"].results()) == {"0.weight", "0.bias", "2.weight", "2.bias"}
         assert set(s["stats"].results()) == {"0", "2"}
+
+
+# -- optimizer.step(closure): the gradient the step applies ----------------------------------------
+
+def _ref_run(m, x, steps, make_opt, *, clip=None, closure_kw=True):
+    """The references, without hookplug: per step the weight before, the gradient the
+    optimizer applies (read inside the closure, after backward and clipping) and the
+    update, in float64."""
+    opt = make_opt(m)
+    out = []
+    for step in range(steps):
+        seen = {}
+
+        def closure():
+            opt.zero_grad()
+            loss = m(x * (step + 1)).square().mean()
+            loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+            seen.update({n: p.grad.detach().double().clone() for n, p in m.named_parameters()})
+            return loss
+
+        before = {n: p.detach().double().clone() for n, p in m.named_parameters()}
+        opt.step(closure=closure) if closure_kw else opt.step(closure)
+        out.append({n: {"weight": before[n], "grad": seen[n],
+                        "update": p.detach().double() - before[n]}
+                    for n, p in m.named_parameters()})
+    return out
+
+
+def _hooked_run(m, x, steps, make_opt, *, clip=None, closure_kw=True, plugins="params"):
+    opt = make_opt(m)
+    with hookplug.attach(m, "Linear", plugins=plugins) as s:
+        for step in range(steps):
+            def closure():
+                opt.zero_grad()
+                loss = m(x * (step + 1)).square().mean()
+                loss.backward()
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+                return loss
+
+            opt.step(closure=closure) if closure_kw else opt.step(closure)
+            s.step()
+        return s.flush()
+
+
+def _close(k, got, want):
+    """``got[k]`` equals the float64 reference to float32 rounding (the CPU op sums float32
+    blocks in float32 lanes: a mean is exact to ~1e-7 of the std, README)."""
+    tol = 1e-6 * want["std"] if k == "mean" else 1e-6 * abs(want[k])
+    return abs(got[k] - want[k]) <= tol + 1e-12
+
+
+def _check_records(recs, want, steps):
+    by = {(r["step"], r["module"], r["site"]): r for r in recs}
+    assert len(by) == len(recs) == steps * len(want[0]) * 3
+    for step in range(steps):
+        for name, sites in want[step].items():
+            for site, t in sites.items():
+                r, w = by[(step, name, site)], ref(t)
+                assert r["numel"] == w["numel"] and r["zero_count"] == w["zero_count"]
+                assert r["calls"] == 1, (step, name, site, r["calls"])
+                for k in ("min", "max", "absmax", "mean", "std", "l2", "rms"):
+                    assert _close(k, r, w), (step, name, site, k, r[k], w[k])
+
+
+@pytest.mark.parametrize("opt_kind,clip,closure_kw", [
+    ("sgd", None, True), ("adam", None, False), ("sgd", 0.05, True), ("adam", 0.05, False)])
+def test_closure_grad_is_the_gradient_the_step_applies(opt_kind, clip, closure_kw):
+    """step(closure) runs zero_grad/forward/backward/clipping inside step(): the grad site
+    is the gradient of that closure (not the previous step's), the weight the one before."""
+    make = ((lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)) if opt_kind == "sgd"
+            else (lambda m: torch.optim.Adam(m.parameters(), lr=1e-2)))
+    m, x = model_and_data()
+    want = _ref_run(m, x, 3, make, clip=clip, closure_kw=closure_kw)
+    m, x = model_and_data()
+    recs = _hooked_run(m, x, 3, make, clip=clip, closure_kw=closure_kw)
+    _check_records(recs, want, 3)
+
+
+def test_lbfgs_grad_is_the_first_evaluation_at_the_weights_measured():
+    """LBFGS evaluates the closure several times in one step: the grad site is the gradient
+    of the first evaluation (at the weights the step starts from, which the weight site
+    measures); the update is the change over the whole step."""
+    def make(m):
+        return torch.optim.LBFGS(m.parameters(), lr=0.5, max_iter=4)
+
+    m, x = model_and_data()
+    m.double()
+    x = x.double()
+    want = []
+    opt = make(m)
+    for step in range(2):
+        calls = []
+
+        def closure():
+            opt.zero_grad()
+            loss = m(x).square().mean()
+            loss.backward()
+            calls.append({n: p.grad.detach().clone() for n, p in m.named_parameters()})
+            return loss
+
+        before = {n: p.detach().clone() for n, p in m.named_parameters()}
+        opt.step(closure)
+        assert len(calls) > 1  # several evaluations per step
+        want.append({n: {"weight": before[n], "grad": calls[0][n],
+                         "update": p.detach() - before[n]} for n, p in m.named_parameters()})
+
+    m, x = model_and_data()
+    m.double()
+    x = x.double()
+    opt = make(m)
+    with hookplug.attach(m, "Linear", plugins="params") as s:
+        for step in range(2):
+            def closure():
+                opt.zero_grad()
+                loss = m(x).square().mean()
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+            s.step()
+        recs = s.flush()
+    _check_records(recs, want, 2)
+
+
+class _IgnoresClosure(torch.optim.SGD):
+    """Takes a closure and never calls it (the gradient is the one set before step())."""
+
+    def step(self, closure=None):
+        return super().step()
+
+
+def test_closure_never_called_measures_the_gradient_present():
+    m, x = model_and_data()
+    opt = _IgnoresClosure(m.parameters(), lr=0.1)
+    with hookplug.attach(m, "Linear", plugins=("params", {"params": "0.weight"})) as s:
+        m(x).sum().backward()
+        g = m[0].weight.grad.detach().clone()
+        w = m[0].weight.detach().clone()
+        opt.step(lambda: None)
+        res = s["params"].results()["0.weight"]
+        check(res["grad"], ref(g))
+        check(res["weight"], ref(w))
+        check(res["update"], ref(m[0].weight.detach() - w))
+        s.step()
+
+
+def test_closure_that_raises_leaves_later_steps_exact():
+    m, x = model_and_data()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with hookplug.attach(m, "Linear", plugins=("params", {"params": "0.weight"})) as s:
+        def bad():
+            raise KeyError("boom")
+
+        with pytest.raises(KeyError):
+            opt.step(bad)
+        s.step()
+        for step in range(2):
+            seen = {}
+
+            def closure():
+                opt.zero_grad()
+                loss = m(x * (step + 2)).sum()
+                loss.backward()
+                seen["g"] = m[0].weight.grad.detach().clone()
+                return loss
+
+            w = m[0].weight.detach().clone()
+            opt.step(closure)
+            res = s["params"].results()["0.weight"]
+            check(res["grad"], ref(seen["g"]))
+            check(res["update"], ref(m[0].weight.detach() - w))
+            assert int(res["grad"].calls) == 1
+            s.step()
+
+
+# -- an optimizer whose step() calls another's -----------------------------------------------------
+
+class _Delegating(torch.optim.Optimizer):
+    """A wrapper holding every parameter; its step() is its inner optimizer's."""
+
+    def __init__(self, params, **kw):
+        params = list(params)
+        super().__init__(params, {})
+        self.inner = torch.optim.SGD(params, **kw)
+
+    def step(self, closure=None):
+        return self.inner.step(closure)
+
+
+class _Partitioned(torch.optim.Optimizer):
+    """ZeroRedundancyOptimizer in miniature: the inner optimizer steps half of the
+    parameters; the wrapper then changes the other half itself (where ZeRO broadcasts the
+    other ranks' updates), after the inner step's post-hook."""
+
+    def __init__(self, params, lr):
+        params = list(params)
+        super().__init__(params, {"lr": lr})
+        self.mine, self.rest = params[::2], params[1::2]
+        self.inner = torch.optim.SGD(self.mine, lr=lr)
+
+    def step(self, closure=None):
+        loss = self.inner.step(closure)
+        with torch.no_grad():
+            for p in self.rest:
+                p.add_(p.grad, alpha=-self.defaults["lr"])
+        return loss
+
+
+@pytest.mark.parametrize("kind", ["delegating", "partitioned"])
+@pytest.mark.parametrize("with_closure", [False, True])
+def test_wrapper_optimizer_measured_once_equal_plain_sgd(kind, with_closure):
+    def make(m):
+        return (_Delegating(m.parameters(), lr=0.1) if kind == "delegating"
+                else _Partitioned(m.parameters(), lr=0.1))
+
+    def run(m, x, hooked):
+        opt = make(m)
+        want, recs = [], None
+        s = hookplug.attach(m, "Linear", plugins="params") if hooked else None
+        for step in range(3):
+            seen = {}
+
+            def closure():
+                opt.zero_grad()
+                loss = m(x * (step + 1)).square().mean()
+                loss.backward()
+                seen.update({n: p.grad.detach().double().clone() for n, p in m.named_parameters()})
+                return loss
+
+            before = {n: p.detach().double().clone() for n, p in m.named_parameters()}
+            if with_closure:
+                opt.step(closure)
+            else:
+                closure()
+                opt.step()
+            want.append({n: {"weight": before[n], "grad": seen[n],
+                             "update": p.detach().double() - before[n]}
+                         for n, p in m.named_parameters()})
+            if s is not None:
+                s.step()
+        if s is not None:
+            recs = s.flush()
+            s.remove()
+        return want, recs
+
+    m, x = model_and_data()
+    want, _ = run(m, x, hooked=False)
+    m, x = model_and_data()
+    _, recs = run(m, x, hooked=True)
+    _check_records(recs, want, 3)
+    # and the same records as a plain SGD run
+    m, x = model_and_data()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with hookplug.attach(m, "Linear", plugins="params") as s:
+        for step in range(3):
+            opt.zero_grad()
+            m(x * (step + 1)).square().mean().backward()
+            opt.step()
+            s.step()
+        plain = s.flush()
+    key = lambda r: (r["step"], r["module"], r["site"])  # noqa: E731
+    plain = {key(r): r for r in plain}
+    for r in recs:
+        p = plain[key(r)]
+        for k in ("numel", "calls", "min", "max", "mean", "std", "l2", "hist"):
+            assert r[k] == p[k] or math.isclose(r[k], p[k], rel_tol=1e-12), (key(r), k, r[k], p[k])
+
+
+# -- a model built on the meta device, materialized after attach ----------------------------------
+
+def _meta_mlp(device):
+    with torch.device(device):
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _materialize(m):
+    m.to_empty(device="cpu")
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return m
+
+
+def test_attach_on_meta_then_to_empty_equals_attach_after():
+    """FSDP2's deferred init (and a common single-process recipe): attach on a meta model,
+    to_empty() and initialize, train. Everything (results, report, flush, remove) works and
+    gives the numbers of the materialized model: those of a session attached after
+    to_empty, and the float64 references."""
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(3))
+    plugins = ["params", ("stats", {"sites": ("output", "grad")})]
+
+    def run(meta_first):
+        m = _meta_mlp("meta")
+        if meta_first:
+            s = hookplug.attach(m, "Linear", plugins=plugins)
+            _materialize(m)
+        else:
+            _materialize(m)
+            s = hookplug.attach(m, "Linear", plugins=plugins)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        want = []
+        outs = {}
+        hs = [mod.register_forward_hook(
+                  lambda mod, i, o, n=n: outs.__setitem__(n, o.detach().double()))
+              for n, mod in m.named_children() if isinstance(mod, nn.Linear)]
+        for step in range(2):
+            opt.zero_grad()
+            m(x * (step + 1)).square().mean().backward()
+            before = {n: p.detach().double().clone() for n, p in m.named_parameters()}
+            grads = {n: p.grad.detach().double().clone() for n, p in m.named_parameters()}
+            opt.step()
+            want.append({"params": {n: {"weight": before[n], "grad": grads[n],
+                                        "update": p.detach().double() - before[n]}
+                                    for n, p in m.named_parameters()},
+                         "outputs": dict(outs)})
+            s.step()
+        for h in hs:
+            h.remove()
+        res = {k: {n: {site: st.to_dict() for site, st in v.items()} for n, v in r.items()}
+               for k, r in s.results().items()}
+        report = s.report()
+        recs = s.flush()
+        s.remove()
+        return want, res, report, recs
+
+    want, res, report, recs = run(True)
+    _, res2, report2, recs2 = run(False)
+    assert res == res2
+    assert "0.weight" in report and report.splitlines()[1:] == report2.splitlines()[1:]
+    def strip(rs):
+        return sorted(({k: v for k, v in r.items() if k not in ("time", "run_id")} for r in rs),
+                      key=lambda r: (r["step"], r["module"], r["site"]))
+    assert strip(recs) == strip(recs2)
+    by = {(r["step"], r["module"], r["site"]): r for r in recs}
+    assert len(by) == 2 * (4 * 3 + 2 * 2)
+    for step in range(2):
+        for name, sites in want[step]["params"].items():
+            for site, t in sites.items():
+                w, r = ref(t), by[(step, name, site)]
+                assert r["numel"] == w["numel"]
+                for k in ("min", "max", "mean", "std", "l2"):
+                    assert _close(k, r, w), (name, site, k, r[k], w[k])
+        for name, t in want[step]["outputs"].items():
+            w, r = ref(t), by[(step, name, "output")]
+            assert r["numel"] == w["numel"]
+            for k in ("min", "max", "mean", "std"):
+                assert _close(k, r, w), (name, k, r[k], w[k])
+
+
+def test_meta_forward_records_nothing_and_no_meta_bank():
+    """A forward on the meta model (shape inference before materializing) measures nothing:
+    no bank is ever made on the meta device."""
+    m = _meta_mlp("meta")
+    s = hookplug.attach(m, "Linear", plugins=["params", "stats"])
+    m(torch.randn(4, 8, device="meta"))
+    assert s["stats"].results() == {} and s["params"].results() == {}
+    s.step()
+    assert all(d.type != "meta" for p in ("stats", "params") for d in s[p].bank._devices)
+    _materialize(m)
+    y = m(torch.randn(4, 8))
+    st = s["stats"].results()["2"]["output"]
+    check(st, ref(y))
+    assert s.flush() is not None
+    s.remove()
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_lightning_automatic_optimization_grad_is_the_one_applied(accumulate):
+    """Lightning's automatic optimization calls optimizer.step(closure): the grad site of
+    step s is the gradient the optimizer applies at s (after accumulation and Lightning's
+    clipping), not the previous step's."""
+    pl = pytest.importorskip("lightning.pytorch")
+    import logging
+    import warnings
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from conftest import RecordSink
+    from hookplug.integrations.lightning import HookplugCallback
+
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    applied = {}
+
+    class M(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+        def training_step(self, batch, i):
+            x, y = batch
+            return (self.net(x) - y).pow(2).mean()
+
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
+                                        gradient_clip_algorithm=None):
+            # Lightning clips after on_before_optimizer_step, here: what is left is applied
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            applied[self.global_step] = {n: p.grad.detach().double().clone()
+                                         for n, p in self.named_parameters()}
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(1)
+    ds = TensorDataset(torch.randn(40, 8), torch.randn(40, 1))
+    sink = RecordSink()
+    cb = HookplugCallback("Linear", [("params", {"sites": ("grad",)})], sink=sink, flush_every=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pl.Trainer(max_steps=4, accumulate_grad_batches=accumulate, callbacks=[cb], logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, accelerator="cpu",
+                   gradient_clip_val=0.5).fit(M(), DataLoader(ds, batch_size=4))
+    recs = {(r["step"], r["module"]): r for r in sink.records}
+    assert sorted({s for s, _ in recs}) == [0, 1, 2, 3]
+    for step in range(4):
+        for name, g in applied[step].items():
+            w, r = ref(g), recs[(step, name)]
+            assert r["numel"] == w["numel"] and r["calls"] == 1
+            for k in ("min", "max", "mean", "std", "l2"):
+                assert _close(k, r, w), (step, name, k, r[k], w[k])
+
+
+def test_meta_attach_then_compile_traces_no_bank_creation():
+    """A model attached on meta, materialized, then compiled: the bank of its device is made
+    when dynamo starts compiling (not while tracing, which would break the graph): one graph
+    per forward, as when attached after to_empty, and the numbers of plain torch."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(5))
+
+    def run(meta_first):
+        runs = {"n": 0}
+
+        def counting(gm, example_inputs):
+            def call(*a):
+                runs["n"] += 1
+                return gm.forward(*a)
+            return call
+
+        torch._dynamo.reset()
+        m = _meta_mlp("meta")
+        if meta_first:
+            s = hookplug.attach(m, "Linear", plugins=["stats"])
+            _materialize(m)
+        else:
+            _materialize(m)
+            s = hookplug.attach(m, "Linear", plugins=["stats"])
+        cm = torch.compile(m, backend=counting)
+        with torch.no_grad():
+            outs = []
+            for i in range(4):
+                if i == 2:
+                    runs["n"] = 0
+                outs.append(cm(x * (i + 1)))
+                s.step()
+        st = s["stats"].results()["2"]["output"]
+        s.remove()
+        return runs["n"] / 2, st, torch.cat(outs)
+
+    graphs, st, y = run(True)
+    graphs_after, st_after, _ = run(False)
+    assert graphs == graphs_after == 1
+    check(st, ref(y))
+    assert st.to_dict() == st_after.to_dict()

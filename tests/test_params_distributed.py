@@ -1,8 +1,11 @@
 """The ``params`` plugin under torch.distributed (gloo, CPU processes on 127.0.0.1): the
-records of a DDP / FSDP2 / HSDP run equal those of the same model trained unsharded in one
-process (counts exact, float fields to 1e-6 relative), with one packed collective per flush
-and no gather of parameters or gradients. ``head`` has one output row, so under FSDP2 a rank
-holds an empty shard of it and still takes part in every collective."""
+records of a DDP / FSDP2 / HSDP run, of FSDP2 attached on a meta model before ``to_empty``
+(deferred init), and of DDP with ``ZeroRedundancyOptimizer`` (a wrapper whose step() calls
+its inner optimizer's, given the loss as a closure), equal those of the same model trained
+unsharded in one process (counts exact, float fields to 1e-6 relative), with one packed
+collective per flush and no gather of parameters or gradients. ``head`` has one output row,
+so under FSDP2 a rank holds an empty shard of it and still takes part in every collective."""
+import datetime
 import json
 import math
 import os
@@ -61,18 +64,35 @@ class DumpSink:
         self.records.extend(records)
 
 
-def train(model, wrapped, chunk, world):
-    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
+def train(model, wrapped, chunk, world, zero=False, materialize=None):
     sink = DumpSink()
     calls = {"gather": 0}
     real = dist.all_gather_into_tensor
     with hookplug.attach(wrapped, "Linear", plugins=["params", ("stats", {"sites": "output"})],
                          sink=sink) as s:
+        if materialize is not None:  # attached on meta (FSDP2's deferred init)
+            materialize(model)
+        if zero:  # each rank's inner SGD steps its partition, then ZeRO broadcasts the others
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            opt = ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.SGD,
+                                          lr=0.1, momentum=0.9)
+        else:
+            opt = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
         for x, y in batches():
             xc, yc = x.chunk(world)[chunk], y.chunk(world)[chunk]
-            (wrapped(xc) - yc).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+            if zero:
+                def closure():
+                    opt.zero_grad()
+                    loss = (wrapped(xc) - yc).square().mean()
+                    loss.backward()
+                    return loss
+
+                opt.step(closure)
+            else:
+                (wrapped(xc) - yc).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
             s.step()
 
         def counting(*a, **k):
@@ -87,25 +107,44 @@ def train(model, wrapped, chunk, world):
     return sink.records, calls["gather"]
 
 
+def load_full_weights(model):
+    """to_empty(), then each rank's shard of make_model()'s weights."""
+    from torch.distributed.tensor import distribute_tensor
+
+    model.to_empty(device="cpu")
+    full = dict(make_model().named_parameters())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.to_local().copy_(distribute_tensor(full[name].detach(), p.device_mesh, p.placements,
+                                                 src_data_rank=None).to_local())
+
+
 def worker(rank, mode, world, port, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         torch.set_num_threads(1)
-        model = make_model()
-        if mode == "ddp":
+        materialize = None
+        if mode == "fsdp_meta":  # built on meta, sharded, attached, then to_empty + init
+            with torch.device("meta"):
+                model = Net().double()
+            materialize = load_full_weights
+        else:
+            model = make_model()
+        if mode in ("ddp", "zero"):
             wrapped = nn.parallel.DistributedDataParallel(model)
         else:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
-            mesh = (init_device_mesh("cpu", (world,)) if mode == "fsdp"
+            mesh = (init_device_mesh("cpu", (world,)) if mode in ("fsdp", "fsdp_meta")
                     else init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "shard")))
             for m in (model.fc1, model.fc2, model.head):
                 fully_shard(m, mesh=mesh)
             fully_shard(model, mesh=mesh)
             wrapped = model
-        records, gathers = train(model, wrapped, rank, world)
+        records, gathers = train(model, wrapped, rank, world, zero=mode == "zero",
+                                 materialize=materialize)
         with open(os.path.join(out, f"r{rank}.json"), "w") as f:
             json.dump({"records": records, "gathers": gathers}, f)
     finally:
@@ -137,7 +176,8 @@ def close(a, b):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-@pytest.mark.parametrize("mode,world", [("ddp", 2), ("fsdp", 2), ("hsdp", 4)])
+@pytest.mark.parametrize("mode,world", [("ddp", 2), ("fsdp", 2), ("hsdp", 4), ("zero", 2),
+                                        ("fsdp_meta", 2)])
 def test_sharded_param_stats_equal_unsharded(tmp_path, mode, world):
     mp.spawn(worker, args=(mode, world, free_port(), str(tmp_path)), nprocs=world, join=True)
     want, norms = reference()

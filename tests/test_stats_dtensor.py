@@ -1,0 +1,194 @@
+"""The ``stats`` plugin on DTensor activations (tensor / sequence parallel, 2 gloo ranks on
+127.0.0.1): the merged telemetry records equal the statistics of the same model run in one
+process on the whole input (float64, plain torch hooks, no hookplug), for inputs, outputs
+and output gradients whose placements are ``Shard`` (counted by their local shards) and
+``Replicate`` (counted once), next to plain local tensors holding distinct pieces (counted
+on every rank). A ``Partial`` output is skipped with one warning, and every rank keeps the
+same row layout."""
+import datetime
+import json
+import math
+import os
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+import hookplug
+
+WORLD = 2
+SEQ = 4  # per rank: the sequence dimension is sharded
+SITES = ("input", "output", "grad")
+# Replicate() DTensors: counted by one rank (calls 1); Shard DTensors and plain local pieces
+# by every rank
+REPLICATED = {("fc1", "input[0]"), ("rep", "input[0]"), ("rep", "output"), ("rep", "grad"),
+              ("part", "input[0]")}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ToPartial(nn.Module):
+    """Returns a ``Partial()`` DTensor (pending sum over ranks) of its Replicate input."""
+
+    def forward(self, r):
+        from torch.distributed.tensor import DTensor, Partial
+
+        return DTensor.from_local(r.to_local() / WORLD, r.device_mesh, [Partial()], run_check=False)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 8)
+        self.rep = nn.Linear(8, 8)
+        self.part = ToPartial()
+
+    def forward(self, x):
+        h = self.norm(x)
+        y = self.fc2(torch.relu(self.fc1(h)))
+        r = self.rep(h)
+        if isinstance(r, torch.Tensor) and hasattr(r, "device_mesh"):
+            self.part(r.detach())
+        return y, r
+
+
+def make_model():
+    torch.manual_seed(0)
+    m = Block().double()
+    with torch.no_grad():  # LayerNorm's affine parameters away from their 1 / 0 init
+        m.norm.weight.uniform_(0.5, 1.5)
+        m.norm.bias.uniform_(-0.5, 0.5)
+    return m
+
+
+def rank_input(rank):
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(2, SEQ, 8, generator=g, dtype=torch.float64)
+
+
+class DumpSink:
+    name = "dump"
+    all_ranks = True
+
+    def __init__(self):
+        self.records = []
+
+    @hookplug.hookimpl
+    def hookplug_flush(self, records):
+        self.records.extend(records)
+
+
+def worker(rank, port, out):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    try:
+        torch.set_num_threads(1)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       SequenceParallel, parallelize_module)
+
+        m = make_model()
+        mesh = init_device_mesh("cpu", (WORLD,))
+        parallelize_module(m, mesh, {
+            "norm": SequenceParallel(),  # output: a DTensor Shard(1)
+            "fc1": ColwiseParallel(input_layouts=Shard(1)),  # input Replicate DTensor, output local
+            "fc2": RowwiseParallel(output_layouts=Shard(1)),  # input Shard(-1) DTensor, out local
+            "rep": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(),
+                                   use_local_output=False),  # output: a DTensor Replicate
+        })
+        sink = DumpSink()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with hookplug.attach(m, "LayerNorm|Linear|ToPartial",
+                                 plugins=("stats", {"sites": SITES}), sink=sink) as s:
+                for step in range(2):
+                    y, r = m(rank_input(rank) * (step + 1))
+                    assert type(r).__name__ == "DTensor"
+                    # the global loss y.sum() + r.sum(): y's shards, r (Replicate) once
+                    (y.sum() + r.to_local().sum()).backward()
+                    s.step()
+                s.flush()
+        partial = [str(w.message) for w in caught if "Partial" in str(w.message)]
+        with open(os.path.join(out, f"r{rank}.json"), "w") as f:
+            json.dump({"records": sink.records, "partial": partial,
+                       "disabled": dict(s.disabled)}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def reference():
+    """Per step, ``{(module, site): float64 tensor}`` of the unsharded model on the whole
+    input (the ranks' inputs concatenated along the sharded sequence dimension)."""
+    m = make_model()
+    out = []
+    for step in range(2):
+        seen = {}
+
+        def keep(name):
+            def pre(mod, args):
+                seen[(name, "input[0]")] = args[0].detach().clone()
+
+            def post(mod, args, o):
+                seen[(name, "output")] = o.detach().clone()
+                o.register_hook(lambda g: seen.__setitem__((name, "grad"), g.detach().clone()))
+
+            return pre, post
+
+        hs = []
+        for name in ("norm", "fc1", "fc2", "rep"):
+            pre, post = keep(name)
+            mod = getattr(m, name)
+            hs += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+        x = torch.cat([rank_input(r) for r in range(WORLD)], dim=1) * (step + 1)
+        y, r = m(x)
+        (y.sum() + r.sum()).backward()
+        for h in hs:
+            h.remove()
+        out.append(seen)
+    return out
+
+
+def stats_of(t):
+    t = t.double().reshape(-1)
+    return {"numel": t.numel(), "min": float(t.min()), "max": float(t.max()),
+            "mean": float(t.mean()), "std": float(t.std(correction=0)),
+            "l2": float(torch.linalg.vector_norm(t))}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_dtensor_activations_merge_to_the_whole_tensor(tmp_path):
+    mp.spawn(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    want = reference()
+    keys = {(step, mod, site) for step in range(2) for (mod, site) in want[step]}
+    for rank in range(WORLD):
+        got = json.load(open(tmp_path / f"r{rank}.json"))
+        assert got["disabled"] == {}
+        assert len(got["partial"]) == 1, got["partial"]  # one warning, the Partial output
+        recs = {(r["step"], r["module"], r["site"]): r for r in got["records"]}
+        # part: its Replicate input (once); its Partial output skipped, no grad
+        assert set(recs) == keys | {(step, "part", "input[0]") for step in range(2)}, \
+            set(recs) ^ keys
+        for step in range(2):
+            for (mod, site), t in list(want[step].items()) + [(("part", "input[0]"),
+                                                               want[step][("rep", "output")])]:
+                r, w = recs[(step, mod, site)], stats_of(t)
+                assert r["numel"] == w["numel"], (rank, step, mod, site, r["numel"], w["numel"])
+                assert r["calls"] == (1 if (mod, site) in REPLICATED else WORLD), \
+                    (rank, step, mod, site, r["calls"])
+                for k in ("min", "max", "std", "l2"):
+                    assert math.isclose(r[k], w[k], rel_tol=1e-9, abs_tol=1e-12), \
+                        (rank, step, mod, site, k, r[k], w[k])
+                assert abs(r["mean"] - w["mean"]) <= 1e-9 * w["std"] + 1e-15, \
+                    (rank, step, mod, site, r["mean"], w["mean"])
