@@ -29,7 +29,7 @@ def _free_port() -> int:
 
 def _worker(rank, world, port, out, when):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=30))
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
     torch.set_num_threads(1)
     result = {}
     try:
