@@ -25,7 +25,10 @@ Options (keyword-only):
 - ``plain_tensors="replicated"``: how a plain (non-DTensor) parameter is counted under
   ``torch.distributed``: ``"replicated"`` (DDP, or any data-parallel copy: one rank
   counts it) or ``"distinct"`` (each rank's tensor is a different piece, e.g. hand-made
-  model parallelism: every rank counts its own).
+  model parallelism, or FSDP1 with ``use_orig_params=True`` and ``FULL_SHARD`` /
+  ``SHARD_GRAD_OP``: every rank counts its own). Left unset on FSDP1's flat shards, it
+  warns (FSDP1 with ``use_orig_params=False`` keeps its parameters on the wrapper as flat
+  parameters, which no selected module owns: nothing is measured).
 
 **When it measures (the call order).** Weights and gradients are measured in the
 optimizer's step pre-hook: after backward, after DDP's all-reduce / FSDP2's
@@ -179,7 +182,7 @@ class ParamsPlugin(hookplug.Plugin):
         range: Optional[Tuple[float, float]] = None,  # noqa: A002 - the op's own name
         max_pending_steps: int = 1024,
         optimizer: Union[None, torch.optim.Optimizer, Sequence[torch.optim.Optimizer]] = None,
-        plain_tensors: Literal["replicated", "distinct"] = "replicated",
+        plain_tensors: Optional[Literal["replicated", "distinct"]] = None,
     ):
         sites = check_sites("params", sites, _SITES)
         params = (params,) if isinstance(params, str) else tuple(params)
@@ -192,7 +195,11 @@ class ParamsPlugin(hookplug.Plugin):
             optimizer = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         self.sites = sites
         self.globs = params
-        self.plain_tensors = plain_tensors
+        if plain_tensors not in (None, "replicated", "distinct"):
+            raise ValueError("params: plain_tensors must be 'replicated' or 'distinct', got "
+                             f"{plain_tensors!r}")
+        self.plain_tensors = plain_tensors or "replicated"
+        self._plain_given = plain_tensors is not None
         self._optimizers = optimizer
         self.bank = StatsBank(bins=bins, hist=hist, range=range,
                               max_pending_steps=max_pending_steps, who=self.name)
@@ -227,7 +234,23 @@ class ParamsPlugin(hookplug.Plugin):
                 if any(fnmatch.fnmatchcase(name, g) for g in self.globs):
                     found.append((name, m, attr))
         found.sort(key=lambda f: f[0])  # the same order (and rows) on every rank
+        self._warn_fsdp1([getattr(m, "_parameters", {}).get(a) for _, m, a in found])
         self._params = [_Param(n, m, a, i) for i, (n, m, a) in enumerate(found)]
+
+    def _warn_fsdp1(self, params) -> None:
+        """FSDP1 (``FullyShardedDataParallel``, ``use_orig_params=True``) hands every rank a
+        flat piece of each parameter, marked ``_fsdp_flattened``: counted as replicated, each
+        would be one rank's piece only. Say what to pass (the sharding strategy that decides
+        it is not visible from the parameter)."""
+        if self._plain_given or not any(getattr(p, "_fsdp_flattened", False) for p in params):
+            return
+        import warnings
+        warnings.warn(
+            "hookplug plugin 'params': the parameters are FSDP1 (FullyShardedDataParallel) "
+            "flat shards, counted as replicated copies by default: pass "
+            "plain_tensors='distinct' for exact records under FULL_SHARD / SHARD_GRAD_OP with "
+            "use_orig_params=True ('replicated' under NO_SHARD; HYBRID_SHARD is not exact "
+            "either way; FSDP2's fully_shard is)", RuntimeWarning, stacklevel=2)
 
     def _local(self, pr: _Param, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The part of ``t`` this rank counts (None: nothing)."""
