@@ -615,6 +615,10 @@ class _ParamBinding:
                      f"parameter {self.name!r}")
 
 
+# exceptions that end an iteration, not a run: remove() in their handler is a normal end
+_NOT_FAILURES = (StopIteration, StopAsyncIteration, GeneratorExit)
+
+
 def _sharded_by_fsdp2(param: torch.Tensor, model: Optional[nn.Module]) -> bool:
     """``param`` is a DTensor of a model that ``fully_shard`` (FSDP2) manages."""
     if not any(c.__name__ == "DTensor" for c in type(param).__mro__) or model is None:
@@ -707,7 +711,8 @@ class Session:
     """
 
     def __init__(self, model: nn.Module, *, every: int = 1, on_error: str = "raise",
-                 flush_every: Optional[int] = None, start_step: int = 0):
+                 flush_every: Optional[int] = None, start_step: int = 0,
+                 distributed: bool = True):
         if not isinstance(model, nn.Module):
             raise TypeError(f"attach() expects a torch.nn.Module, got {type(model).__name__}")
         if on_error not in _ON_ERROR:
@@ -719,6 +724,11 @@ class Session:
             raise ValueError(f"flush_every must be None or an int >= 1, got {flush_every!r}")
         if not isinstance(start_step, int) or isinstance(start_step, bool) or start_step < 0:
             raise ValueError(f"start_step must be an int >= 0, got {start_step!r}")
+        if not isinstance(distributed, bool):
+            raise TypeError(f"distributed must be True or False, got {distributed!r}")
+        # False: this session never communicates (attached on some ranks only); its
+        # records hold this rank's statistics, and every sink it has gets them
+        self.distributed = distributed
         self._model_ref = weakref.ref(model)
         self.every = every
         self.on_error = on_error
@@ -910,9 +920,20 @@ class Session:
         """Take every hook off (idempotent) and end the session for its plugins, after a
         final telemetry flush: when a sink is given, and under torch.distributed (world
         size > 1) on every rank when a plugin produces telemetry (the flush is collective,
-        so it cannot depend on which ranks have a sink)."""
+        so it cannot depend on which ranks have a sink). Called while an exception
+        propagates (a ``with`` block or ``finally`` that a raise left, a trainer's failure
+        path), the final flush is this rank's own, with no collective: the other ranks are
+        not there to join it."""
+        self._remove(failed=None)
+
+    def _remove(self, failed: Optional[bool]) -> None:
+        """``remove()``; ``failed`` None: failing if an exception other than the end of an
+        iteration is being handled."""
         if self._removed:
             return
+        if failed is None:
+            exc = sys.exc_info()[0]
+            failed = exc is not None and not issubclass(exc, _NOT_FAILURES)
         self._removed = True
         self._sampling = False
         self._recompute.clear()
@@ -931,8 +952,14 @@ class Session:
         _guard_module_hooks()  # compiled code that ran with the hooks recompiles without
         try:
             # under torch.distributed the final flush is collective: every rank runs it when
-            # the session has a telemetry producer, whether or not a sink is given here
-            if self.has_sinks or (self._attached and self._telemetry.collective(self)):
+            # the session has a telemetry producer, whether or not a sink is given here; a
+            # failed attach has nothing to flush, a failing rank flushes alone
+            if not self._attached:
+                pass
+            elif failed:
+                if self.has_sinks:
+                    self._telemetry.flush(self, wait=True, local=True)
+            elif self.has_sinks or self._telemetry.collective(self):
                 self.flush(wait=True)
         finally:
             # disabled plugins get their cleanup call too; one failing never skips the others
@@ -941,8 +968,8 @@ class Session:
     def __enter__(self) -> "Session":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.remove()
+    def __exit__(self, exc_type, *exc) -> None:
+        self._remove(failed=exc_type is not None and not issubclass(exc_type, _NOT_FAILURES))
 
     def __repr__(self) -> str:
         state = "removed" if self._removed else "attached"
@@ -1238,6 +1265,7 @@ def attach(
     flush_every: Optional[int] = None,
     config: Union[str, "os.PathLike[str]", Dict[str, Any], None] = None,
     start_step: int = 0,
+    distributed: bool = True,
     _given: frozenset = frozenset(),
 ) -> Session:
     """Attach ``plugins`` to the modules of ``model`` that ``selector`` picks.
@@ -1250,7 +1278,9 @@ def attach(
     the producers' stats to the sinks every K steps without waiting for the device; with
     ``flush_every`` set and no ``sink``, records go to ``runs/<run-id>/telemetry.jsonl``.
     ``config=`` a TOML file (see ``hookplug.load_config``) supplies what is not passed here.
-    ``start_step=S`` numbers the first step ``S`` (a resumed run's global step), so that
+    ``distributed=False`` keeps the session off torch.distributed (no collective flush,
+    records of this rank only): for a session attached on some ranks only, e.g. to debug
+    one. ``start_step=S`` numbers the first step ``S`` (a resumed run's global step), so that
     ``every=N`` samples it only when ``S % N == 0``, like every later step; by default the
     first step is 0, always sampled.
     """
@@ -1262,7 +1292,7 @@ def attach(
     if isinstance(model, nn.Module):
         model = unwrap_model(model)  # hooks on the wrapped modules serve the wrapper too
     session = Session(model, every=every, on_error=on_error, flush_every=flush_every,
-                      start_step=start_step)
+                      start_step=start_step, distributed=distributed)
     if isinstance(selector, dict):
         if plugins is not None:
             raise PluginError("attach(): with a {selector: plugins} dict, leave plugins= unset")
@@ -1313,7 +1343,7 @@ def attach(
         session._dispatch("hookplug_session_start")
         session._attached = True
     except BaseException:
-        session.remove()
+        session._remove(failed=True)
         raise
     return session
 

@@ -27,7 +27,9 @@ A flush:
    one of ``remove()``, which then runs on every rank even without a sink there) run the
    exchange on every rank, a rank with nothing to contribute included; records go only to
    the sinks the rank has. So a collective session must be attached on every rank, and
-   ``step()``/``flush()``/``remove()`` called as often on each. ``step()`` flushes even
+   ``step()``/``flush()``/``remove()`` called as often on each. A rank leaving with an
+   exception (``remove()`` while one propagates, a failed attach) flushes its own rows
+   alone, with no collective. ``step()`` flushes even
    when a plugin's ``hookplug_step`` raised (the error is raised after it);
 4. copies the buffer to pinned host memory with ``non_blocking=True`` and records a CUDA
    event behind the copy (on the CPU the buffer already is host memory);
@@ -191,7 +193,7 @@ class Telemetry:
         with more than one rank and some plugin of the session (disabled or not) implements
         ``hookplug_collect``. Then every flush runs the same collectives on every rank."""
         dist = _dist()
-        return (dist is not None and dist.get_world_size() > 1
+        return (dist is not None and session.distributed and dist.get_world_size() > 1
                 and bool(session._call_order.get("hookplug_collect")))
 
     # -- driven by the session --------------------------------------------------------------------
@@ -210,13 +212,14 @@ class Telemetry:
         elif self.in_flight:
             self.poll(session)
 
-    def flush(self, session, *, wait: bool = True) -> List[dict]:
+    def flush(self, session, *, wait: bool = True, local: bool = False) -> List[dict]:
         """Start a flush and emit every finished one; with ``wait`` finish them all.
         Returns the records emitted by this call. The collectives of a distributed flush
         run before anything that may raise on one rank only (sinks, record building); a
-        failure goes through the session's ``on_error`` once the flush is done."""
+        failure goes through the session's ``on_error`` once the flush is done. ``local``:
+        no collective, this rank's rows only (a rank ending with an exception)."""
         try:
-            flights, error = self._start(session)
+            flights, error = self._start(session, local=local)
         except Exception as exc:  # noqa: BLE001 - on_error decides
             flights, error = [], exc
         self.in_flight.extend(flights)
@@ -238,7 +241,8 @@ class Telemetry:
                 continue
             if records:
                 session._dispatch("hookplug_flush", records=records,
-                                  skip=lambda p: flight.rank != 0 and not getattr(p, "all_ranks", False))
+                                  skip=lambda p: (flight.rank != 0 and session.distributed
+                                                  and not getattr(p, "all_ranks", False)))
                 out.extend(records)
         return out
 
@@ -259,12 +263,12 @@ class Telemetry:
             return blocks, exc
         return blocks, None
 
-    def _start(self, session) -> Tuple[List[_Flight], Optional[BaseException]]:
+    def _start(self, session, local: bool = False) -> Tuple[List[_Flight], Optional[BaseException]]:
         """Collect and start this flush: its flights, and an error to report once it is done."""
         carried = {id(b) for b in self._carry}
         blocks, error = self._collect(session)
         dist = _dist()
-        if self.collective(session):
+        if not local and self.collective(session):
             try:
                 flights, prep_error = self._start_collective(session, blocks, dist)
             except Exception as exc:  # a collective failed: send the steps again once

@@ -422,7 +422,7 @@ class ParamsPlugin(hookplug.Plugin):
     @hookimpl
     def hookplug_session_start(self, session):
         self._session_ref = weakref.ref(session)
-        d = _dist()
+        d = _dist() if session.distributed else None
         self._rank = d.get_rank() if d is not None else 0
         self._world = d.get_world_size() if d is not None else 1
         self._select(session)

@@ -269,3 +269,98 @@ def test_every_rank_takes_rank_0s_run_id(tmp_path):
     assert {rec["rank"] for rec in records} == {0, 1}
     assert {rec["run_id"] for rec in records} == {res[0]["before"]}
     assert len(read_jsonl(str(tmp_path / "shared"), run_id=res[0]["before"])) == len(records) == 2 * 2 * 2
+
+
+# -- ranks that leave alone: an exception, a failed attach, a session on one rank ------------------
+
+def raising_rank(rank, out):
+    """Rank 1 raises inside its ``with`` block of a distributed session: it must not wait in
+    a collective flush for rank 0, its own rows go to its own sink at once. (Rank 0, whose
+    partner is gone, runs a ``distributed=False`` session here.)"""
+    import time
+    torch.manual_seed(rank)
+    model, state = Net(), {"step": 0}
+    seen = watch(model, state)
+    dump, took = Dump(), None
+    started = time.monotonic()
+    try:
+        with hookplug.attach(model, "Linear", plugins="stats", sink=dump,
+                             distributed=(rank == 1)) as s:
+            model(torch.randn(4, 6))
+            s.step()
+            state["step"] = 1
+            model(torch.randn(2, 6))
+            if rank == 1:
+                raise KeyError("a bad batch")
+    except KeyError:
+        took = time.monotonic() - started
+    return {"took": took, "records": dump.records, "seen": seen}
+
+
+def test_a_rank_that_raises_flushes_alone_without_waiting(tmp_path):
+    res = spawn("raising_rank", tmp_path)
+    assert res[1]["took"] is not None and res[1]["took"] < 20  # well inside the 60 s timeout
+    for r in (0, 1):  # every step's records hold that rank's own statistics only
+        assert {key(rec) for rec in res[r]["records"]} == set(res[r]["seen"])
+        assert_exact(res[r]["records"], {r: res[r]["seen"]}, ranks=(r,))
+        assert {rec["rank"] for rec in res[r]["records"]} == {r}
+
+
+class _FailingSink:
+    name = "failing"
+
+    @hookplug.hookimpl
+    def hookplug_session_start(self, session):
+        raise OSError("no space left on device")
+
+    @hookplug.hookimpl
+    def hookplug_flush(self, records):
+        pass
+
+
+def failed_attach(rank, out):
+    """A sink fails at attach on rank 1 only: rank 1 gets that error at once (no collective
+    final flush for a session that never started); rank 0 attached a local session."""
+    import time
+    model = Net()
+    started, error = time.monotonic(), None
+    try:
+        sink = _FailingSink() if rank == 1 else Dump()
+        with hookplug.attach(model, "Linear", plugins="stats", sink=sink, distributed=False) \
+                if rank == 0 else hookplug.attach(model, "Linear", plugins="stats", sink=sink):
+            model(torch.randn(3, 6))
+    except OSError as exc:
+        error = str(exc)
+    hooks = sum(len(m._forward_hooks) for m in model.modules())
+    return {"error_seen": error, "took": time.monotonic() - started, "hooks": hooks}
+
+
+def test_a_failed_attach_on_one_rank_raises_its_own_error_at_once(tmp_path):
+    res = spawn("failed_attach", tmp_path)
+    assert res[1]["error_seen"] == "no space left on device" and res[1]["took"] < 20
+    assert res[0]["error_seen"] is None
+    assert res[0]["hooks"] == res[1]["hooks"] == 0
+
+
+def session_on_rank0_only(rank, out):
+    """Debugging on rank 0 only: ``distributed=False`` never communicates and its sink
+    gets that rank's records; rank 1 has no session."""
+    model, state = Net(), {"step": 0}
+    seen = watch(model, state)
+    dump = Dump()
+    if rank == 0:
+        with hookplug.attach(model, "Linear", plugins=("stats", {"sites": "output"}),
+                             sink=dump, flush_every=1, distributed=False) as s:
+            for step in range(2):
+                state["step"] = step
+                model(torch.randn(3, 6))
+                s.step()
+            s.flush()
+    return {"records": dump.records, "seen": seen}
+
+
+def test_a_session_on_one_rank_with_distributed_false_never_communicates(tmp_path):
+    res = spawn("session_on_rank0_only", tmp_path)
+    assert {key(rec) for rec in res[0]["records"]} == set(res[0]["seen"])
+    assert_exact(res[0]["records"], {0: res[0]["seen"]}, ranks=(0,))
+    assert res[1]["records"] == []

@@ -119,7 +119,7 @@ class _PendingStep:
             try:
                 self.commit()
             finally:
-                session.remove()
+                session._remove(failed=failed)  # a failing rank flushes alone (no collective)
         except Exception as exc:
             if not failed:
                 raise
