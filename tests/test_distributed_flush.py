@@ -9,7 +9,6 @@ import datetime
 import json
 import math
 import os
-import socket
 import traceback
 import warnings
 
@@ -20,28 +19,13 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import hookplug
+from _gloo import Dump, free_port, leave
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")]
 
 WORLD = 2
 TIMEOUT = datetime.timedelta(seconds=60)  # a rank left alone in a collective fails in 60 s (not a hang)
-
-
-
-def _leave() -> None:
-    """End a spawned rank: meet the other rank, then exit without tearing gloo down (the
-    teardown aborted a run now and then: "terminate called without an active exception",
-    SIGABRT after the results were written)."""
-    try:
-        dist.barrier()
-    finally:
-        os._exit(0)
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, fn_name, port, out):
@@ -60,7 +44,7 @@ def _worker(rank, fn_name, port, out):
     finally:
         with open(os.path.join(out, f"res{rank}.json"), "w") as f:
             json.dump(res, f)
-        _leave()  # not destroy_process_group(): see _leave
+        leave()  # not destroy_process_group(): see _gloo.leave
 
 
 def spawn(fn_name, tmp_path):
@@ -69,20 +53,6 @@ def spawn(fn_name, tmp_path):
     for r, got in enumerate(res):
         assert "error" not in got, (r, got.get("error"), got.get("tb"))
     return res
-
-
-class Dump:
-    """Keeps every record on every rank."""
-
-    name = "dump"
-    all_ranks = True
-
-    def __init__(self):
-        self.records = []
-
-    @hookplug.hookimpl
-    def hookplug_flush(self, records):
-        self.records.extend(records)
 
 
 class Net(nn.Module):

@@ -9,7 +9,6 @@ import datetime
 import json
 import math
 import os
-import socket
 
 import pytest
 import torch
@@ -18,26 +17,11 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import hookplug
+from _gloo import Dump, free_port, leave
 
 STEPS = 3
 BATCH = 16
 SITES = ("weight", "grad", "update")
-
-
-
-def _leave() -> None:
-    """End a spawned rank: meet the other rank, then exit without tearing gloo down (the
-    teardown aborted a run now and then: "terminate called without an active exception",
-    SIGABRT after the results were written)."""
-    try:
-        dist.barrier()
-    finally:
-        os._exit(0)
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Net(nn.Module):
@@ -62,20 +46,8 @@ def batches():
              torch.randn(BATCH, 1, generator=g, dtype=torch.float64)) for _ in range(STEPS)]
 
 
-class DumpSink:
-    name = "dump"
-    all_ranks = True
-
-    def __init__(self):
-        self.records = []
-
-    @hookplug.hookimpl
-    def hookplug_flush(self, records):
-        self.records.extend(records)
-
-
 def train(model, wrapped, chunk, world, zero=False, materialize=None):
-    sink = DumpSink()
+    sink = Dump()
     calls = {"gather": 0}
     real = dist.all_gather_into_tensor
     with hookplug.attach(wrapped, "Linear", plugins=["params", ("stats", {"sites": "output"})],
@@ -158,13 +130,13 @@ def worker(rank, mode, world, port, out):
         with open(os.path.join(out, f"r{rank}.json"), "w") as f:
             json.dump({"records": records, "gathers": gathers}, f)
     finally:
-        _leave()  # not destroy_process_group(): see _leave
+        leave()  # not destroy_process_group(): see _gloo.leave
 
 
 def reference():
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    sink = DumpSink()
+    sink = Dump()
     norms = []
     with hookplug.attach(model, "Linear", plugins="params", sink=sink) as s:
         for x, y in batches():

@@ -9,7 +9,6 @@ import datetime
 import json
 import math
 import os
-import socket
 import warnings
 
 import pytest
@@ -19,6 +18,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import hookplug
+from _gloo import Dump, free_port, leave
 
 WORLD = 2
 SEQ = 4  # per rank: the sequence dimension is sharded
@@ -27,22 +27,6 @@ SITES = ("input", "output", "grad")
 # by every rank
 REPLICATED = {("fc1", "input[0]"), ("rep", "input[0]"), ("rep", "output"), ("rep", "grad"),
               ("part", "input[0]")}
-
-
-
-def _leave() -> None:
-    """End a spawned rank: meet the other rank, then exit without tearing gloo down (the
-    teardown aborted a run now and then: "terminate called without an active exception",
-    SIGABRT after the results were written)."""
-    try:
-        dist.barrier()
-    finally:
-        os._exit(0)
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ToPartial(nn.Module):
@@ -86,18 +70,6 @@ def rank_input(rank):
     return torch.randn(2, SEQ, 8, generator=g, dtype=torch.float64)
 
 
-class DumpSink:
-    name = "dump"
-    all_ranks = True
-
-    def __init__(self):
-        self.records = []
-
-    @hookplug.hookimpl
-    def hookplug_flush(self, records):
-        self.records.extend(records)
-
-
 def worker(rank, port, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD, timeout=datetime.timedelta(seconds=60))
@@ -117,7 +89,7 @@ def worker(rank, port, out):
             "rep": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(),
                                    use_local_output=False),  # output: a DTensor Replicate
         })
-        sink = DumpSink()
+        sink = Dump()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with hookplug.attach(m, "LayerNorm|Linear|ToPartial",
@@ -134,7 +106,7 @@ def worker(rank, port, out):
             json.dump({"records": sink.records, "partial": partial,
                        "disabled": dict(s.disabled)}, f)
     finally:
-        _leave()  # not destroy_process_group(): see _leave
+        leave()  # not destroy_process_group(): see _gloo.leave
 
 
 def reference():
