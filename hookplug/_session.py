@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from . import hookspecs
+from ._bank import is_dtensor
 from ._checkpoint import RecomputeMatcher
 from ._config import _records_given, attach_options
 from ._manager import PluginError, PluginLoadError, create_plugin, new_plugin_manager
@@ -619,9 +620,14 @@ class _ParamBinding:
 _NOT_FAILURES = (StopIteration, StopAsyncIteration, GeneratorExit)
 
 
+def _failing(exc_type) -> bool:
+    """``remove()`` with ``exc_type`` propagating or being handled ends a failing run."""
+    return exc_type is not None and not issubclass(exc_type, _NOT_FAILURES)
+
+
 def _sharded_by_fsdp2(param: torch.Tensor, model: Optional[nn.Module]) -> bool:
     """``param`` is a DTensor of a model that ``fully_shard`` (FSDP2) manages."""
-    if not any(c.__name__ == "DTensor" for c in type(param).__mro__) or model is None:
+    if model is None or not is_dtensor(param):
         return False
     fsdp = sys.modules.get("torch.distributed.fsdp")
     cls = getattr(fsdp, "FSDPModule", None)
@@ -924,16 +930,12 @@ class Session:
         propagates (a ``with`` block or ``finally`` that a raise left, a trainer's failure
         path), the final flush is this rank's own, with no collective: the other ranks are
         not there to join it."""
-        self._remove(failed=None)
+        self._remove(failed=_failing(sys.exc_info()[0]))
 
-    def _remove(self, failed: Optional[bool]) -> None:
-        """``remove()``; ``failed`` None: failing if an exception other than the end of an
-        iteration is being handled."""
+    def _remove(self, failed: bool) -> None:
+        """``remove()``; ``failed``: this rank is leaving with an exception."""
         if self._removed:
             return
-        if failed is None:
-            exc = sys.exc_info()[0]
-            failed = exc is not None and not issubclass(exc, _NOT_FAILURES)
         self._removed = True
         self._sampling = False
         self._recompute.clear()
@@ -954,12 +956,9 @@ class Session:
             # under torch.distributed the final flush is collective: every rank runs it when
             # the session has a telemetry producer, whether or not a sink is given here; a
             # failed attach has nothing to flush, a failing rank flushes alone
-            if not self._attached:
-                pass
-            elif failed:
-                if self.has_sinks:
-                    self._telemetry.flush(self, wait=True, local=True)
-            elif self.has_sinks or self._telemetry.collective(self):
+            if self._attached and failed and self.has_sinks:
+                self._telemetry.flush(self, wait=True, local=True)
+            elif self._attached and not failed and (self.has_sinks or self._telemetry.collective(self)):
                 self.flush(wait=True)
         finally:
             # disabled plugins get their cleanup call too; one failing never skips the others
@@ -969,7 +968,7 @@ class Session:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        self._remove(failed=exc_type is not None and not issubclass(exc_type, _NOT_FAILURES))
+        self._remove(failed=_failing(exc_type))
 
     def __repr__(self) -> str:
         state = "removed" if self._removed else "attached"

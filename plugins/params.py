@@ -244,7 +244,6 @@ class ParamsPlugin(hookplug.Plugin):
         it is not visible from the parameter)."""
         if self._plain_given or not any(getattr(p, "_fsdp_flattened", False) for p in params):
             return
-        import warnings
         warnings.warn(
             "hookplug plugin 'params': the parameters are FSDP1 (FullyShardedDataParallel) "
             "flat shards, counted as replicated copies by default: pass "
@@ -289,21 +288,21 @@ class ParamsPlugin(hookplug.Plugin):
             if "weight" in sites:
                 bank.accumulate(w, pr.keys["weight"])
             if grads:
-                g = self._local(pr, p.grad)
-                if g is not None:
-                    bank.accumulate(g, pr.keys["grad"])
+                self._accumulate_grad(pr, p)
             if snapshot:
                 self._snapshot(pr, w)
 
     def _measure_grads(self, prs) -> None:
-        bank = self.bank
+        """The gradients of ``prs`` alone, after the step's closure (as ``_measure``)."""
         for pr in prs:
             p = pr.tensor()
-            if self._local(pr, p) is None:  # as _measure: what this rank does not count
-                continue
-            g = self._local(pr, p.grad)
-            if g is not None:
-                bank.accumulate(g, pr.keys["grad"])
+            if self._local(pr, p) is not None:  # what this rank counts
+                self._accumulate_grad(pr, p)
+
+    def _accumulate_grad(self, pr: _Param, p: torch.Tensor) -> None:
+        g = self._local(pr, p.grad)
+        if g is not None:
+            self.bank.accumulate(g, pr.keys["grad"])
 
     def _snapshot(self, pr: _Param, w: torch.Tensor) -> None:
         prev = pr.prev

@@ -107,17 +107,19 @@ def same_on_every_rank(res):
     assert strip(res[0]["records"]) == strip(res[1]["records"])
 
 
+def _watched_net(rank):
+    """The same ``Net`` on every rank, watched by plain hooks; a sink; this rank's data."""
+    torch.manual_seed(0)
+    model, state = Net(), {"step": 0}
+    return model, state, watch(model, state), Dump(), torch.Generator().manual_seed(100 + rank)
+
+
 # -- a module or phase on one rank only -------------------------------------------------------------
 
 def one_rank_keys(rank, out):
     """flush_every=2; step 0: an eval forward on rank 0 only; step 1: ``extra`` runs on rank 1
     only; step 2: ``extra`` on rank 0 only, at step 3 (flushed by remove()) on both."""
-    torch.manual_seed(0)
-    model = Net()
-    state = {"step": 0}
-    seen = watch(model, state)
-    dump = Dump()
-    g = torch.Generator().manual_seed(100 + rank)
+    model, state, seen, dump, g = _watched_net(rank)
     with hookplug.attach(model, "Linear", plugins="stats", sink=dump, flush_every=2, on_error="warn") as s:
         for step in range(4):
             state["step"] = step
@@ -155,12 +157,7 @@ def disabled_on_one_rank(rank, out):
     """stats(nonfinite="raise") under on_error="warn": a NaN on rank 1 at step 1 disables stats
     there; rank 0 goes on (no DDP: the NaN stays on rank 1). A second producer (params) stays
     live on both ranks."""
-    torch.manual_seed(0)
-    model = Net()
-    state = {"step": 0}
-    seen = watch(model, state)
-    dump = Dump()
-    g = torch.Generator().manual_seed(100 + rank)
+    model, state, seen, dump, g = _watched_net(rank)
     with hookplug.attach(model, "Linear", plugins=[("stats", {"nonfinite": "raise"}), ("params", {"bins": 0})],
                          sink=dump, flush_every=2, on_error="warn") as s:
         for step in range(5):
