@@ -25,10 +25,36 @@
 #include "stats_cpu_iface.h"
 #include "stats_defs.h"
 
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
+
 namespace hookplug {
 namespace cpu {
 
 namespace {
+
+// torch.set_flush_denormal(True) sets DAZ/FTZ in the calling thread's MXCSR: subnormals
+// would then compare equal to 0 on that thread only (wrong zero counts, negative log2
+// buckets, results that depend on the thread count). The kernels run with both off and
+// put the caller's mode back; reading MXCSR is all it costs when they are off.
+class ExactDenormals {
+ public:
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+  ExactDenormals() : saved_(_mm_getcsr()) {
+    if (saved_ & kFlushBits) _mm_setcsr(saved_ & ~kFlushBits);
+  }
+  ~ExactDenormals() {
+    if (saved_ & kFlushBits) _mm_setcsr(saved_);
+  }
+  ExactDenormals(const ExactDenormals&) = delete;
+  ExactDenormals& operator=(const ExactDenormals&) = delete;
+
+ private:
+  static constexpr unsigned kFlushBits = 0x8040;  // FTZ (bit 15) | DAZ (bit 6)
+  unsigned saved_;
+#endif
+};
 
 std::atomic<const KernelTable*> g_table{nullptr};
 
@@ -234,6 +260,7 @@ void drain_raw(uint32_t* sub, int R, int NS, int64_t* raw) {
 // general path for one chunk (blocks chained in order, then the chunk's partial).
 void accumulate_one_chunk(const char* p, int64_t N, int64_t es, DType dt, const StatsArgs& a,
                           const KernelTable* K, double* row, double* clock, bool fresh) {
+  ExactDenormals exact;
   const bool is_f64 = dt == kF64;
   uint32_t* sub = a.log2 ? raw_scratch() : nullptr;
   double shift = std::numeric_limits<double>::quiet_NaN();
@@ -273,6 +300,7 @@ void accumulate_cpu(const at::Tensor& x, const StatsArgs& a, double* row, double
     accumulate_one_chunk(base, N, es, dt, a, K, row, clock, fresh);
     return;
   }
+  ExactDenormals exact;  // this thread's; each worker below sets its own
   const MemLayout L = mem_layout(x);
   const BlockFn block_fn = K->block[dt];
   const LinearFn linear_fn = K->linear[dt];
@@ -289,6 +317,7 @@ void accumulate_cpu(const at::Tensor& x, const StatsArgs& a, double* row, double
 
   // Pass 1: everything (log2 histogram and linear histogram with a given range included).
   at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
+    ExactDenormals worker_exact;
     uint32_t* sub = a.log2 ? raw_scratch() : nullptr;
     std::vector<int64_t> raw_local(a.log2 ? raw_size : 0, 0);
     std::vector<int64_t> lin_local(a.linear && a.has_range ? a.nbins + 1 : 0, 0);  // + spare
@@ -338,6 +367,7 @@ void accumulate_cpu(const at::Tensor& x, const StatsArgs& a, double* row, double
     linear_auto_range(nf, mn, mx, &lin_lo, &lin_hi);
     const double scale = static_cast<double>(a.nbins) / (lin_hi - lin_lo);
     at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
+      ExactDenormals worker_exact;
       std::vector<int64_t> lin_local(a.nbins + 1, 0);  // + the spare counter
       std::vector<char> buf(L.flat() ? 0 : kBlock * es);
       BlockSource src(base, es, L);

@@ -561,6 +561,41 @@ def test_deterministic_across_runs_and_thread_counts():
         torch.set_num_threads(old)
 
 
+def _subnormal_mix(dtype, n):
+    """Positive and negative subnormals of ``dtype`` (and -0.0, 0, 1), interleaved."""
+    if dtype == torch.float64:
+        tiny = torch.tensor([5e-324, -5e-324, 2.5e-310], dtype=torch.float64)
+    elif dtype == torch.float32:
+        tiny = torch.tensor([1, -2147483647, 0x7FFF], dtype=torch.int32).view(torch.float32)
+    else:  # bfloat16 (float16 subnormals are normal float32 once converted)
+        tiny = torch.tensor([1, -32767, 0x007F], dtype=torch.int16).view(torch.bfloat16)
+    vals = torch.cat([tiny, torch.tensor([-0.0, 0.0, 1.0], dtype=dtype)])
+    return vals[torch.arange(n) % len(vals)]
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [100, 3 * 65536 + 5])  # the one-chunk path and the threaded one
+def test_flush_denormal_mode_changes_nothing(dtype, n, isa):
+    """torch.set_flush_denormal(True) sets DAZ on the caller's thread only: the kernels
+    must count subnormals as the nonzero values they are, on every thread."""
+    x = _subnormal_mix(dtype, n)
+    with cpu_isa(isa):
+        expected = ops.tensor_stats(x)
+        assert_matches(expected, x)
+        if not torch.set_flush_denormal(True):
+            pytest.skip("this CPU has no flush-denormal mode")
+        old = torch.get_num_threads()
+        try:
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                got = _bits(ops.tensor_stats(x))
+                assert torch.equal(got, _bits(expected)), f"{threads} thread(s)"
+        finally:
+            torch.set_flush_denormal(False)
+            torch.set_num_threads(old)
+
+
 @needs_ext
 def test_isa_variants_agree():
     variants = isas()
