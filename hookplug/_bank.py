@@ -322,6 +322,7 @@ class StatsBank:
             self.kind, self._range_cols = ("linear", *range), tuple(range)
         self._capacity = 64
         self._devices: Dict[torch.device, _DeviceRows] = {}
+        self._assigning = threading.RLock()  # new keys and devices (not the hot path)
         self._later: Optional[Callable[[], Any]] = None  # where the device will be (prepare)
         self._accumulate: Optional[Callable] = None
         self._eager: Optional[Callable] = None
@@ -342,6 +343,15 @@ class StatsBank:
         self.pending = []
 
     def row_of(self, key: Tuple) -> int:
+        row = self.rows.get(key)
+        if row is not None:
+            return row
+        if _is_compiling():  # dynamo traces no lock (and one frame at a time)
+            return self._assign(key)
+        with self._assigning:  # threads sharing a model may meet a new key together
+            return self._assign(key)
+
+    def _assign(self, key: Tuple) -> int:
         row = self.rows.get(key)
         if row is None:
             row = len(self.keys) + 1
@@ -371,8 +381,11 @@ class StatsBank:
         if dev is None:
             if torch.device(device).type == "meta":
                 return None
-            dev = self._devices[device] = _DeviceRows(device, self._capacity, self.width,
-                                                      *self._range_cols, self.live)
+            with self._assigning:  # one _DeviceRows per device, whichever thread comes first
+                dev = self._devices.get(device)
+                if dev is None:
+                    dev = self._devices[device] = _DeviceRows(device, self._capacity, self.width,
+                                                              *self._range_cols, self.live)
         return dev
 
     def prepare(self, device=None, *, later: Optional[Callable[[], Any]] = None) -> None:

@@ -215,6 +215,47 @@ def test_a_reader_thread_loses_no_ended_step():
     assert bank.merged(lambda k: k)[key].numel.item() == 4 * steps
 
 
+def test_threads_meeting_a_new_device_or_key_together_share_its_row(monkeypatch):
+    """Threads sharing a model that meet a key or a device first at the same moment (a
+    model with no parameters, an eval forward): one row and one device bank, every call
+    merged. Made deterministic by slowing the creation down (``time.sleep`` lets the other
+    threads run)."""
+    import threading
+    import time
+
+    from hookplug import _bank
+
+    make_rows = _bank._DeviceRows.__init__
+
+    def slow_rows(self, *args, **kwargs):
+        time.sleep(0.05)
+        make_rows(self, *args, **kwargs)
+
+    class SlowKeys(list):
+        def append(self, key):
+            time.sleep(0.05)
+            super().append(key)
+
+    monkeypatch.setattr(_bank._DeviceRows, "__init__", slow_rows)
+    bank = StatsBank(bins=0)
+    bank.prepare()  # the device is not known yet
+    bank.keys = SlowKeys()
+    threads, start = 4, threading.Barrier(4)
+    xs = [torch.full((10,), float(i)) for i in range(threads)]
+
+    def run(i):
+        start.wait()
+        bank.accumulate(xs[i], ("m", "output", "eval"))
+
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    [w.start() for w in workers]
+    [w.join() for w in workers]
+    assert list(bank.keys) == [("m", "output", "eval")] and len(bank._devices) == 1
+    st = bank.merged(lambda k: k)[("m", "output", "eval")]
+    assert st.numel.item() == 10 * threads and st.calls.item() == threads
+    assert st.mean.item() == pytest.approx(torch.cat(xs).mean().item())
+
+
 def _same_stats(row: torch.Tensor, x: torch.Tensor) -> None:
     """``row`` holds exactly the statistics of ``x`` (counts, extremes and buckets equal,
     mean and M2 to float rounding)."""
