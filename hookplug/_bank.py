@@ -26,11 +26,19 @@ import torch
 
 from ._stats import HEAD, StatsBlock, TensorStats, empty_rows, merge_rows, touched
 
-__all__ = ["StatsBank", "is_dtensor", "dtensor_local"]
+__all__ = ["StatsBank", "MEASURED_AS", "as_measured", "is_dtensor", "dtensor_local"]
 
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 MAX_BINS = 1 << 16
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+# What the plugins measure, by dtype: the op's own dtypes as they are (None); the other
+# floating dtypes that convert exactly to float32 (the float8 formats) through a float32
+# copy. Not listed (integers, bool, complex, packed float4): not measured.
+MEASURED_AS: Dict[torch.dtype, Optional[torch.dtype]] = dict.fromkeys(
+    (torch.float32, torch.float64, torch.float16, torch.bfloat16))
+MEASURED_AS.update((getattr(torch, name), torch.float32) for name in (
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, name))
 _FOLD_EVERY = 16  # ended steps merged into the totals in one batch
 _BANKS: "weakref.WeakValueDictionary[int, StatsBank]" = weakref.WeakValueDictionary()
 _bank_ids = itertools.count(1)
@@ -46,6 +54,15 @@ except Exception:  # pragma: no cover - older torch / no distributed
         from torch.distributed._tensor import DTensor as _DTensor
     except Exception:
         _DTensor = None
+
+
+def as_measured(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """``t`` as the plugins measure it (see ``MEASURED_AS``), or None: not measured.
+    (``stats``' eager hook inlines this: it is the hot path.)"""
+    upcast = MEASURED_AS.get(t.dtype, False)
+    if upcast is None:
+        return t
+    return None if upcast is False else t.to(upcast)
 
 
 def is_dtensor(t) -> bool:

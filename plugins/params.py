@@ -102,7 +102,7 @@ import torch
 
 import hookplug
 from hookplug import hookimpl
-from hookplug._bank import (StatsBank, check_hist_options, check_max_pending, check_sites,
+from hookplug._bank import (StatsBank, as_measured, check_hist_options, check_max_pending, check_sites,
                             dtensor_local, is_dtensor, pad_rows)
 from hookplug._selectors import clean_name
 from hookplug._stats import TensorStats, touched
@@ -268,9 +268,9 @@ class ParamsPlugin(hookplug.Plugin):
         elif self._world > 1 and self.plain_tensors == "replicated":
             if self._rank != pr.index % self._world:
                 return None
-        if not t.is_floating_point() or t.layout is not torch.strided or t.is_meta:
+        if t.layout is not torch.strided or t.is_meta:
             return None  # a meta tensor (not materialized yet) has no values
-        return t.detach()
+        return as_measured(t.detach())  # float8 through float32 (exact); no integers
 
     # -- measuring ---------------------------------------------------------------------------------
 

@@ -83,8 +83,8 @@ import torch
 
 import hookplug
 from hookplug import hookimpl
-from hookplug._bank import (StatsBank, accumulate_by_key_op, check_hist_options, check_max_pending,
-                            check_sites, dtensor_local, host_copy, is_dtensor)
+from hookplug._bank import (MEASURED_AS, StatsBank, accumulate_by_key_op, as_measured, check_hist_options,
+                            check_max_pending, check_sites, dtensor_local, host_copy, is_dtensor)
 from hookplug._func import is_batched
 from hookplug._stats import FIRST_BAD, TensorStats
 from hookplug.structures import iter_tensors
@@ -159,8 +159,11 @@ class StatsPlugin(hookplug.Plugin):
         return self.bank.pending
 
     def _record(self, ctx, path: str, t) -> None:
-        if not t.is_floating_point():
-            return
+        upcast = MEASURED_AS.get(t.dtype, False)  # as_measured(t), inlined: the hot path
+        if upcast is not None:
+            if upcast is False:  # integer, bool, complex
+                return
+            t = t.to(upcast)  # float8: measured exactly through a float32 copy
         if type(t) not in _PLAIN_TENSORS and is_dtensor(t):
             t = self._local(ctx, path, t)
             if t is None:
@@ -243,7 +246,8 @@ class StatsPlugin(hookplug.Plugin):
     def hookplug_output_grad(self, ctx, module, grad, path):
         site = "grad" + path[6:] if path.startswith("output") else f"grad.{path}"
         if _is_compiling() and self.grad_in_graph:  # a compiled backward: the op names bank and key,
-            if grad.is_floating_point():  # no bank tensor (see StatsBank.accumulate_by_key)
+            grad = as_measured(grad)
+            if grad is not None:  # no bank tensor (see StatsBank.accumulate_by_key)
                 if is_dtensor(grad):
                     grad = self._local(ctx, site, grad)
                     if grad is None:

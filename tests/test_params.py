@@ -123,6 +123,18 @@ def test_without_optimizer_measures_at_step_and_update_between_steps():
         check(res["update"], ref(m[0].weight.detach() - w0))
 
 
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="no float8 in this torch")
+def test_float8_weights_are_measured_exactly():
+    """An FP8-stored weight (frozen, as FP8 inference and some fine-tuning keep them) is
+    measured through a float32 copy, not an error."""
+    m, x = model_and_data()
+    m[0].weight.requires_grad_(False)
+    m[0].weight.data = m[0].weight.data.to(torch.float8_e4m3fn)
+    with hookplug.attach(m, "Linear", plugins=("params", {"params": "0.weight"})) as s:
+        s.step()
+        check(s["params"].results()["0.weight"]["weight"], ref(m[0].weight.float()))
+
+
 def test_every_n_samples_steps_and_bad_options():
     m, x = model_and_data()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)

@@ -194,6 +194,25 @@ def test_nan_inf_and_integer_outputs():
     assert int(res["output[0]"].nan_count) == 1 and int(res["output[0]"].inf_count) == 1
 
 
+@pytest.mark.parametrize("dtype", [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2")
+                                   if hasattr(torch, n)], ids=str)
+def test_float8_outputs_are_measured_exactly(dtype):
+    """float8 activations (FP8 training) are floating tensors the op has no kernel for:
+    measured through a float32 copy (exact), not an error that disables the plugin."""
+    class ToFloat8(nn.Module):
+        def forward(self, x):
+            return x.to(dtype), x
+
+    m = nn.Sequential(ToFloat8())
+    x = torch.randn(6, 7) * 4
+    with hookplug.attach(m, "ToFloat8", plugins="stats") as s:
+        y, _ = m(x)
+    res = s["stats"].results()["0"]
+    assert list(res) == ["output[0]", "output[1]"]
+    assert_stats_match(res["output[0]"], y.float())
+    assert_stats_match(res["output[1]"], x)
+
+
 # -- structures and sites -------------------------------------------------------------------------
 
 
