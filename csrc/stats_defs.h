@@ -110,8 +110,14 @@ HOOKPLUG_HD void moments_merge(Moments& a, double nb, double mean_b, double m2_b
   if (a.n == 0) { a.n = nb; a.mean = mean_b; a.m2 = m2_b; return; }
   const double n = a.n + nb;
   const double delta = mean_b - a.mean;
-  a.mean += delta * (nb / n);
-  a.m2 += m2_b + delta * delta * (a.n * (nb / n));
+  if (delta - delta == 0) {  // finite
+    a.mean += delta * (nb / n);
+    a.m2 += m2_b + delta * delta * (a.n * (nb / n));
+  } else {  // means of opposite signs near the largest double: their difference overflows
+    const double half = 0.5 * mean_b - 0.5 * a.mean;
+    a.mean = a.mean * (a.n / n) + mean_b * (nb / n);
+    a.m2 += m2_b + 4.0 * half * half * (a.n * (nb / n));  // inf: a spread beyond a double
+  }
   a.n = n;
 }
 

@@ -296,7 +296,12 @@ def reference_tensor_stats(x: torch.Tensor, *, bins: Optional[int] = None, hist:
     else:
         mn = torch.full((), math.inf, dtype=f64, device=dev)
         mx = torch.full((), -math.inf, dtype=f64, device=dev)
-    mean = torch.where(fin, v, 0.0).sum() / torch.where(has, nf, 1.0)
+    finite, count = torch.where(fin, v, 0.0), torch.where(has, nf, 1.0)
+    total = finite.sum()  # float64 values near the largest overflow it: then summed scaled down,
+    mean = torch.where(total.isfinite(), total / count,  # and corrected by the mean deviation
+                       (finite * 2.0 ** -32).sum() / count * 2.0 ** 32)
+    correction = torch.where(fin, v - mean, 0.0).sum() / count
+    mean = torch.where(correction.isfinite(), mean + correction, mean)
     d = torch.where(fin, v - mean, 0.0)
     nb = _num_buckets(bins, hist)
     row = empty_rows(1, nb, device=dev)[0]

@@ -299,6 +299,23 @@ def test_float64_near_its_largest_keeps_a_finite_mean(n):
     assert int(st["numel"]) == n and st["nan_count"] == 0 and st["inf_count"] == 0
 
 
+@pytest.mark.parametrize("n", [100, 2048, 20_000])  # one block, a block edge, several chunks
+def test_float64_halves_of_opposite_signs_near_the_largest(n):
+    """Blocks (and calls, and rows) whose means are +-1.7e308: their difference overflows,
+    the merged mean must not (std inf: the spread is beyond a double). The same for the
+    reference backend, the merge of rows and a constant 1e307 merged with itself."""
+    x = torch.cat([torch.full((n,), 1.7e308, dtype=torch.float64),
+                   torch.full((n,), -1.7e308, dtype=torch.float64)])
+    for fn in ([ops.tensor_stats] if COMPILED else []) + [ops.reference_tensor_stats]:
+        st = fn(x).to_dict()
+        assert abs(st["mean"]) <= 1e-12 * 1.7e308 and st["std"] == math.inf, (fn, st["mean"])
+        halves = fn(x[:n]).merge(fn(x[n:])).to_dict()
+        assert abs(halves["mean"]) <= 1e-12 * 1.7e308 and halves["std"] == math.inf
+        c = fn(torch.full((n,), 1e307, dtype=torch.float64))
+        twice = c.merge(c).to_dict()
+        assert (twice["mean"], twice["std"], twice["numel"]) == (1e307, 0.0, 2 * n)
+
+
 @needs_ext
 def test_float_overflow_of_partial_sums():
     x = torch.full((10_000,), 3e38)  # finite values whose float32 sum overflows
