@@ -70,9 +70,9 @@ inline StatsArgs check_stats_args(const at::Tensor& x, int64_t bins, int64_t his
                       "hookplug::tensor_stats: a range applies to the linear histogram "
                       "(hist_mode=1) only, got hist_mode=",
                       hist_mode, " (log2)");
-    TORCH_CHECK_VALUE(std::isfinite(*lo) && std::isfinite(*hi) && *lo < *hi,
-                      "hookplug::tensor_stats: expected a finite range with lo < hi, got (", *lo,
-                      ", ", *hi, ")");
+    TORCH_CHECK_VALUE(*lo < *hi && std::isfinite(*hi - *lo),  // NaN, inf, a width past the largest
+                      "hookplug::tensor_stats: expected a finite range with lo < hi (and hi - lo "
+                      "finite), got (", *lo, ", ", *hi, ")");
     a.lo = *lo;
     a.hi = *hi;
   }

@@ -92,7 +92,12 @@ HOOKPLUG_HD double linear_edge(double lo, double hi, int64_t i, int64_t bins) {
 // The automatic linear range from the finite min/max (n = number of finite values).
 HOOKPLUG_HD void linear_auto_range(double n, double mn, double mx, double* lo, double* hi) {
   if (!(n > 0)) { mn = 0.0; mx = 0.0; }
-  if (mn == mx) { mn -= 1.0; mx += 1.0; }
+  if (mn == mx) {  // widened like torch.histc: by 1, or more where 1 is below the value's ulp
+    const double a = mn < 0 ? -mn : mn;
+    const double w = a * 0x1p-50 > 1.0 ? a * 0x1p-50 : 1.0;
+    mn -= w;
+    mx += w;
+  }
   *lo = mn;
   *hi = mx;
 }

@@ -170,8 +170,9 @@ def _parse(x, bins, hist, range) -> Tuple[int, str, Optional[float], Optional[fl
         except (TypeError, ValueError):
             raise ValueError(f"{who}: expected range=(lo, hi) of two numbers, "
                              f"got {range!r}") from None
-        if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
-            raise ValueError(f"{who}: expected a finite range with lo < hi, got {range!r}")
+        if not (lo < hi and math.isfinite(hi - lo)):  # NaN, inf or a width past the largest
+            raise ValueError(f"{who}: expected a finite range with lo < hi (and hi - lo finite), "
+                             f"got {range!r}")
     return bins, hist, lo, hi
 
 
@@ -332,7 +333,8 @@ def reference_tensor_stats(x: torch.Tensor, *, bins: Optional[int] = None, hist:
         else:  # the finite min/max, widened like torch.histc
             lo_t, hi_t = torch.where(has, mn, 0.0), torch.where(has, mx, 0.0)
             eq = lo_t == hi_t
-            lo_t, hi_t = torch.where(eq, lo_t - 1, lo_t), torch.where(eq, hi_t + 1, hi_t)
+            w = (lo_t.abs() * 2.0 ** -50).clamp(min=1.0)  # 1, or more past 2**50 (as in C++)
+            lo_t, hi_t = torch.where(eq, lo_t - w, lo_t), torch.where(eq, hi_t + w, hi_t)
         width = hi_t - lo_t
         scale = torch.full_like(width, float(nb)) / width  # a true division, as in C++
         inside = (v >= lo_t) & (v <= hi_t)

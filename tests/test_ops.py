@@ -416,6 +416,21 @@ def test_linear_histogram_with_and_without_range(dtype):
     assert st.to_dict()["hist_counts"] == [0, 0, 100, 0]
 
 
+@pytest.mark.parametrize("fn", [pytest.param(ops.tensor_stats, marks=needs_ext), ops.reference_tensor_stats],
+                         ids=["op", "reference"])
+def test_linear_histogram_of_a_constant_past_2_53_and_too_wide_ranges(fn):
+    """A constant too large for +-1 to change it: the automatic range is widened by a few
+    of its ulps instead (it used to collapse to one edge, the bucket a NaN cast to int);
+    a given range whose width is past the largest double is refused."""
+    for v in (2.0 ** 53, 1e20, -1e300):
+        d = fn(torch.full((10,), v, dtype=torch.float64), hist="linear", bins=4).to_dict()
+        edges = d["hist_edges"]
+        assert edges[0] < v < edges[-1] and all(a < b for a, b in zip(edges, edges[1:])), edges
+        assert d["hist_counts"] == [0, 0, 10, 0]
+    with pytest.raises(ValueError, match="hi - lo finite"):
+        fn(torch.zeros(3, dtype=torch.float64), hist="linear", bins=4, range=(-1e308, 1e308))
+
+
 @needs_ext
 def test_linear_histogram_agrees_with_torch_histc():
     g = gen(18)
