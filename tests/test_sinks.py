@@ -75,12 +75,14 @@ def test_jsonl_writes_nonfinite_as_null(tmp_path):
            "max": math.nan, "mean": math.nan, "std": math.nan, "absmax": math.nan, "l2": 0.0,
            "rms": math.nan, "zero_fraction": 0.0, "hist": [], "hist_edges": []}
     empty = dict(rec, numel=0, nan_count=0, zero_fraction=math.nan)  # a site that saw only empty tensors
-    sink.hookplug_flush(session=None, records=[rec, empty])
+    update = dict(rec, site="update", update_to_weight=math.nan)  # params: a weight of l2 0
+    sink.hookplug_flush(session=None, records=[rec, empty, update])
     sink.close()
     line = (tmp_path / "t.jsonl").read_text().splitlines()[0]
     assert json.loads(line)["min"] is None
     back = read_jsonl(str(tmp_path / "t.jsonl"))
-    for got, want in zip(back, (rec, empty)):  # every non-finite float comes back as NaN
+    assert len(back) == 3
+    for got, want in zip(back, (rec, empty, update)):  # every non-finite float comes back as NaN
         for k, v in want.items():
             if k == "hist_edges":  # written on a (module, site)'s first line only
                 continue

@@ -56,6 +56,7 @@ _SUFFIXES = (".jsonl", ".json", ".ndjson")
 _CHUNK = 1 << 20  # bytes per os.write (whole lines)
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 _FLOATS = hookplug.STAT_FIELDS[len(COUNT_COLUMNS):] + ("time",)  # the float fields (after the counts)
+_NULLABLE = _FLOATS + ("update_to_weight",)  # and params' ratio: null in a file means NaN
 
 
 @contextlib.contextmanager
@@ -319,7 +320,7 @@ def read_jsonl(path: str, *, run_id: Optional[str] = None) -> List[Dict[str, Any
             edges[key] = rec["hist_edges"]
         elif rec.get("hist"):
             rec["hist_edges"] = edges.get(key)
-        for k in _FLOATS:  # every float the writer turns to null when not finite
+        for k in _NULLABLE:  # every float the writer turns to null when not finite
             if k in rec and rec[k] is None:
                 rec[k] = math.nan
         out.append(rec)
