@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ._stats import HEAD, StatsBlock, TensorStats, empty_rows, merge_rows, touched
+from ._stats import CLOCK, HEAD, StatsBlock, TensorStats, empty_rows, merge_rows, touched
 
 __all__ = ["StatsBank", "MEASURED_AS", "as_measured", "is_dtensor", "dtensor_local"]
 
@@ -39,6 +39,10 @@ MEASURED_AS: Dict[torch.dtype, Optional[torch.dtype]] = dict.fromkeys(
 MEASURED_AS.update((getattr(torch, name), torch.float32) for name in (
     "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
     if hasattr(torch, name))
+# The clock a bank's steps start from where it measures after the step's forward and backward
+# (params, at the optimizer step): telemetry marks a step's first NaN/Inf by the smallest
+# clock over the banks, so their values must order after any activation's of the same step.
+LATE_CLOCK = 2.0 ** 40
 _FOLD_EVERY = 16  # ended steps merged into the totals in one batch
 _BANKS: "weakref.WeakValueDictionary[int, StatsBank]" = weakref.WeakValueDictionary()
 _bank_ids = itertools.count(1)
@@ -228,8 +232,10 @@ class _DeviceRows:
                  "_snapshot")
 
     @_outside_inference_mode
-    def __init__(self, device, capacity: int, width: int, lo: float, hi: float, live: bool):
+    def __init__(self, device, capacity: int, width: int, lo: float, hi: float, live: bool,
+                 clock_base: float = 0.0):
         self.empty = empty_rows(capacity, width - HEAD, lo, hi, device=device)
+        self.empty[0, CLOCK] = clock_base  # where each step's clock starts (see LATE_CLOCK)
         self.acc = self.empty.clone()
         self.totals = self.empty.clone()
         self.unfolded: List[torch.Tensor] = []
@@ -304,7 +310,7 @@ class _DeviceRows:
     @_outside_inference_mode
     def grow(self, capacity: int) -> None:
         self.fold()
-        fresh = self.empty[:1].expand(capacity - self.acc.shape[0], -1)
+        fresh = self.empty[-1:].expand(capacity - self.acc.shape[0], -1)  # not the meta row
         self.empty = torch.cat([self.empty, fresh])
         self.acc = torch.cat([self.acc, fresh])
         self.totals = torch.cat([self.totals, fresh])
@@ -323,11 +329,12 @@ class StatsBank:
 
     def __init__(self, *, bins: Optional[int] = None, hist: str = "log2",
                  range: Optional[Sequence[float]] = None,  # noqa: A002 - the op's own name
-                 max_pending_steps: int = 1024, who: str = "stats"):
+                 max_pending_steps: int = 1024, who: str = "stats", clock_base: float = 0.0):
         from . import ops
 
         self.who = who
         self.max_pending_steps = max_pending_steps
+        self.clock_base = clock_base
         self.op_args = ops.hist_args(bins, hist, range)  # (bins, hist_mode, lo, hi)
         nb = ops.buckets(self.op_args[0], hist)
         self.width = HEAD + nb
@@ -403,7 +410,8 @@ class StatsBank:
                 dev = self._devices.get(device)
                 if dev is None:
                     dev = self._devices[device] = _DeviceRows(device, self._capacity, self.width,
-                                                              *self._range_cols, self.live)
+                                                              *self._range_cols, self.live,
+                                                              self.clock_base)
         return dev
 
     def prepare(self, device=None, *, later: Optional[Callable[[], Any]] = None) -> None:

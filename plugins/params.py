@@ -102,7 +102,7 @@ import torch
 
 import hookplug
 from hookplug import hookimpl
-from hookplug._bank import (StatsBank, as_measured, check_hist_options, check_max_pending, check_sites,
+from hookplug._bank import (LATE_CLOCK, StatsBank, as_measured, check_hist_options, check_max_pending, check_sites,
                             dtensor_local, is_dtensor, pad_rows)
 from hookplug._selectors import clean_name
 from hookplug._stats import TensorStats, touched
@@ -201,8 +201,8 @@ class ParamsPlugin(hookplug.Plugin):
         self.plain_tensors = plain_tensors or "replicated"
         self._plain_given = plain_tensors is not None
         self._optimizers = optimizer
-        self.bank = StatsBank(bins=bins, hist=hist, range=range,
-                              max_pending_steps=max_pending_steps, who=self.name)
+        self.bank = StatsBank(bins=bins, hist=hist, range=range, max_pending_steps=max_pending_steps,
+                              who=self.name, clock_base=LATE_CLOCK)  # measured after activations
         self._params: List[_Param] = []
         self._by_id: Dict[int, _Param] = {}
         self._opt_cache: Dict[int, Tuple[int, List[_Param]]] = {}

@@ -135,6 +135,38 @@ def test_float8_weights_are_measured_exactly():
         check(s["params"].results()["0.weight"]["weight"], ref(m[0].weight.float()))
 
 
+def test_first_nonfinite_is_the_activation_not_a_later_parameter_gradient():
+    """stats and params count calls on clocks of their own: params measures at the
+    optimizer step, after the step's forward and backward, so an activation's NaN/Inf comes
+    first (it used to compare the two banks' clocks: fc1.bias's grad won)."""
+    class Collect(hookplug.Sink):
+        name = "collect"
+
+        def __init__(self):
+            super().__init__()
+            self.records = []
+
+        @hookplug.hookimpl
+        def hookplug_flush(self, session, records):
+            self.records += records
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    sink = Collect()
+    plugins = [("stats", {"sites": ("output", "grad")}), ("params", {"bins": 0})]
+    with hookplug.attach(m, "Linear", plugins=plugins, sink=sink) as s:
+        with torch.no_grad():
+            m[2].weight[0, 0] = math.inf  # the last layer's output: the step's first Inf
+        m(torch.randn(8, 4)).sum().backward()
+        opt.step()
+        s.step()
+    firsts = [(r["module"], r["site"]) for r in sink.records if r["first_nonfinite"]]
+    assert firsts == [("2", "output")]
+    assert [(n["module"], n["site"]) for n in s.nonfinite] == [("2", "output")]
+    assert any(r["inf_count"] for r in sink.records if r["module"] == "0.bias")  # params saw it too
+
+
 def test_every_n_samples_steps_and_bad_options():
     m, x = model_and_data()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
