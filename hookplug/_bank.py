@@ -24,12 +24,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ._stats import HEAD, StatsBlock, TensorStats, empty_rows, merge_rows, touched
+from ._stats import HEAD, MAX_BINS, StatsBlock, TensorStats, empty_rows, merge_rows, touched
 
 __all__ = ["StatsBank", "is_dtensor", "dtensor_local"]
 
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
-MAX_BINS = 1 << 16
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _FOLD_EVERY = 16  # ended steps merged into the totals in one batch
 _BANKS: "weakref.WeakValueDictionary[int, StatsBank]" = weakref.WeakValueDictionary()
