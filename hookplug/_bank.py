@@ -24,12 +24,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ._stats import CLOCK, HEAD, StatsBlock, TensorStats, empty_rows, merge_rows, touched
+from ._stats import CLOCK, HEAD, MAX_BINS, StatsBlock, TensorStats, empty_rows, merge_rows, touched
 
 __all__ = ["StatsBank", "MEASURED_AS", "as_measured", "is_dtensor", "dtensor_local"]
 
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
-MAX_BINS = 1 << 16
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 # What the plugins measure, by dtype: the op's own dtypes as they are (None); the other
 # floating dtypes that convert exactly to float32 (the float8 formats) through a float32

@@ -182,6 +182,8 @@ def load_capture(
     from safetensors import safe_open
 
     name = os.fspath(path)
+    if os.path.isdir(name):
+        raise IsADirectoryError(f"load_capture: {name!r} is a directory, not a capture file")
     if not os.path.isfile(name):
         raise FileNotFoundError(f"load_capture: no such file {name!r}")
     try:

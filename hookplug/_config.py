@@ -297,6 +297,9 @@ def attach_options(config, given, selector, plugins, *, every, sink, on_error, s
     not both. With ``flush_every`` set and no sink anywhere, the embedded ``jsonl`` sink.
     Returns ``(selector, plugins, every, sink, on_error, strict, flush_every)``."""
     if config is not None:
+        if not isinstance(config, (str, os.PathLike, dict)):
+            raise TypeError(f"attach(): config= expects a path to a TOML file (str or os.PathLike) or a "
+                            f"dict, got {type(config).__name__}")
         cfg = parse_config(config) if isinstance(config, dict) else load_config(config)
         cfg_selector = cfg.get("selector")
         if isinstance(cfg_selector, dict) and (plugins is not None or "selector" in given):

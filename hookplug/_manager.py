@@ -16,6 +16,7 @@ import warnings
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+from types import FunctionType
 from typing import Any, Dict, List, Optional
 from urllib.parse import unquote, urlparse
 
@@ -202,9 +203,11 @@ def plugin_info() -> List[PluginSource]:
 def create_plugin(name: str, options: Optional[Dict[str, Any]] = None):
     """Build the plugin registered under ``name`` with ``options``.
 
-    Raises :class:`PluginError` for an unknown name or options the plugin rejects, and
-    :class:`PluginLoadError` (naming the distribution) when the plugin fails to import or to
-    construct, or its factory returns None.
+    Raises :class:`PluginError` for an unknown name or options the plugin rejects (unknown,
+    missing or mistyped ones; a TypeError/ValueError from the factory when options were
+    given), and :class:`PluginLoadError` (naming the distribution) when the plugin fails to
+    import or to construct (any other error, or any error with no options given), or its
+    factory returns None.
     """
     options = dict(options or {})
     if not isinstance(name, str):
@@ -222,12 +225,13 @@ def create_plugin(name: str, options: Optional[Dict[str, Any]] = None):
         raise src.load_error()
     from ._options import check_options
 
-    check_options(name, factory, options)
+    options = check_options(name, factory, options)
     try:
         plugin = factory(**options)
-    except (TypeError, ValueError) as exc:
-        raise PluginError(f"plugin {name!r} rejected its options {options!r}: {exc}") from exc
     except (Exception, SystemExit) as exc:  # noqa: BLE001
+        if options and isinstance(exc, (TypeError, ValueError)):  # its own checks of their values
+            raise PluginError(f"plugin {name!r} rejected its options {options!r}: {exc}") from exc
+        # with no options given nothing can be wrong with them: a bug (or a missing resource)
         src.error = f"{type(exc).__name__}: {exc}"
         raise PluginLoadError(
             f"hookplug plugin {name!r} from distribution {src.distribution!r} failed to "
@@ -245,6 +249,28 @@ def create_plugin(name: str, options: Optional[Dict[str, Any]] = None):
         except AttributeError:
             pass
     return plugin
+
+
+_MARKS = pluggy.PluginManager(hookspecs.hookimpl.project_name)  # no specs: reads @hookimpl marks only
+
+
+def is_hookimpl(obj, attr: str) -> bool:
+    """Whether ``obj``'s attribute ``attr`` is marked ``@hookplug.hookimpl``, read as pluggy
+    reads it when registering ``obj`` (descriptors are not run)."""
+    return _MARKS.parse_hookimpl_opts(obj, attr) is not None
+
+
+def warn_unmarked_hooks(cls) -> None:
+    """Warn, naming each, about the methods ``cls`` defines with a hook's ``hookplug_`` prefix
+    but no ``@hookplug.hookimpl`` mark: pluggy never calls them (for a base's marked hook,
+    the override switches it off). Called at class creation by ``Plugin`` and ``Sink``."""
+    for attr, value in vars(cls).items():
+        if (attr.startswith("hookplug_") and isinstance(value, (FunctionType, staticmethod, classmethod))
+                and not is_hookimpl(cls, attr)):
+            warnings.warn(
+                f"{cls.__module__}.{cls.__qualname__}.{attr} is named like a hookplug hook but is not "
+                "marked @hookplug.hookimpl, so hookplug never calls it: add @hookplug.hookimpl above it",
+                RuntimeWarning, stacklevel=3)
 
 
 def new_plugin_manager() -> pluggy.PluginManager:

@@ -5,7 +5,9 @@
 hint cannot express stay in the plugin. Supported hints: ``bool``, ``int``, ``float``,
 ``str``, classes, ``Optional``/``Union``, ``Literal``, ``Sequence[X]``/``List[X]``,
 ``Tuple[X, ...]``/``Tuple[X, Y]``, ``Dict``; ``Any``, ``Callable`` and unresolvable hints
-are not checked. ``bool`` is never an ``int`` or a ``float``.
+are not checked. ``bool`` is never an ``int`` or a ``float``. A one-shot iterator (a
+generator, ``map``) given for a sequence is materialised once, into the list (or tuple) that
+is checked and then handed to the plugin.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import Any, Callable, Dict
 
 from ._manager import PluginError
 
-__all__ = ["OptionError", "check_options", "type_ok", "describe"]
+__all__ = ["OptionError", "check_options", "type_ok", "describe", "materialise"]
 
 _NAMES = {bool: "a boolean", int: "an int", float: "a number", str: "a string",
           dict: "a table", type(None): "None"}
@@ -29,7 +31,7 @@ _UNIONS = (typing.Union, getattr(types, "UnionType", typing.Union))  # Union[A, 
 
 
 class OptionError(PluginError):
-    """An unknown option or an option of the wrong type: ``plugin``, ``option``, ``problem``."""
+    """An unknown, missing or mistyped option: ``plugin``, ``option``, ``problem``."""
 
     def __init__(self, plugin: str, option: str, problem: str, message: str = ""):
         super().__init__(message or f"plugin {plugin!r} option {option!r}: {problem}")
@@ -52,8 +54,8 @@ def type_ok(value: Any, hint: Any) -> bool:
     if origin is tuple or origin in _SEQS:
         if isinstance(value, str) and origin is not cabc.Sequence:
             return False
-        if isinstance(value, (bytes, dict)) or not isinstance(value, cabc.Iterable):
-            return False
+        if isinstance(value, (bytes, dict, cabc.Iterator)) or not isinstance(value, cabc.Iterable):
+            return False  # an iterator: checking would consume it (check_options materialises it first)
         if not isinstance(value, (list, tuple, str)):
             value = list(value)  # a set, an array: any finite iterable of the right items
         if origin is tuple and args and args[-1] is not Ellipsis:
@@ -91,6 +93,26 @@ def describe(hint: Any, show: Callable[[Any], str] = repr) -> str:
     return _NAMES.get(hint) or ("an " if name[:1] in "AEIOU" else "a ") + name
 
 
+def _sequence_type(hint: Any):
+    """``list`` or ``tuple`` when ``hint`` (or a member of its union) is a sequence, else None."""
+    origin = typing.get_origin(hint)
+    if origin in _UNIONS:
+        return next((t for t in map(_sequence_type, typing.get_args(hint)) if t is not None), None)
+    if origin is tuple:
+        return tuple
+    return list if origin in _SEQS else None
+
+
+def materialise(value: Any, hint: Any) -> Any:
+    """``value``, or for a one-shot iterator given for a sequence hint the list (or tuple) it
+    yields: checked, then handed to the plugin (checking the iterator itself would consume it)."""
+    if isinstance(value, cabc.Iterator):
+        seq = _sequence_type(hint)
+        if seq is not None:
+            return seq(value)
+    return value
+
+
 def _hints(factory) -> Dict[str, Any]:
     target = inspect.unwrap(factory.__init__ if isinstance(factory, type) else factory)
     try:
@@ -100,18 +122,21 @@ def _hints(factory) -> Dict[str, Any]:
 
 
 def check_options(name: str, factory, options: Dict[str, Any],
-                  show: Callable[[Any], str] = repr) -> None:
+                  show: Callable[[Any], str] = repr) -> Dict[str, Any]:
     """Check ``options`` against ``factory``'s signature and type hints; raise
-    :class:`OptionError` for the first unknown option (with a close match) or wrong type.
-    ``show`` renders the received value."""
+    :class:`OptionError` for the first unknown option (with a close match), wrong type or
+    missing required option. ``show`` renders the received value. Returns the options to
+    pass on: ``options`` itself, or a copy in which one-shot iterators given for sequences
+    are the lists (or tuples) that were checked."""
     try:
         sig = inspect.signature(factory)
     except (TypeError, ValueError):
-        return
+        return options
     params = {p.name: p for p in sig.parameters.values()
               if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
     open_ended = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
     hints = None
+    out = options
     for key, value in options.items():
         param = params.get(key)
         if param is None:
@@ -127,14 +152,30 @@ def check_options(name: str, factory, options: Dict[str, Any],
         hint = hints.get(key, Any)
         if value is None and param.default is None:
             continue
+        checked = materialise(value, hint)
+        if checked is not value:
+            out = dict(out) if out is options else out
+            out[key] = value = checked
         if not type_ok(value, hint):
             raise OptionError(name, key, f"expected {describe(hint, show)}, got {show(value)}")
+    for key, param in params.items():
+        if param.default is param.empty and key not in options:
+            if hints is None:
+                hints = _hints(factory)
+            hint = hints.get(key, Any)
+            what = "" if hint is Any else f" ({describe(hint, show)})"
+            raise OptionError(name, key, f"required{what}, not given",
+                              f"plugin {name!r} is missing its required option {key!r}{what}")
+    return out
 
 
 def check_constructor(cls) -> None:
     """Make ``cls.__init__`` (when ``cls`` defines one) check its own arguments with
     :func:`check_options`, so a plugin or sink built directly (``StatsPlugin(bins="x")``)
-    gets the same errors as one built by ``attach`` or a config file."""
+    gets the same errors as one built by ``attach`` or a config file, and the same
+    materialised values (a generator given for a sequence reaches ``__init__`` as a list). A
+    call the signature refuses raises ``TypeError`` naming the class and the plugin, with
+    ``check_options``' words for an unknown (a close match) or missing option."""
     init = cls.__dict__.get("__init__")
     if init is None or getattr(init, "_hookplug_checked", False):
         return
@@ -144,10 +185,21 @@ def check_constructor(cls) -> None:
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
-        arguments = sig.bind(self, *args, **kwargs).arguments
-        check_options(getattr(cls, "name", "") or cls.__name__, cls,
-                      {n: arguments[n] for n in named if n in arguments})
-        init(self, *args, **kwargs)
+        label = getattr(cls, "name", "") or cls.__name__
+        try:
+            bound = sig.bind(self, *args, **kwargs)
+        except TypeError as exc:
+            problem = str(exc)
+            if not args:  # keywords only: say it as attach() does (an unknown or missing option)
+                try:
+                    check_options(label, cls, kwargs)
+                except OptionError as err:
+                    problem = str(err)
+            raise TypeError(f"{cls.__qualname__}(): {problem}"
+                            + ("" if problem.startswith("plugin ") else f" (plugin {label!r})")) from None
+        given = {n: bound.arguments[n] for n in named if n in bound.arguments}
+        bound.arguments.update(check_options(label, cls, given))
+        init(*bound.args, **bound.kwargs)
 
     __init__._hookplug_checked = True
     cls.__init__ = __init__

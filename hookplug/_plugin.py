@@ -25,9 +25,11 @@ class Plugin:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        from ._manager import warn_unmarked_hooks
         from ._options import check_constructor
 
         check_constructor(cls)  # options of an instance built directly are checked too
+        warn_unmarked_hooks(cls)  # a hookplug_* method without @hookimpl is never called
 
     def results(self) -> Dict[str, Any]:
         """Results keyed by qualified module name."""

@@ -473,6 +473,12 @@ def named_parameters(model: nn.Module) -> List[Tuple[str, nn.Parameter]]:
     return [(clean_name(n), p) for n, p in model.named_parameters()]
 
 
+def check_strict(who: str, strict) -> None:
+    """``strict`` of ``select()`` and ``attach()``: True or False, nothing else."""
+    if not isinstance(strict, bool):
+        raise TypeError(f"{who}: strict must be True or False, got {strict!r}")
+
+
 def select(
     model: nn.Module, selector: str, *, strict: bool = False
 ) -> List[Tuple[str, nn.Module]]:
@@ -483,6 +489,7 @@ def select(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"select() expects a torch.nn.Module, got {type(model).__name__}")
+    check_strict("select()", strict)
     model = unwrap_model(model)
     terms = parse_selector(selector)
     named = named_modules(model)

@@ -7,6 +7,7 @@ hook only where that tuple is non-empty. The torch hooks then loop over plain tu
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import importlib.abc
 import inspect
@@ -17,6 +18,7 @@ import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
+import pluggy
 import torch
 import torch.nn as nn
 
@@ -24,8 +26,10 @@ from . import hookspecs
 from ._bank import is_dtensor
 from ._checkpoint import RecomputeMatcher
 from ._config import _records_given, attach_options
-from ._manager import PluginError, PluginLoadError, create_plugin, new_plugin_manager
-from ._selectors import named_modules, named_parameters, select, unwrap_model
+from ._manager import PluginError, PluginLoadError, create_plugin, is_hookimpl, new_plugin_manager
+from ._plugin import Plugin
+from ._selectors import check_strict, named_modules, named_parameters, select, unwrap_model
+from ._sink import Sink
 from .structures import children, iter_tensors, map_tensors
 
 __all__ = ["attach", "Session", "HookContext"]
@@ -36,9 +40,10 @@ _PER_CALL_HOOKS = (
     "hookplug_output_grad",
     "hookplug_param_grad",
 )
+_HOOK_NAMES = tuple(n for n in vars(hookspecs) if n.startswith("hookplug_"))
 _SPEC_ARGS = {
     name: tuple(getattr(hookspecs, name).__code__.co_varnames[: getattr(hookspecs, name).__code__.co_argcount])
-    for name in _PER_CALL_HOOKS
+    for name in _HOOK_NAMES
 }
 _ON_ERROR = ("raise", "warn")
 # always_call (torch >= 2.1): the post hook also runs when forward raises, so per-call
@@ -112,7 +117,9 @@ class HookContext:
     or ``"eval"`` when the module is in eval mode or under ``torch.inference_mode``),
     ``call_index`` (how many times this module ran before in this session; -1 inside
     torch.compile'd code, where Python counters would make dynamo recompile), the session's
-    ``step`` and ``session``."""
+    ``step`` and ``session``. Inside compiled code ``step`` is a Python int read at trace
+    time: a traceable plugin that reads it specialises the graph on it, so dynamo recompiles
+    every step (see ``hookplug.hookspecs``)."""
 
     __slots__ = ("name", "call_index", "_step", "session", "phase", "_thread")
 
@@ -154,6 +161,14 @@ def _describe(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
     return type(value).__name__
+
+
+def _raise_noted(exc: BaseException, plugin_name: str, where: str):
+    """Raise ``exc`` (a plugin's error under ``on_error="raise"``) with a note naming the
+    plugin and the hook or method it came from."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"(raised by hookplug plugin {plugin_name!r} in {where})")
+    raise exc
 
 
 def _fold(session: "Session", impls, hook_name: str, value, before: tuple, after: tuple, where: str):
@@ -218,14 +233,35 @@ def _normalize_specs(spec: PluginSpec, what: str = "plugins") -> List[Tuple[str,
                 )
             out.append((name, dict(opts or {}), None))
         return out
-    if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], str) and isinstance(spec[1], dict):
+    if isinstance(spec, tuple) and len(spec) >= 2 and isinstance(spec[0], str) and isinstance(spec[1], dict):
+        if len(spec) != 2:
+            raise PluginError(f"{what}: a spec tuple is (name, options), got a tuple of {len(spec)} "
+                              f"items: {_short(spec)}")
         return [(spec[0], dict(spec[1]), None)]
     if isinstance(spec, (list, tuple)):
         return [item for sub in spec for item in _normalize_specs(sub, what)]
     if isinstance(spec, type):
         raise PluginError(f"{what}= got the class {spec.__name__}; pass an instance or a registered name")
+    if not _is_plugin_object(spec):
+        hint = (f"; pass a list ({'sinks' if what == 'sink' else 'plugins'} run in list order)"
+                if isinstance(spec, (set, frozenset)) else "")
+        raise PluginError(
+            f"{what}= takes a plugin name, (name, {{options}}), a list of these, a dict {{name: options}} "
+            "or a plugin instance (a hookplug.Plugin or hookplug.Sink, or any object with "
+            f"@hookplug.hookimpl methods); got {type(spec).__name__} {_short(spec)}{hint}")
     name = getattr(spec, "name", None) or type(spec).__name__
     return [(name, {}, spec)]
+
+
+def _is_plugin_object(obj) -> bool:
+    """Whether ``obj`` can be attached as a plugin: a ``Plugin`` or ``Sink``, or any object
+    with a method marked ``@hookplug.hookimpl``."""
+    return isinstance(obj, (Plugin, Sink)) or any(is_hookimpl(obj, attr) for attr in dir(obj))
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 # -- per-module binding (the hot path) -------------------------------------------------------
@@ -234,7 +270,7 @@ def _adapt(impl, hook_name: str) -> Callable:
     """The plugin's bound method, called positionally with the spec's arguments."""
     if impl.hookwrapper or getattr(impl, "wrapper", False):
         raise PluginError(
-            f"plugin {impl.plugin_name.rsplit('-', 1)[0]!r}: {hook_name} is called on the hot path and cannot be "
+            f"plugin {impl.plugin_name!r}: {hook_name} is called on the hot path and cannot be "
             "a hookwrapper/wrapper; implement it as a plain hook"
         )
     spec_args = _SPEC_ARGS[hook_name]
@@ -245,7 +281,7 @@ def _adapt(impl, hook_name: str) -> Callable:
     unknown = [a for a in wanted if a not in spec_args]
     if unknown:
         raise PluginError(
-            f"plugin {impl.plugin_name.rsplit('-', 1)[0]!r}: {hook_name} takes unknown argument(s) {unknown}; "
+            f"plugin {impl.plugin_name!r}: {hook_name} takes unknown argument(s) {unknown}; "
             f"the spec offers {list(spec_args)}"
         )
     idx = [spec_args.index(a) for a in wanted]
@@ -850,8 +886,31 @@ class Session:
         return name in self._entries
 
     def results(self) -> Dict[str, Any]:
-        """``{plugin name: plugin.results()}``."""
-        return {n: p.results() for n, p in self.plugins.items() if hasattr(p, "results")}
+        """``{plugin name: plugin.results()}``. A plugin whose ``results()`` raises is left
+        out with a warning under ``on_error="warn"``; under ``"raise"`` its error is raised,
+        with a note naming it."""
+        out, failed = self._ask_plugins("results")
+        for name, exc in failed.items():
+            warnings.warn(f"hookplug plugin {name!r}: results() failed ({type(exc).__name__}: {exc}); "
+                          "left out of session.results() (on_error='warn')", RuntimeWarning, stacklevel=2)
+        return out
+
+    def _ask_plugins(self, method: str) -> Tuple[Dict[str, Any], Dict[str, Exception]]:
+        """``plugin.<method>()`` of every plugin that has it: ``({name: result}, {name:
+        error})``; an error is raised instead under ``on_error="raise"`` (noted as a hook's)."""
+        out: Dict[str, Any] = {}
+        failed: Dict[str, Exception] = {}
+        for name, p in self.plugins.items():
+            fn = getattr(p, method, None)
+            if fn is None:
+                continue
+            try:
+                out[name] = fn()
+            except Exception as exc:  # noqa: BLE001 - on_error decides
+                if self.on_error == "raise":
+                    _raise_noted(exc, name, f"{method}()")
+                failed[name] = exc
+        return out, failed
 
     def reset(self) -> None:
         for p in self.plugins.values():
@@ -859,13 +918,17 @@ class Session:
                 p.reset()
 
     def report(self) -> str:
-        """A plain-text report: one section per plugin that has something to say."""
+        """A plain-text report: one section per plugin that has something to say (under
+        ``on_error="warn"``, a line saying so for one whose ``report()`` raised)."""
         lines = [f"hookplug session: {len(self._module_refs)} module(s), step {self._step}, "
                  f"plugins: {', '.join(self.plugins) or 'none'}"]
-        for name, p in self.plugins.items():
-            text = p.report() if hasattr(p, "report") else ""
-            if text:
-                lines += ["", f"== {name} ==", text.rstrip()]
+        texts, failed = self._ask_plugins("report")
+        for name in self.plugins:
+            if name in failed:
+                exc = failed[name]
+                lines += ["", f"!! {name}: report failed: {type(exc).__name__}: {exc}"]
+            elif texts.get(name):
+                lines += ["", f"== {name} ==", texts[name].rstrip()]
         for name, why in self.disabled.items():
             lines += ["", f"!! {name} was disabled: {why}"]
         return "\n".join(lines)
@@ -980,9 +1043,7 @@ class Session:
         entry = self._entry_of.get(id(plugin))
         name = entry.name if entry is not None else type(plugin).__name__
         if self.on_error == "raise":
-            if hasattr(exc, "add_note"):
-                exc.add_note(f"(raised by hookplug plugin {name!r} in {hook_name})")
-            raise exc
+            _raise_noted(exc, name, hook_name)
         if entry is None or entry.disabled is not None:
             return
         why = f"{type(exc).__name__} in {hook_name}: {exc}"
@@ -1092,20 +1153,52 @@ class Session:
                 [e.plugin for e in self._entries.values() if e.is_sink]
         try:
             for plugin in reversed(order):  # pluggy calls the last registered first
-                pm.register(plugin, name=f"{self._entry_of[id(plugin)].name}-{id(plugin)}")
-            pm.check_pending()
-            for hook_name in hookspecs.__dict__:
-                if hook_name.startswith("hookplug_"):
-                    impls = list(reversed(getattr(pm.hook, hook_name).get_hookimpls()))
-                    entries = self._call_order[hook_name] = [self._entry_of[id(i.plugin)] for i in impls]
-                    for entry, impl in zip(entries, impls):
-                        entry.impls[hook_name] = impl
-                        if hook_name in _PER_CALL_HOOKS:
-                            entry.adapted[hook_name] = _adapt(impl, hook_name)
+                self._register(pm, self._entry_of[id(plugin)])
+            for hook_name in _HOOK_NAMES:
+                impls = list(reversed(getattr(pm.hook, hook_name).get_hookimpls()))
+                entries = self._call_order[hook_name] = [self._entry_of[id(i.plugin)] for i in impls]
+                for entry, impl in zip(entries, impls):
+                    entry.impls[hook_name] = impl
         finally:
             for plugin in order:
                 if pm.is_registered(plugin):
                     pm.unregister(plugin)
+
+    def _register(self, pm: pluggy.PluginManager, entry: _Entry) -> None:
+        """Register ``entry``'s plugin with ``pm`` under its session name and check it against
+        the specs (an unknown hook name, an argument a spec lacks, a wrapper on a per-call
+        hook); keep the callables its per-call hooks are called through. A plugin that does
+        not fit raises :class:`PluginError` naming it and the hook, or under
+        ``on_error="warn"`` is left out of the session with a warning, as a plugin that
+        fails to load is."""
+        plugin = entry.plugin
+        try:
+            try:
+                pm.register(plugin, name=entry.name)
+            except pluggy.PluginValidationError as exc:
+                text = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+                specs = [f"{h}({', '.join(_SPEC_ARGS[h])})" for h in _HOOK_NAMES if f"'{h}'" in text]
+                raise PluginError(f"hookplug plugin {entry.name!r} does not fit hookplug's hook specs: "
+                                  f"{text}" + "".join(f"; the spec is {spec}" for spec in specs)) from None
+            for caller in pm.get_hookcallers(plugin) or ():
+                impl = next(i for i in caller.get_hookimpls() if i.plugin is plugin)
+                if not caller.has_spec():
+                    if impl.optionalhook:
+                        continue
+                    close = difflib.get_close_matches(caller.name, _HOOK_NAMES, n=1)
+                    raise PluginError(
+                        f"hookplug plugin {entry.name!r}: unknown hook {caller.name!r}"
+                        + (f" (did you mean {close[0]!r}?)" if close else "")
+                        + "; the hooks are the specs in hookplug.hookspecs")
+                if caller.name in _PER_CALL_HOOKS:
+                    entry.adapted[caller.name] = _adapt(impl, caller.name)
+        except PluginError as exc:
+            if pm.is_registered(plugin):
+                pm.unregister(plugin)
+            if self.on_error == "raise":
+                raise
+            _skip_plugin(exc, stacklevel=7)  # the caller of attach()
+            del self._entries[entry.name], self._entry_of[id(plugin)]
 
     def _rebind(self) -> None:
         """(Re)build the per-module tuples, leaving out disabled plugins; one set for
@@ -1233,6 +1326,11 @@ class _HookGuardsOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             config.skip_nnmodule_hook_guards = False
 
 
+def _skip_plugin(exc: PluginError, stacklevel: int) -> None:
+    """Under ``on_error="warn"``: the one warning for a plugin left out of the session."""
+    warnings.warn(f"{exc}; attached without it (on_error='warn')", RuntimeWarning, stacklevel=stacklevel)
+
+
 def _build_plugins(specs, on_error: str) -> List[Tuple[str, Any]]:
     """Instances for ``[(name, options, instance_or_None)]``. A plugin that fails to load
     raises under ``on_error="raise"``; under ``"warn"`` it is named in a warning and left out."""
@@ -1244,8 +1342,7 @@ def _build_plugins(specs, on_error: str) -> List[Tuple[str, Any]]:
             except PluginLoadError as exc:
                 if on_error == "raise":
                     raise
-                warnings.warn(f"{exc}; attached without it (on_error='warn')", RuntimeWarning,
-                              stacklevel=3)
+                _skip_plugin(exc, stacklevel=5)  # the caller of attach()
                 continue
         built.append((name, instance))
     return built
@@ -1283,8 +1380,7 @@ def attach(
     ``every=N`` samples it only when ``S % N == 0``, like every later step; by default the
     first step is 0, always sampled.
     """
-    if not isinstance(strict, bool):
-        raise TypeError(f"attach(): strict must be True or False, got {strict!r}")
+    check_strict("attach()", strict)
     selector, plugins, every, sink, on_error, strict, flush_every = attach_options(
         config, _given, selector, plugins, every=every, sink=sink, on_error=on_error,
         strict=strict, flush_every=flush_every)

@@ -52,9 +52,11 @@ class Sink:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        from ._manager import warn_unmarked_hooks
         from ._options import check_constructor
 
         check_constructor(cls)  # options of an instance built directly are checked too
+        warn_unmarked_hooks(cls)  # a hookplug_* method without @hookimpl is never called
 
     def __init__(self, path: "Optional[str | os.PathLike[str]]" = None, *, all_ranks: bool = False):
         self.path_option = None if path is None else os.fspath(path)
@@ -67,10 +69,15 @@ class Sink:
         allowed = ", ".join("{" + p + "}" for p in PLACEHOLDERS)
         try:
             path.format(rank=0, run_id="run")
-        except (KeyError, IndexError) as exc:
+        except KeyError as exc:
             raise ValueError(
                 f"{self.name} sink: path {path!r} has the placeholder {{{exc.args[0]}}}; only "
                 f"{allowed} are filled in (write {{{{ and }}}} for literal braces)") from None
+        except IndexError:  # "{}" or "{0}": format() looked for a positional argument
+            raise ValueError(
+                f"{self.name} sink: path {path!r} has a positional placeholder ({{}} or {{0}}), "
+                f"which is not allowed; only {allowed} are filled in (write {{{{ and }}}} for "
+                "literal braces)") from None
         except (ValueError, AttributeError, TypeError) as exc:  # a lone brace, {rank.x}, {rank[0]}
             raise ValueError(f"{self.name} sink: path {path!r} is not a valid template: {exc}; only "
                              f"{allowed} are filled in (write {{{{ and }}}} for literal braces)") from None

@@ -44,6 +44,7 @@ CLOCK = 0
 LOG2_MIN_EXP = -32
 LOG2_MAX_EXP = 32
 LOG2_BINS = 2 * (LOG2_MAX_EXP - LOG2_MIN_EXP + 1) + 1  # 131
+MAX_BINS = 1 << 16  # the most linear-histogram buckets a row may have (the op, the plugins)
 
 
 def empty_rows(n: int, bins: int, lo: float = 0.0, hi: float = 0.0,

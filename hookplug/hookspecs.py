@@ -18,6 +18,16 @@ which get the context of the call they repeat). ``output`` is None in ``forward_
 when ``forward`` raised (the hook still runs so plugins can unwind per-call state;
 torch >= 2.1).
 
+Inside ``torch.compile``d code per-call hooks are traced (unless the plugin's class sets
+``traceable = False``), and every Python value they read is baked into the graph: a hook
+that reads ``ctx.step`` (or ``ctx.session.step_index``, any counter that changes per step)
+specialises the graph on it, so dynamo recompiles on every ``session.step()`` until its
+recompile limit, then runs the frame eagerly. Either set ``traceable = False`` (the hooks
+then run outside the graph, as in eager code: a graph break per hooked call), or decide per
+step in ``hookplug_step(session, step)``, which is never traced, and hand the decision to
+the per-call hook as a device tensor the graph reads (the ``stats`` plugin's sampling flag,
+set from ``session.sampled`` there, works this way).
+
 Sampling (``attach(..., every=N)``): on unsampled steps only plugins whose class sets
 ``sampled = False`` are called (plugins that steer gradients must run on every step).
 """

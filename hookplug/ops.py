@@ -33,12 +33,12 @@ import torch
 
 from . import _loader
 from ._stats import (CALLS, CLOCK, FIRST_BAD, HEAD, HIST_HI, HIST_LO, INF, LOG2_BINS,
-                     LOG2_MAX_EXP, LOG2_MIN_EXP, NAN, ROW_LAYOUT, TensorStats, empty_rows,
+                     LOG2_MAX_EXP, LOG2_MIN_EXP, MAX_BINS, NAN, ROW_LAYOUT, TensorStats, empty_rows,
                      merge_rows)
 from ._stats import log2_edges as _log2_edges
 
 __all__ = ["tensor_stats", "accumulate_", "reference_tensor_stats", "backend", "LOG2_MIN_EXP",
-           "LOG2_MAX_EXP", "LOG2_BINS", "log2_edges", "hist_args"]
+           "LOG2_MAX_EXP", "LOG2_BINS", "MAX_BINS", "log2_edges", "hist_args"]
 DEFAULT_LINEAR_BINS = 100
 _HIST_MODES = {"log2": 0, "linear": 1}
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -157,9 +157,9 @@ def _parse(x, bins, hist, range) -> Tuple[int, str, Optional[float], Optional[fl
         raise ValueError(f"{who}: expected hist='log2' or 'linear', got {hist!r}")
     if bins is None:
         bins = LOG2_BINS if hist == "log2" else DEFAULT_LINEAR_BINS
-    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 0:
-        raise ValueError(f"{who}: expected bins to be an int >= 0 (0 turns the histogram off), "
-                         f"got {bins!r}")
+    if isinstance(bins, bool) or not isinstance(bins, int) or not 0 <= bins <= MAX_BINS:
+        raise ValueError(f"{who}: expected bins to be an int in [0, {MAX_BINS}] (0 turns the histogram "
+                         f"off), got {bins!r}")
     lo = hi = None
     if range is not None:
         if hist != "linear":
@@ -218,8 +218,8 @@ def tensor_stats(x: torch.Tensor, *, bins: Optional[int] = None, hist: str = "lo
     """Statistics of ``x`` in one pass, as a :class:`TensorStats` (a device row).
 
     ``hist="log2"`` (default): the fixed 131-bucket sign/exponent histogram (any ``bins > 0``
-    turns it on, ``bins=0`` off). ``hist="linear"``: ``bins`` (default 100) equal buckets
-    over ``range=(lo, hi)``, or over the finite min/max found on the device (a second pass,
+    turns it on, ``bins=0`` off). ``hist="linear"``: ``bins`` (default 100, at most
+    ``MAX_BINS`` = 65,536) equal buckets over ``range=(lo, hi)``, or over the finite min/max found on the device (a second pass,
     never a host copy). No host synchronization; ``x`` is read in its own dtype and layout.
     """
     bins, hist, lo, hi = _parse(x, bins, hist, range)

@@ -492,3 +492,16 @@ def test_item20_select_with_no_match_is_a_usage_error(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2
     assert len(err) == 1 and err[0].startswith("hookplug: error: ") and "matched no module" in err[0]
+
+
+# -- small bad inputs: one clear error each ----------------------------------------------------------
+
+def test_bad_input_config_module_and_capture_path(tmp_path):
+    with pytest.raises(TypeError, match=r"attach\(\): config= expects a path to a TOML file \(str or os.PathLike\) "
+                                        r"or a dict, got int"):
+        hookplug.attach(MLP(), "Linear", "stats", config=3)
+    for module in (3, [1]):  # checked before anything is drawn (or matplotlib looked for)
+        with pytest.raises(TypeError, match=r"plot_features: module must be a module name or a list of names, got "):
+            hookplug.plot_features(torch.randn(1, 2, 4, 4), tmp_path / "x.png", module=module)
+    with pytest.raises(IsADirectoryError, match=r"load_capture: '.*' is a directory, not a capture file"):
+        hookplug.load_capture(tmp_path)

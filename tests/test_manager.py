@@ -1,6 +1,8 @@
 import json
 import sys
 import textwrap
+import warnings
+from typing import Sequence, Tuple
 
 import pytest
 import torch
@@ -39,6 +41,24 @@ class Quiet(hookplug.Plugin):
         self.seen += 1
 
 
+class Needs(hookplug.Plugin):
+    name = "needs"
+
+    def __init__(self, *, level: float, tag: str = "t"):
+        self.level, self.tag = level, tag
+
+
+class BuggyInit(hookplug.Plugin):
+    def __init__(self, *, n: int = 1):
+        self.size = len(None)  # a bug in the constructor, nothing to do with its options
+
+
+class TypoHook(hookplug.Plugin):
+    @hookplug.hookimpl
+    def hookplug_forward_outptu(self, ctx, output):
+        pass
+
+
 def broken_import():
     raise ImportError("No module named 'missing_dependency'")
 
@@ -68,6 +88,19 @@ def fake_eps(monkeypatch, fresh_discovery):
     ]
     monkeypatch.setattr(_manager, "_entry_points", lambda: eps)
     return {ep.name: ep for ep in eps}
+
+
+@pytest.fixture
+def eps_of(monkeypatch, fresh_discovery):
+    """``eps_of(name=factory, ...)``: the installed entry points plus third-party ones."""
+    real = _manager._entry_points()
+
+    def use(**factories):
+        eps = [FakeEntryPoint(n, f"thirdparty_{n}:P", f"thirdparty-{n}", lambda f=f: f) for n, f in factories.items()]
+        monkeypatch.setattr(_manager, "_entry_points", lambda: [*eps, *real])
+        _manager._reset_discovery()
+
+    return use
 
 
 def test_discovery_is_lazy_and_names_origin(fake_eps):
@@ -243,3 +276,102 @@ def test_plugins_built_directly_check_their_options():
         with pytest.raises(PluginError, match=message):
             build()
     assert StatsPlugin(sites={"output", "grad"}).sites  # any finite iterable of names
+
+
+def test_one_shot_iterables_given_for_sequence_options_reach_the_plugin():
+    class Tags(hookplug.Plugin):
+        name = "tags"
+
+        def __init__(self, *, tags: Sequence[str] = (), pair: Tuple[int, int] = (0, 0)):
+            self.tags, self.pair = tags, pair
+
+    p = Tags(tags=(t for t in "xy"), pair=iter([1, 2]))  # built directly: checked, then passed on
+    assert p.tags == ["x", "y"] and p.pair == (1, 2)
+    with pytest.raises(PluginError, match="option 'tags': expected a string or a sequence of strings, got \\[1\\]"):
+        Tags(tags=iter([1]))
+    m = MLP()
+    with hookplug.attach(m, "Linear", [("stats", {"sites": (x for x in ("output", "grad"))}),
+                                       ("gradclamp", {"min": 0, "max": 0, "params": map(str, ["*.bias"])})]) as s:
+        assert s["stats"].sites == ("output", "grad")
+        m(torch.randn(2, 32)).sum().backward()
+    assert (m.fc1.bias.grad == 0).all() and (m.fc1.weight.grad != 0).any()
+
+
+def test_plugin_built_directly_with_a_bad_call_names_the_class_and_plugin():
+    with pytest.raises(TypeError, match=r"^Needs\(\): plugin 'needs' is missing its required option 'level' "
+                                        r"\(a number\)$"):
+        Needs()
+    with pytest.raises(TypeError, match=r"^Needs\(\): plugin 'needs' got unknown option 'tga' "
+                                        r"\(did you mean 'tag'\?\); it accepts: level, tag$"):
+        Needs(level=1, tga="x")
+    with pytest.raises(TypeError, match=r"^Needs\(\): too many positional arguments \(plugin 'needs'\)$"):
+        Needs(1)
+    assert Needs(level=2).level == 2
+
+
+def test_missing_required_option_and_constructor_bug_through_attach(eps_of):
+    eps_of(needs=Needs, buggy=BuggyInit, quiet=Quiet)
+    # a missing option is the caller's to fix: raised under "warn" too, never "rejected its options {}"
+    with pytest.raises(PluginError, match=r"plugin 'needs' is missing its required option 'level' \(a number\)"):
+        hookplug.attach(MLP(), "Linear", plugins=["needs", "quiet"], on_error="warn")
+    # a bug in a constructor given no options is a failure to construct, which "warn" skips
+    with pytest.raises(_manager.PluginLoadError,
+                       match="'buggy' from distribution 'thirdparty-buggy' failed to construct: TypeError: object"):
+        hookplug.attach(MLP(), "Linear", plugins=["buggy", "quiet"])
+    with pytest.warns(RuntimeWarning, match="'buggy'.*failed to construct.*attached without it"):
+        s = hookplug.attach(MLP(), "Linear", plugins=["buggy", "quiet"], on_error="warn")
+    assert list(s.plugins) == ["quiet"]
+    s.remove()
+    # with options given, a TypeError/ValueError is the plugin's verdict on them
+    with pytest.raises(PluginError, match=r"plugin 'buggy' rejected its options \{'n': 2\}"):
+        hookplug.attach(MLP(), "Linear", plugins=("buggy", {"n": 2}), on_error="warn")
+
+
+def test_plugin_not_fitting_the_specs_raises_or_is_left_out_and_the_cli_says_so_in_one_line(eps_of, capsys):
+    from hookplug.__main__ import main
+
+    eps_of(typo=TypoHook)
+    capsys.readouterr()
+    assert main(["profile", "mlp", "--plugins", "stats,typo", "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "warning: hookplug plugin 'typo': unknown hook 'hookplug_forward_outptu'" in err
+    assert "not loaded: typo" in out
+
+
+def test_unmarked_hook_method_warns_when_the_class_is_defined():
+    with pytest.warns(RuntimeWarning, match=r"Forgot\.hookplug_forward_output is named like a hookplug hook but is not "
+                                            r"marked @hookplug.hookimpl, so hookplug never calls it: add "
+                                            r"@hookplug.hookimpl above it") as record:
+        class Forgot(hookplug.Plugin):
+            def hookplug_forward_output(self, ctx, output):
+                pass
+    assert len(record) == 1 and record[0].filename == __file__  # points at the class statement
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+
+        class Marked(hookplug.Plugin):
+            hookplug_note = "not a method"
+
+            @hookplug.hookimpl
+            def hookplug_forward_output(self, ctx, output):
+                pass
+
+            def helper(self):
+                pass
+
+
+def test_ctx_step_in_compiled_code_is_documented():
+    """Reading ctx.step in a traceable hook recompiles every step: the ctx docs and the
+    README's "Writing a plugin" say so and name the ways out."""
+    import os
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    plugin_section = readme[readme.index("## Writing a plugin"):readme.index("## Layout")]
+    for text in (hookplug.hookspecs.__doc__, plugin_section, hookplug.HookContext.__doc__):
+        flat = " ".join(text.split())
+        assert "ctx.step" in flat or "``step`` is a Python int" in flat, text
+        assert "recompile" in flat
+    for text in (hookplug.hookspecs.__doc__, plugin_section):
+        flat = " ".join(text.split())
+        assert "traceable = False" in flat and "hookplug_step" in flat

@@ -665,3 +665,93 @@ def test_untraceable_plugin_runs_as_eager_code_inside_compiled_models(traceable)
     else:
         assert plugin.seen == [("fc1", 0), ("fc2", 0), ("fc2", 1), ("fc3", 0),
                                ("fc1", 1), ("fc2", 2), ("fc2", 3), ("fc3", 1)]
+
+
+def test_only_plugin_objects_are_taken_as_instances():
+    m = MLP()
+    for spec, got in [({"stats", "flops"}, "got set "), (3, "got int 3"), (b"stats", "got bytes b'stats'"),
+                      (print, "got builtin_function_or_method"), (["stats", range(2)], r"got range range\(0, 2\)")]:
+        with pytest.raises(PluginError, match=r"plugins= takes a plugin name, \(name, \{options\}\), a list of these, "
+                                              r"a dict \{name: options\} or a plugin instance .*" + got) as info:
+            hookplug.attach(m, "Linear", plugins=spec)
+        assert ("pass a list" in str(info.value)) == isinstance(spec, set)
+    with pytest.raises(PluginError, match=r"sink= takes .*got set \{'jsonl'\}; pass a list \(sinks run in list order\)"):
+        hookplug.attach(m, "Linear", plugins="stats", sink={"jsonl"})
+    with pytest.raises(PluginError, match=r"a spec tuple is \(name, options\), got a tuple of 3 items"):
+        hookplug.attach(m, "Linear", plugins=[("stats", {"bins": 0}, "x")])
+    assert all_hook_dicts(m) == all_hook_dicts(MLP())
+
+    class NoHooks(hookplug.Plugin):  # a Plugin is one even with no hook (results() only)
+        name = "nohooks"
+
+    with hookplug.attach(m, "Linear", plugins=[NoHooks(), Recorder()]) as s:
+        assert list(s.plugins) == ["nohooks", "rec"]
+
+
+class TypoHook(hookplug.Plugin):
+    name = "typo"
+
+    @hookimpl
+    def hookplug_forward_outptu(self, ctx, output):
+        pass
+
+
+class WrongArg(hookplug.Plugin):
+    name = "wrong-arg"  # a '-' in the name: pluggy knows plugins by their session names
+
+    @hookimpl
+    def hookplug_forward_output(self, ctx, out):
+        pass
+
+
+@pytest.mark.parametrize("plugin, message", [
+    (TypoHook(), r"hookplug plugin 'typo': unknown hook 'hookplug_forward_outptu' "
+                 r"\(did you mean 'hookplug_forward_output'\?\)"),
+    (WrongArg(), r"hookplug plugin 'wrong-arg' does not fit hookplug's hook specs: .*\{'out'\} are declared in the "
+                 r"hookimpl but can not be found in the hookspec; the spec is "
+                 r"hookplug_forward_output\(ctx, module, args, kwargs, output\)"),
+])
+def test_plugin_not_fitting_the_specs_is_a_plugin_error_or_left_out(plugin, message):
+    m = MLP()
+    with pytest.raises(PluginError, match=message):
+        hookplug.attach(m, "Linear", plugins=[Recorder(), plugin])
+    assert all_hook_dicts(m) == all_hook_dicts(MLP())
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        s = hookplug.attach(m, "Linear", plugins=[Recorder(), plugin], on_error="warn")
+    msgs = [str(x.message) for x in w]
+    assert len(msgs) == 1 and msgs[0].endswith("; attached without it (on_error='warn')") and w[0].filename == __file__
+    m(torch.randn(2, 32))
+    assert list(s.plugins) == ["rec"] and len(s["rec"].calls) == 4
+    s.remove()
+
+
+class BadReport(hookplug.Plugin):
+    name = "badreport"
+
+    def report(self):
+        raise RuntimeError("report bug")
+
+    def results(self):
+        raise RuntimeError("results bug")
+
+
+def test_report_and_results_isolate_a_failing_plugin_under_warn():
+    m = MLP()
+    with hookplug.attach(m, "Linear", ["stats", BadReport()], on_error="warn") as s:
+        m(torch.randn(2, 32))
+        report = s.report()
+        assert "== stats ==" in report and "!! badreport: report failed: RuntimeError: report bug" in report
+        with pytest.warns(RuntimeWarning, match=r"plugin 'badreport': results\(\) failed \(RuntimeError: results bug\); "
+                                                r"left out of session.results\(\)"):
+            assert list(s.results()) == ["stats"]
+    with hookplug.attach(m, "Linear", ["stats", BadReport()]) as s:
+        for method, text in (("report", "report bug"), ("results", "results bug")):
+            with pytest.raises(RuntimeError, match=text) as info:
+                getattr(s, method)()
+            assert f"(raised by hookplug plugin 'badreport' in {method}())" in info.value.__notes__
+
+
+def test_select_checks_strict_as_attach_does():
+    with pytest.raises(TypeError, match="select\\(\\): strict must be True or False, got 'x'"):
+        hookplug.select(MLP(), "Linear", strict="x")

@@ -527,3 +527,22 @@ def test_sink_base_rejects_unknown_placeholders():
     for bad in ("runs/{", "runs/{rank.x}", "runs/{rank[0]}"):
         with pytest.raises(ValueError, match="not a valid template"):
             CsvSink(bad)
+
+
+def test_sink_base_rejects_positional_placeholders():
+    for bad in ("out/{0}", "out/{}/x", "out/{rank}{1}"):
+        with pytest.raises(ValueError, match=r"csv sink: path '.*' has a positional placeholder \(\{\} or \{0\}\), "
+                                             r"which is not allowed; only \{rank\}, \{run_id\} are filled in"):
+            CsvSink(bad)
+
+
+def test_sink_method_without_hookimpl_warns_when_the_class_is_defined():
+    with pytest.warns(RuntimeWarning, match=r"ForgotSink\.hookplug_flush is named like a hookplug hook but is not "
+                                            r"marked @hookplug.hookimpl") as record:
+        class ForgotSink(hookplug.Sink):
+            name = "forgot"
+
+            def hookplug_flush(self, session, records):
+                pass
+
+    assert len(record) == 1

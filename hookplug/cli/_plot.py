@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from .._optional import optional_import
+from .._options import materialise, type_ok
 from ..structures import iter_tensors
 
 __all__ = ["plot_features"]
@@ -159,6 +160,10 @@ def plot_features(
         raise ValueError(f"plot_features: normalize must be 'channel' or 'global', got {normalize!r}")
     if not isinstance(max_channels, int) or max_channels < 1:
         raise ValueError(f"plot_features: max_channels must be an int >= 1, got {max_channels!r}")
+    if module is not None:  # a name (a str is a Sequence[str]) or names, checked as options are
+        module = materialise(module, Sequence[str])
+        if not type_ok(module, Sequence[str]):
+            raise TypeError(f"plot_features: module must be a module name or a list of names, got {module!r}")
     _matplotlib()  # fail early and clearly when matplotlib is missing
     opts = dict(max_channels=max_channels, ncols=ncols, cmap=cmap, normalize=normalize, sample=sample, dpi=dpi)
     path_text = os.fspath(path)
