@@ -56,9 +56,9 @@ inline StatsArgs check_stats_args(const at::Tensor& x, int64_t bins, int64_t his
   TORCH_CHECK_VALUE(hist_mode == kHistLog2 || hist_mode == kHistLinear,
                     "hookplug::tensor_stats: expected hist_mode 0 (log2) or 1 (linear), got ",
                     hist_mode);
-  TORCH_CHECK_VALUE(bins >= 0,
-                    "hookplug::tensor_stats: expected bins >= 0 (0 turns the histogram off), got ",
-                    bins);
+  TORCH_CHECK_VALUE(bins >= 0 && bins <= kMaxBins,  // kMaxBins == hookplug._stats.MAX_BINS
+                    "hookplug::tensor_stats: expected 0 <= bins <= ", kMaxBins,
+                    " (0 turns the histogram off), got ", bins);
   TORCH_CHECK_VALUE(lo.has_value() == hi.has_value(),
                     "hookplug::tensor_stats: a range needs both lo and hi, got lo=",
                     lo.has_value() ? std::to_string(*lo) : "None",

@@ -57,6 +57,7 @@ constexpr int64_t kHistLinear = 1;
 // Row columns (see the layout above).
 constexpr int kNumel = 0, kNan = 1, kInf = 2, kZero = 3, kMin = 4, kMax = 5, kMean = 6,
               kM2 = 7, kHistLo = 8, kHistHi = 9, kFirstBad = 10, kCalls = 11, kHead = 12;
+constexpr int64_t kMaxBins = 1 << 16;  // the most histogram buckets a row may have
 constexpr int kClock = 0;  // column of the meta row acc[0] that counts accumulate calls
 
 // Log2 bucket of a finite nonzero value with sign `neg` and binary exponent e

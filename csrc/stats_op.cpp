@@ -113,7 +113,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return std::vector<std::pair<std::string, int>>{
         {"numel", kNumel}, {"nan_count", kNan}, {"inf_count", kInf}, {"zero_count", kZero},
         {"min", kMin}, {"max", kMax}, {"mean", kMean}, {"m2", kM2}, {"hist_lo", kHistLo},
-        {"hist_hi", kHistHi}, {"first_bad", kFirstBad}, {"calls", kCalls}, {"head", kHead}, {"clock", kClock}};
+        {"hist_hi", kHistHi}, {"first_bad", kFirstBad}, {"calls", kCalls}, {"head", kHead}, {"clock", kClock},
+        {"max_bins", static_cast<int>(kMaxBins)}};
   }, "The stats row layout: (column name, index) pairs (see csrc/stats_defs.h).");
   m.def("log2_layout", []() {
     return std::make_tuple(hookplug::kLog2MinExp, hookplug::kLog2MaxExp, hookplug::kLog2Bins);

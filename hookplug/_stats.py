@@ -34,7 +34,7 @@ COUNT_COLUMNS = ("numel", "nan_count", "inf_count", "zero_count", "calls")
 ROW_LAYOUT: Dict[str, int] = {
     "numel": 0, "nan_count": 1, "inf_count": 2, "zero_count": 3, "min": 4, "max": 5,
     "mean": 6, "m2": 7, "hist_lo": 8, "hist_hi": 9, "first_bad": 10, "calls": 11, "head": 12,
-    "clock": 0,
+    "clock": 0, "max_bins": 1 << 16,
 }
 NUMEL, NAN, INF, ZERO = 0, 1, 2, 3
 MIN, MAX, MEAN, M2 = 4, 5, 6, 7
@@ -44,7 +44,7 @@ CLOCK = 0
 LOG2_MIN_EXP = -32
 LOG2_MAX_EXP = 32
 LOG2_BINS = 2 * (LOG2_MAX_EXP - LOG2_MIN_EXP + 1) + 1  # 131
-MAX_BINS = 1 << 16  # the most linear-histogram buckets a row may have (the op, the plugins)
+MAX_BINS = ROW_LAYOUT["max_bins"]  # the most linear-histogram buckets a row may have
 
 
 def empty_rows(n: int, bins: int, lo: float = 0.0, hi: float = 0.0,

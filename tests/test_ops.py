@@ -671,6 +671,9 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match=r"expected bins to be an int in \[0, 65536\].*got 1099511627776"):
         ops.tensor_stats(x, bins=1 << 40, hist="linear")  # never an allocation of terabytes
     assert ops.tensor_stats(x, bins=ops.MAX_BINS, hist="linear", range=(-9, 9)).hist_counts.shape == (ops.MAX_BINS,)
+    if COMPILED:  # the op itself, called through torch.ops
+        with pytest.raises(ValueError, match=r"0 <= bins <= 65536"):
+            torch.ops.hookplug.tensor_stats(x, 1 << 40, 1, -1.0, 1.0)
     with pytest.raises(ValueError, match="range applies to hist='linear'"):
         ops.tensor_stats(x, range=(0, 1))
     with pytest.raises(ValueError, match="lo < hi"):
