@@ -320,6 +320,18 @@ def _plain_container(obj) -> bool:
     return plain and all(_plain_container(v) for _, _, v in kids)
 
 
+def _compiled_autograd_may_run() -> bool:
+    """Whether compiled autograd is on, or will be for a backward dynamo traces now (its
+    config flag, or ``compiled_autograd._enable``), read at trace time (dynamo guards on
+    it). Compiled autograd copies the AOT backward graph into its own and drops
+    :class:`_GradSite`'s effectful op there (no record; inductor fails), while it traces
+    tensor hooks as eager code does: grad sites take those then."""
+    config = sys.modules.get("torch._dynamo.config")
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(getattr(config, "compiled_autograd", False) or getattr(ca, "compiled_autograd_enabled", False)
+                or getattr(ca, "in_compiled_autograd_region", False))
+
+
 class _GradSite(torch.autograd.Function):
     """A module output's grad site in compiled code: ``hook(grad)`` in backward, identity
     otherwise. dynamo traces it, backward included, with no graph break (it breaks on
@@ -497,7 +509,7 @@ class _ModuleBinding:
         if new is not None:
             output = new
         if out_grad and torch.is_grad_enabled():
-            if self.grad_in_graph:  # no tensor hook: traced into the backward graph
+            if self.grad_in_graph and not _compiled_autograd_may_run():  # traced into the backward graph
                 wrapped = self._grad_sites(ctx, module, args, output)
                 if wrapped is not None:
                     return wrapped

@@ -5,6 +5,7 @@ torch reductions, never against values the code under test produced.
 """
 import collections
 import dataclasses
+import functools
 import math
 import os
 from typing import Any
@@ -527,6 +528,56 @@ def test_compiled_grad_site_after_remove_records_nothing():
         s.remove()
         y.backward()
         assert s["stats"].results() == {}, compiled
+
+
+@pytest.mark.parametrize("how", ["config", "enable"])
+def test_compiled_grad_site_under_compiled_autograd_equals_eager(how):
+    """Compiled autograd (its config flag with a compiled training step, or
+    ``compiled_autograd._enable`` around a compiled model's forward and backward) copies the
+    AOT backward into its own graph and drops the grad site's effectful op: grad sites take
+    the tensor hooks then, which it traces, and the records equal eager."""
+    from torch._dynamo import compiled_autograd
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    opts = ("stats", {"sites": ("output", "grad")})
+
+    def step(run):
+        loss = run(x).square().mean()
+        loss.backward()
+        return loss
+
+    eager, compiled = ListSink(), ListSink()
+    with hookplug.attach(m, "Linear", plugins=opts, sink=eager, flush_every=1) as s:
+        for _ in range(2):
+            step(m)
+            s.step()
+    torch._dynamo.reset()
+    try:
+        with hookplug.attach(m, "Linear", plugins=opts, sink=compiled, flush_every=1) as s:
+            if how == "config":
+                torch._dynamo.config.compiled_autograd = True
+                train = torch.compile(functools.partial(step, m), backend="aot_eager")
+            else:
+                run = torch.compile(m, backend="aot_eager")
+
+                def train():
+                    with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+                        return step(run)
+            for _ in range(2):
+                train()
+                s.step()
+    finally:
+        torch._dynamo.config.compiled_autograd = False
+        torch._dynamo.reset()
+    e, c = by_key(eager.records), by_key(compiled.records)
+    assert set(e) == set(c) and sum(k[2] == "grad" for k in e) == 2 * 2, set(e) ^ set(c)
+    for k in e:
+        for f in ("numel", "nan_count", "zero_count", "min", "max", "hist"):
+            assert e[k][f] == c[k][f], (k, f)
+        for f in ("mean", "std"):
+            assert math.isclose(e[k][f], c[k][f], rel_tol=1e-6, abs_tol=1e-12), (k, f)
 
 
 def test_grad_site_without_the_by_key_op_falls_back_to_tensor_hooks(monkeypatch):
