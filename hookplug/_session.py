@@ -298,12 +298,17 @@ def _adapt(impl, hook_name: str) -> Callable:
     return lambda *a: fn(*[a[i] for i in idx])
 
 
+def _base_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory ``t`` views (``_base``, which dynamo traces), else ``t``: two
+    tensors share memory when they are one, one views the other, or both view one base."""
+    return t if t._base is None else t._base
+
+
 def _aliases_input(t: torch.Tensor, args) -> bool:
-    """Whether ``t`` shares memory with one of the module's input tensors: it is one, or a
-    view of one, or both are views of one base (read with ``_base``, which dynamo traces)."""
-    base = t if t._base is None else t._base
+    """Whether ``t`` shares memory with one of the module's input tensors."""
+    base = _base_of(t)
     for _, a in iter_tensors(args, "input"):
-        if base is (a if a._base is None else a._base):
+        if base is _base_of(a):
             return True
     return False
 
@@ -562,8 +567,9 @@ class _ModuleBinding:
         :class:`_GradSite` once (a tensor at several paths runs every path's hooks with the
         whole gradient, as tensor hooks do); ``output`` itself when none needs one. None
         where the clone could change what the model computes or returns: a view or an
-        input returned as output (the clone would not alias it) or a container other than a
-        tuple, list, dict, namedtuple or HF ModelOutput; those take the tensor hooks."""
+        input returned as output, or two outputs that share memory (``h, h[:, 0]``; the
+        clones would not alias it, or each other) or a container other than a tuple, list,
+        dict, namedtuple or HF ModelOutput; those take the tensor hooks."""
         found: List[Tuple[torch.Tensor, List[str]]] = []
         for path, t in iter_tensors(output):
             if not t.requires_grad or t.is_leaf:  # a leaf would keep a tensor hook for good
@@ -574,6 +580,8 @@ class _ModuleBinding:
                 if u is t:
                     paths.append(path)
                     break
+                if _base_of(u) is _base_of(t):
+                    return None
             else:
                 found.append((t, [path]))
         if not found:

@@ -461,13 +461,25 @@ class _Twice(nn.Module):
         return h, h
 
 
+class _SeqAndFirst(nn.Module):
+    """Two outputs that share memory: a sequence and its first element (a view of it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h, h[:, 0]
+
+
 class _GradSiteCases(nn.Module):
     """Outputs the compiled grad site must leave as eager code sees them."""
 
     def __init__(self):
         super().__init__()
         self.fc, self.alias, self.view = nn.Linear(4, 4), _AliasOut(), _ViewOut()
-        self.dc, self.twice = _DataclassOut(), _Twice()
+        self.dc, self.twice, self.seq = _DataclassOut(), _Twice(), _SeqAndFirst()
 
     def forward(self, x):
         h = self.fc(self.fc(x))
@@ -477,14 +489,18 @@ class _GradSiteCases(nn.Module):
         v.mul_(2)  # changes the Linear's output too
         o = self.dc(x)
         a, b = self.twice(x)
-        return (h * 3).sum() + g.sum() + v.sum() + o.a.sum() + o.b.sum() + (2 * a + 3 * b).sum()
+        seq, first = self.seq(x)
+        seq.relu_()  # changes first too
+        return ((h * 3).sum() + g.sum() + v.sum() + o.a.sum() + o.b.sum() + (2 * a + 3 * b).sum()
+                + first.square().sum() + seq.mean())
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_grad_site_keeps_aliases_containers_and_shared_tensors(backend):
     """The clone of the compiled grad site never changes what the model computes: an output
-    that is a module's input or a view of it, or a container map_tensors cannot rebuild,
-    keeps the tensor hook; a tensor at two output paths gives both the whole gradient."""
+    that is a module's input or a view of it, outputs that share memory with each other (a
+    sequence and its first element, changed in place through the sequence), or a container
+    map_tensors cannot rebuild, keeps the tensor hook; a tensor at two output paths gives both the whole gradient."""
     torch.manual_seed(0)
     m = _GradSiteCases()
     x = torch.randn(2, 4)
@@ -492,7 +508,7 @@ def test_compiled_grad_site_keeps_aliases_containers_and_shared_tensors(backend)
     for compiled in (False, True):
         torch._dynamo.reset()
         sink = ListSink()
-        with hookplug.attach(m, "Linear|_AliasOut|_ViewOut|_DataclassOut|_Twice",
+        with hookplug.attach(m, "Linear|_AliasOut|_ViewOut|_DataclassOut|_Twice|_SeqAndFirst",
                              plugins=("stats", {"sites": ("grad",)}), sink=sink, flush_every=1) as s:
             loss = (torch.compile(m, backend=backend) if compiled else m)(x)
             loss.backward()
