@@ -361,21 +361,37 @@ def _call(hook, *args):
     return hook(*args)
 
 
-_EAGER_RUNNER: List[Callable] = []  # [torch.compiler.disable(_call)], made once dynamo is imported
+# {reason: torch.compiler.disable(_call, reason=reason)}, made once dynamo is imported
+_EAGER_RUNNERS: Dict[str, Callable] = {}
 
 
-def _make_eager_runner() -> None:
-    if not _EAGER_RUNNER:
-        _EAGER_RUNNER.append(torch.compiler.disable(_call))
+def _eager_reason(plugins: List[str]) -> str:
+    """What dynamo says when it refuses the graph break of an eager runner (fullgraph=True)."""
+    names = ", ".join(repr(n) for n in plugins)
+    who = f"plugins {names} set" if len(plugins) > 1 else f"plugin {names} sets"
+    return (f"hookplug {who} traceable = False: hooks run outside the graph, a graph break per "
+            "hooked module call, which torch.compile(fullgraph=True) forbids; compile without "
+            "fullgraph=True, or attach such plugins to modules outside the fullgraph region")
 
 
-def _outside_graph(hook, *args):
-    """Run a hook from compiled code as eager code: dynamo does not trace it (a graph break),
-    so ``is_compiling()`` is False inside and the eager path runs. The runner is made at
-    attach where dynamo is imported already (importing it for a session that may never
-    compile would cost seconds), else by the first compiled call, outside the graph."""
-    _make_eager_runner()
-    return _EAGER_RUNNER[0](hook, *args)
+def _make_eager_runner(reason: str) -> Callable:
+    runner = _EAGER_RUNNERS.get(reason)
+    if runner is None:
+        try:
+            runner = torch.compiler.disable(_call, reason=reason)
+        except TypeError:  # a torch whose disable() takes no reason
+            runner = torch.compiler.disable(_call)
+        _EAGER_RUNNERS[reason] = runner
+    return runner
+
+
+def _outside_graph(reason: str, hook, *args):
+    """Run a hook from compiled code as eager code: dynamo does not trace it (a graph break,
+    named by ``reason`` where fullgraph=True refuses it), so ``is_compiling()`` is False
+    inside and the eager path runs. The runner is made at attach where dynamo is imported
+    already (importing it for a session that may never compile would cost seconds), else by
+    the first compiled call, outside the graph."""
+    return _make_eager_runner(reason)(hook, *args)
 
 
 class _ModuleBinding:
@@ -388,7 +404,7 @@ class _ModuleBinding:
     """
 
     __slots__ = ("name", "where", "session", "fwd_in", "fwd_out", "out_grad", "all_in", "all_out",
-                 "all_grad", "grad_in_graph", "eager_only", "calls", "has_pre", "has_post", "variants",
+                 "all_grad", "grad_in_graph", "eager_only", "eager_reason", "calls", "has_pre", "has_post", "variants",
                  "_pending", "__weakref__")
 
     def __init__(self, name: str, session: "Session"):
@@ -403,6 +419,7 @@ class _ModuleBinding:
         self.all_grad: Tuple = ()
         self.grad_in_graph = False  # every all_grad plugin can be traced into a compiled backward
         self.eager_only = False  # a plugin here is not traceable: compiled code runs the eager path
+        self.eager_reason = ""  # why, naming those plugins (dynamo's fullgraph=True error)
         self.calls = 0  # every call, sampled or not
         self.has_pre = False
         self.has_post = False
@@ -423,7 +440,7 @@ class _ModuleBinding:
     def pre_hook(self, module, args, kwargs):
         compiling = _is_compiling()
         if compiling and self.eager_only:
-            return _outside_graph(self.pre_hook, module, args, kwargs)
+            return _outside_graph(self.eager_reason, self.pre_hook, module, args, kwargs)
         if not compiling and _graph_task_id() != -1:  # a recompute (activation checkpointing)
             if self.has_post:
                 self._pending.append(None)
@@ -463,7 +480,7 @@ class _ModuleBinding:
         plugin cost a context and one call."""
         if _is_compiling():
             if self.eager_only:
-                return _outside_graph(self.post_hook, module, args, kwargs, output)
+                return _outside_graph(self.eager_reason, self.post_hook, module, args, kwargs, output)
             return self._post_hook_compiled(module, args, kwargs, output)
         fwd_out, out_grad = self.fwd_out, self.out_grad
         pending = self._pending
@@ -1241,10 +1258,12 @@ class Session:
             }
             binding.all_in, binding.all_out, binding.all_grad = binding.variants[True]
             binding.grad_in_graph = all(getattr(p, "grad_in_graph", False) for p, _ in binding.all_grad)
-            binding.eager_only = not all(getattr(p, "traceable", True)
-                                         for impls in binding.variants[True] for p, _ in impls)
+            untraceable = list(dict.fromkeys(self._entry_of[id(p)].name for impls in binding.variants[True]
+                                             for p, _ in impls if not getattr(p, "traceable", True)))
+            binding.eager_only = bool(untraceable)
+            binding.eager_reason = _eager_reason(untraceable) if untraceable else ""
             if binding.eager_only and hasattr(sys.modules.get("torch._dynamo"), "disable"):
-                _make_eager_runner()
+                _make_eager_runner(binding.eager_reason)
         for pb in self._param_bindings.values():
             covering = [e for e in live if pb.name in self._params_of(e)]
             pb.variants = {sampling: impls_for("hookplug_param_grad", covering, sampling)

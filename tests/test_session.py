@@ -667,6 +667,27 @@ def test_untraceable_plugin_runs_as_eager_code_inside_compiled_models(traceable)
                                ("fc1", 1), ("fc2", 2), ("fc2", 3), ("fc3", 1)]
 
 
+def test_untraceable_plugin_under_fullgraph_names_itself():
+    """fullgraph=True forbids the graph break of a ``traceable = False`` plugin's hooks:
+    dynamo's error names hookplug, the plugin(s) and fullgraph=True."""
+    class Keeps(hookplug.Plugin):
+        name = "keeps"
+        traceable = False
+
+        @hookimpl
+        def hookplug_forward_output(self, output):
+            pass
+
+    torch._dynamo.reset()
+    model = MLP(8, 16, 4)
+    with hookplug.attach(model, "Linear", plugins=[Keeps(), "stats", "capture"]):
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        with pytest.raises(Exception, match=r"hookplug plugins 'keeps', 'capture' set traceable = False"
+                                            r".*torch.compile\(fullgraph=True\) forbids"):
+            compiled(torch.randn(3, 8))
+    torch._dynamo.reset()
+
+
 def test_only_plugin_objects_are_taken_as_instances():
     m = MLP()
     for spec, got in [({"stats", "flops"}, "got set "), (3, "got int 3"), (b"stats", "got bytes b'stats'"),
