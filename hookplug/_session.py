@@ -54,6 +54,10 @@ if "always_call" in inspect.signature(nn.Module.register_forward_hook).parameter
 
 
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+# torch.export (also compiling): hooks run no plugin, so the exported program holds no
+# hookplug op and no bank of the session (it would need hookplug to load, and keep
+# accumulating into the session after remove())
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 _get_ident = threading.get_ident
 # != -1 in eager code: a forward running inside backward, i.e. activation checkpointing
 # recomputing it (inside compiled code checkpointing is traced as a whole: never asked)
@@ -439,6 +443,8 @@ class _ModuleBinding:
 
     def pre_hook(self, module, args, kwargs):
         compiling = _is_compiling()
+        if compiling and _is_exporting():
+            return None
         if compiling and self.eager_only:
             return _outside_graph(self.eager_reason, self.pre_hook, module, args, kwargs)
         if not compiling and _graph_task_id() != -1:  # a recompute (activation checkpointing)
@@ -479,6 +485,8 @@ class _ModuleBinding:
         Eager code runs inline (the hot path): one plugin and no pre hook or gradient
         plugin cost a context and one call."""
         if _is_compiling():
+            if _is_exporting():
+                return None
             if self.eager_only:
                 return _outside_graph(self.eager_reason, self.post_hook, module, args, kwargs, output)
             return self._post_hook_compiled(module, args, kwargs, output)

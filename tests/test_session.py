@@ -688,6 +688,27 @@ def test_untraceable_plugin_under_fullgraph_names_itself():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_export_of_an_attached_model_runs_no_plugin(strict):
+    """torch.export of an attached model: the hooks run no plugin, so the program holds no
+    hookplug op (nor the session's bank), computes what the model computes without hooks,
+    and nothing of the export (or of running the program) reaches the session."""
+    torch._dynamo.reset()
+    model, x = MLP(8, 16, 4), torch.randn(3, 8)
+    expected = model(x)
+    log = []
+    plugins = [("stats", {"sites": ("input", "output", "grad")}), "capture", AddOutput("add", 1.0, log)]
+    with hookplug.attach(model, "Linear", plugins=plugins) as s:
+        program = torch.export.export(model, (x,), strict=strict)
+        assert not [n.target for n in program.graph.nodes if "hookplug" in str(n.target)]
+        assert not program.constants
+        torch.testing.assert_close(program.module()(x), expected)
+        assert s["stats"].results() == {} and not s["capture"].features and not log
+        model(x)  # eager calls are still observed
+        assert set(s["stats"].results()) == {"fc1", "fc2", "fc3"} and len(log) == 4
+    torch._dynamo.reset()
+
+
 def test_only_plugin_objects_are_taken_as_instances():
     m = MLP()
     for spec, got in [({"stats", "flops"}, "got set "), (3, "got int 3"), (b"stats", "got bytes b'stats'"),
