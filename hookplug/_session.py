@@ -11,6 +11,7 @@ import difflib
 import functools
 import importlib.abc
 import inspect
+import logging
 import os
 import sys
 import threading
@@ -1147,7 +1148,9 @@ class Session:
         entry = self._entries[name] = _Entry(name, plugin, list(module_names), sink)
         self._entry_of[id(plugin)] = entry
 
-    def _bind(self, model: nn.Module) -> None:
+    def _bind(self, model: nn.Module) -> int:
+        """Resolve the plugins' hooks and put the torch hooks on the modules; returns the
+        most hooked modules that share one forward code (a repeated block's layers)."""
         self._resolve_hooks()
         mods = dict(named_modules(model))
         for name in self._module_refs:
@@ -1171,6 +1174,7 @@ class Session:
         for pname, p in wanted_params.items():
             self._param_bindings[pname] = _ParamBinding(pname, *owners[id(p)], self)
         self._rebind()
+        forwards: Dict[Any, int] = {}  # forward code -> hooked modules running it
         for name, binding in self._bindings.items():
             mod = mods[name]
             fwd_in, fwd_out, out_grad = binding.variants[True]
@@ -1179,9 +1183,13 @@ class Session:
                 self._keep_handle(mod, mod.register_forward_pre_hook(binding.pre_hook, with_kwargs=True))
             if binding.has_post:
                 self._keep_handle(mod, mod.register_forward_hook(binding.post_hook, **_POST_HOOK_KWARGS))
+            if binding.has_pre or binding.has_post:
+                code = getattr(type(mod).forward, "__code__", type(mod))
+                forwards[code] = forwards.get(code, 0) + 1
         for pb in self._param_bindings.values():
             if pb.variants[True]:
                 pb.hook()
+        return max(forwards.values(), default=0)
 
     def _keep_handle(self, module: nn.Module, handle) -> None:
         """Keep ``handle`` for ``remove()``; copies and pickles of ``module`` leave its hook out."""
@@ -1316,15 +1324,22 @@ class _StepScope:
 
 # -- attach ----------------------------------------------------------------------------------
 
-def _guard_module_hooks() -> None:
+_RECOMPILE_LIMIT = 8  # dynamo's default recompile_limit
+_log = logging.getLogger("hookplug")
+# the recompile limit sessions attached before torch._dynamo.config was imported asked for
+_PENDING_RECOMPILE_LIMIT = [0]
+
+
+def _guard_module_hooks(recompile_limit: int = 0) -> None:
     """torch.compile does not guard on module hooks by default (``skip_nnmodule_hook_guards``):
     code compiled before hooks were added or removed would keep running without (or with)
     them, and an instance of a class compiled without hooks (an EMA copy, a teacher) would
     share its graph with a hooked one. Switch the guards on, process-wide. The first switch
     drops all compiled code (it has no hook guards, wherever it lives: the model's forward, a
     compiled parent, code after a graph break); later attaches and removes are then caught
-    by the guards. Where dynamo is not imported yet (importing it costs seconds), the switch
-    is made when its config module is first imported."""
+    by the guards. Also raise dynamo's recompile limit to ``recompile_limit``
+    (:func:`_raise_recompile_limit`). Where dynamo is not imported yet (importing it costs
+    seconds), both are made when its config module is first imported."""
     config = sys.modules.get("torch._dynamo.config")
     if config is not None:
         if getattr(config, "skip_nnmodule_hook_guards", False):
@@ -1334,13 +1349,37 @@ def _guard_module_hooks() -> None:
             reset = getattr(sys.modules.get("torch._dynamo"), "reset_code_caches", None)
             if reset is not None:
                 reset()
-    elif not any(isinstance(f, _HookGuardsOnImport) for f in sys.meta_path):
+        _raise_recompile_limit(config, recompile_limit)
+        return
+    _PENDING_RECOMPILE_LIMIT[0] = max(_PENDING_RECOMPILE_LIMIT[0], recompile_limit)
+    if not any(isinstance(f, _HookGuardsOnImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _HookGuardsOnImport())
+
+
+def _raise_recompile_limit(config, wanted: int) -> None:
+    """Dynamo's recompile limits (per code object, and its accumulated cap) at least
+    ``wanted``, never lowered, with one INFO line. A traced hook specialises its graph on
+    its module (name, rows, keys): the hooked instances of a repeated block (regional
+    compilation, or a block's code after a graph break) share one forward code but not a
+    graph, so each compiles its own; past the limit the rest would run eagerly (or fail
+    under fullgraph=True)."""
+    raised = []
+    for name, old_name in (("recompile_limit", "cache_size_limit"),
+                           ("accumulated_recompile_limit", "accumulated_cache_size_limit")):
+        name = name if hasattr(config, name) else old_name
+        current = getattr(config, name, None)
+        if isinstance(current, int) and current < wanted:
+            setattr(config, name, wanted)
+            raised.append(f"{name} {current} -> {wanted}")
+    if raised:
+        _log.info("hookplug: torch._dynamo.config %s: each hooked instance of a repeated module "
+                  "compiles its own graph", ", ".join(raised))
 
 
 class _HookGuardsOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds ``torch._dynamo.config`` with the other finders, executes it, then switches its
-    module-hook guards on (see :func:`_guard_module_hooks`); removes itself on first use."""
+    module-hook guards on and raises its recompile limit as far as the sessions attached
+    so far asked (see :func:`_guard_module_hooks`); removes itself on first use."""
 
     _NAME = "torch._dynamo.config"
 
@@ -1371,6 +1410,7 @@ class _HookGuardsOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         config = sys.modules.get(self._NAME, module)
         if getattr(config, "skip_nnmodule_hook_guards", False):
             config.skip_nnmodule_hook_guards = False
+        _raise_recompile_limit(config, _PENDING_RECOMPILE_LIMIT[0])
 
 
 def _skip_plugin(exc: PluginError, stacklevel: int) -> None:
@@ -1480,8 +1520,8 @@ def attach(
     for key, instance in _build_plugins(sink_specs, on_error):
         session._add_plugin(key, instance, [], sink=True)
     try:
-        session._bind(model)
-        _guard_module_hooks()
+        repeats = session._bind(model)
+        _guard_module_hooks(repeats + _RECOMPILE_LIMIT if repeats > 1 else 0)
         session._dispatch("hookplug_session_start")
         session._attached = True
     except BaseException:

@@ -705,7 +705,8 @@ def test_hooked_and_plain_instances_of_one_class_compiled_do_not_share_a_graph(f
 
 def test_hook_guards_switch_on_when_dynamo_is_imported_after_attach(fresh_python):
     """Attached before torch._dynamo was ever imported (a fresh process), then a plain copy
-    and the hooked model of one class compiled, the plain one first: still two graphs."""
+    and the hooked model of one class compiled, the plain one first: still two graphs (and
+    the recompile limit is raised for the hooked Linears)."""
     last = fresh_python(
         "import copy, sys, torch, hookplug\n"
         "from hookplug.models import MLP\n"
@@ -715,6 +716,7 @@ def test_hook_guards_switch_on_when_dynamo_is_imported_after_attach(fresh_python
         "assert 'torch._dynamo' not in sys.modules\n"
         "rp, rh = torch.compile(plain, backend='eager'), torch.compile(hooked, backend='eager')\n"
         "rp(x); rh(x); rp(x); s.step()\n"
+        "assert torch._dynamo.config.recompile_limit == 3 + 8  # raised on import, 3 Linears\n"
         "print({k: int(v['output'].numel) for k, v in s['stats'].results().items()})\n")
     assert last == "{'fc1': 256, 'fc2': 512, 'fc3': 40}"
 
@@ -768,6 +770,66 @@ def test_a_compiled_function_calling_the_model_reruns_with_each_attach(fresh_dyn
             s.step()
             seen.append({k: v["output"].to_dict()["numel"] for k, v in s["stats"].results().items()})
     assert seen == [{"fc1": 256, "fc2": 512, "fc3": 40}, {"fc1": 256}]
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_regional_compilation_of_many_hooked_blocks_runs_every_block_compiled():
+    """Each of 12 identical blocks compiled on its own (``block.compile()``): a hooked block
+    compiles its own graph (the traced hooks are its modules'), so attach raises dynamo's
+    recompile limit (8) to the hooked Linears + 8: every block runs compiled code, also
+    under fullgraph=True, and the records equal eager."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    aot_eager, runs = lookup_backend("aot_eager"), [0]
+
+    def counting(gm, example_inputs):
+        compiled = aot_eager(gm, example_inputs)
+
+        def run(*args):
+            runs[0] += 1
+            return compiled(*args)
+        return run
+
+    torch.manual_seed(0)
+    m = nn.Sequential(*(_Block() for _ in range(12)))
+    x = torch.randn(4, 8)
+    opts = ("stats", {"sites": ("input", "output")})
+    eager, compiled = ListSink(), ListSink()
+    with hookplug.attach(m, "Linear", plugins=opts, sink=eager, flush_every=1) as s:
+        for _ in range(2):
+            m(x)
+            s.step()
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
+        with hookplug.attach(m, "Linear", plugins=opts, sink=compiled, flush_every=1) as s:
+            assert torch._dynamo.config.recompile_limit == 24 + 8
+            for block in m:
+                block.compile(backend=counting, fullgraph=True)
+            for _ in range(2):
+                runs[0] = 0
+                m(x)
+                s.step()
+                assert runs[0] == 12  # every block's forward graph
+        with hookplug.attach(m[0], "Linear", plugins=opts):  # 2 + 8: never lowered
+            assert torch._dynamo.config.recompile_limit == 24 + 8
+    for block in m:
+        block._compiled_call_impl = None
+    torch._dynamo.reset()
+    e, c = by_key(eager.records), by_key(compiled.records)
+    assert set(e) == set(c) and len(e) == 2 * 24 * 2
+    for k in e:
+        for f in ("numel", "nan_count", "zero_count", "min", "max", "hist"):
+            assert e[k][f] == c[k][f], (k, f)
+        for f in ("mean", "std"):
+            assert math.isclose(e[k][f], c[k][f], rel_tol=1e-6, abs_tol=1e-12), (k, f)
 
 
 def _decorated(fn):
