@@ -338,7 +338,8 @@ def _compiled_autograd_may_run() -> bool:
     tensor hooks as eager code does: grad sites take those then."""
     config = sys.modules.get("torch._dynamo.config")
     ca = sys.modules.get("torch._dynamo.compiled_autograd")
-    return bool(getattr(config, "compiled_autograd", False) or getattr(ca, "compiled_autograd_enabled", False)
+    return bool(getattr(config, "compiled_autograd", False)
+                or getattr(ca, "compiled_autograd_enabled", False)
                 or getattr(ca, "in_compiled_autograd_region", False))
 
 
@@ -409,8 +410,8 @@ class _ModuleBinding:
     """
 
     __slots__ = ("name", "where", "session", "fwd_in", "fwd_out", "out_grad", "all_in", "all_out",
-                 "all_grad", "grad_in_graph", "eager_only", "eager_reason", "calls", "has_pre", "has_post", "variants",
-                 "_pending", "__weakref__")
+                 "all_grad", "grad_in_graph", "eager_only", "eager_reason", "calls", "has_pre",
+                 "has_post", "variants", "_pending", "__weakref__")
 
     def __init__(self, name: str, session: "Session"):
         self.name = name
@@ -489,7 +490,8 @@ class _ModuleBinding:
             if _is_exporting():
                 return None
             if self.eager_only:
-                return _outside_graph(self.eager_reason, self.post_hook, module, args, kwargs, output)
+                return _outside_graph(self.eager_reason, self.post_hook, module, args, kwargs,
+                                      output)
             return self._post_hook_compiled(module, args, kwargs, output)
         fwd_out, out_grad = self.fwd_out, self.out_grad
         pending = self._pending
@@ -540,7 +542,8 @@ class _ModuleBinding:
         if new is not None:
             output = new
         if out_grad and torch.is_grad_enabled():
-            if self.grad_in_graph and not _compiled_autograd_may_run():  # traced into the backward graph
+            # no tensor hook: traced into the backward graph (not compiled autograd's)
+            if self.grad_in_graph and not _compiled_autograd_may_run():
                 wrapped = self._grad_sites(ctx, module, args, output)
                 if wrapped is not None:
                     return wrapped
@@ -1274,8 +1277,9 @@ class Session:
             }
             binding.all_in, binding.all_out, binding.all_grad = binding.variants[True]
             binding.grad_in_graph = all(getattr(p, "grad_in_graph", False) for p, _ in binding.all_grad)
-            untraceable = list(dict.fromkeys(self._entry_of[id(p)].name for impls in binding.variants[True]
-                                             for p, _ in impls if not getattr(p, "traceable", True)))
+            untraceable = list(dict.fromkeys(
+                self._entry_of[id(p)].name for impls in binding.variants[True] for p, _ in impls
+                if not getattr(p, "traceable", True)))
             binding.eager_only = bool(untraceable)
             binding.eager_reason = _eager_reason(untraceable) if untraceable else ""
             if binding.eager_only and hasattr(sys.modules.get("torch._dynamo"), "disable"):

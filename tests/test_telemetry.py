@@ -500,7 +500,8 @@ def test_compiled_grad_site_keeps_aliases_containers_and_shared_tensors(backend)
     """The clone of the compiled grad site never changes what the model computes: an output
     that is a module's input or a view of it, outputs that share memory with each other (a
     sequence and its first element, changed in place through the sequence), or a container
-    map_tensors cannot rebuild, keeps the tensor hook; a tensor at two output paths gives both the whole gradient."""
+    map_tensors cannot rebuild, keeps the tensor hook; a tensor at two output paths gives both
+    the whole gradient."""
     torch.manual_seed(0)
     m = _GradSiteCases()
     x = torch.randn(2, 4)
