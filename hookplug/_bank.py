@@ -239,7 +239,12 @@ class _DeviceRows:
         self.totals = self.empty.clone()
         self.unfolded: List[torch.Tensor] = []
         self.gate = torch.tensor([live], dtype=torch.bool, device=device)
-        self.lock = threading.Lock()  # end_step's append and fold: readers may be other threads
+        # end_step's append and fold: readers may be other threads. Reentrant: a signal handler
+        # that removes the session (SIGTERM: flush and exit) can run inside a fold and end a
+        # step there (the final flush); the step that was folding is in StatsBank.pending by
+        # then (end_step notes a step before it folds), so telemetry loses no step. The totals
+        # may then miss the nested step (the outer fold writes its merge over the nested one's).
+        self.lock = threading.RLock()
         self._block: Optional[Tuple[torch.Tensor, ...]] = None  # snapshot slots up to the next fold
         self._next = 0  # the next free slot
         self._views: Tuple = (0, None, None)  # (used, acc[:used], empty[:used])
@@ -252,7 +257,8 @@ class _DeviceRows:
     @_outside_inference_mode
     def end_step(self, used: int) -> torch.Tensor:
         """Snapshot and reset the first ``used`` rows of ``acc`` in place (no other row was
-        written); the snapshot waits in ``unfolded``. While the set of rows stays the same,
+        written); the snapshot waits in ``unfolded`` (see :meth:`fold_due`). While the set
+        of rows stays the same,
         snapshots are slots (views made with the block) of a block allocated once per fold
         batch (a block is never reused: its slots live as long as anyone holds them), so a
         step costs two copies, no allocation and, on the CPU, one call into the extension
@@ -279,9 +285,13 @@ class _DeviceRows:
                 acc.copy_(empty)
         with self.lock:
             self.unfolded.append(snap)
-            if len(self.unfolded) >= _FOLD_EVERY:
-                self._fold_locked()
         return snap
+
+    def fold_due(self) -> None:
+        """Fold once ``_FOLD_EVERY`` snapshots wait (``StatsBank.end_step`` calls it after
+        noting the ended step in ``pending``)."""
+        if len(self.unfolded) >= _FOLD_EVERY:
+            self.fold()
 
     @_outside_inference_mode
     def fold(self) -> torch.Tensor:
@@ -512,6 +522,8 @@ class StatsBank:
                     "stats were not collected by telemetry (no session.flush()); older steps are "
                     "kept in results() only. Set flush_every= or call session.flush().",
                     RuntimeWarning, stacklevel=4)
+        for dev in self._devices.values():  # after the step is pending: see _DeviceRows.lock
+            dev.fold_due()
 
     def collect(self, meta: Callable[[Tuple, int], Dict[str, Any]]) -> List[StatsBlock]:
         """The ended steps not yet collected, one block per step and device; ``meta(key,
@@ -519,11 +531,15 @@ class StatsBank:
         pending, self.pending = self.pending, []
         n = len(self.keys)
         out = []
-        for step, snaps in pending:
-            metas = [meta(key, step) for key in self.keys]
-            for snap in snaps.values():
-                rows = snap[1:n + 1]  # a snapshot taken before the bank grew has fewer rows
-                out.append(StatsBlock(metas[:rows.shape[0]], rows, self.kind))
+        try:
+            for step, snaps in pending:
+                metas = [meta(key, step) for key in self.keys]
+                for snap in snaps.values():
+                    rows = snap[1:n + 1]  # a snapshot taken before the bank grew has fewer rows
+                    out.append(StatsBlock(metas[:rows.shape[0]], rows, self.kind))
+        except BaseException:  # (Ctrl-C) the steps stay pending, before any ended since
+            self.pending = pending + self.pending
+            raise
         return out
 
     def merged(self, select: Callable[[Tuple], Optional[Tuple]]) -> Dict[Tuple, TensorStats]:

@@ -6,6 +6,8 @@ hook only where that tuple is non-empty. The torch hooks then loop over plain tu
 """
 from __future__ import annotations
 
+import atexit
+import collections
 import dataclasses
 import difflib
 import functools
@@ -17,7 +19,7 @@ import sys
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 
 import pluggy
 import torch
@@ -47,6 +49,7 @@ _SPEC_ARGS = {
     for name in _HOOK_NAMES
 }
 _ON_ERROR = ("raise", "warn")
+_NONFINITE_KEPT = 10_000  # session.nonfinite keeps the latest entries
 # always_call (torch >= 2.1): the post hook also runs when forward raises, so per-call
 # state (ours and the plugins') unwinds.
 _POST_HOOK_KWARGS = {"with_kwargs": True}
@@ -775,6 +778,37 @@ def _unguard_copies(module: nn.Module, hook_id: int) -> None:
             del module.__dict__["__getstate__"]
 
 
+# -- interpreter exit ----------------------------------------------------------------------------
+
+# attached sessions with a sink, not removed yet: removed at interpreter exit
+_UNREMOVED: "weakref.WeakSet[Session]" = weakref.WeakSet()
+_AT_EXIT: List[Callable] = []  # the atexit handler, once registered
+
+
+def _flush_at_exit(session: "Session") -> None:
+    """Have ``session`` removed at interpreter exit if it is still attached then."""
+    _UNREMOVED.add(session)
+    if not _AT_EXIT:
+        _AT_EXIT.append(_remove_at_exit)
+        atexit.register(_remove_at_exit)
+
+
+def _remove_at_exit() -> None:
+    """At interpreter exit, every session of this process that has a sink and was never
+    removed is removed as a failing rank's is (a local flush, no collective: the other
+    ranks may be gone), with a warning, so its last steps reach its sinks."""
+    for session in list(_UNREMOVED):
+        if session._removed or session._pid != os.getpid():  # a forked child's copy: not its own
+            continue
+        warnings.warn(f"hookplug: session {session.run_id} was never removed; flushing its "
+                      "telemetry at exit", RuntimeWarning, stacklevel=1)
+        try:
+            session._remove(failed=True)
+        except Exception as exc:  # noqa: BLE001 - the other sessions still get theirs
+            warnings.warn(f"hookplug: the exit flush of session {session.run_id} failed: "
+                          f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=1)
+
+
 # -- the session ---------------------------------------------------------------------------------
 
 class _Entry:
@@ -829,7 +863,7 @@ class Session:
         self._step = start_step
         self._steps_done = 0  # step() calls (flush_every counts these)
         self._sampling = start_step % every == 0
-        self._nonfinite: List[dict] = []
+        self._nonfinite: Deque[dict] = collections.deque(maxlen=_NONFINITE_KEPT)
         self._removed = False
         self._fsdp2_warned = False
         self._attached = False  # attach() finished (a failed attach has no final flush to share)
@@ -846,6 +880,8 @@ class Session:
 
         self._telemetry = Telemetry()
         self.run_id = new_run_id()  # names runs/<run-id>/ for sinks given no path
+        self._pid = os.getpid()  # the process it belongs to (a forked child emits nothing)
+        self._fork_warned = False
 
     # -- public API ------------------------------------------------------------------------
 
@@ -904,7 +940,9 @@ class Session:
     def nonfinite(self) -> List[dict]:
         """Per step (and rank), the first selected module whose output or gradient held a
         NaN/Inf, in execution order: ``{step, module, site, phase, rank}``, known once the
-        step's telemetry was flushed."""
+        step's telemetry was flushed. A new list of the latest 10,000 entries (older ones
+        are dropped: a model with an Inf in some output every step, e.g. masked logits,
+        would otherwise grow it without bound; the records keep ``first_nonfinite``)."""
         return list(self._nonfinite)
 
     def _training(self) -> bool:
@@ -912,6 +950,21 @@ class Session:
         inside a training model still counts as training)."""
         model = self._model_ref()
         return model is not None and model.training
+
+    def _in_child(self) -> bool:
+        """Whether this is a process forked from the one that attached the session (a
+        DataLoader worker, an async checkpoint writer): the telemetry and sinks belong to
+        that process, so nothing is collected or emitted here (one warning the first time)."""
+        if os.getpid() == self._pid:
+            return False
+        if not self._fork_warned:
+            self._fork_warned = True
+            warnings.warn(
+                f"hookplug: session {self.run_id} belongs to process {self._pid}, which attached "
+                f"it; in this forked process ({os.getpid()}) it emits no telemetry (the steps and "
+                "sinks are the parent's). Attach a session in the child to record there",
+                RuntimeWarning, stacklevel=4)
+        return True
 
     def _note_nonfinite(self, info: dict) -> None:
         self._nonfinite.append(info)
@@ -1041,7 +1094,9 @@ class Session:
         so it cannot depend on which ranks have a sink). Called while an exception
         propagates (a ``with`` block or ``finally`` that a raise left, a trainer's failure
         path), the final flush is this rank's own, with no collective: the other ranks are
-        not there to join it."""
+        not there to join it. In a process forked from the one that attached the session
+        the hooks come off, with no flush and no sink touched (one warning). A session with
+        a sink that is never removed is removed at interpreter exit, as a failing rank's."""
         self._remove(failed=_failing(sys.exc_info()[0]))
 
     def _remove(self, failed: bool) -> None:
@@ -1049,6 +1104,7 @@ class Session:
         if self._removed:
             return
         self._removed = True
+        _UNREMOVED.discard(self)
         self._sampling = False
         self._recompute.clear()
         for h in self._handles:
@@ -1064,17 +1120,23 @@ class Session:
         self._bindings.clear()
         self._param_bindings.clear()
         _guard_module_hooks()  # compiled code that ran with the hooks recompiles without
+        child = os.getpid() != self._pid
         try:
             # under torch.distributed the final flush is collective: every rank runs it when
             # the session has a telemetry producer, whether or not a sink is given here; a
-            # failed attach has nothing to flush, a failing rank flushes alone
+            # failed attach has nothing to flush, a failing rank flushes alone (a forked
+            # child: nothing, see _in_child)
             if self._attached and failed and self.has_sinks:
                 self._telemetry.flush(self, wait=True, local=True)
-            elif self._attached and not failed and (self.has_sinks or self._telemetry.collective(self)):
+            elif self._attached and not failed and (
+                    self.has_sinks or (not child and self._telemetry.collective(self))):
                 self.flush(wait=True)
         finally:
-            # disabled plugins get their cleanup call too; one failing never skips the others
-            self._dispatch("hookplug_session_end", include_disabled=True, run_all=True)
+            # disabled plugins get their cleanup call too; one failing never skips the others.
+            # A forked child leaves the sinks alone: their files, writers and servers are
+            # the parent's
+            self._dispatch("hookplug_session_end", include_disabled=True, run_all=True,
+                           skip=(lambda p: self._entry_of[id(p)].is_sink) if child else None)
 
     def __enter__(self) -> "Session":
         return self
@@ -1111,12 +1173,14 @@ class Session:
                       RuntimeWarning, stacklevel=4)
 
     def _dispatch(self, hook_name: str, *, on_result=None, skip=None, include_disabled: bool = False,
-                  run_all: bool = False, **kwargs) -> None:
+                  run_all: bool = False, returned=None, **kwargs) -> None:
         """Call a session-level hook on every plugin that implements it, in plugin order,
         each given the arguments it asks for (``session`` always offered);
         ``on_result(plugin_name, result)`` sees each result; failures go through
         ``on_error``. ``run_all``: under ``on_error="raise"`` a failing plugin does not stop
-        the others; the first error is raised once all have run (later ones in its notes)."""
+        the others; the first error is raised once all have run (later ones in its notes).
+        ``returned(plugin_name)``: told of each hook that ran to its end, also when a
+        ``BaseException`` (Ctrl-C) is raised as it returns."""
         kwargs.setdefault("session", self)
         failed: List[Tuple[Any, BaseException]] = []
         for entry in self._call_order.get(hook_name, []):
@@ -1128,11 +1192,20 @@ class Session:
                 res = impl.function(**{a: kwargs[a] for a in impl.argnames if a in kwargs})
                 if on_result is not None:
                     on_result(entry.name, res)
+                if returned is not None:
+                    returned(entry.name)
             except Exception as exc:  # noqa: BLE001 - on_error decides
                 if run_all and self.on_error == "raise":
                     failed.append((plugin, exc))
                 else:
                     self._plugin_failed(plugin, hook_name, exc)
+            except BaseException as exc:
+                # raised in this frame, not inside the hook: a signal handler runs at the first
+                # check after a call, so a Ctrl-C that came while the hook ran its last
+                # (C) code lands here once it has returned
+                if returned is not None and exc.__traceback__.tb_next is None:
+                    returned(entry.name)
+                raise
         if failed:
             plugin, exc = failed[0]
             try:
@@ -1528,6 +1601,8 @@ def attach(
         _guard_module_hooks(repeats + _RECOMPILE_LIMIT if repeats > 1 else 0)
         session._dispatch("hookplug_session_start")
         session._attached = True
+        if session.has_sinks:
+            _flush_at_exit(session)
     except BaseException:
         session._remove(failed=True)
         raise

@@ -37,16 +37,22 @@ A flush:
    every sink (``hookplug_flush``). Rows no call touched (``calls`` and ``numel`` 0) give
    no record.
 
-The training loop never waits: ``step()`` starts a flush every ``flush_every`` steps and
-only *polls* the flushes in flight (``event.query()``). ``session.flush()`` (``wait=True``)
-waits for every flush in flight; ``remove()`` finishes everything. Records come out in
-flush order.
+The training loop never waits for the device: ``step()`` starts a flush every
+``flush_every`` steps and only *polls* the flushes in flight (``event.query()``).
+``session.flush()`` (``wait=True``) waits for every flush in flight; ``remove()`` finishes
+everything. Records come out in flush order. The sinks run in these calls, on the training
+thread: a sink's own work (a write, an upload) is part of the step that hands it a flush.
 
 Errors: a producer or sink that raises goes through the session's ``on_error`` like any
-plugin hook. A flush that fails outside them (a collective, a producer's block that cannot
+plugin hook (under ``"raise"`` every sink still gets the flush, then the first error is
+raised). A flush that fails outside them (a collective, a producer's block that cannot
 be laid out) does too: a ``RuntimeWarning`` under ``"warn"``, the error under ``"raise"``,
 raised once the flush's collectives are done; the rows of a failed collective are sent
-again by the next flush (once).
+again by the next flush (once). A ``BaseException`` (Ctrl-C, a signal handler's
+``SystemExit``) loses nothing that was taken: blocks collected but not sent yet go back to
+``_carry``, a flight whose records did not reach every sink stays first in ``in_flight``
+with the sinks that got it noted; the next flush (``remove()``'s final one) sends them on.
+A forked child (``Session._in_child``) flushes nothing: its steps and sinks are the parent's.
 
 Records (flat dicts, one per ``(step, module, site, phase)``)::
 
@@ -157,7 +163,7 @@ class _Flight:
     rows right after returning them, even while an earlier flush still waits for its
     device copy)."""
 
-    __slots__ = ("host", "event", "groups", "rank", "device_buf", "built")
+    __slots__ = ("host", "event", "groups", "rank", "device_buf", "built", "records", "delivered")
 
     def __init__(self, host, event, groups, rank, device_buf, built=None):
         self.host = host
@@ -166,6 +172,8 @@ class _Flight:
         self.rank = rank
         self.device_buf = device_buf  # kept alive until the copy is done
         self.built = built
+        self.records: Optional[List[dict]] = None  # once built (built once, emitted once)
+        self.delivered: set = set()  # the sinks (names) that got the records already
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
@@ -184,7 +192,9 @@ class Telemetry:
         self.step_times: Dict[int, float] = {}
         self.flushes = 0
         self.records_emitted = 0
-        self._carry: List[StatsBlock] = []  # blocks of a failed collective flush, sent again once
+        # blocks of a failed collective flush (sent again once), or taken by a flush that a
+        # BaseException (Ctrl-C) interrupted
+        self._carry: List[StatsBlock] = []
         self._layouts = _Layouts()
 
     @staticmethod
@@ -206,6 +216,8 @@ class Telemetry:
         if len(times) > _MAX_STEP_TIMES:  # nobody flushes: keep the newest only
             for old in list(times)[: len(times) // 2]:
                 del times[old]
+        if session._in_child():
+            return
         fe = session.flush_every
         if fe and session._steps_done % fe == 0:
             self.flush(session, wait=False)
@@ -217,7 +229,10 @@ class Telemetry:
         Returns the records emitted by this call. The collectives of a distributed flush
         run before anything that may raise on one rank only (sinks, record building); a
         failure goes through the session's ``on_error`` once the flush is done. ``local``:
-        no collective, this rank's rows only (a rank ending with an exception)."""
+        no collective, this rank's rows only (a rank ending with an exception). Nothing in
+        a forked child (``session._in_child()``)."""
+        if session._in_child():
+            return []
         try:
             flights, error = self._start(session, local=local)
         except Exception as exc:  # noqa: BLE001 - on_error decides
@@ -229,22 +244,48 @@ class Telemetry:
         return emitted
 
     def poll(self, session, *, wait: bool = False) -> List[dict]:
-        """Emit the flushes in flight whose copy is done (all of them with ``wait``)."""
+        """Emit the flushes in flight whose copy is done (all of them with ``wait``).
+
+        Every sink gets a flush's records, also when one raises (``on_error="raise"``: the
+        first error is raised once all have run). A flight leaves ``in_flight`` only once
+        its records went to the sinks: a ``BaseException`` on the way (Ctrl-C, a signal
+        handler's ``SystemExit``) leaves it at the front, with the sinks that already got it
+        noted, and the next flush (``remove()``'s final one) hands it to the others."""
         out: List[dict] = []
-        while self.in_flight and (wait or self.in_flight[0].ready()):
-            flight = self.in_flight.popleft()
+        in_flight = self.in_flight
+        while in_flight and (wait or in_flight[0].ready()):
+            flight = in_flight[0]
             flight.wait()
-            try:
-                records = self._records(session, flight)
-            except Exception as exc:  # noqa: BLE001 - on_error decides
-                session._telemetry_failed(exc)
-                continue
+            records = flight.records
+            if records is None:
+                try:
+                    records = flight.records = self._records(session, flight)
+                except Exception as exc:  # noqa: BLE001 - on_error decides
+                    self._done(flight)
+                    session._telemetry_failed(exc)
+                    continue
             if records:
-                session._dispatch("hookplug_flush", records=records,
-                                  skip=lambda p: (flight.rank != 0 and session.distributed
-                                                  and not getattr(p, "all_ranks", False)))
-                out.extend(records)
+                delivered, entry_of = flight.delivered, session._entry_of
+                try:
+                    session._dispatch(
+                        "hookplug_flush", records=records, run_all=True, returned=delivered.add,
+                        skip=lambda p: (entry_of[id(p)].name in delivered
+                                        or (flight.rank != 0 and session.distributed
+                                            and not getattr(p, "all_ranks", False))))
+                except Exception:  # a sink's error (every sink ran): the flush is done
+                    self._done(flight)
+                    raise
+            self._done(flight)
+            out.extend(records)
         return out
+
+    def _done(self, flight: _Flight) -> None:
+        """``flight`` leaves ``in_flight`` (unless a flush nested in its delivery, e.g. a
+        signal handler's ``remove()``, emitted it already)."""
+        try:
+            self.in_flight.remove(flight)
+        except ValueError:
+            pass
 
     # -- collect and pack (device side, no sync) ----------------------------------------------------
 
@@ -261,12 +302,31 @@ class Telemetry:
             session._dispatch("hookplug_collect", step=session.step_index, on_result=take)
         except Exception as exc:  # noqa: BLE001 - raised after the flush (the ranks flush together)
             return blocks, exc
+        except BaseException:  # Ctrl-C: what was taken waits for the next flush
+            self._keep(blocks)
+            raise
         return blocks, None
+
+    def _keep(self, blocks: List[StatsBlock]) -> None:
+        """Put ``blocks`` (taken from the producers, not emitted) first in line for the next
+        flush, as copies: a producer may refill its own rows."""
+        self._carry = [StatsBlock(b.metas, b.rows.clone(), b.hist) for b in blocks] + self._carry
 
     def _start(self, session, local: bool = False) -> Tuple[List[_Flight], Optional[BaseException]]:
         """Collect and start this flush: its flights, and an error to report once it is done."""
         carried = {id(b) for b in self._carry}
         blocks, error = self._collect(session)
+        try:
+            return self._pack(session, blocks, error, carried, local)
+        except Exception:
+            raise
+        except BaseException:  # Ctrl-C: the blocks wait for the next flush
+            self._keep(blocks)
+            raise
+
+    def _pack(self, session, blocks: List[StatsBlock], error: Optional[BaseException], carried: set,
+              local: bool) -> Tuple[List[_Flight], Optional[BaseException]]:
+        """:meth:`_start` once the blocks are collected: their flights (collectives run here)."""
         dist = _dist()
         if not local and self.collective(session):
             try:
@@ -274,7 +334,8 @@ class Telemetry:
             except Exception as exc:  # a collective failed: send the steps again once
                 self._layouts = _Layouts()
                 fresh = [b for b in blocks if id(b) not in carried]
-                self._carry = [StatsBlock(b.metas, b.rows.clone(), b.hist) for b in fresh]
+                self._carry = []
+                self._keep(fresh)
                 lost = len(blocks) - len(fresh)
                 raise RuntimeError(
                     f"hookplug telemetry: the distributed flush failed ({type(exc).__name__}: {exc}); "

@@ -81,3 +81,55 @@ class RecordSink:
     @hookplug.hookimpl
     def hookplug_flush(self, records):
         self.records.extend(records)
+
+
+def fork_child(child):
+    """Run ``child()`` in a process forked from this one (``os.fork``: a copy of everything,
+    as a DataLoader worker or an async checkpoint writer is) and return ``(pid, fd)`` for
+    :func:`join_child`. The child sends ``child()``'s JSON-able result (or its error) through
+    a pipe and leaves with ``os._exit`` (no atexit handler, no pytest teardown)."""
+    import json
+    import traceback
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(r)
+            try:
+                out = {"result": child()}
+            except BaseException as exc:  # noqa: BLE001 - reported to the parent
+                out = {"error": "".join(traceback.format_exception(exc))}
+            os.write(w, json.dumps(out).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    return pid, r
+
+
+def join_child(pid, fd, timeout=10.0):
+    """The result of a :func:`fork_child` child; ``{"hung": True}`` (the child killed) when it
+    has not ended within ``timeout`` seconds."""
+    import json
+    import signal
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while not os.waitpid(pid, os.WNOHANG)[0]:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return {"hung": True}
+            time.sleep(0.01)
+        data = b""
+        while chunk := os.read(fd, 1 << 16):
+            data += chunk
+    finally:
+        os.close(fd)
+    return json.loads(data or b'{"error": "no result"}')
+
+
+def run_forked(child, timeout=10.0):
+    """``child()`` run in a forked process: see :func:`fork_child` and :func:`join_child`."""
+    return join_child(*fork_child(child), timeout=timeout)

@@ -482,3 +482,69 @@ def test_a_site_empty_in_every_call_has_an_entry_and_a_record():
         assert math.isnan(idle["mean"]) and math.isnan(idle["zero_fraction"]) and idle["l2"] == 0.0
         assert by[(step, "idle", "grad")]["calls"] == 1
         assert by[(step, "busy", "output")]["calls"] == 2
+
+
+def test_an_interrupted_collect_keeps_its_steps_pending():
+    """A KeyboardInterrupt while the bank hands its ended steps to telemetry leaves them
+    pending, before any step ended since, for the next collect."""
+    bank = StatsBank(bins=0)
+    bank.prepare(torch.device("cpu"))
+    for step in range(3):
+        bank.accumulate(torch.full((2,), float(step)), ("m", "output", "train"))
+        bank.end_step(step)
+
+    def interrupted(key, step):
+        if step == 1:
+            raise KeyboardInterrupt
+        return {"step": step}
+
+    with pytest.raises(KeyboardInterrupt):
+        bank.collect(interrupted)
+    bank.accumulate(torch.ones(2), ("m", "output", "train"))
+    bank.end_step(3)
+    blocks = bank.collect(lambda key, step: {"step": step})
+    assert [b.metas[0]["step"] for b in blocks] == [0, 1, 2, 3]
+    assert [TensorStats(b.rows[0], b.hist).max.item() for b in blocks] == [0.0, 1.0, 2.0, 1.0]
+
+
+def test_a_signal_handler_removing_the_session_inside_a_fold_loses_no_step(monkeypatch):
+    """SIGTERM -> session.remove() -> sys.exit(), arriving while step() folds the bank (every
+    16th step, under the bank's lock): the final flush ends a step there, taking the lock
+    again (it must not deadlock), and the step that was folding reaches the sink too."""
+    import collections
+    import threading
+
+    from conftest import RecordSink
+    from hookplug import _bank
+
+    fold, armed = _bank.merge_rows, {"on": False}
+    sink, m = RecordSink(), nn.Sequential(nn.Linear(4, 4))
+    s = hookplug.attach(m, "Linear", plugins=("stats", {"bins": 0}), sink=sink, flush_every=10)
+
+    def handler_runs_inside(*args, **kwargs):  # the signal handler, run inside the fold
+        if armed["on"]:
+            armed["on"] = False
+            s.remove()
+            raise SystemExit(0)
+        return fold(*args, **kwargs)
+
+    monkeypatch.setattr(_bank, "merge_rows", handler_runs_inside)
+    ended = []
+
+    def train():
+        try:
+            for step in range(40):
+                m(torch.randn(2, 4))
+                armed["on"] = armed["on"] or step == 20  # folds at steps 15 and 31
+                s.step()
+                ended.append(step)
+        except SystemExit:
+            pass
+
+    t = threading.Thread(target=train, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "deadlock: remove() in the fold waits for the lock the fold holds"
+    assert ended == list(range(31)) and s.removed
+    count = collections.Counter(r["step"] for r in sink.records)
+    assert count == {step: 1 for step in range(32)}  # step 31 was folding: not lost

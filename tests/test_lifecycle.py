@@ -1,5 +1,6 @@
 """Lifecycle under faults: session_end for every plugin, values plugins return, copies and
 pickles of an attached model (issue 13, items 2, 6, 10, 11)."""
+import collections
 import copy
 import io
 import pickle
@@ -282,3 +283,85 @@ def test_copy_keeps_hooks_of_others_and_two_sessions_share_one_guard():
     s2.remove()
     assert "__getstate__" not in vars(model.fc1)
     own.remove()
+
+
+# -- a forked child, interpreter exit ------------------------------------------------------------
+
+class EndLog(hookplug.Plugin):
+    name = "endlog"
+
+    def __init__(self):
+        self.ended = False
+
+    @hookimpl
+    def hookplug_session_end(self):
+        self.ended = True
+
+
+def test_a_forked_child_leaving_the_session_emits_nothing(tmp_path):
+    """A child forked while a session is attached (an async checkpoint writer leaving the
+    with block, a DataLoader worker) takes the hooks off its copy and ends its plugins, with
+    one warning, but collects nothing and leaves the sinks alone: the steps and the file are
+    the parent's, which emits each step once."""
+    from hookplug_plugins.sinks.jsonl import read_jsonl
+
+    from conftest import run_forked
+
+    m, path = MLP(), tmp_path / "run"
+    with hookplug.attach(m, "Linear", plugins=[("stats", {"bins": 0}), EndLog()],
+                         sink=("jsonl", {"path": str(path)}), flush_every=2) as s:
+        for _ in range(3):  # steps 0 and 1 flushed, step 2 pending
+            m(torch.randn(2, 32))
+            s.step()
+        m(torch.randn(2, 32))  # step 3 running
+
+        def child():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                emitted = s.flush()
+                s.remove()  # as leaving the with block does
+                hookplug._session._remove_at_exit()  # as sys.exit() would: not the child's session
+            return {"emitted": emitted, "hooks": sum(map(len, hook_dicts(m).values())),
+                    "ended": s["endlog"].ended, "sink_open": s["jsonl"]._fd is not None,
+                    "warnings": [str(w.message) for w in caught]}
+
+        got = run_forked(child)["result"]
+        assert got["emitted"] == [] and got["hooks"] == 0 and got["ended"] and got["sink_open"]
+        assert len(got["warnings"]) == 1 and "belongs to process" in got["warnings"][0]
+        assert "attach a session in the child" in got["warnings"][0].lower()
+        assert len(read_jsonl(path)) == 6  # the child wrote nothing
+    count = collections.Counter((r["step"], r["module"]) for r in read_jsonl(path))
+    assert count == {(step, mod): 1 for step in range(4) for mod in ("fc1", "fc2", "fc3")}
+
+
+def test_a_session_never_removed_is_flushed_at_exit(tmp_path):
+    """At interpreter exit a session with a sink that was never removed is removed (its own
+    rows, no collective), with one warning naming it, so its last steps are not lost; a
+    session without a sink is left alone."""
+    import subprocess
+    import sys
+
+    from hookplug_plugins.sinks.jsonl import read_jsonl
+
+    script = f"""
+import torch, hookplug
+from hookplug.models import MLP
+m = MLP()
+s = hookplug.attach(m, "Linear", plugins=("stats", {{"bins": 0}}),
+                    sink=("jsonl", {{"path": {str(tmp_path)!r}}}))
+quiet = hookplug.attach(MLP(), "Linear", plugins="stats")
+for _ in range(3):
+    m(torch.randn(2, 32))
+    s.step()
+print(s.run_id)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run_id = out.stdout.split()[-1]
+    said = [line for line in out.stderr.splitlines() if "RuntimeWarning: hookplug:" in line]
+    assert len(said) == 1 and said[0].endswith(
+        f"RuntimeWarning: hookplug: session {run_id} was never removed; flushing its "
+        "telemetry at exit")
+    count = collections.Counter((r["step"], r["module"]) for r in read_jsonl(tmp_path))
+    assert count == {(step, mod): 1 for step in range(3) for mod in ("fc1", "fc2", "fc3")}

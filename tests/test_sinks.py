@@ -21,6 +21,7 @@ from hookplug_plugins.sinks.tensorboard import DEFAULT_SCALARS as TB_STATS  # no
 
 
 from conftest import RecordSink as ListSink  # noqa: E402
+from conftest import fork_child, join_child, run_forked  # noqa: E402
 
 
 def run_steps(sink, steps=3, flush_every=1, **kw):
@@ -198,6 +199,41 @@ def test_jsonl_sink_reused_across_sessions_writes_edges_in_each_file(tmp_path):
     assert paths[0] != paths[1]
 
 
+def test_jsonl_flush_interrupted_by_ctrl_c_is_rolled_back_and_written_once_when_handed_over_again(
+        tmp_path, monkeypatch):
+    """Ctrl-C while the sink writes (raised as os.write returns): the file goes back to where
+    the flush began, with the hist_edges bookkeeping, so the session's second try (remove())
+    writes the records once; a flush handed over again after the sink had written all of it
+    (the Ctrl-C came as it returned) is not written twice."""
+    from hookplug_plugins.sinks.jsonl import JsonlSink, read_jsonl
+
+    truth, s, _ = run_steps(JsonlSink(str(tmp_path / "other")), steps=2)
+    s.remove()
+    first, second = truth[:3], truth[3:]
+    sink = JsonlSink(str(tmp_path))
+    sink.hookplug_flush(s, first)
+    real_write, calls = os.write, []
+
+    def write_then_interrupt(fd, data):
+        n = real_write(fd, data)
+        if fd == sink._fd:
+            calls.append(n)
+            raise KeyboardInterrupt
+        return n
+
+    monkeypatch.setattr(os, "write", write_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        sink.hookplug_flush(s, second)
+    monkeypatch.setattr(os, "write", real_write)
+    assert calls and sink.lines == 3 and len(read_jsonl(sink.path)) == 3
+    sink.hookplug_flush(s, second)  # handed over again
+    sink.hookplug_flush(s, second)  # ... after a Ctrl-C that came as the sink returned
+    back = read_jsonl(sink.path)
+    assert [(r["step"], r["module"]) for r in back] == [(r["step"], r["module"]) for r in truth]
+    assert all(r["hist_edges"] == truth[0]["hist_edges"] for r in back) and sink.lines == 6
+    sink.close()
+
+
 # -- tensorboard ------------------------------------------------------------------------------------
 
 def test_tensorboard_event_files_read_back(tmp_path):
@@ -329,6 +365,103 @@ def test_prometheus_keeps_eval_forwards_apart_from_training():
     inf_bucket = {smp.labels["phase"]: smp.value for smp in fams["hookplug_tensor_values"].samples
                   if smp.name.endswith("_bucket") and smp.labels["le"] == "+Inf"}
     assert inf_bucket == {"train": 2, "eval": 6}
+
+
+def test_tensorboard_sink_writer_queues_deep_and_flushes_in_its_own_time(tmp_path):
+    """The sink runs on the training thread: the writer it opens queues 10,000 events for its
+    writing thread (not SummaryWriter's 10) and is flushed by that thread every flush_secs and
+    at close, not at every telemetry flush (a given writer= is still flushed each time)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    opened, flushed = [], []
+
+    class Watched(SummaryWriter):
+        def __init__(self, *args, **kwargs):
+            opened.append(kwargs)
+            super().__init__(*args, **kwargs)
+
+        def flush(self):
+            flushed.append(1)
+            super().flush()
+
+    sink = _manager.create_plugin("tensorboard", {"path": str(tmp_path / "tb"), "stats": ("max",)})
+    sink._writer_cls = Watched
+    truth, s, _ = run_steps(sink, steps=3)
+    assert opened == [{"log_dir": str(tmp_path / "tb"), "flush_secs": 30, "max_queue": 10000}]
+    assert flushed == []
+    s.remove()  # closes the writer: every event on disk
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("hookplug/max/fc1/output")] == [0, 1, 2]
+    given = Watched(log_dir=str(tmp_path / "given"))
+    truth, s, _ = run_steps(_manager.create_plugin("tensorboard", {"writer": given}), steps=2)
+    s.remove()
+    assert len(flushed) == 3  # after each of the 2 telemetry flushes, and at close
+    given.close()
+
+
+def _serve_prometheus():
+    pytest.importorskip("prometheus_client")
+    m = MLP()
+    s = hookplug.attach(m, "Linear", plugins=("stats", {"bins": 0}),
+                        sink=("prometheus", {"port": 0}), flush_every=1)
+    m(torch.randn(2, 32))
+    s.step()
+    return s, s["prometheus"]
+
+
+def test_prometheus_sink_in_a_forked_child_closes_only_its_socket():
+    """A child forked while the sink serves (a DataLoader worker, a checkpoint writer) has
+    no serving thread: close() there only closes its copy of the socket (shutdown() would
+    wait forever), and the session's remove() there leaves the parent's server alone."""
+    s, sink = _serve_prometheus()
+
+    def child():
+        closed_at_fork = sink._server.socket.fileno() == -1
+        sink.close()
+        s.remove()
+        return closed_at_fork
+
+    assert run_forked(child) == {"result": True}
+    assert scrape(sink.url)["hookplug_step"].samples[0].value == 0  # the parent still serves
+    s.remove()
+
+
+def test_a_forked_child_keeps_no_prometheus_port_open():
+    """DataLoader workers (fork, persistent) started while the sink serves: once the session
+    ends the port is free (a new session binds it) although the workers live on."""
+    s, sink = _serve_prometheus()
+    port = sink.port
+    gate_r, gate_w = os.pipe()
+
+    def worker():
+        os.close(gate_w)
+        os.read(gate_r, 1)  # lives until the parent closes the gate
+
+    pid, fd = fork_child(worker)
+    os.close(gate_r)
+    try:
+        s.remove()
+        again = hookplug.attach(MLP(), "Linear", plugins="stats", sink=("prometheus", {"port": port}))
+        assert again["prometheus"].port == port
+        again.remove()
+    finally:
+        os.close(gate_w)
+        assert join_child(pid, fd) == {"result": None}
+
+
+def test_prometheus_port_taken_names_host_and_port():
+    pytest.importorskip("prometheus_client")
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"prometheus sink: cannot serve on 127.0.0.1:{port}: "):
+            hookplug.attach(MLP(), "Linear", plugins="stats", sink=("prometheus", {"port": port}))
 
 
 # -- wandb ---------------------------------------------------------------------------------------------

@@ -1250,3 +1250,140 @@ def test_both_record_builders_skip_and_refuse_the_same_rows(monkeypatch):
     for build in builders:
         with pytest.raises(ValueError, match="NaN"):
             build()
+
+
+# -- Ctrl-C (a BaseException) during a flush ----------------------------------------------------
+
+class Interrupting(ListSink):
+    """A sink that raises KeyboardInterrupt on its ``at``-th call (Ctrl-C while it writes)."""
+
+    name = "interrupting"
+
+    def __init__(self, at=2):
+        super().__init__()
+        self.at = at
+
+    @hookplug.hookimpl
+    def hookplug_flush(self, records):
+        self.calls += 1
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+        self.records.extend(records)
+
+
+class InterruptOnce:
+    """A producer whose ``hookplug_collect`` raises KeyboardInterrupt once, after the stats
+    plugin (before it in the list) handed over its steps."""
+
+    name = "interrupt_once"
+
+    def __init__(self, at=2):
+        self.calls, self.at = 0, at
+
+    @hookplug.hookimpl
+    def hookplug_collect(self):
+        self.calls += 1
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("where", ["sink", "collect", "pack", "records"])
+def test_a_ctrl_c_during_a_flush_loses_and_repeats_no_step(where, monkeypatch):
+    """A KeyboardInterrupt in a flush (a sink, a producer's collect, packing the rows, building
+    the records) keeps what the flush took: remove()'s final flush (the with block's) hands
+    every ended step to each sink once."""
+    from hookplug import _telemetry
+
+    plugins, sinks = [("stats", {"bins": 0})], [ListSink()]
+    if where == "sink":
+        sinks.insert(0, Interrupting())
+    elif where == "collect":
+        plugins.append(InterruptOnce())
+    else:
+        if where == "records":  # rows packed and copied: records built when the flight lands
+            monkeypatch.setattr(_telemetry, "_PACK_CPU_ROWS", True)
+        build, calls = _telemetry._build_records, []
+
+        def interrupted_once(*args):
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            return build(*args)
+
+        monkeypatch.setattr(_telemetry, "_build_records", interrupted_once)
+    m, ended = MLP(), 0
+    with pytest.raises(KeyboardInterrupt):
+        with hookplug.attach(m, "Linear", plugins=plugins, sink=sinks, flush_every=2) as s:
+            for _ in range(10):
+                m(torch.randn(2, 32))
+                s.step()
+                ended += 1
+    assert ended == 3  # the second flush (steps 2 and 3) was interrupted
+    assert s.removed and not s._telemetry.in_flight and not s._telemetry._carry
+    everything = {(st, mod, "output") for st in range(4) for mod in ("fc1", "fc2", "fc3")}
+    assert set(by_key(sinks[-1].records)) == everything  # by_key: none twice
+    if where == "sink":  # the sink that was interrupted gets that flush again
+        assert set(by_key(sinks[0].records)) == everything and sinks[0].calls == 3
+
+
+def test_a_ctrl_c_as_a_sink_returns_gives_no_sink_the_flush_twice():
+    """A signal that came during a sink's last (C) code is raised once the sink returned,
+    in the session's loop: that sink has the flush, and the final flush skips it (here the
+    hook is C code that raises the signal, as such a late Ctrl-C is seen)."""
+    import _thread
+    import functools
+
+    late, sink, m = ListSink(), ListSink(), MLP()
+    late.name = "late"
+    s = hookplug.attach(m, "Linear", plugins=("stats", {"bins": 0}), sink=[late, sink], flush_every=1)
+    s._entries["late"].impls["hookplug_flush"] = type("Impl", (), {
+        "function": functools.partial(_thread.interrupt_main), "argnames": ()})
+    m(torch.randn(2, 32))
+    with pytest.raises(KeyboardInterrupt) as info:
+        s.step()
+    assert info.traceback[-1].name == "_dispatch"  # raised in the loop, not inside a hook
+    assert len(s._telemetry.in_flight) == 1  # the flight waits for "listsink"
+    s.remove()  # no second KeyboardInterrupt: "late" is not called again
+    assert set(by_key(sink.records)) == {(0, mod, "output") for mod in ("fc1", "fc2", "fc3")}
+
+
+def test_every_sink_gets_a_flush_when_one_raises_under_raise():
+    class Broken:
+        name = "broken"
+
+        @hookplug.hookimpl
+        def hookplug_flush(self, records):
+            raise OSError("disk full")
+
+    good, m = ListSink(), MLP()
+    s = hookplug.attach(m, "Linear", plugins="stats", sink=[Broken(), good], flush_every=1)
+    m(torch.randn(2, 32))
+    with pytest.raises(OSError, match="disk full"):
+        s.step()
+    assert {r["step"] for r in good.records} == {0} and len(good.records) == 3
+    assert not s._telemetry.in_flight  # the flush is done: not handed over again
+    s.remove()
+    assert len(good.records) == 3
+
+
+def test_session_nonfinite_keeps_the_latest_ten_thousand():
+    """An Inf in an output every step (masked logits) adds an entry per step: the latest
+    10,000 are kept, as a list."""
+    class Masked(nn.Module):
+        def forward(self, x):
+            return x.masked_fill(torch.arange(x.shape[-1]) >= 2, -math.inf)
+
+    m = nn.Sequential(nn.Linear(4, 4), Masked())
+    with hookplug.attach(m, "*", plugins=("stats", {"bins": 0}), sink=ListSink(), flush_every=2) as s:
+        for _ in range(2):
+            m(torch.randn(2, 4))
+            s.step()
+        assert s.nonfinite == [{"step": st, "module": "1", "site": "output", "phase": "train", "rank": 0}
+                               for st in range(2)]
+        for step in range(2, 10_005):
+            s._note_nonfinite({"step": step})
+        kept = s.nonfinite
+        assert type(kept) is list and len(kept) == 10_000
+        assert kept[0]["step"] == 5 and kept[-1]["step"] == 10_004
+        kept.clear()  # a copy
+        assert len(s.nonfinite) == 10_000

@@ -18,7 +18,9 @@ carry whole lines, so a line is never interleaved with another writer's, a reade
 what was not flushed yet. Each flush's writes hold an exclusive ``flock`` on the file (where
 the file system has locks), so writers take turns. A write that fails part way (a full disk) is rolled back to the
 last whole line (the file is truncated to where that write began) and the ``OSError`` is
-raised, naming the file, to the session, whose ``on_error`` decides. ``fsync=True`` also
+raised, naming the file, to the session, whose ``on_error`` decides. A flush interrupted by
+Ctrl-C (any ``BaseException``) is truncated away whole: the session hands it over again at
+``remove()``, so its records are written once. ``fsync=True`` also
 forces them to disk. A run killed mid-write can still leave a torn last line: the next sink
 to open the file ends it with a newline (warning), and :func:`read_jsonl` skips torn lines
 with one warning.
@@ -170,6 +172,7 @@ class JsonlSink(hookplug.Sink):
         self.lines = 0
         self._fd: Optional[int] = None
         self._edges: Dict[Tuple[str, str], Any] = {}
+        self._written: Optional[list] = None  # the records of the last flush written
         self.run_id: Optional[str] = None
 
     def _open(self, session, rank: int) -> int:
@@ -227,31 +230,41 @@ class JsonlSink(hookplug.Sink):
 
     @hookplug.hookimpl
     def hookplug_flush(self, session, records: List[Dict[str, Any]]) -> None:
-        if not records:
-            return
+        if not records or records is self._written:  # handed over again after a Ctrl-C that came
+            return                                    # as this sink finished writing it
         self.run_id = getattr(session, "run_id", None) or self.run_id
         fd = self._open(session, records[0].get("rank", 0))
-        chunk: List[bytes] = []
-        size = 0
-        for rec in records:
-            line = self.encode_line(rec)
-            if size and size + len(line) > _CHUNK:
-                self._write(fd, b"".join(chunk), len(chunk))
-                chunk, size = [], 0
-            chunk.append(line)
-            size += len(line)
-        if chunk:
-            self._write(fd, b"".join(chunk), len(chunk))
-        if self.fsync:
-            os.fsync(fd)
+        with _locked(fd):
+            start, lines, edges = os.lseek(fd, 0, os.SEEK_END), self.lines, dict(self._edges)
+            try:
+                chunk: List[bytes] = []
+                size = 0
+                for rec in records:
+                    line = self.encode_line(rec)
+                    if size and size + len(line) > _CHUNK:
+                        self._write(fd, b"".join(chunk), len(chunk))
+                        chunk, size = [], 0
+                    chunk.append(line)
+                    size += len(line)
+                if chunk:
+                    self._write(fd, b"".join(chunk), len(chunk))
+                if self.fsync:
+                    os.fsync(fd)
+                self._written = records
+            except Exception:
+                raise
+            except BaseException:
+                # Ctrl-C part way: the session hands this flush over again (remove()'s final
+                # flush), so what it wrote goes, to be written once
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, start)
+                self.lines, self._edges = lines, edges
+                raise
 
     def _write(self, fd: int, data: bytes, lines: int) -> None:
-        """Append ``data`` (whole lines); on an error part way, truncate the file back to
-        where this write began, so it still ends with a whole line, and raise naming it."""
-        with _locked(fd):
-            self._write_locked(fd, data, lines)
-
-    def _write_locked(self, fd: int, data: bytes, lines: int) -> None:
+        """Append ``data`` (whole lines; the caller holds the lock); on an error part way,
+        truncate the file back to where this write began, so it still ends with a whole
+        line, and raise naming it."""
         view = memoryview(data)
         written = 0
         try:
@@ -282,6 +295,7 @@ class JsonlSink(hookplug.Sink):
         the sink can serve another session: its file gets every ``hist_edges`` again.
         ``path`` and ``lines`` keep describing the file just closed until the next one opens."""
         self._edges = {}
+        self._written = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

@@ -9,7 +9,9 @@ Serves ``prometheus_client``'s exposition from its own ``CollectorRegistry`` wit
 ``all_ranks=True`` every rank serves, rank *r* on ``port + r`` (unless ``port=0``).
 ``port=None`` serves nothing; ``path``, when given, also writes the exposition to that file
 after every flush (node_exporter's textfile collector: give it a ``.prom`` file). The server
-stops at the end of the session.
+stops at the end of the session. A port already taken raises ``OSError`` naming
+``addr:port``. A process forked while the sink serves (a DataLoader worker) closes its copy
+of the listening socket at once, so the port is free again once the session ends.
 
 Metrics, labelled ``module``, ``site``, ``phase`` (``train``/``eval``: eval-mode forwards
 are never mixed into the training series) and ``rank`` (``<namespace>``: the
@@ -34,6 +36,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import weakref
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import hookplug
@@ -42,6 +45,20 @@ from hookplug._optional import optional_import
 __all__ = ["PrometheusSink"]
 
 STATS = hookplug.STAT_FIELDS
+
+
+# sinks serving now: a forked child (a DataLoader worker) closes its copy of their listening
+# sockets at once, so the port is free again when the parent's session ends
+_SERVING: "weakref.WeakSet[PrometheusSink]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for sink in list(_SERVING):
+        sink._forked()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _client():
@@ -115,6 +132,7 @@ class PrometheusSink(hookplug.Sink):
         self.registry.register(_Collector(self))
         self._server = None
         self._thread = None
+        self._server_pid: Optional[int] = None  # the process serving (its thread runs there only)
         self._lock = threading.Lock()
         self._latest: Dict[Tuple[str, str, str, str], Dict[str, Any]] = {}
         self._hists: Dict[Tuple[str, str, str, str], Tuple[list, list, float]] = {}
@@ -133,12 +151,18 @@ class PrometheusSink(hookplug.Sink):
         if not self.writes_on(rank):
             return
         port = self.requested_port + rank if self.requested_port else 0
-        started = self._prom.start_http_server(port, addr=self.addr, registry=self.registry)
+        try:
+            started = self._prom.start_http_server(port, addr=self.addr, registry=self.registry)
+        except OSError as exc:  # e.g. the port is taken: say which
+            raise OSError(exc.errno, f"prometheus sink: cannot serve on {self.addr}:{port}: "
+                          f"{exc.strerror or exc}") from exc
         if started is None:  # prometheus_client < 0.17 gives no handle to stop or query it
             raise RuntimeError("the hookplug 'prometheus' sink needs prometheus_client >= 0.17: "
                                "pip install -U prometheus_client")
         self._server, self._thread = started
+        self._server_pid = os.getpid()
         self.port = self._server.server_address[1]
+        _SERVING.add(self)
 
     @property
     def url(self) -> Optional[str]:
@@ -176,12 +200,26 @@ class PrometheusSink(hookplug.Sink):
         """The metrics in the Prometheus text format, as a scrape would return them."""
         return self._prom.generate_latest(self.registry).decode("utf-8")
 
-    def close(self) -> None:
+    def _forked(self) -> None:
+        """In a forked child: close the inherited listening socket (the serving thread is the
+        parent's; a copy of its socket here would keep the port open after the parent's
+        session ends)."""
         if self._server is not None:
-            self._server.shutdown()
             self._server.server_close()
-            self._thread.join(timeout=5)
+
+    def close(self) -> None:
+        """Stop serving. In a process that did not start the server (a forked child) only
+        the inherited socket is closed: ``shutdown()`` would wait forever for a serving
+        thread that does not run there."""
+        if self._server is not None:
+            if self._server_pid == os.getpid():
+                self._server.shutdown()
+                self._server.server_close()
+                self._thread.join(timeout=5)
+            else:
+                self._server.server_close()
             self._server = self._thread = None
+            _SERVING.discard(self)
 
     def __repr__(self) -> str:
         return f"<PrometheusSink {self.url or 'not serving'}>"

@@ -13,8 +13,14 @@ inf_count``, no constant ``numel``) and, when the record has a histogram, one
 ``add_histogram_raw`` under ``hookplug/hist/<module>/<site>`` built from its buckets
 (``bucket_limits`` = the right edges; ``sum``/``sum_squares`` from the finite mean and std).
 ``histogram=False`` leaves the histograms out. ``global_step`` is the record's step and
-``walltime`` its time. The writer is flushed after every telemetry flush, so TensorBoard
-sees the data while the run goes on (``flush_secs=30``: the period of the writer it opens).
+``walltime`` its time.
+
+The sink runs on the training thread (``session.step()`` hands it each flush), so the writer
+it opens queues up to ``max_queue=10000`` events for its own writing thread (the
+``SummaryWriter`` default, 10, makes every 10 events wait for that thread) and writes them
+to disk every ``flush_secs=30`` seconds and when the session ends, not at every telemetry
+flush: TensorBoard sees the data at most ``flush_secs`` late. A ``writer=`` given to it is
+used as it is and flushed after every telemetry flush, as before.
 Rank 0 writes; ``all_ranks=True`` makes every rank write (put ``{rank}`` in ``path``).
 
 Needs the ``tensorboard`` package: ``pip install hookplug[tensorboard]``.
@@ -50,7 +56,7 @@ class TensorBoardSink(hookplug.Sink):
 
     def __init__(self, path: Union[str, os.PathLike, None] = None, *, stats: Sequence[str] = DEFAULT_SCALARS,
                  histogram: bool = True, all_ranks: bool = False, flush_secs: int = 30,
-                 writer: Any = None):
+                 max_queue: int = 10000, writer: Any = None):
         if isinstance(stats, str):
             stats = (stats,)
         unknown = [s for s in stats if s not in STATS]
@@ -70,6 +76,7 @@ class TensorBoardSink(hookplug.Sink):
         self.stats = tuple(stats)
         self.histogram = histogram
         self.flush_secs = flush_secs
+        self.max_queue = max_queue
         self.writer = writer
         if writer is not None:
             log_dir = getattr(writer, "log_dir", None) or getattr(writer, "logdir", None)
@@ -78,7 +85,8 @@ class TensorBoardSink(hookplug.Sink):
     def _open(self, session, rank: int):
         if self.writer is None:
             self.path = self.resolve_path(session, rank)
-            self.writer = self._writer_cls(log_dir=self.path, flush_secs=self.flush_secs)
+            self.writer = self._writer_cls(log_dir=self.path, flush_secs=self.flush_secs,
+                                           max_queue=self.max_queue)
         return self.writer
 
     @hookplug.hookimpl
@@ -97,7 +105,8 @@ class TensorBoardSink(hookplug.Sink):
             if self.histogram and counts and edges:
                 self._histogram(w, hist_tag(module, site, phase), rec, counts, edges, step,
                                 walltime)
-        w.flush()
+        if not self._own_writer:  # (its own writer: every flush_secs and at close)
+            w.flush()
 
     @staticmethod
     def _histogram(w, tag, rec, counts, edges, step, walltime) -> None:
