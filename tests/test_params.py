@@ -139,21 +139,12 @@ def test_first_nonfinite_is_the_activation_not_a_later_parameter_gradient():
     """stats and params count calls on clocks of their own: params measures at the
     optimizer step, after the step's forward and backward, so an activation's NaN/Inf comes
     first (it used to compare the two banks' clocks: fc1.bias's grad won)."""
-    class Collect(hookplug.Sink):
-        name = "collect"
-
-        def __init__(self):
-            super().__init__()
-            self.records = []
-
-        @hookplug.hookimpl
-        def hookplug_flush(self, session, records):
-            self.records += records
+    from conftest import RecordSink
 
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    sink = Collect()
+    sink = RecordSink()
     plugins = [("stats", {"sites": ("output", "grad")}), ("params", {"bins": 0})]
     with hookplug.attach(m, "Linear", plugins=plugins, sink=sink) as s:
         with torch.no_grad():
