@@ -77,12 +77,13 @@ called only if it has a true ``all_ranks`` attribute.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import math
 import os
 import pickle
 import time
-from typing import Any, Deque, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -154,6 +155,19 @@ class _Group(NamedTuple):
     rows: int
     width: int
     hist: Any
+
+
+@contextlib.contextmanager
+def on_interrupt(undo: Callable[[], Any]) -> Iterator[None]:
+    """Run ``undo()`` when a ``BaseException`` that is not an ``Exception`` (Ctrl-C, a signal
+    handler's ``SystemExit``) leaves the block, then let it go on; errors pass untouched."""
+    try:
+        yield
+    except Exception:
+        raise
+    except BaseException:
+        undo()
+        raise
 
 
 class _Flight:
@@ -316,13 +330,8 @@ class Telemetry:
         """Collect and start this flush: its flights, and an error to report once it is done."""
         carried = {id(b) for b in self._carry}
         blocks, error = self._collect(session)
-        try:
+        with on_interrupt(lambda: self._keep(blocks)):  # Ctrl-C: they wait for the next flush
             return self._pack(session, blocks, error, carried, local)
-        except Exception:
-            raise
-        except BaseException:  # Ctrl-C: the blocks wait for the next flush
-            self._keep(blocks)
-            raise
 
     def _pack(self, session, blocks: List[StatsBlock], error: Optional[BaseException], carried: set,
               local: bool) -> Tuple[List[_Flight], Optional[BaseException]]:

@@ -51,6 +51,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import hookplug
 from hookplug._stats import COUNT_COLUMNS
+from hookplug._telemetry import on_interrupt
 
 __all__ = ["JsonlSink", "read_jsonl"]
 
@@ -236,7 +237,13 @@ class JsonlSink(hookplug.Sink):
         fd = self._open(session, records[0].get("rank", 0))
         with _locked(fd):
             start, lines, edges = os.lseek(fd, 0, os.SEEK_END), self.lines, dict(self._edges)
-            try:
+
+            def undo():  # Ctrl-C part way: the session hands this flush over again
+                with contextlib.suppress(OSError):  # (remove()'s final flush): written once
+                    os.ftruncate(fd, start)
+                self.lines, self._edges = lines, edges
+
+            with on_interrupt(undo):
                 chunk: List[bytes] = []
                 size = 0
                 for rec in records:
@@ -251,15 +258,6 @@ class JsonlSink(hookplug.Sink):
                 if self.fsync:
                     os.fsync(fd)
                 self._written = records
-            except Exception:
-                raise
-            except BaseException:
-                # Ctrl-C part way: the session hands this flush over again (remove()'s final
-                # flush), so what it wrote goes, to be written once
-                with contextlib.suppress(OSError):
-                    os.ftruncate(fd, start)
-                self.lines, self._edges = lines, edges
-                raise
 
     def _write(self, fd: int, data: bytes, lines: int) -> None:
         """Append ``data`` (whole lines; the caller holds the lock); on an error part way,
