@@ -101,8 +101,9 @@ inline at::Tensor empty_stats_row(const at::Tensor& x, const StatsArgs& a) {
   return at::empty({kHead + a.nbins}, x.options().dtype(at::kDouble));
 }
 
-// The bank arguments of hookplug::stats_accumulate_(x, acc, row, gate, ...).
-inline void check_bank(const at::Tensor& x, const at::Tensor& acc, int64_t row,
+// The bank arguments of hookplug::stats_accumulate_(x, acc, row, gate, ...) (row: none
+// when the kernel reads it from device memory and checks it there).
+inline void check_bank(const at::Tensor& x, const at::Tensor& acc, std::optional<int64_t> row,
                        const std::optional<at::Tensor>& gate, const StatsArgs& a) {
   const char* who = "hookplug::stats_accumulate_";
   TORCH_CHECK_TYPE(acc.scalar_type() == at::kDouble && acc.dim() == 2 && acc.is_contiguous(),
@@ -111,8 +112,8 @@ inline void check_bank(const at::Tensor& x, const at::Tensor& acc, int64_t row,
   TORCH_CHECK_VALUE(acc.size(1) == kHead + a.nbins, who, ": expected acc rows of width ",
                     kHead + a.nbins, " (", kHead, " + ", a.nbins,
                     " histogram buckets), got width ", acc.size(1));
-  TORCH_CHECK_VALUE(row >= 1 && row < acc.size(0), who, ": expected a row in [1, ",
-                    acc.size(0), ") (row 0 is the bank's meta row), got ", row);
+  TORCH_CHECK_VALUE(!row || (*row >= 1 && *row < acc.size(0)), who, ": expected a row in [1, ",
+                    acc.size(0), ") (row 0 is the bank's meta row), got ", row.value_or(0));
   TORCH_CHECK(acc.device() == x.device(), who, ": expected acc on ", x.device(), " (x's device), got ",
               acc.device());
   TORCH_CHECK_VALUE(!(a.linear && !a.has_range), who,
@@ -126,21 +127,33 @@ inline void check_bank(const at::Tensor& x, const at::Tensor& acc, int64_t row,
   }
 }
 
-// Where hookplug::stats_accumulate_ merges: the checked arguments, acc[row] and the clock.
+// The row argument of hookplug::stats_accumulate_at_: the row index as a one-element int64
+// tensor on acc's device (compiled code passes a module's own: no constant in the graph).
+inline void check_row_tensor(const at::Tensor& acc, const at::Tensor& row) {
+  const char* who = "hookplug::stats_accumulate_at_";
+  TORCH_CHECK_TYPE(row.scalar_type() == at::kLong && row.numel() == 1, who,
+                   ": expected row to be a one-element int64 tensor, got ",
+                   torch_dtype_name(row.scalar_type()), " with ", row.numel(), " elements");
+  TORCH_CHECK(row.device() == acc.device(), who, ": expected row on ", acc.device(),
+              " (acc's device), got ", row.device());
+}
+
+// Where hookplug::stats_accumulate_ merges: the checked arguments, acc[row] (acc[0] for a
+// row the kernel reads from device memory) and the clock.
 struct BankTarget {
   StatsArgs a;
   double* row;
   double* clock;
 };
 
-inline BankTarget bank_target(const at::Tensor& x, const at::Tensor& acc, int64_t row,
+inline BankTarget bank_target(const at::Tensor& x, const at::Tensor& acc, std::optional<int64_t> row,
                               const std::optional<at::Tensor>& gate, int64_t bins,
                               int64_t hist_mode, std::optional<double> lo,
                               std::optional<double> hi) {
   const StatsArgs a = check_stats_args(x, bins, hist_mode, lo, hi);
   check_bank(x, acc, row, gate, a);
   double* base = acc.data_ptr<double>();
-  return BankTarget{a, base + row * acc.size(1), base + kClock};
+  return BankTarget{a, base + row.value_or(0) * acc.size(1), base + kClock};
 }
 
 // The tensor's elements as an iteration over memory: dimensions of size 1 dropped, the

@@ -417,6 +417,14 @@ void stats_accumulate_cpu(const at::Tensor& x, const at::Tensor& acc, int64_t ro
   accumulate_cpu(x, t.a, t.row, t.clock, false);
 }
 
+void stats_accumulate_at_cpu(const at::Tensor& x, const at::Tensor& acc, const at::Tensor& row,
+                             const std::optional<at::Tensor>& gate, int64_t bins,
+                             int64_t hist_mode, std::optional<double> lo,
+                             std::optional<double> hi) {
+  check_row_tensor(acc, row);
+  stats_accumulate_cpu(x, acc, *row.data_ptr<int64_t>(), gate, bins, hist_mode, lo, hi);
+}
+
 }  // namespace
 
 std::string cpu_isa() { return table()->isa; }
@@ -434,4 +442,5 @@ void set_cpu_isa(const std::string& isa) {
 TORCH_LIBRARY_IMPL(hookplug, CPU, m) {
   m.impl("tensor_stats", &hookplug::cpu::tensor_stats_cpu);
   m.impl("stats_accumulate_", &hookplug::cpu::stats_accumulate_cpu);
+  m.impl("stats_accumulate_at_", &hookplug::cpu::stats_accumulate_at_cpu);
 }

@@ -1,5 +1,6 @@
-// The op schemas (registered once): hookplug::tensor_stats (one fresh stats row) and
-// hookplug::stats_accumulate_ (merge into a row of a bank in place); their Autograd
+// The op schemas (registered once): hookplug::tensor_stats (one fresh stats row),
+// hookplug::stats_accumulate_ (merge into a row of a bank in place) and
+// hookplug::stats_accumulate_at_ (the same, the row index in a tensor); their Autograd
 // registrations (not differentiable: they run below autograd) and the Python module
 // hookplug._C (small introspection helpers). Row layout: stats_defs.h.
 //
@@ -62,6 +63,22 @@ void stats_accumulate_autograd(const at::Tensor& x, const at::Tensor& acc, int64
   acc.unsafeGetTensorImpl()->bump_version();  // acc was written in place
 }
 
+void stats_accumulate_at_autograd(const at::Tensor& x, const at::Tensor& acc, const at::Tensor& row,
+                                  const std::optional<at::Tensor>& gate, int64_t bins,
+                                  int64_t hist_mode, std::optional<double> lo,
+                                  std::optional<double> hi) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("hookplug::stats_accumulate_at_", "")
+                       .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const std::optional<at::Tensor>&, int64_t, int64_t,
+                                   std::optional<double>, std::optional<double>)>();
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.call(x, acc, row, gate, bins, hist_mode, lo, hi);
+  }
+  acc.unsafeGetTensorImpl()->bump_version();
+}
+
 }  // namespace
 }  // namespace hookplug
 
@@ -72,11 +89,17 @@ TORCH_LIBRARY(hookplug, m) {
   m.def(
       "stats_accumulate_(Tensor x, Tensor(a!) acc, int row, Tensor? gate, int bins, "
       "int hist_mode, float? lo=None, float? hi=None) -> ()");
+  // The same with the row index in a tensor on acc's device (read by the kernel there):
+  // what compiled code calls, so the graph holds no per-module constant.
+  m.def(
+      "stats_accumulate_at_(Tensor x, Tensor(a!) acc, Tensor row, Tensor? gate, int bins, "
+      "int hist_mode, float? lo=None, float? hi=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(hookplug, Autograd, m) {
   m.impl("tensor_stats", &hookplug::tensor_stats_autograd);
   m.impl("stats_accumulate_", &hookplug::stats_accumulate_autograd);
+  m.impl("stats_accumulate_at_", &hookplug::stats_accumulate_at_autograd);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

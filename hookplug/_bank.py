@@ -46,6 +46,7 @@ _FOLD_EVERY = 16  # ended steps merged into the totals in one batch
 _BANKS: "weakref.WeakValueDictionary[int, StatsBank]" = weakref.WeakValueDictionary()
 _bank_ids = itertools.count(1)
 _by_key_op: Any = None  # the op, or False where this torch cannot keep it in a graph
+_by_row_op: Any = None  # likewise
 # banks whose device is not known yet (a model on the meta device): made when dynamo starts
 # compiling, so that compiled code never makes a bank while it traces
 _DEFERRED: "weakref.WeakSet[StatsBank]" = weakref.WeakSet()
@@ -128,6 +129,32 @@ def accumulate_by_key_op():
         except (AttributeError, ImportError, TypeError, RuntimeError, AssertionError):
             _by_key_op = False  # a torch without these (private) APIs
     return _by_key_op or None
+
+
+def accumulate_by_row_op():
+    """``hookplug::stats_accumulate_by_row(x, bank, row) -> ()``: ``accumulate_by_key`` with
+    the row index as a tensor (a module's, see ``StatsBank.make_row_tensors``) instead of
+    names, so a compiled backward shared by identical blocks measures each block into its
+    own row. None where :func:`accumulate_by_key_op` is."""
+    global _by_row_op
+    if _by_row_op is None:
+        if accumulate_by_key_op() is None:
+            _by_row_op = False
+        else:
+            @torch.library.custom_op("hookplug::stats_accumulate_by_row", mutates_args=())
+            def by_row(x: torch.Tensor, bank: int, row: torch.Tensor) -> None:
+                owner = _BANKS.get(bank)
+                if owner is not None:
+                    owner.accumulate_at(x, row)
+
+            @by_row.register_fake
+            def _(x, bank, row):
+                return None
+
+            op = torch.ops.hookplug.stats_accumulate_by_row.default
+            _register_ordered_effect(op)
+            _by_row_op = op
+    return _by_row_op or None
 
 
 def _register_ordered_effect(op) -> None:
@@ -361,6 +388,12 @@ class StatsBank:
         self._accumulate: Optional[Callable] = None
         self._eager: Optional[Callable] = None
         self._by_key: Optional[Callable] = None
+        self._by_row: Optional[Callable] = None
+        self._accumulate_at: Optional[Callable] = None
+        # the per-module tensor table of a key (compiled code's row indices, see
+        # make_row_tensors), set by the plugin; and the (keys, devices) made so far
+        self.table_of: Optional[Callable[[Tuple], Optional[Dict]]] = None
+        self._tables_made = (0, 0)
         self.live = True
         self._warned = False
         self.rows: Dict[Tuple, int] = {}
@@ -433,10 +466,13 @@ class StatsBank:
 
         if ops.backend() != "reference":
             self._accumulate = torch.ops.hookplug.stats_accumulate_.default
+            self._accumulate_at = torch.ops.hookplug.stats_accumulate_at_.default
             self._eager = ops.eager_accumulate()
         else:
             self._accumulate = ops.reference_accumulate_
+            self._accumulate_at = ops.reference_accumulate_
         self._by_key = accumulate_by_key_op()
+        self._by_row = accumulate_by_row_op()
         _BANKS[self.id] = self  # found by id from now on (again after a close(): attached once more)
         if device is not None:
             self.device_rows(device)
@@ -457,6 +493,7 @@ class StatsBank:
         self._later = None
         _DEFERRED.discard(self)
         self.device_rows(device)
+        self.make_row_tensors()
 
     # -- the hot path ------------------------------------------------------------------------
     def accumulate(self, t: torch.Tensor, key: Tuple, gated: bool = False) -> None:
@@ -485,6 +522,54 @@ class StatsBank:
         _BANKS.pop(self.id, None)
         _DEFERRED.discard(self)
         self._later = None
+
+    def accumulate_traced(self, t: torch.Tensor, ctx, path: str) -> None:
+        """``accumulate(t, (ctx.name, path, ctx.phase))`` inside compiled code, the row index
+        passed as the module's tensor (``ctx._module_tensors``, see :meth:`make_row_tensors`)
+        instead of a constant: the graph is the same for every module, so identical hooked
+        blocks share it. A key with no tensor yet (first seen while tracing, or a device
+        new to the bank) takes the constant row: that module gets a graph of its own until
+        the next step makes its tensor (then one recompile to the shared graph)."""
+        row = ctx._module_tensors.get((self.id, path, ctx.phase, t.device))
+        if row is None:
+            return self.accumulate(t, (ctx.name, path, ctx.phase))
+        dev = self._devices[t.device]  # made before the tensor was
+        self._accumulate_at(t.detach(), dev.acc, row, dev.gate, *self.op_args)
+
+    def accumulate_at(self, t: torch.Tensor, row: torch.Tensor) -> None:
+        """Merge ``t`` into the row whose index ``row`` holds (on ``t``'s device; gated), as
+        the by-row op does when a compiled backward runs it."""
+        dev = self._devices.get(t.device) or self.device_rows(t.device)
+        if dev is not None:
+            self._accumulate_at(t.detach(), dev.acc, row, dev.gate, *self.op_args)
+
+    def accumulate_by_row(self, t: torch.Tensor, ctx, path: str) -> None:
+        """``accumulate_by_key`` for a compiled backward, by the module's row tensor where it
+        exists (see :meth:`accumulate_traced`), else by names."""
+        row = ctx._module_tensors.get((self.id, path, ctx.phase, t.device))
+        if row is None or self._by_row is None:
+            return self.accumulate_by_key(t, (ctx.name, path, ctx.phase))
+        self._by_row(t.detach(), self.id, row)
+
+    @_outside_inference_mode
+    def make_row_tensors(self) -> None:
+        """Put each key's row index, as a one-element int64 tensor on each device of the
+        bank, in the per-module table ``table_of(key)`` returns (a module binding's
+        ``module_tensors``), under ``(bank id, *key[1:], device)``: what compiled code passes
+        the op instead of a constant row. Outside traced code only; costs nothing when no
+        key or device was added since the last call."""
+        made = (len(self.keys), len(self._devices))
+        if self.table_of is None or made == self._tables_made or _is_compiling():
+            return
+        for key in self.keys:
+            table = self.table_of(key)
+            if table is None:
+                continue
+            for device in self._devices:
+                entry = (self.id, *key[1:], device)
+                if entry not in table:
+                    table[entry] = torch.tensor([self.rows[key]], dtype=torch.int64, device=device)
+        self._tables_made = made
 
     def accumulate_by_key(self, t: torch.Tensor, key: Tuple[str, str, str]) -> None:
         """``accumulate`` as one op that names the bank and key, no bank tensor: what a
@@ -560,3 +645,4 @@ class StatsBank:
                 groups.setdefault(group, []).append(i)
         return {g: TensorStats(rows[idx[0]] if len(idx) == 1 else merge_rows(rows[idx]), self.kind)
                 for g, idx in groups.items()}
+

@@ -24,6 +24,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 import pluggy
 import torch
 import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
 
 from . import hookspecs
 from ._bank import is_dtensor
@@ -145,9 +146,38 @@ class HookContext:
         """The session's step when the call happened (read lazily inside compiled code)."""
         return self._step if self._step is not None else self.session._step
 
+    # compiled code's per-module tensors (see _TracedContext); None in eager code
+    _module_tensors: Optional[Dict[Any, torch.Tensor]] = None
+
     def __repr__(self) -> str:
         return (f"HookContext(name={self.name!r}, phase={self.phase!r}, "
                 f"call_index={self.call_index}, step={self.step})")
+
+
+class _TracedContext(HookContext):
+    """A call's context inside compiled code. Nothing per module is read unless a plugin
+    asks: ``name`` comes from the module's binding when read (a traced read makes the graph
+    that module's own), and ``_module_tensors`` is the binding's dict of per-module tensors
+    (e.g. ``stats``' row index): dynamo passes those as graph inputs guarded by shape and
+    dtype only, so identical hooked blocks share one graph (``block.compile()``)."""
+
+    __slots__ = ("binding",)
+
+    def __init__(self, binding: "_ModuleBinding", phase: str):
+        self.binding = binding
+        self.call_index = -1
+        self._step = None
+        self.session = binding.session
+        self.phase = phase
+        self._thread = None
+
+    @property
+    def name(self) -> str:
+        return self.binding.name
+
+    @property
+    def _module_tensors(self) -> Dict[Any, torch.Tensor]:
+        return self.binding.module_tensors
 
 
 # -- what plugins return ----------------------------------------------------------------------
@@ -414,7 +444,7 @@ class _ModuleBinding:
 
     __slots__ = ("name", "where", "session", "fwd_in", "fwd_out", "out_grad", "all_in", "all_out",
                  "all_grad", "grad_in_graph", "eager_only", "eager_reason", "calls", "has_pre",
-                 "has_post", "variants", "_pending", "__weakref__")
+                 "has_post", "variants", "_pending", "module_tensors", "__weakref__")
 
     def __init__(self, name: str, session: "Session"):
         self.name = name
@@ -434,13 +464,13 @@ class _ModuleBinding:
         self.has_post = False
         self.variants: Dict[bool, Tuple[Tuple, Tuple, Tuple]] = {}
         self._pending: List[HookContext] = []  # pushed by pre_hook, popped by post_hook
+        self.module_tensors: Dict[Any, torch.Tensor] = {}  # see _TracedContext
 
     def _new_ctx(self, module, compiling: bool) -> HookContext:
         """A call's context. Inside compiled code nothing Python-side that changes per call
         or per step is read (no recompiles): call_index is -1, step is read lazily."""
         if compiling:
-            return HookContext(self.name, -1, None, self.session,
-                               "train" if module.training else "eval")
+            return _TracedContext(self, "train" if module.training else "eval")
         index = self.calls
         self.calls = index + 1
         phase = "train" if module.training and not _inference_mode() else "eval"
@@ -761,6 +791,27 @@ class _HookFreeState:
         return state
 
 
+def _new_hook_ids() -> Tuple[int, int]:
+    """Two fresh ids from torch's hook-handle counter (no handle of anyone else gets them)."""
+    first = RemovableHandle.next_id
+    RemovableHandle.next_id = first + 2
+    return first, first + 1
+
+
+def _shared_id(handle, hook_id: int):
+    """``handle``'s hook moved to ``hook_id``, the id a session gives all its modules' hooks
+    of one kind. Traced module calls guard on the ids of their hooks (dynamo checks
+    ``hook_id in module._forward_hooks_always_called``): with an id per module, identical
+    hooked blocks could never share a graph (``block.compile()``, regional compilation)."""
+    old = handle.id
+    for ref in (handle.hooks_dict_ref, *getattr(handle, "extra_dict_ref", ())):
+        d = ref()
+        if d is not None and old in d:
+            d[hook_id] = d.pop(old)  # the hook was the last one in: it stays last
+    handle.id = hook_id
+    return handle
+
+
 def _guard_copies(module: nn.Module, handle) -> None:
     """Leave the hook behind ``handle`` out of copies and pickles of ``module``."""
     guard = module.__dict__.get("__getstate__")
@@ -874,6 +925,7 @@ class Session:
         self._param_bindings: Dict[str, _ParamBinding] = {}
         self._handles: List[Any] = []
         self._guarded: List[Tuple[weakref.ref, int]] = []  # (module, hook id) left out of copies
+        self._hook_ids = _new_hook_ids()  # (pre, post): one id for every module (see _shared_id)
         self._call_order: Dict[str, List[_Entry]] = {}  # hook name -> entries, in call order
         self._recompute = RecomputeMatcher()  # reentrant checkpoints' recomputes -> their calls
         from ._telemetry import Telemetry, new_run_id
@@ -1256,9 +1308,11 @@ class Session:
             fwd_in, fwd_out, out_grad = binding.variants[True]
             binding.has_pre, binding.has_post = bool(fwd_in), bool(fwd_out or out_grad)
             if binding.has_pre:
-                self._keep_handle(mod, mod.register_forward_pre_hook(binding.pre_hook, with_kwargs=True))
+                self._keep_handle(mod, _shared_id(mod.register_forward_pre_hook(
+                    binding.pre_hook, with_kwargs=True), self._hook_ids[0]))
             if binding.has_post:
-                self._keep_handle(mod, mod.register_forward_hook(binding.post_hook, **_POST_HOOK_KWARGS))
+                self._keep_handle(mod, _shared_id(mod.register_forward_hook(
+                    binding.post_hook, **_POST_HOOK_KWARGS), self._hook_ids[1]))
             if binding.has_pre or binding.has_post:
                 code = getattr(type(mod).forward, "__code__", type(mod))
                 forwards[code] = forwards.get(code, 0) + 1
@@ -1266,6 +1320,11 @@ class Session:
             if pb.variants[True]:
                 pb.hook()
         return max(forwards.values(), default=0)
+
+    def _module_tensors_of(self, name: str) -> Optional[Dict[Any, torch.Tensor]]:
+        """The per-module tensor table of hooked module ``name`` (see ``_TracedContext``)."""
+        binding = self._bindings.get(name)
+        return None if binding is None else binding.module_tensors
 
     def _keep_handle(self, module: nn.Module, handle) -> None:
         """Keep ``handle`` for ``remove()``; copies and pickles of ``module`` leave its hook out."""
@@ -1435,11 +1494,12 @@ def _guard_module_hooks(recompile_limit: int = 0) -> None:
 
 def _raise_recompile_limit(config, wanted: int) -> None:
     """Dynamo's recompile limits (per code object, and its accumulated cap) at least
-    ``wanted``, never lowered, with one INFO line. A traced hook specialises its graph on
-    its module (name, rows, keys): the hooked instances of a repeated block (regional
-    compilation, or a block's code after a graph break) share one forward code but not a
-    graph, so each compiles its own; past the limit the rest would run eagerly (or fail
-    under fullgraph=True)."""
+    ``wanted``, never lowered, with one INFO line. The hooked instances of a repeated block
+    (regional compilation, or a block's code after a graph break) share one graph, but a
+    traced hook that reads something of its module (a plugin reading ``ctx.name``; ``stats``
+    meeting a key in a trace before its row tensor exists, for one step) makes that
+    module's graph its own; past the limit the rest would run eagerly (or fail under
+    fullgraph=True)."""
     raised = []
     for name, old_name in (("recompile_limit", "cache_size_limit"),
                            ("accumulated_recompile_limit", "accumulated_cache_size_limit")):
@@ -1449,8 +1509,8 @@ def _raise_recompile_limit(config, wanted: int) -> None:
             setattr(config, name, wanted)
             raised.append(f"{name} {current} -> {wanted}")
     if raised:
-        _log.info("hookplug: torch._dynamo.config %s: each hooked instance of a repeated module "
-                  "compiles its own graph", ", ".join(raised))
+        _log.info("hookplug: torch._dynamo.config %s: a hooked instance of a repeated module "
+                  "may compile a graph of its own", ", ".join(raised))
 
 
 class _HookGuardsOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -20,6 +20,10 @@ as one node (row layout: :mod:`hookplug._stats`):
   deterministic for a given sequence of calls (the float merge is Chan's formula in that
   order; counts and buckets are exact). On the CPU a lock serializes the final merge, so
   threads sharing a bank lose nothing.
+- ``torch.ops.hookplug.stats_accumulate_at_(x, acc, row, gate, bins, hist_mode, lo, hi)``:
+  the same with ``row`` a one-element int64 tensor on ``acc``'s device, read by the kernel
+  there (on CUDA an index outside the bank makes the call do nothing): what compiled code
+  calls, so a graph holds no per-module constant and identical blocks share it.
 """
 from __future__ import annotations
 
@@ -126,7 +130,8 @@ def _register_fake() -> None:
         return None
 
     for name, fn in (("hookplug::tensor_stats", fake_stats),
-                     ("hookplug::stats_accumulate_", fake_accumulate)):
+                     ("hookplug::stats_accumulate_", fake_accumulate),
+                     ("hookplug::stats_accumulate_at_", fake_accumulate)):
         try:
             register(name, fn)
         except RuntimeError as e:  # already registered (module reloaded)
@@ -254,12 +259,15 @@ def accumulate_(x: torch.Tensor, acc: torch.Tensor, row: int, gate: Optional[tor
 
 
 def reference_accumulate_(x, acc, row, gate, bins, hist_mode, lo=None, hi=None) -> None:
-    """Pure-torch ``stats_accumulate_`` (the fallback and the tests' reference)."""
+    """Pure-torch ``stats_accumulate_`` (the fallback and the tests' reference); ``row`` an
+    int, or a one-element int64 tensor as ``stats_accumulate_at_`` takes it."""
     if hist_mode == 1 and bins and lo is None:
         raise ValueError("hookplug.ops.accumulate_: an accumulated linear histogram needs a "
                          "fixed range (lo, hi)")
     hist = "log2" if hist_mode == 0 else "linear"
     rng = (lo, hi) if lo is not None else None
+    if isinstance(row, torch.Tensor):
+        row = row.reshape(())  # a 0-d index: acc[row] is that row (traceable, no host read)
     new = reference_tensor_stats(x, bins=bins, hist=hist, range=rng).row
     clock = acc[0, CLOCK].clone()
     bad = (new[NAN] + new[INF]) > 0

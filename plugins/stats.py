@@ -140,6 +140,7 @@ class StatsPlugin(hookplug.Plugin):
         if "grad" not in sites:
             self.hookplug_output_grad = None
         self._module_order: Dict[str, int] = {}
+        self._grad_rows_done = 0  # bank keys looked at by _grad_rows
         self._warned_layout = False
         self._warned_partial = False
 
@@ -173,7 +174,10 @@ class StatsPlugin(hookplug.Plugin):
             if t is None:
                 return
         try:
-            self.bank.accumulate(t, (ctx.name, path, ctx.phase))
+            if ctx._module_tensors is None:  # eager code
+                self.bank.accumulate(t, (ctx.name, path, ctx.phase))
+            else:  # compiled code: the module's row tensor, not its name (one graph for all)
+                self.bank.accumulate_traced(t, ctx, path)
         except RuntimeError as exc:
             if is_batched(t):  # name the problem, not functorch's batching fallback
                 raise RuntimeError(
@@ -252,7 +256,7 @@ class StatsPlugin(hookplug.Plugin):
                     grad = self._local(ctx, site, grad)
                     if grad is None:
                         return
-                self.bank.accumulate_by_key(grad, (ctx.name, site, ctx.phase))
+                self.bank.accumulate_by_row(grad, ctx, site)
             return
         self._record(ctx, site, grad)
 
@@ -268,6 +272,7 @@ class StatsPlugin(hookplug.Plugin):
             for site in self.sites:
                 self.bank.row_of((name, first_path[site], "train"))
         self.bank.reserve(2 * len(self.bank.keys) + 64)  # no growth while compiled code traces
+        self.bank.table_of = lambda key: session._module_tensors_of(key[0])
         model = session.model
         device = _param_device(model)
         if device is not None and device.type == "meta":  # materialized later (to_empty)
@@ -275,6 +280,7 @@ class StatsPlugin(hookplug.Plugin):
             self.bank.prepare(None, later=lambda: _param_device(ref()))
         else:
             self.bank.prepare(device)
+        self.bank.make_row_tensors()
         self.bank.set_live(session.sampled)
 
     @hookimpl
@@ -286,10 +292,25 @@ class StatsPlugin(hookplug.Plugin):
         """The bank as a whole: snapshot the ended step, reset in place (folded later, in batches)."""
         before = self.bank.pending[-1] if self.bank.pending else None
         self.bank.end_step(step, warn_unflushed=session.has_sinks)
+        self._grad_rows()
+        self.bank.make_row_tensors()  # keys and devices first seen in this step
         self.bank.set_live(session.sampled)
         if self.nonfinite == "raise":
             ended = self.bank.pending[-1] if self.bank.pending else None
             self._check_nonfinite(ended if ended is not before else None)
+
+    def _grad_rows(self) -> None:
+        """Measuring outputs and their gradients: each output key first seen gets its
+        gradient's row (same module, path and phase) too, so a compiled backward traced
+        before any such gradient ran (an eval-mode forward with autograd on) finds its
+        module's row tensor and stays the graph every block shares."""
+        keys = self.bank.keys
+        if self._grad_rows_done == len(keys) or not ("grad" in self.sites and "output" in self.sites):
+            return
+        for name, path, phase in keys[self._grad_rows_done:]:
+            if path.startswith("output"):
+                self.bank.row_of((name, "grad" + path[6:], phase))
+        self._grad_rows_done = len(keys)
 
     # -- nonfinite="raise" ---------------------------------------------------------------------
 

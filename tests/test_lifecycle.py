@@ -285,6 +285,28 @@ def test_copy_keeps_hooks_of_others_and_two_sessions_share_one_guard():
     own.remove()
 
 
+def test_a_session_gives_its_hooks_one_id_for_every_module_and_no_other_handle_gets_it():
+    """Every module's forward hook of a session has the same id (likewise its pre hooks: a
+    traced call guards on the ids, see regional compilation), an id no other handle gets;
+    hooks registered before and after keep their order and their removal leaves ours."""
+    model = MLP()
+    first = model.fc1.register_forward_hook(lambda m, i, o: None)
+    with hookplug.attach(model, "Linear", plugins=Counting()):
+        posts = [list(m._forward_hooks)[-1] for m in (model.fc1, model.fc2, model.fc3)]
+        pres = [next(iter(m._forward_pre_hooks)) for m in (model.fc1, model.fc2, model.fc3)]
+        assert len(set(posts)) == len(set(pres)) == 1 and posts[0] != pres[0]
+        later = model.fc1.register_forward_hook(lambda m, i, o: None)
+        assert later.id not in (posts[0], pres[0], first.id)
+        assert list(model.fc1._forward_hooks) == [first.id, posts[0], later.id]
+        assert list(model.fc1._forward_hooks_always_called) == [posts[0]]
+        assert list(model.fc1._forward_pre_hooks_with_kwargs) == [pres[0]]
+        first.remove()
+        later.remove()
+        assert list(model.fc1._forward_hooks) == [posts[0]]
+    assert not model.fc1._forward_hooks and not model.fc2._forward_pre_hooks
+    assert not model.fc1._forward_hooks_always_called and not model.fc1._forward_hooks_with_kwargs
+
+
 # -- a forked child, interpreter exit ------------------------------------------------------------
 
 class EndLog(hookplug.Plugin):

@@ -687,6 +687,62 @@ def test_bad_arguments():
             torch.ops.hookplug.tensor_stats(x, 4, 7)
 
 
+# -- the row index as a tensor (stats_accumulate_at_, what compiled code calls) --------------------
+
+def _bank_for(bins, mode, lo, hi, device, rows=4):
+    from hookplug._stats import empty_rows
+
+    nb = ops.buckets(bins, "log2" if mode == 0 else "linear")
+    cols = ops.log2_edges()[[0, -1]].tolist() if mode == 0 and nb else ((lo, hi) if lo is not None else (0.0, 0.0))
+    return empty_rows(rows, nb, *cols, device=device)
+
+
+@needs_ext
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", [(None, "log2", None), (0, "log2", None), (12, "linear", (-3.0, 3.0))],
+                         ids=["log2", "bins0", "linear"])
+def test_accumulate_at_a_tensor_row_equals_the_int_row(device, dtype, kind):
+    """``stats_accumulate_at_`` (the row index in a tensor on the bank's device) writes the
+    same bits as ``stats_accumulate_`` with that row as an int, call after call (specials,
+    an empty and a non-contiguous tensor included, a call gated off), and so does the
+    pure-torch reference (the op against the reference: the tests above)."""
+    b, mode, lo, hi = ops.hist_args(*kind)
+    g = gen(31)
+    parts = [planted(n, dtype, g, offset=0.5).to(device) for n in (1, 700, 5000)]
+    parts += [torch.empty(0, dtype=dtype, device=device), planted(600, dtype, g).to(device).reshape(20, 30).t()]
+    gate = torch.tensor([True], device=device)
+    by_int, by_tensor = _bank_for(b, mode, lo, hi, device), _bank_for(b, mode, lo, hi, device)
+    ref_int, ref_tensor = _bank_for(b, mode, lo, hi, "cpu"), _bank_for(b, mode, lo, hi, "cpu")
+    row = torch.tensor([2], device=device)
+    for i, x in enumerate(parts):
+        gate.fill_(i != 2)
+        torch.ops.hookplug.stats_accumulate_(x, by_int, 2, gate, b, mode, lo, hi)
+        torch.ops.hookplug.stats_accumulate_at_(x, by_tensor, row, gate, b, mode, lo, hi)
+        ops.reference_accumulate_(x.cpu(), ref_int, 2, gate.cpu(), b, mode, lo, hi)
+        ops.reference_accumulate_(x.cpu(), ref_tensor, row.cpu(), gate.cpu(), b, mode, lo, hi)
+    assert torch.equal(by_int.nan_to_num(nan=7.0), by_tensor.nan_to_num(nan=7.0))
+    assert torch.equal(ref_int.nan_to_num(nan=7.0), ref_tensor.nan_to_num(nan=7.0))
+    assert by_int[0, 0] == len(parts) - 1  # the clock: one call gated off
+    assert torch.equal(by_int[[1, 3]], _bank_for(b, mode, lo, hi, device)[[1, 3]])  # other rows untouched
+
+
+@needs_ext
+def test_accumulate_at_refuses_a_bad_row_tensor():
+    x, acc = torch.randn(10), _bank_for(1, 0, None, None, "cpu")
+    op = torch.ops.hookplug.stats_accumulate_at_
+    with pytest.raises(TypeError, match="expected row to be a one-element int64 tensor, got torch.float32 with 1 elements"):
+        op(x, acc, torch.tensor([1.0]), None, 1, 0)
+    with pytest.raises(TypeError, match="one-element int64 tensor, got torch.int64 with 2 elements"):
+        op(x, acc, torch.tensor([1, 2]), None, 1, 0)
+    for bad in (0, 4, -1):  # row 0 is the meta row; the bank has 4 rows
+        with pytest.raises(ValueError, match=rf"expected a row in \[1, 4\).*got {bad}"):
+            op(x, acc, torch.tensor([bad]), None, 1, 0)
+    if cuda_kernels():
+        with pytest.raises(RuntimeError, match="expected row on cpu"):
+            op(x, acc, torch.tensor([1], device="cuda"), None, 1, 0)
+
+
 # -- integration with torch: no sync, autograd, opcheck, compile, meta ------------------------------
 
 @contextlib.contextmanager
@@ -749,6 +805,7 @@ def test_opcheck(device):
     for args in samples:
         torch.library.opcheck(op, args)
     acc_op = torch.ops.hookplug.stats_accumulate_.default
+    at_op = torch.ops.hookplug.stats_accumulate_at_.default
     from hookplug._stats import empty_rows
 
     for x, bins, mode, lo, hi in samples:
@@ -760,6 +817,8 @@ def test_opcheck(device):
                                       else ((lo, hi) if lo is not None else (0.0, 0.0))), device=device)
             gate = None if gate is None else gate.to(device)
             torch.library.opcheck(acc_op, (x, acc, 2, gate, bins, mode, lo, hi))
+            row = torch.tensor([2], device=device)
+            torch.library.opcheck(at_op, (x, acc, row, gate, bins, mode, lo, hi))
 
 
 @needs_ext

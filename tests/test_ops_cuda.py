@@ -191,3 +191,33 @@ def test_cuda_graph_replay_equals_eager_steps():
             a, b = eager[mod][site], replayed[mod][site]
             assert a["numel"] == b["numel"] and a["hist_counts"] == b["hist_counts"], (mod, site)
             assert math.isclose(a["std"], b["std"], rel_tol=1e-9), (mod, site)
+
+
+@needs_kernels
+def test_row_tensor_read_on_the_device_and_replayed_in_a_cuda_graph():
+    """``stats_accumulate_at_`` on CUDA reads the row index on the device: a CUDA graph
+    captured once replays into whatever row the tensor holds at replay (no host read at
+    capture), equal to the int-row op; an index outside [1, rows) makes the call do nothing
+    (the clock does not move)."""
+    from hookplug._stats import empty_rows
+
+    b, mode, lo, hi = ops.hist_args(None, "log2", None)
+    cols = ops.log2_edges()[[0, -1]].tolist()
+    x = planted(5000, torch.float32, gen(301), offset=1.0).to(DEV)
+    expected = empty_rows(4, ops.buckets(b, "log2"), *cols, device=DEV)
+    for r in (1, 3, 3):
+        torch.ops.hookplug.stats_accumulate_(x, expected, r, None, b, mode, lo, hi)
+    acc = empty_rows(4, ops.buckets(b, "log2"), *cols, device=DEV)
+    row = torch.tensor([1], device=DEV)
+    torch.ops.hookplug.stats_accumulate_at_(x, acc, row, None, b, mode, lo, hi)  # warm-up, row 1
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.ops.hookplug.stats_accumulate_at_(x, acc, row, None, b, mode, lo, hi)
+    row.fill_(3)
+    graph.replay()
+    graph.replay()
+    for bad in (0, 4, -5):
+        row.fill_(bad)
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(acc.nan_to_num(nan=7.0), expected.nan_to_num(nan=7.0))

@@ -782,55 +782,171 @@ class _Block(nn.Module):
         return x + self.fc2(torch.relu(self.fc1(x)))
 
 
-def test_regional_compilation_of_many_hooked_blocks_runs_every_block_compiled():
-    """Each of 12 identical blocks compiled on its own (``block.compile()``): a hooked block
-    compiles its own graph (the traced hooks are its modules'), so attach raises dynamo's
-    recompile limit (8) to the hooked Linears + 8: every block runs compiled code, also
-    under fullgraph=True, and the records equal eager."""
+def _counting_backend(runs, frames):
+    """aot_eager that counts the graphs it compiles (``frames``) and their runs (``runs``)."""
     from torch._dynamo.backends.registry import lookup_backend
 
-    aot_eager, runs = lookup_backend("aot_eager"), [0]
+    aot_eager = lookup_backend("aot_eager")
 
     def counting(gm, example_inputs):
+        frames[0] += 1
         compiled = aot_eager(gm, example_inputs)
 
         def run(*args):
             runs[0] += 1
             return compiled(*args)
         return run
+    return counting
 
+
+def _stat_fields_equal(e, c):
+    """Records (by key) of an eager and a compiled run: the same keys, equal fields."""
+    assert set(e) == set(c)
+    for k in e:
+        for f in ("numel", "nan_count", "zero_count", "min", "max", "hist", "calls"):
+            assert e[k][f] == c[k][f], (k, f)
+        for f in ("mean", "std"):
+            assert math.isclose(e[k][f], c[k][f], rel_tol=1e-6, abs_tol=1e-12), (k, f)
+
+
+@pytest.mark.parametrize("sites", [("input", "output"), ("output", "grad")])
+def test_regional_compilation_of_hooked_blocks_shares_one_graph(sites):
+    """Each of 12 identical blocks compiled on its own (``block.compile()``, regional
+    compilation) under ``fullgraph=True``: the hooked blocks share one forward graph (the
+    traced hooks read no per-module constant: the hook ids are the session's, the row
+    index is a per-module tensor passed as a graph input, ``ctx.name`` is never read); with
+    output gradients the shared backward graph measures each block into its own rows. Eval
+    keys get their rows (and row tensors) when first seen: the first eval pass traces each
+    block with constant rows, and from the next step on eval shares one graph too. Records
+    equal eager, train and eval."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*(_Block() for _ in range(12)))
+    x = torch.randn(4, 8, requires_grad=True)
+    opts = ("stats", {"sites": sites})
+
+    def run(compiled):
+        sink, runs, frames, seen = ListSink(), [0], [0], []
+        with hookplug.attach(m, "Linear", plugins=opts, sink=sink, flush_every=1) as s:
+            if compiled:
+                backend = _counting_backend(runs, frames)  # one backend: blocks can share a graph
+                for block in m:
+                    block.compile(backend=backend, fullgraph=True)
+            for train in (True, True, False, False):
+                m.train(train)
+                runs[0] = 0
+                y = m(x)
+                if train:
+                    y.sum().backward()
+                s.step()
+                seen.append(frames[0])
+                if compiled:
+                    assert runs[0] == 12  # every block ran compiled code
+        for block in m:
+            block._compiled_call_impl = None
+        torch._dynamo.reset()
+        return by_key(sink.records), seen
+
+    with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
+        eager, _ = run(False)
+        compiled, seen = run(True)
+    assert seen == [1, 1, 13, 14]  # train: one graph for the 12 blocks; eval: 12, then one
+    assert len(eager) == 24 * (4 * len(sites) - 2 * ("grad" in sites))  # no grads in eval
+    _stat_fields_equal(eager, compiled)
+
+
+class _TupleBlock(nn.Module):
+    """A block whose hooked layer returns a tuple: paths ``output[0]``/``output[1]`` have no
+    row until the first call (the row tensors made at attach are the usual keys')."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = _Pair()
+
+    def forward(self, x):
+        a, b = self.inner(x)
+        return x + a * b
+
+
+class _Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h, torch.sigmoid(h)
+
+
+def test_keys_first_seen_while_tracing_share_the_graph_from_the_next_step():
+    """Output paths no row was made for at attach: the first compiled step traces each block
+    with constant rows (a graph each, the recompile limit raised to cover them); from the
+    next step on the blocks share one graph again. Records equal eager."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*(_TupleBlock() for _ in range(10)))
+    x = torch.randn(4, 8, requires_grad=True)  # as every later block's input (one graph for all)
+
+    def run(compiled):
+        sink, runs, frames = ListSink(), [0], [0]
+        seen = []
+        with hookplug.attach(m, "_Pair", plugins="stats", sink=sink, flush_every=1) as s:
+            if compiled:
+                backend = _counting_backend(runs, frames)  # one backend: blocks can share a graph
+                for block in m:
+                    block.compile(backend=backend, fullgraph=True)
+            for _ in range(3):
+                m(x)
+                s.step()
+                seen.append(frames[0])
+        for block in m:
+            block._compiled_call_impl = None
+        torch._dynamo.reset()
+        return by_key(sink.records), seen
+
+    with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
+        eager, _ = run(False)
+        compiled, seen = run(True)
+    assert seen == [10, 11, 11]  # one per block, then the shared one, then nothing new
+    _stat_fields_equal(eager, compiled)
+
+
+class _NamedScale(hookplug.Plugin):
+    """A traceable third-party plugin that reads ``ctx.name`` in compiled code (each
+    hooked module's traced graph is then its own)."""
+
+    name = "namedscale"
+
+    def __init__(self):
+        self.names = []
+
+    @hookplug.hookimpl
+    def hookplug_forward_output(self, ctx, module, args, kwargs, output):
+        return output * (2.0 if ctx.name.endswith("fc1") else 1.0)
+
+
+def test_a_plugin_reading_ctx_name_in_compiled_code_gets_each_module_its_graph():
+    """Reading ``ctx.name`` inside compiled code makes each hooked block's graph its own:
+    attach raises dynamo's recompile limit to cover them, every block runs compiled, and the
+    outputs equal eager."""
     torch.manual_seed(0)
     m = nn.Sequential(*(_Block() for _ in range(12)))
     x = torch.randn(4, 8)
-    opts = ("stats", {"sites": ("input", "output")})
-    eager, compiled = ListSink(), ListSink()
-    with hookplug.attach(m, "Linear", plugins=opts, sink=eager, flush_every=1) as s:
-        for _ in range(2):
-            m(x)
-            s.step()
-    torch._dynamo.reset()
+    with hookplug.attach(m, "Linear", plugins=_NamedScale()):
+        expected = m(x)
+    runs, frames = [0], [0]
     with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
-        with hookplug.attach(m, "Linear", plugins=opts, sink=compiled, flush_every=1) as s:
+        with hookplug.attach(m, "Linear", plugins=_NamedScale()):
             assert torch._dynamo.config.recompile_limit == 24 + 8
+            backend = _counting_backend(runs, frames)
             for block in m:
-                block.compile(backend=counting, fullgraph=True)
-            for _ in range(2):
-                runs[0] = 0
-                m(x)
-                s.step()
-                assert runs[0] == 12  # every block's forward graph
-        with hookplug.attach(m[0], "Linear", plugins=opts):  # 2 + 8: never lowered
+                block.compile(backend=backend, fullgraph=True)
+            got = m(x)
+        with hookplug.attach(m[0], "Linear", plugins=_NamedScale()):  # 2 + 8: never lowered
             assert torch._dynamo.config.recompile_limit == 24 + 8
     for block in m:
         block._compiled_call_impl = None
     torch._dynamo.reset()
-    e, c = by_key(eager.records), by_key(compiled.records)
-    assert set(e) == set(c) and len(e) == 2 * 24 * 2
-    for k in e:
-        for f in ("numel", "nan_count", "zero_count", "min", "max", "hist"):
-            assert e[k][f] == c[k][f], (k, f)
-        for f in ("mean", "std"):
-            assert math.isclose(e[k][f], c[k][f], rel_tol=1e-6, abs_tol=1e-12), (k, f)
+    assert frames[0] == 12 and runs[0] == 12
+    assert torch.equal(expected, got)
 
 
 def _decorated(fn):

@@ -29,7 +29,8 @@ cuda::DType cuda_dtype(at::ScalarType t) {
 
 // Describes x to the launcher and enqueues the launch on torch's current stream.
 void launch(const at::Tensor& x_in, const StatsArgs& a, double* row, double* clock,
-            const bool* gate, bool fresh) {
+            const bool* gate, bool fresh, const at::Tensor* row_index = nullptr,
+            int64_t bank_rows = 0) {
   const c10::cuda::CUDAGuard guard(x_in.device());
   at::Tensor x = x_in;
   MemLayout L = mem_layout(x);
@@ -53,6 +54,8 @@ void launch(const at::Tensor& x_in, const StatsArgs& a, double* row, double* clo
   s.hi = a.hi;
   s.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   s.row = row;
+  s.row_index = row_index != nullptr ? row_index->data_ptr<int64_t>() : nullptr;
+  s.bank_rows = bank_rows;
   s.clock = clock;
   s.gate = gate;
   s.fresh = fresh ? 1 : 0;
@@ -80,10 +83,23 @@ void stats_accumulate_cuda(const at::Tensor& x, const at::Tensor& acc, int64_t r
   launch(x, t.a, t.row, t.clock, gate.has_value() ? gate->data_ptr<bool>() : nullptr, false);
 }
 
+// The row index stays in device memory (a module's tensor, see stats_accumulate_at_): the
+// kernels read it, and a launch whose index is outside [1, rows) does nothing.
+void stats_accumulate_at_cuda(const at::Tensor& x, const at::Tensor& acc, const at::Tensor& row,
+                              const std::optional<at::Tensor>& gate, int64_t bins,
+                              int64_t hist_mode, std::optional<double> lo,
+                              std::optional<double> hi) {
+  check_row_tensor(acc, row);
+  const BankTarget t = bank_target(x, acc, std::nullopt, gate, bins, hist_mode, lo, hi);
+  launch(x, t.a, t.row, t.clock, gate.has_value() ? gate->data_ptr<bool>() : nullptr, false,
+         &row, acc.size(0));
+}
+
 }  // namespace
 }  // namespace hookplug
 
 TORCH_LIBRARY_IMPL(hookplug, CUDA, m) {
   m.impl("tensor_stats", &hookplug::tensor_stats_cuda);
   m.impl("stats_accumulate_", &hookplug::stats_accumulate_cuda);
+  m.impl("stats_accumulate_at_", &hookplug::stats_accumulate_at_cuda);
 }

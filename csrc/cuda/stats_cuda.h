@@ -30,6 +30,10 @@ struct StatsLaunch {
   // stats_defs.h). fresh: the kernels initialize it first (hookplug::tensor_stats); else
   // they merge into it and advance *clock (hookplug::stats_accumulate_).
   double* row;
+  // Or, where row_index is not nullptr: row is the bank's acc[0] and the row to merge into
+  // is acc[*row_index] (read on the device; an index outside [1, bank_rows): no merge).
+  const int64_t* row_index;
+  int64_t bank_rows;
   double* clock;     // the bank's call counter (acc[0][kClock]), or nullptr
   const bool* gate;  // nullptr, or a device flag: when false the launch does nothing
   int fresh;

@@ -279,12 +279,20 @@ __device__ __forceinline__ void range_columns(const StatsLaunch& s, double* lo, 
   }
 }
 
+// The row a launch merges into: s.row, or the bank's row *s.row_index; nullptr for an
+// index outside [1, bank_rows) (the launch then does nothing).
+__device__ __forceinline__ double* target_row(const StatsLaunch& s) {
+  if (s.row_index == nullptr) return s.row;
+  const int64_t r = *s.row_index;
+  return r >= 1 && r < s.bank_rows ? s.row + r * (kHead + s.nbins) : nullptr;
+}
+
 // The last block of a pass: adds (or, for a fresh row, stores) the pass's histogram
 // counters into the row's buckets.
-__device__ __forceinline__ void fold_buckets(const StatsLaunch& s, const Work& w) {
+__device__ __forceinline__ void fold_buckets(const StatsLaunch& s, const Work& w, double* row) {
   for (int64_t k = threadIdx.x; k < s.nbins; k += kThreads) {
     const double c = static_cast<double>(__ldcg(w.hist + k));
-    s.row[kHead + k] = s.fresh ? c : s.row[kHead + k] + c;
+    row[kHead + k] = s.fresh ? c : row[kHead + k] + c;
   }
 }
 
@@ -322,6 +330,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   extern __shared__ unsigned sh[];
 
   if (s.gate != nullptr && !*s.gate) return;  // the whole launch is off (uniform branch)
+  double* const row = target_row(s);
+  if (row == nullptr) return;  // likewise
   const int warp = threadIdx.x >> 5;
   const bool linear_smem = MODE == 2 && s.nbins <= kSmemLinearBins;
   const int nsh = MODE == 1 ? kWarps * kLog2Bins : (linear_smem ? static_cast<int>(s.nbins) : 0);
@@ -388,7 +398,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   if (threadIdx.x == 0) {
     double lo, hi;
     range_columns(s, &lo, &hi);
-    if (s.fresh) init_row(s.row, 0, lo, hi);  // buckets: stored by fold_buckets
+    if (s.fresh) init_row(row, 0, lo, hi);  // buckets: stored by fold_buckets
     const double now = s.clock != nullptr ? *s.clock : 0.0;
     if (s.clock != nullptr) *s.clock = now + 1.0;
     Summary S;
@@ -401,11 +411,11 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     S.m2 = t.m2 > 0.0 ? t.m2 : 0.0;
     S.mn = t.mn;
     S.mx = t.mx;
-    fold_summary(s.row, S, now);
-    s.row[kHistLo] = lo;
-    s.row[kHistHi] = hi;
+    fold_summary(row, S, now);
+    row[kHistLo] = lo;
+    row[kHistHi] = hi;
   }
-  if (MODE != 0) fold_buckets(s, w);  // (an automatic linear range: the linear pass does it)
+  if (MODE != 0) fold_buckets(s, w, row);  // (an automatic linear range: the linear pass does it)
 }
 
 // Linear histogram whose range is pass 1's finite min/max, read from device memory.
@@ -438,7 +448,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     s.row[kHistLo] = lo;
     s.row[kHistHi] = hi;
   }
-  fold_buckets(s, w);
+  fold_buckets(s, w, s.row);
 }
 
 int grid_size(const StatsLaunch& s) {
