@@ -551,6 +551,12 @@ class StatsBank:
             return self.accumulate_by_key(t, (ctx.name, path, ctx.phase))
         self._by_row(t.detach(), self.id, row)
 
+    def set_tables(self, table_of: Optional[Callable[[Tuple], Optional[Dict]]]) -> None:
+        """Where :meth:`make_row_tensors` puts each key's row tensor (a session's module
+        bindings: a plugin attached again starts over with the new session's)."""
+        self.table_of = table_of
+        self._tables_made = (0, 0)
+
     @_outside_inference_mode
     def make_row_tensors(self) -> None:
         """Put each key's row index, as a one-element int64 tensor on each device of the

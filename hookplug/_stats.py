@@ -53,7 +53,7 @@ def empty_rows(n: int, bins: int, lo: float = 0.0, hi: float = 0.0,
     row = torch.zeros(HEAD + bins, dtype=torch.float64)
     row[MIN], row[MAX] = math.inf, -math.inf
     row[HIST_LO], row[HIST_HI], row[FIRST_BAD] = lo, hi, math.inf
-    return row.expand(n, -1).contiguous().to(device)
+    return row.repeat(n, 1).to(device)
 
 
 def touched(rows: torch.Tensor) -> torch.Tensor:

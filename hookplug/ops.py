@@ -266,19 +266,23 @@ def reference_accumulate_(x, acc, row, gate, bins, hist_mode, lo=None, hi=None) 
                          "fixed range (lo, hi)")
     hist = "log2" if hist_mode == 0 else "linear"
     rng = (lo, hi) if lo is not None else None
-    if isinstance(row, torch.Tensor):
-        row = row.reshape(())  # a 0-d index: acc[row] is that row (traceable, no host read)
+    # a tensor row is read and written by index ops (no host read, traceable as it is)
+    index = row.reshape(1) if isinstance(row, torch.Tensor) else None
+    old = acc[row] if index is None else acc.index_select(0, index)[0]
     new = reference_tensor_stats(x, bins=bins, hist=hist, range=rng).row
     clock = acc[0, CLOCK].clone()
     bad = (new[NAN] + new[INF]) > 0
     new[FIRST_BAD] = torch.where(bad, clock, math.inf)
-    merged = merge_rows(torch.stack([acc[row], new]))
+    merged = merge_rows(torch.stack([old, new]))
     if gate is not None:
-        merged = torch.where(gate.reshape(()), merged, acc[row])
+        merged = torch.where(gate.reshape(()), merged, old)
         clock = torch.where(gate.reshape(()), clock + 1, clock)
     else:
         clock = clock + 1
-    acc[row] = merged
+    if index is None:
+        acc[row] = merged
+    else:
+        acc.index_copy_(0, index, merged.unsqueeze(0))
     acc[0, CLOCK] = clock
 
 

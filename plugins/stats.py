@@ -272,7 +272,7 @@ class StatsPlugin(hookplug.Plugin):
             for site in self.sites:
                 self.bank.row_of((name, first_path[site], "train"))
         self.bank.reserve(2 * len(self.bank.keys) + 64)  # no growth while compiled code traces
-        self.bank.table_of = lambda key: session._module_tensors_of(key[0])
+        self.bank.set_tables(lambda key: session._module_tensors_of(key[0]))
         model = session.model
         device = _param_device(model)
         if device is not None and device.type == "meta":  # materialized later (to_empty)
@@ -286,6 +286,7 @@ class StatsPlugin(hookplug.Plugin):
     @hookimpl
     def hookplug_session_end(self, session):
         self.bank.close()
+        self.bank.set_tables(None)  # let the session go
 
     @hookimpl
     def hookplug_step(self, session, step):

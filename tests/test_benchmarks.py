@@ -43,3 +43,12 @@ def test_telemetry_breakdown_runs_every_layer(capsys):
     out = capsys.readouterr().out
     for kind in ("bare hook", "hook + op", "stats, jsonl flush/10", "the op itself"):
         assert kind in out
+
+
+def test_bench_regional_compile_stats_compiles_the_graphs_of_no_hooks(capsys):
+    """Six blocks compiled one by one: with stats on every Linear (outputs and gradients)
+    the backend compiles as many graphs as without hooks (blocks share them)."""
+    res = _load("bench_regional_compile").main(["--blocks", "6", "--width", "32", "--seq", "8",
+                                                "--steps", "2"])
+    assert res["stats"]["graphs"] == res["no hooks"]["graphs"] <= 2
+    assert "no hooks" in capsys.readouterr().out

@@ -727,6 +727,30 @@ def test_accumulate_at_a_tensor_row_equals_the_int_row(device, dtype, kind):
     assert torch.equal(by_int[[1, 3]], _bank_for(b, mode, lo, hi, device)[[1, 3]])  # other rows untouched
 
 
+def test_reference_op_compiled_equals_eager():
+    """The pure-torch reference (the fallback backend) traced by torch.compile gives what it
+    gives eagerly, with an int row and a tensor row (min/max came out NaN under aot_eager
+    when ``empty_rows`` returned a view of its template row)."""
+    b, mode, lo, hi = ops.hist_args(None, "log2", None)
+    x = planted(3000, torch.float32, gen(32), offset=0.5)
+
+    def f(x, acc, row, gate):
+        ops.reference_accumulate_(x, acc, row, gate, b, mode, lo, hi)
+        ops.reference_accumulate_(x[::3], acc, 2, gate, b, mode, lo, hi)
+        return ops.reference_tensor_stats(x).row
+
+    results = []
+    for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
+        acc = _bank_for(b, mode, lo, hi, "cpu")
+        row = fn(x, acc, torch.tensor([1]), torch.tensor([True]))
+        results.append((acc, row))
+    torch._dynamo.reset()
+    (acc_e, row_e), (acc_c, row_c) = results
+    assert torch.equal(row_e.nan_to_num(nan=7.0), row_c.nan_to_num(nan=7.0))
+    torch.testing.assert_close(acc_c, acc_e, rtol=1e-12, atol=0.0, equal_nan=True)
+    assert math.isfinite(acc_c[1, 4]) and math.isfinite(acc_c[2, 5])  # min, max
+
+
 @needs_ext
 def test_accumulate_at_refuses_a_bad_row_tensor():
     x, acc = torch.randn(10), _bank_for(1, 0, None, None, "cpu")

@@ -628,6 +628,23 @@ def test_del_session_frees_plugin_data_without_gc():
         gc.enable()
 
 
+def test_del_session_with_stats_frees_its_bank_without_gc():
+    """stats keeps a way from its bank to the session's module tables while attached
+    (compiled code's row tensors); remove() lets it go: no cycle keeps the bank."""
+    m = MLP()
+    s = hookplug.attach(m, "Linear", plugins="stats")
+    m(torch.randn(2, 32))
+    s.step()
+    ref = weakref.ref(s["stats"].bank)
+    s.remove()
+    gc.disable()
+    try:
+        del s
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
 def test_attach_to_a_compiled_wrapper_uses_plain_names():
     m = MLP()
     rec = Recorder()
