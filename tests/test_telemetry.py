@@ -1108,6 +1108,46 @@ def _small_gpt2(device="cpu"):
     return model, lambda m: m(ids, labels=ids).loss
 
 
+def test_regional_compilation_of_gpt2_blocks_compiles_the_graphs_of_no_hooks():
+    """transformers' GPT-2 (6 blocks, from config), each ``GPT2Block`` compiled on its own
+    and trained with stats on outputs and gradients of every Conv1D/Linear: the blocks share
+    one graph as they do without hooks (each compiled its own before), records equal eager."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=6,
+                                     n_head=2, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     bos_token_id=0, eos_token_id=0, loss_type="ForCausalLM")
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 100, (2, 16))
+
+    def run(compiled, hooked=True):
+        sink, runs, frames, seen = ListSink(), [0], [0], []
+        s = hookplug.attach(model, "Linear|Conv1D", plugins=("stats", {"sites": ("output", "grad")}),
+                            sink=sink, flush_every=1) if hooked else None
+        if compiled:
+            backend = _counting_backend(runs, frames)
+            for block in model.transformer.h:
+                block.compile(backend=backend)
+        for _ in range(2):
+            model(ids, labels=ids, use_cache=False).loss.backward()  # (a KV cache: a graph per block)
+            if s is not None:
+                s.step()
+            seen.append(frames[0])
+        if s is not None:
+            s.remove()
+        for block in model.transformer.h:
+            block._compiled_call_impl = None
+        torch._dynamo.reset()
+        return by_key(sink.records), seen
+
+    _, plain = run(True, hooked=False)
+    eager, _ = run(False)
+    compiled, seen = run(True)
+    assert plain == seen == [1, 1]
+    assert len(eager) == 2 * (6 * 4 + 1) * 2  # steps x (4 per block + lm_head) x (output, grad)
+    _stat_fields_equal(eager, compiled)
+
+
 def test_compiled_gpt2_training_steps_equal_eager_without_extra_graphs():
     """A GPT-2 from config (transformers' Conv1D projections and the LM head), compiled
     (aot_eager) and trained: stats add no graph and no recompile, records equal eager."""
