@@ -799,6 +799,19 @@ def _counting_backend(runs, frames):
     return counting
 
 
+def _compile_each(blocks, runs, frames, **kw):
+    """``block.compile()`` on each block with one counting backend (so they can share graphs)."""
+    backend = _counting_backend(runs, frames)
+    for block in blocks:
+        block.compile(backend=backend, **kw)
+
+
+def _uncompile(blocks):
+    for block in blocks:
+        block._compiled_call_impl = None
+    torch._dynamo.reset()
+
+
 def _stat_fields_equal(e, c):
     """Records (by key) of an eager and a compiled run: the same keys, equal fields."""
     assert set(e) == set(c)
@@ -828,9 +841,7 @@ def test_regional_compilation_of_hooked_blocks_shares_one_graph(sites):
         sink, runs, frames, seen = ListSink(), [0], [0], []
         with hookplug.attach(m, "Linear", plugins=opts, sink=sink, flush_every=1) as s:
             if compiled:
-                backend = _counting_backend(runs, frames)  # one backend: blocks can share a graph
-                for block in m:
-                    block.compile(backend=backend, fullgraph=True)
+                _compile_each(m, runs, frames, fullgraph=True)
             for train in (True, True, False, False):
                 m.train(train)
                 runs[0] = 0
@@ -841,9 +852,7 @@ def test_regional_compilation_of_hooked_blocks_shares_one_graph(sites):
                 seen.append(frames[0])
                 if compiled:
                     assert runs[0] == 12  # every block ran compiled code
-        for block in m:
-            block._compiled_call_impl = None
-        torch._dynamo.reset()
+        _uncompile(m)
         return by_key(sink.records), seen
 
     with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
@@ -890,16 +899,12 @@ def test_keys_first_seen_while_tracing_share_the_graph_from_the_next_step():
         seen = []
         with hookplug.attach(m, "_Pair", plugins="stats", sink=sink, flush_every=1) as s:
             if compiled:
-                backend = _counting_backend(runs, frames)  # one backend: blocks can share a graph
-                for block in m:
-                    block.compile(backend=backend, fullgraph=True)
+                _compile_each(m, runs, frames, fullgraph=True)
             for _ in range(3):
                 m(x)
                 s.step()
                 seen.append(frames[0])
-        for block in m:
-            block._compiled_call_impl = None
-        torch._dynamo.reset()
+        _uncompile(m)
         return by_key(sink.records), seen
 
     with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
@@ -936,15 +941,11 @@ def test_a_plugin_reading_ctx_name_in_compiled_code_gets_each_module_its_graph()
     with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
         with hookplug.attach(m, "Linear", plugins=_NamedScale()):
             assert torch._dynamo.config.recompile_limit == 24 + 8
-            backend = _counting_backend(runs, frames)
-            for block in m:
-                block.compile(backend=backend, fullgraph=True)
+            _compile_each(m, runs, frames, fullgraph=True)
             got = m(x)
         with hookplug.attach(m[0], "Linear", plugins=_NamedScale()):  # 2 + 8: never lowered
             assert torch._dynamo.config.recompile_limit == 24 + 8
-    for block in m:
-        block._compiled_call_impl = None
-    torch._dynamo.reset()
+    _uncompile(m)
     assert frames[0] == 12 and runs[0] == 12
     assert torch.equal(expected, got)
 
@@ -1125,9 +1126,7 @@ def test_regional_compilation_of_gpt2_blocks_compiles_the_graphs_of_no_hooks():
         s = hookplug.attach(model, "Linear|Conv1D", plugins=("stats", {"sites": ("output", "grad")}),
                             sink=sink, flush_every=1) if hooked else None
         if compiled:
-            backend = _counting_backend(runs, frames)
-            for block in model.transformer.h:
-                block.compile(backend=backend)
+            _compile_each(model.transformer.h, runs, frames)
         for _ in range(2):
             model(ids, labels=ids, use_cache=False).loss.backward()  # (a KV cache: a graph per block)
             if s is not None:
@@ -1135,9 +1134,7 @@ def test_regional_compilation_of_gpt2_blocks_compiles_the_graphs_of_no_hooks():
             seen.append(frames[0])
         if s is not None:
             s.remove()
-        for block in model.transformer.h:
-            block._compiled_call_impl = None
-        torch._dynamo.reset()
+        _uncompile(model.transformer.h)
         return by_key(sink.records), seen
 
     _, plain = run(True, hooked=False)
