@@ -1,4 +1,4 @@
-"""Parameters FSDP shards (gloo on 127.0.0.1, two ranks).
+"""Parameters FSDP shards, and FSDP2 with regional compilation (gloo on 127.0.0.1, two ranks).
 
 - FSDP2 (``fully_shard``) writes the reduce-scattered gradient into the sharded parameter's
   ``.grad`` without running its tensor hooks, so a ``hookplug_param_grad`` plugin would
@@ -84,3 +84,66 @@ def test_param_grad_hooks_under_fsdp2_warn_once(tmp_path, when):
     for got in spawn(_fsdp2_gradclamp, tmp_path, when):
         assert len(got["warnings"]) == 1, got
         assert "parameter '0.weight'" in got["warnings"][0]  # the first hooked one
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+def _fsdp2_regional(rank, world, variant):
+    """torchtitan's layout: each block ``fully_shard``ed, then compiled on its own, the root
+    sharded; stats on every Linear (outputs and gradients) or none; two training steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch._dynamo.backends.registry import lookup_backend
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_Block() for _ in range(4)))
+    mesh = init_device_mesh("cpu", (world,))
+    if variant != "eager":
+        for block in model:
+            fsdp.fully_shard(block, mesh=mesh)
+    fsdp.fully_shard(model, mesh=mesh)
+    frames, aot_eager = [0], lookup_backend("aot_eager")
+
+    def counting(gm, example_inputs):
+        frames[0] += 1
+        return aot_eager(gm, example_inputs)
+
+    sink = Dump()
+    session = None if variant == "no hooks" else hookplug.attach(
+        model, "Linear", plugins=("stats", {"sites": ("output", "grad")}), sink=sink, flush_every=1)
+    if variant != "eager":
+        for block in model:
+            block.compile(backend=counting)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    for _ in range(2):
+        model(x).sum().backward()
+        if session is not None:
+            session.step()
+    if session is not None:
+        session.remove()
+    return {"frames": frames[0],
+            "records": {f"{r['step']} {r['module']} {r['site']}": [r["numel"], r["min"], r["max"], r["mean"]]
+                        for r in sink.records}}
+
+
+def test_fsdp2_blocks_compiled_one_by_one_share_graphs_with_stats(tmp_path):
+    """FSDP2 per block + ``block.compile()`` per block (torchtitan's recipe) with stats on
+    outputs and gradients: as many graphs as without hooks, and the records (merged over the
+    ranks) equal an eager FSDP2 run's."""
+    runs = {}
+    for variant in ("no hooks", "eager", "compiled"):
+        (tmp_path / variant).mkdir()
+        runs[variant] = spawn(_fsdp2_regional, tmp_path / variant, variant)
+    plain, eager, compiled = runs["no hooks"], runs["eager"], runs["compiled"]
+    assert [g["frames"] for g in compiled] == [g["frames"] for g in plain]
+    e, c = eager[0]["records"], compiled[0]["records"]
+    assert set(e) == set(c) and len(e) == 2 * 8 * 2  # steps x Linears x (output, grad)
+    for k in e:
+        assert e[k][:3] == c[k][:3], k
+        assert abs(e[k][3] - c[k][3]) <= 1e-6 * max(1.0, abs(e[k][3])), k
