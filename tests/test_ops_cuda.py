@@ -106,6 +106,10 @@ def test_compute_sanitizer(tool, tmp_path):
             for i, v in enumerate((x, x[1:], x[::3], x[:0], x.half(), x.double(), x.bfloat16())):
                 bank.accumulate(v, ("m", str(i), "train"))
                 torch.ops.hookplug.stats_accumulate_(v, bank.device_rows(x.device).acc, 1, None, *bank.op_args)
+                for r in (2, 0, 10_000):  # the row read on the device; out of range: no write
+                    row = torch.tensor([r], device=x.device)
+                    torch.ops.hookplug.stats_accumulate_at_(v, bank.device_rows(x.device).acc, row, None,
+                                                            *bank.op_args)
             bank.end_step(0)
         torch.cuda.synchronize()
         print("done")
