@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import sys
 import threading
 import warnings
 import weakref
@@ -169,22 +170,36 @@ def _register_ordered_effect(op) -> None:
 
 
 def _hook_compile_start() -> None:
-    """Have dynamo call ``_prepare_deferred`` when it starts compiling a frame (torch's
+    """Have dynamo call ``_on_compile_start`` when it starts compiling a frame (torch's
     compile-start callbacks; imports dynamo; registered again after a
     ``torch._dynamo.reset()``, which clears them). Where this torch has none, a deferred
-    bank is made by its first call, as any bank (traced: graph breaks at warm-up)."""
+    bank is made by its first call, as any bank (traced: graph breaks at warm-up), and row
+    tensors are made at steps only."""
     try:
         from torch._dynamo.callback import callback_handler
 
-        if _prepare_deferred not in callback_handler.start_callbacks:
-            callback_handler.register_start_callback(_prepare_deferred)
+        if _on_compile_start not in callback_handler.start_callbacks:
+            callback_handler.register_start_callback(_on_compile_start)
     except Exception:  # noqa: BLE001 - a torch without them (private API)
         pass
 
 
-def _prepare_deferred(_args=None) -> None:
+def hook_compile_start_if_wanted() -> None:
+    """``_hook_compile_start`` where a bank wants its ``before_trace`` (dynamo being imported
+    now: see ``hookplug._session._HookGuardsOnImport``)."""
+    if any(bank.before_trace is not None for bank in list(_BANKS.values())):
+        _hook_compile_start()
+
+
+def _on_compile_start(_args=None) -> None:
+    """Before dynamo traces a frame (outside the trace): deferred banks are made, and each
+    bank's ``before_trace`` runs (``stats``: rows and row tensors for keys an earlier trace
+    met, so the next identical block's trace finds them and shares its graph)."""
     for bank in list(_DEFERRED):
         bank.prepare_deferred()
+    for bank in list(_BANKS.values()):
+        if bank.before_trace is not None:
+            bank.before_trace()
 
 
 def check_sites(who: str, sites, allowed) -> tuple:
@@ -394,6 +409,7 @@ class StatsBank:
         # make_row_tensors), set by the plugin; and the (keys, devices) made so far
         self.table_of: Optional[Callable[[Tuple], Optional[Dict]]] = None
         self._tables_made = (0, 0)
+        self.before_trace: Optional[Callable[[], None]] = None  # see _on_compile_start
         self.live = True
         self._warned = False
         self.rows: Dict[Tuple, int] = {}
@@ -551,21 +567,29 @@ class StatsBank:
             return self.accumulate_by_key(t, (ctx.name, path, ctx.phase))
         self._by_row(t.detach(), self.id, row)
 
-    def set_tables(self, table_of: Optional[Callable[[Tuple], Optional[Dict]]]) -> None:
+    def set_tables(self, table_of: Optional[Callable[[Tuple], Optional[Dict]]],
+                   before_trace: Optional[Callable[[], None]] = None) -> None:
         """Where :meth:`make_row_tensors` puts each key's row tensor (a session's module
-        bindings: a plugin attached again starts over with the new session's)."""
+        bindings: a plugin attached again starts over with the new session's), and what
+        to run when dynamo starts compiling a frame (see ``_on_compile_start``)."""
         self.table_of = table_of
+        self.before_trace = before_trace
         self._tables_made = (0, 0)
+        if before_trace is not None and "torch._dynamo" in sys.modules:
+            _hook_compile_start()  # (not imported yet: compiled code would import it first)
 
     @_outside_inference_mode
-    def make_row_tensors(self) -> None:
+    def make_row_tensors(self, *, at_compile_start: bool = False) -> None:
         """Put each key's row index, as a one-element int64 tensor on each device of the
         bank, in the per-module table ``table_of(key)`` returns (a module binding's
         ``module_tensors``), under ``(bank id, *key[1:], device)``: what compiled code passes
-        the op instead of a constant row. Outside traced code only; costs nothing when no
+        the op instead of a constant row. Outside traced code only (``at_compile_start``:
+        dynamo's compile-start callback, compiling but not tracing); costs nothing when no
         key or device was added since the last call."""
+        if self.before_trace is not None and not at_compile_start and "torch._dynamo" in sys.modules:
+            _hook_compile_start()  # again after a torch._dynamo.reset(), which drops it
         made = (len(self.keys), len(self._devices))
-        if self.table_of is None or made == self._tables_made or _is_compiling():
+        if self.table_of is None or made == self._tables_made or (_is_compiling() and not at_compile_start):
             return
         for key in self.keys:
             table = self.table_of(key)

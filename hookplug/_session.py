@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from . import hookspecs
-from ._bank import is_dtensor
+from ._bank import hook_compile_start_if_wanted, is_dtensor
 from ._checkpoint import RecomputeMatcher
 from ._config import _records_given, attach_options
 from ._manager import PluginError, PluginLoadError, create_plugin, is_hookimpl, new_plugin_manager
@@ -1548,6 +1548,7 @@ class _HookGuardsOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if getattr(config, "skip_nnmodule_hook_guards", False):
             config.skip_nnmodule_hook_guards = False
         _raise_recompile_limit(config, _PENDING_RECOMPILE_LIMIT[0])
+        hook_compile_start_if_wanted()
 
 
 def _skip_plugin(exc: PluginError, stacklevel: int) -> None:

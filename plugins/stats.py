@@ -74,10 +74,11 @@ compiled model keeps one graph as if attached after ``to_empty``.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 import weakref
-from typing import Any, Dict, Literal, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple
 
 import torch
 
@@ -141,6 +142,7 @@ class StatsPlugin(hookplug.Plugin):
             self.hookplug_output_grad = None
         self._module_order: Dict[str, int] = {}
         self._grad_rows_done = 0  # bank keys looked at by _grad_rows
+        self._spread_done = 0  # bank keys looked at by _before_trace
         self._warned_layout = False
         self._warned_partial = False
 
@@ -272,7 +274,8 @@ class StatsPlugin(hookplug.Plugin):
             for site in self.sites:
                 self.bank.row_of((name, first_path[site], "train"))
         self.bank.reserve(2 * len(self.bank.keys) + 64)  # no growth while compiled code traces
-        self.bank.set_tables(lambda key: session._module_tensors_of(key[0]))
+        self.bank.set_tables(lambda key: session._module_tensors_of(key[0]),
+                             functools.partial(self._before_trace, session))
         model = session.model
         device = _param_device(model)
         if device is not None and device.type == "meta":  # materialized later (to_empty)
@@ -299,6 +302,24 @@ class StatsPlugin(hookplug.Plugin):
         if self.nonfinite == "raise":
             ended = self.bank.pending[-1] if self.bank.pending else None
             self._check_nonfinite(ended if ended is not before else None)
+
+    def _before_trace(self, session) -> None:
+        """Dynamo starts compiling a frame: a key an earlier trace met (an eval pass, an
+        output tuple's ``output[1]``) gets its row for every hooked module of the same class
+        too, and the row tensors are made, so the traces of the other identical blocks find
+        them and share one graph (only the first block's is its own)."""
+        keys, done = self.bank.keys, self._spread_done
+        if done < len(keys):
+            kinds: Dict[type, List[str]] = {}
+            for name, module in session.modules_of(self).items():
+                kinds.setdefault(type(module), []).append(name)
+            of_name = {n: names for names in kinds.values() for n in names}
+            for name, path, phase in keys[done:]:
+                for other in of_name.get(name, ()):
+                    self.bank.row_of((other, path, phase))
+            self._spread_done = len(keys)
+        self._grad_rows()
+        self.bank.make_row_tensors(at_compile_start=True)
 
     def _grad_rows(self) -> None:
         """Measuring outputs and their gradients: each output key first seen gets its

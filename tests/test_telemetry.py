@@ -829,9 +829,10 @@ def test_regional_compilation_of_hooked_blocks_shares_one_graph(sites):
     traced hooks read no per-module constant: the hook ids are the session's, the row
     index is a per-module tensor passed as a graph input, ``ctx.name`` is never read); with
     output gradients the shared backward graph measures each block into its own rows. Eval
-    keys get their rows (and row tensors) when first seen: the first eval pass traces each
-    block with constant rows, and from the next step on eval shares one graph too. Records
-    equal eager, train and eval."""
+    keys get their rows when first seen: the first block's eval trace uses constant rows (a
+    graph of its own); when dynamo starts the next block's, every block gets the eval rows
+    and their tensors, so the other 11 share one eval graph. Records equal eager, train and
+    eval."""
     torch.manual_seed(0)
     m = nn.Sequential(*(_Block() for _ in range(12)))
     x = torch.randn(4, 8, requires_grad=True)
@@ -858,7 +859,7 @@ def test_regional_compilation_of_hooked_blocks_shares_one_graph(sites):
     with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
         eager, _ = run(False)
         compiled, seen = run(True)
-    assert seen == [1, 1, 13, 14]  # train: one graph for the 12 blocks; eval: 12, then one
+    assert seen == [1, 1, 3, 3]  # train: one graph for the 12 blocks; eval: the first's, one
     assert len(eager) == 24 * (4 * len(sites) - 2 * ("grad" in sites))  # no grads in eval
     _stat_fields_equal(eager, compiled)
 
@@ -887,9 +888,10 @@ class _Pair(nn.Module):
 
 
 def test_keys_first_seen_while_tracing_share_the_graph_from_the_next_step():
-    """Output paths no row was made for at attach: the first compiled step traces each block
-    with constant rows (a graph each, the recompile limit raised to cover them); from the
-    next step on the blocks share one graph again. Records equal eager."""
+    """Output paths no row was made for at attach: the first block's trace uses constant rows
+    (a graph of its own); at the start of the next block's trace the rows and row tensors of
+    every module of that class are made, so the other blocks share one graph, and from the
+    next step on the first block uses it too. Records equal eager."""
     torch.manual_seed(0)
     m = nn.Sequential(*(_TupleBlock() for _ in range(10)))
     x = torch.randn(4, 8, requires_grad=True)  # as every later block's input (one graph for all)
@@ -910,8 +912,35 @@ def test_keys_first_seen_while_tracing_share_the_graph_from_the_next_step():
     with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
         eager, _ = run(False)
         compiled, seen = run(True)
-    assert seen == [10, 11, 11]  # one per block, then the shared one, then nothing new
+    assert seen == [2, 2, 2]  # the first block's, the shared one; nothing new later
     _stat_fields_equal(eager, compiled)
+
+
+def test_rows_spread_at_compile_start_when_dynamo_is_imported_after_attach(fresh_python):
+    """Attached before torch._dynamo was imported (a fresh process): the compile-start
+    callback that spreads first-seen keys to the identical blocks is registered by the
+    import hook, so an eval pass before any step compiles two graphs, not one per block."""
+    last = fresh_python(
+        "import sys, torch, torch.nn as nn, hookplug\n"
+        "class B(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.fc = nn.Linear(8, 8)\n"
+        "    def forward(self, x):\n"
+        "        return x + self.fc(x)\n"
+        "m = nn.Sequential(*(B() for _ in range(6))); x = torch.randn(2, 8, requires_grad=True)\n"
+        "s = hookplug.attach(m, 'Linear', plugins='stats')\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        "frames = [0]\n"
+        "def backend(gm, inputs):\n"
+        "    frames[0] += 1\n"
+        "    return gm.forward\n"
+        "for b in m: b.compile(backend=backend)\n"
+        "seen = []\n"
+        "m.eval()  # keys no row was made for at attach, met before any step\n"
+        "for _ in range(2):\n"
+        "    m(x); s.step(); seen.append(frames[0])\n"
+        "print(seen)\n")
+    assert last == "[2, 2]"  # the first block's graph and the shared one
 
 
 class _NamedScale(hookplug.Plugin):
