@@ -591,14 +591,17 @@ class StatsBank:
         made = (len(self.keys), len(self._devices))
         if self.table_of is None or made == self._tables_made or (_is_compiling() and not at_compile_start):
             return
-        for key in self.keys:
-            table = self.table_of(key)
+        for key in self.keys[:made[0]]:
+            row, table = self.rows.get(key), self.table_of(key)
+            if row is None:  # another thread is assigning it (keys first, then rows)
+                made = (0, 0)  # not done: again next time
+                continue
             if table is None:
                 continue
-            for device in self._devices:
+            for device in list(self._devices)[:made[1]]:
                 entry = (self.id, *key[1:], device)
                 if entry not in table:
-                    table[entry] = torch.tensor([self.rows[key]], dtype=torch.int64, device=device)
+                    table[entry] = torch.tensor([row], dtype=torch.int64, device=device)
         self._tables_made = made
 
     def accumulate_by_key(self, t: torch.Tensor, key: Tuple[str, str, str]) -> None:

@@ -161,10 +161,12 @@ class _TracedContext(HookContext):
     (e.g. ``stats``' row index): dynamo passes those as graph inputs guarded by shape and
     dtype only, so identical hooked blocks share one graph (``block.compile()``)."""
 
-    __slots__ = ("binding",)
+    __slots__ = ("binding", "tensors")
 
-    def __init__(self, binding: "_ModuleBinding", phase: str):
+    def __init__(self, binding: "_ModuleBinding", phase: str,
+                 tensors: Optional[Dict[Any, torch.Tensor]] = None):
         self.binding = binding
+        self.tensors = tensors  # a backward's: the ones its _GradSite saved
         self.call_index = -1
         self._step = None
         self.session = binding.session
@@ -177,7 +179,7 @@ class _TracedContext(HookContext):
 
     @property
     def _module_tensors(self) -> Dict[Any, torch.Tensor]:
-        return self.binding.module_tensors
+        return self.binding.module_tensors if self.tensors is None else self.tensors
 
 
 # -- what plugins return ----------------------------------------------------------------------
@@ -383,17 +385,22 @@ class _GradSite(torch.autograd.Function):
     those; in 2.13, which does, the traced hook makes transformers' DynamicCache frames
     fall back to eager).
     Forward clones: a view returned by a Function refuses later in-place ops
-    (``ReLU(inplace=True)``); inductor fuses the clone away."""
+    (``ReLU(inplace=True)``); inductor fuses the clone away. ``tensors`` (the module's
+    per-module tensors, see ``_TracedContext``) are saved for backward and handed to the
+    hook: a tensor the backward only closed over would be a free variable of the compiled
+    backward, which compiled autograd switched on around ``backward()`` fails on."""
 
     @staticmethod
-    def forward(ctx, t, hook):
+    def forward(ctx, t, hook, *tensors):
         ctx.hook = hook
+        ctx.save_for_backward(*tensors)
         return t.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        res = ctx.hook(grad)
-        return grad if res is None else res, None
+        saved = ctx.saved_tensors
+        res = ctx.hook(grad, saved)
+        return (grad if res is None else res, None, *(None for _ in saved))
 
 
 def _call(hook, *args):
@@ -650,7 +657,10 @@ class _ModuleBinding:
             return output
         if not _plain_container(output):
             return None
-        wrapped = [(t, _GradSite.apply(t, functools.partial(self._grad_hooks, ctx, module, paths)))
+        table = self.module_tensors
+        keys, tensors = tuple(table), tuple(table.values())
+        wrapped = [(t, _GradSite.apply(t, functools.partial(self._grad_hooks, ctx, module, paths, keys),
+                                       *tensors))
                    for t, paths in found]
 
         def swap(path, t):
@@ -661,8 +671,11 @@ class _ModuleBinding:
 
         return map_tensors(swap, output)
 
-    def _grad_hooks(self, ctx, module, paths, grad):
-        """The grad hooks of every path of one tensor (the first replacement wins)."""
+    def _grad_hooks(self, ctx, module, paths, keys, grad, saved):
+        """The grad hooks of every path of one tensor (the first replacement wins), with a
+        context whose per-module tensors are those ``_GradSite`` saved (under ``keys``)."""
+        if keys:
+            ctx = _TracedContext(self, ctx.phase, dict(zip(keys, saved)))
         out = None
         for path in paths:
             res = self.grad_hook(ctx, module, path, grad)

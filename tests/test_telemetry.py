@@ -597,6 +597,40 @@ def test_compiled_grad_site_under_compiled_autograd_equals_eager(how):
             assert math.isclose(e[k][f], c[k][f], rel_tol=1e-6, abs_tol=1e-12), (k, f)
 
 
+def test_compiled_autograd_around_backward_only_trains_on_with_shared_block_graphs():
+    """Blocks compiled one by one (sharing a graph, their row tensors graph inputs) and
+    compiled autograd switched on only around ``backward()``: training runs and the output
+    records equal eager. (The row tensors are saved for backward by ``_GradSite``: closed
+    over, compiled autograd failed on them, IndexError in its prologue. The grad records
+    are still lost there, as documented: compiled autograd drops the effectful op.)"""
+    from torch._dynamo import compiled_autograd
+
+    torch.manual_seed(0)
+    m = nn.Sequential(*(_Block() for _ in range(3)))
+    x = torch.randn(4, 8, requires_grad=True)
+    opts = ("stats", {"sites": ("output", "grad")})
+
+    def run(compiled):
+        sink, runs, frames = ListSink(), [0], [0]
+        with hookplug.attach(m, "Linear", plugins=opts, sink=sink, flush_every=1) as s:
+            if compiled:
+                _compile_each(m, runs, frames)
+            for _ in range(2):
+                y = m(x).sum()
+                if compiled:
+                    with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+                        y.backward()
+                else:
+                    y.backward()
+                s.step()
+        _uncompile(m)
+        return by_key(sink.records)
+
+    eager, compiled = run(False), run(True)
+    assert {k for k in eager if k[2] == "output"} == set(compiled)
+    _stat_fields_equal({k: eager[k] for k in compiled}, compiled)
+
+
 def test_grad_site_without_the_by_key_op_falls_back_to_tensor_hooks(monkeypatch):
     """Where torch cannot keep the by-key op in a graph (no effect registration), grad sites
     take the tensor-hook path in compiled code too: a graph break per module, same records."""
