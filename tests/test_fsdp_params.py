@@ -15,6 +15,7 @@ import torch.nn as nn
 
 import hookplug
 from _gloo import Dump, spawn
+from test_telemetry import _Block  # the identical block of the regional-compilation tests
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(fsdp, "fully_shard"):  # pragma: no cover - torch < 2.6
@@ -84,15 +85,6 @@ def test_param_grad_hooks_under_fsdp2_warn_once(tmp_path, when):
     for got in spawn(_fsdp2_gradclamp, tmp_path, when):
         assert len(got["warnings"]) == 1, got
         assert "parameter '0.weight'" in got["warnings"][0]  # the first hooked one
-
-
-class _Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
-
-    def forward(self, x):
-        return x + self.fc2(torch.relu(self.fc1(x)))
 
 
 def _fsdp2_regional(rank, world, variant):
