@@ -103,6 +103,16 @@ def dtensor_local(t, owner: int) -> Tuple[Optional[torch.Tensor], bool]:
     return t.to_local(), False
 
 
+def _bank_effect_op(fn):
+    """``fn`` (annotated, returning None) as the op ``hookplug::<its name>``: a fake kernel
+    that returns nothing and an ordered effect, so compiled graphs keep it."""
+    torch.library.custom_op(f"hookplug::{fn.__name__}", mutates_args=())(fn).register_fake(
+        lambda *args: None)
+    op = getattr(torch.ops.hookplug, fn.__name__).default
+    _register_ordered_effect(op)
+    return op
+
+
 def accumulate_by_key_op():
     """``hookplug::stats_accumulate_by_key(x, bank, module, site, phase) -> ()``, or None
     where torch offers no way to keep it in a compiled graph (grad sites then graph-break
@@ -113,20 +123,13 @@ def accumulate_by_key_op():
     compiled graphs keep it."""
     global _by_key_op
     if _by_key_op is None:
+        def stats_accumulate_by_key(x: torch.Tensor, bank: int, module: str, site: str, phase: str) -> None:
+            owner = _BANKS.get(bank)
+            if owner is not None:
+                owner.accumulate(x, (module, site, phase), gated=True)
+
         try:
-            @torch.library.custom_op("hookplug::stats_accumulate_by_key", mutates_args=())
-            def by_key(x: torch.Tensor, bank: int, module: str, site: str, phase: str) -> None:
-                owner = _BANKS.get(bank)
-                if owner is not None:
-                    owner.accumulate(x, (module, site, phase), gated=True)
-
-            @by_key.register_fake
-            def _(x, bank, module, site, phase):
-                return None
-
-            op = torch.ops.hookplug.stats_accumulate_by_key.default
-            _register_ordered_effect(op)
-            _by_key_op = op
+            _by_key_op = _bank_effect_op(stats_accumulate_by_key)
         except (AttributeError, ImportError, TypeError, RuntimeError, AssertionError):
             _by_key_op = False  # a torch without these (private) APIs
     return _by_key_op or None
@@ -139,22 +142,12 @@ def accumulate_by_row_op():
     own row. None where :func:`accumulate_by_key_op` is."""
     global _by_row_op
     if _by_row_op is None:
-        if accumulate_by_key_op() is None:
-            _by_row_op = False
-        else:
-            @torch.library.custom_op("hookplug::stats_accumulate_by_row", mutates_args=())
-            def by_row(x: torch.Tensor, bank: int, row: torch.Tensor) -> None:
-                owner = _BANKS.get(bank)
-                if owner is not None:
-                    owner.accumulate_at(x, row)
+        def stats_accumulate_by_row(x: torch.Tensor, bank: int, row: torch.Tensor) -> None:
+            owner = _BANKS.get(bank)
+            if owner is not None:
+                owner.accumulate_at(x, row)
 
-            @by_row.register_fake
-            def _(x, bank, row):
-                return None
-
-            op = torch.ops.hookplug.stats_accumulate_by_row.default
-            _register_ordered_effect(op)
-            _by_row_op = op
+        _by_row_op = (accumulate_by_key_op() is not None) and _bank_effect_op(stats_accumulate_by_row)
     return _by_row_op or None
 
 
@@ -544,13 +537,12 @@ class StatsBank:
         passed as the module's tensor (``ctx._module_tensors``, see :meth:`make_row_tensors`)
         instead of a constant: the graph is the same for every module, so identical hooked
         blocks share it. A key with no tensor yet (first seen while tracing, or a device
-        new to the bank) takes the constant row: that module gets a graph of its own until
-        the next step makes its tensor (then one recompile to the shared graph)."""
-        row = ctx._module_tensors.get((self.id, path, ctx.phase, t.device))
+        new to the bank) takes the constant row: that module's graph is its own (the
+        tensors are made at the next compile start or step, see ``_on_compile_start``)."""
+        row = ctx._module_tensors.get(self._table_entry(path, ctx.phase, t.device))
         if row is None:
             return self.accumulate(t, (ctx.name, path, ctx.phase))
-        dev = self._devices[t.device]  # made before the tensor was
-        self._accumulate_at(t.detach(), dev.acc, row, dev.gate, *self.op_args)
+        self.accumulate_at(t, row)
 
     def accumulate_at(self, t: torch.Tensor, row: torch.Tensor) -> None:
         """Merge ``t`` into the row whose index ``row`` holds (on ``t``'s device; gated), as
@@ -562,10 +554,14 @@ class StatsBank:
     def accumulate_by_row(self, t: torch.Tensor, ctx, path: str) -> None:
         """``accumulate_by_key`` for a compiled backward, by the module's row tensor where it
         exists (see :meth:`accumulate_traced`), else by names."""
-        row = ctx._module_tensors.get((self.id, path, ctx.phase, t.device))
+        row = ctx._module_tensors.get(self._table_entry(path, ctx.phase, t.device))
         if row is None or self._by_row is None:
             return self.accumulate_by_key(t, (ctx.name, path, ctx.phase))
         self._by_row(t.detach(), self.id, row)
+
+    def _table_entry(self, path: str, phase: str, device) -> Tuple:
+        """Where a module's table keeps the row tensor of its key ``(module, path, phase)``."""
+        return (self.id, path, phase, device)
 
     def set_tables(self, table_of: Optional[Callable[[Tuple], Optional[Dict]]],
                    before_trace: Optional[Callable[[], None]] = None) -> None:
@@ -582,7 +578,7 @@ class StatsBank:
     def make_row_tensors(self, *, at_compile_start: bool = False) -> None:
         """Put each key's row index, as a one-element int64 tensor on each device of the
         bank, in the per-module table ``table_of(key)`` returns (a module binding's
-        ``module_tensors``), under ``(bank id, *key[1:], device)``: what compiled code passes
+        ``module_tensors``), under :meth:`_table_entry`: what compiled code passes
         the op instead of a constant row. Outside traced code only (``at_compile_start``:
         dynamo's compile-start callback, compiling but not tracing); costs nothing when no
         key or device was added since the last call."""
@@ -599,7 +595,7 @@ class StatsBank:
             if table is None:
                 continue
             for device in list(self._devices)[:made[1]]:
-                entry = (self.id, *key[1:], device)
+                entry = self._table_entry(*key[1:], device)
                 if entry not in table:
                     table[entry] = torch.tensor([row], dtype=torch.int64, device=device)
         self._tables_made = made
