@@ -139,11 +139,15 @@ def accumulate_by_row_op():
     """``hookplug::stats_accumulate_by_row(x, bank, row) -> ()``: ``accumulate_by_key`` with
     the row index as a tensor (a module's, see ``StatsBank.make_row_tensors``) instead of
     names, so a compiled backward shared by identical blocks measures each block into its
-    own row. None where :func:`accumulate_by_key_op` is."""
+    own row. ``bank`` is the bank's ``token``, a CPU tensor holding its id, kept in the
+    module's table beside the row: a graph input, not a constant, so a graph traced for one
+    session's bank serves the next session's (attached again) with no recompile, and a
+    backward left from a removed session's forward finds no bank. None where
+    :func:`accumulate_by_key_op` is."""
     global _by_row_op
     if _by_row_op is None:
-        def stats_accumulate_by_row(x: torch.Tensor, bank: int, row: torch.Tensor) -> None:
-            owner = _BANKS.get(bank)
+        def stats_accumulate_by_row(x: torch.Tensor, bank: torch.Tensor, row: torch.Tensor) -> None:
+            owner = _BANKS.get(int(bank))
             if owner is not None:
                 owner.accumulate_at(x, row)
 
@@ -409,6 +413,9 @@ class StatsBank:
         self.keys: List[Tuple] = []  # row r holds keys[r - 1]
         self.pending: List[Tuple[int, Dict[torch.device, torch.Tensor]]] = []
         self.id = next(_bank_ids)  # what stats_accumulate_by_key finds it by (see prepare)
+        # the id as the by-row op takes it (a graph input: see accumulate_by_row_op)
+        self.token = torch.tensor([self.id], dtype=torch.int64)
+        self.tag = who  # a key's row tensor is kept under it (see _table_entry)
 
     # -- rows --------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -554,21 +561,27 @@ class StatsBank:
     def accumulate_by_row(self, t: torch.Tensor, ctx, path: str) -> None:
         """``accumulate_by_key`` for a compiled backward, by the module's row tensor where it
         exists (see :meth:`accumulate_traced`), else by names."""
-        row = ctx._module_tensors.get(self._table_entry(path, ctx.phase, t.device))
+        tensors = ctx._module_tensors
+        row = tensors.get(self._table_entry(path, ctx.phase, t.device))
         if row is None or self._by_row is None:
             return self.accumulate_by_key(t, (ctx.name, path, ctx.phase))
-        self._by_row(t.detach(), self.id, row)
+        self._by_row(t.detach(), tensors[self.tag], row)
 
     def _table_entry(self, path: str, phase: str, device) -> Tuple:
-        """Where a module's table keeps the row tensor of its key ``(module, path, phase)``."""
-        return (self.id, path, phase, device)
+        """Where a module's table keeps the row tensor of its key ``(module, path, phase)``:
+        under the bank's ``tag`` (its plugin's name in the session, so the entry and a
+        graph's guards on it are the same when the plugin is attached again), not its id."""
+        return (self.tag, path, phase, device)
 
     def set_tables(self, table_of: Optional[Callable[[Tuple], Optional[Dict]]],
-                   before_trace: Optional[Callable[[], None]] = None) -> None:
+                   before_trace: Optional[Callable[[], None]] = None, tag: Optional[str] = None) -> None:
         """Where :meth:`make_row_tensors` puts each key's row tensor (a session's module
-        bindings: a plugin attached again starts over with the new session's), and what
-        to run when dynamo starts compiling a frame (see ``_on_compile_start``)."""
+        bindings: a plugin attached again starts over with the new session's), under
+        ``tag`` (the plugin's name in that session: unique there), and what to run when
+        dynamo starts compiling a frame (see ``_on_compile_start``)."""
         self.table_of = table_of
+        if tag is not None:
+            self.tag = tag
         self.before_trace = before_trace
         self._tables_made = (0, 0)
         if before_trace is not None and "torch._dynamo" in sys.modules:
@@ -579,7 +592,8 @@ class StatsBank:
         """Put each key's row index, as a one-element int64 tensor on each device of the
         bank, in the per-module table ``table_of(key)`` returns (a module binding's
         ``module_tensors``), under :meth:`_table_entry`: what compiled code passes
-        the op instead of a constant row. Outside traced code only (``at_compile_start``:
+        the op instead of a constant row; and the bank's ``token`` under its ``tag`` (what
+        the by-row op takes instead of a constant bank id). Outside traced code only (``at_compile_start``:
         dynamo's compile-start callback, compiling but not tracing); costs nothing when no
         key or device was added since the last call."""
         if self.before_trace is not None and not at_compile_start and "torch._dynamo" in sys.modules:
@@ -594,6 +608,8 @@ class StatsBank:
                 continue
             if table is None:
                 continue
+            if self.tag not in table:  # the bank, as the by-row op takes it (a graph input)
+                table[self.tag] = self.token
             for device in list(self._devices)[:made[1]]:
                 entry = self._table_entry(*key[1:], device)
                 if entry not in table:

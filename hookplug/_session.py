@@ -804,8 +804,19 @@ class _HookFreeState:
         return state
 
 
+# the (pre, post) hook ids of removed sessions, for the next session to take: a module
+# compiled with a session's hooks guards on their ids, so a session attached again gets
+# the same ids and runs the graphs compiled for the last one (no recompile per attach)
+_FREE_HOOK_IDS: List[Tuple[int, int]] = []
+
+
 def _new_hook_ids() -> Tuple[int, int]:
-    """Two fresh ids from torch's hook-handle counter (no handle of anyone else gets them)."""
+    """Two ids from torch's hook-handle counter that no live handle has: a removed session's
+    (its hooks are off every module), else fresh ones."""
+    try:
+        return _FREE_HOOK_IDS.pop()
+    except IndexError:
+        pass
     first = RemovableHandle.next_id
     RemovableHandle.next_id = first + 2
     return first, first + 1
@@ -1175,6 +1186,7 @@ class Session:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        _FREE_HOOK_IDS.append(self._hook_ids)  # no module holds a hook under them now
         for module_ref, hook_id in self._guarded:
             module = module_ref()
             if module is not None:

@@ -97,6 +97,13 @@ _PHASES = ("train", "eval")
 _STRIDED = torch.strided
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # not a DTensor: no isinstance check
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+# The keys a stats plugin's bank held when its session ended, by model and the plugin's name
+# in the session. A session attached to that model again under that name assigns them first,
+# in the same order: its modules' row-tensor tables then equal the last session's, and the
+# graphs compiled for it (eval keys, tuple outputs included) match with no recompile
+# (attaching a session for a window of steps, again and again, to a compiled model).
+_LAST_KEYS: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[str, List[Tuple]]]" = \
+    weakref.WeakKeyDictionary()
 
 
 
@@ -267,15 +274,21 @@ class StatsPlugin(hookplug.Plugin):
     @hookimpl
     def hookplug_session_start(self, session):
         self._module_order = {n: i for i, n in enumerate(session.modules_of(self))}
-        # The usual keys get their rows now, so compiled code finds them on its first trace
-        # (a row assigned while tracing costs one recompile at warm-up).
+        tag = next(n for n, p in session.plugins.items() if p is self)
+        # The keys of the last session on this model first (see _LAST_KEYS), then the usual
+        # keys, so compiled code finds them on its first trace (a row assigned while tracing
+        # costs one recompile at warm-up).
+        for key in _LAST_KEYS.get(session.model, {}).get(tag, ()):
+            if key[0] in self._module_order and key[1].startswith(self.sites):
+                self.bank.row_of(key)
         first_path = {"input": "input[0]", "output": "output", "grad": "grad"}
         for name in self._module_order:
             for site in self.sites:
                 self.bank.row_of((name, first_path[site], "train"))
         self.bank.reserve(2 * len(self.bank.keys) + 64)  # no growth while compiled code traces
         self.bank.set_tables(lambda key: session._module_tensors_of(key[0]),
-                             functools.partial(self._before_trace, session))
+                             functools.partial(self._before_trace, session),
+                             tag=tag)
         model = session.model
         device = _param_device(model)
         if device is not None and device.type == "meta":  # materialized later (to_empty)
@@ -288,6 +301,8 @@ class StatsPlugin(hookplug.Plugin):
 
     @hookimpl
     def hookplug_session_end(self, session):
+        if session.model is not None and self.bank.keys:
+            _LAST_KEYS.setdefault(session.model, {})[self.bank.tag] = list(self.bank.keys)
         self.bank.close()
         self.bank.set_tables(None)  # let the session go
 

@@ -285,6 +285,32 @@ def test_copy_keeps_hooks_of_others_and_two_sessions_share_one_guard():
     own.remove()
 
 
+def test_a_removed_sessions_hook_ids_go_to_the_next_session_never_to_two_live_ones():
+    """Sessions alive together have ids of their own; a removed session's ids go to the
+    next session attached (so a compiled model's graphs, which guard on the ids, serve it),
+    never to a user's handle."""
+    model = MLP()
+
+    def ids(module):
+        return list(module._forward_pre_hooks), list(module._forward_hooks)
+
+    a = hookplug.attach(model, "Linear", plugins=Counting())
+    b = hookplug.attach(model, "Linear", plugins=Counting())
+    (pre_a, pre_b), (post_a, post_b) = ids(model.fc1)
+    assert len({pre_a, pre_b, post_a, post_b}) == 4
+    a.remove()
+    user = model.fc2.register_forward_hook(lambda m, i, o: None)
+    assert user.id not in (pre_a, post_a)
+    c = hookplug.attach(model, "Linear", plugins=Counting())
+    assert ids(model.fc1) == ([pre_b, pre_a], [post_b, post_a])  # c took a's ids
+    model(torch.randn(2, 32))  # fc2 runs twice
+    assert [p.forward for p in (b.plugins["counting"], c.plugins["counting"])] == [4, 4]
+    b.remove()
+    c.remove()
+    assert ids(model.fc1) == ([], [])
+    user.remove()
+
+
 def test_a_session_gives_its_hooks_one_id_for_every_module_and_no_other_handle_gets_it():
     """Every module's forward hook of a session has the same id (likewise its pre hooks: a
     traced call guards on the ids, see regional compilation), an id no other handle gets;

@@ -891,8 +891,8 @@ def test_regional_compilation_of_hooked_blocks_shares_one_graph(sites):
         return by_key(sink.records), seen
 
     with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
+        compiled, seen = run(True)  # first: an earlier session's keys would be assigned at attach
         eager, _ = run(False)
-        compiled, seen = run(True)
     assert seen == [1, 1, 3, 3]  # train: one graph for the 12 blocks; eval: the first's, one
     assert len(eager) == 24 * (4 * len(sites) - 2 * ("grad" in sites))  # no grads in eval
     _stat_fields_equal(eager, compiled)
@@ -944,10 +944,83 @@ def test_keys_first_seen_while_tracing_share_the_graph_from_the_next_step():
         return by_key(sink.records), seen
 
     with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
+        compiled, seen = run(True)  # first: an earlier session's keys would be assigned at attach
         eager, _ = run(False)
-        compiled, seen = run(True)
     assert seen == [2, 2, 2]  # the first block's, the shared one; nothing new later
     _stat_fields_equal(eager, compiled)
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["per-block", "whole-model"])
+def test_a_session_attached_again_runs_the_graphs_compiled_for_the_last_one(whole):
+    """A session attached for a few steps, again and again, to a compiled model (a debugging
+    window every N steps): each new session takes the ids the last one's hooks had, its
+    stats bank is passed to the traced ops as a tensor, not a constant id, and it assigns the
+    last session's keys first, so from the third session on (the second has the eval rows
+    the first made while tracing) no graph is compiled. Before, every attach compiled anew
+    and past dynamo's recompile limit the hooked model ran eagerly. Records equal eager."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*(_Block() for _ in range(6)))
+    xs = [torch.randn(4, 8, requires_grad=True) for _ in range(12)]
+    opts = ("stats", {"sites": ("output", "grad")})
+
+    def run(compiled):
+        records, seen, runs, frames = {}, [], [0], [0]
+        model = m
+        if compiled:
+            if whole:
+                model = torch.compile(m, backend=_counting_backend(runs, frames), fullgraph=True)
+            else:
+                _compile_each(m, runs, frames, fullgraph=True)
+        for i, x in enumerate(xs):
+            sink = ListSink()
+            with hookplug.attach(m, "Linear", plugins=opts, sink=sink, flush_every=1) as s:
+                for train in (True, False):
+                    m.train(train)
+                    runs[0] = 0
+                    y = model(x)
+                    if train:
+                        y.sum().backward()
+                    s.step()
+                    if compiled:  # every compiled frame ran its graph (none fell back to eager)
+                        assert runs[0] == (1 if whole else 6)
+            records.update({(i,) + k: r for k, r in by_key(sink.records).items()})
+            seen.append(frames[0])
+        _uncompile(m)
+        return records, seen
+
+    with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
+        eager, _ = run(False)
+        compiled, seen = run(True)
+    assert seen[2:] == [seen[1]] * 10, seen  # nothing compiled after the second session
+    assert len(eager) == 12 * 12 * 3  # 12 sessions x 12 Linears x (train out, grad; eval out)
+    _stat_fields_equal(eager, compiled)
+
+
+def test_a_backward_left_from_a_removed_session_records_nothing_in_the_next():
+    """A compiled forward run under one session, that session removed and another attached,
+    then the backward: the gradients belong to no live session's forward (the new session
+    never saw it), so the new session records no gradient, as in eager code."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*(_Block() for _ in range(3)))
+    x = torch.randn(4, 8, requires_grad=True)
+    opts = ("stats", {"sites": ("output", "grad")})
+    got = {}
+    for compiled in (False, True):
+        if compiled:
+            _compile_each(m, [0], [0], fullgraph=True)
+        for _ in range(2):  # the second time, the new session reuses the first's graphs
+            first = hookplug.attach(m, "Linear", plugins=opts)
+            y = m(x)
+            first.remove()
+            sink = ListSink()
+            with hookplug.attach(m, "Linear", plugins=opts, sink=sink, flush_every=1) as s:
+                y.sum().backward()
+                s.step()
+                m(x).sum().backward()  # its own step: gradients recorded
+                s.step()
+            got[compiled] = sorted((r["step"], r["site"]) for r in sink.records)
+        _uncompile(m)
+    assert got[True] == got[False] == [(1, "grad")] * 6 + [(1, "output")] * 6
 
 
 def test_rows_spread_at_compile_start_when_dynamo_is_imported_after_attach(fresh_python):
