@@ -655,6 +655,17 @@ class StatsBank:
         for dev in self._devices.values():  # after the step is pending: see _DeviceRows.lock
             dev.fold_due()
 
+    def collect_for(self, plugin, session, meta: Callable[[Tuple, int], Dict[str, Any]]
+                    ) -> Optional[List[StatsBlock]]:
+        """A producer plugin's ``hookplug_collect``: :meth:`collect`, after ending the step
+        in progress at the final flush of ``remove()``. Not for a plugin the session
+        disabled: its steps stopped at the one it failed in (never ended, so not emitted);
+        the steps it ended before still reach the sinks."""
+        if session.removed and not any(p is plugin for n, p in session.plugins.items()
+                                       if n in session.disabled):
+            self.end_step(session.step_index)
+        return self.collect(meta) or None
+
     def collect(self, meta: Callable[[Tuple, int], Dict[str, Any]]) -> List[StatsBlock]:
         """The ended steps not yet collected, one block per step and device; ``meta(key,
         step)`` describes a row."""

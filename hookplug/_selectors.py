@@ -446,14 +446,16 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
-# the child attributes of wrappers that are left out of names (FSDP1, checkpoint_wrapper)
-_WRAPPED_ATTRS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+# the child attributes of wrappers that are left out of names (FSDP1, checkpoint_wrapper,
+# torch.compile's OptimizedModule: a submodule compiled in place, ``self.net =
+# torch.compile(self.net)``, Lightning's recipe)
+_WRAPPED_ATTRS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
 
 
 def clean_name(name: str) -> str:
-    """A qualified name without the ``_fsdp_wrapped_module.`` and
-    ``_checkpoint_wrapped_module.`` segments wrappers insert."""
-    if "_wrapped_module" not in name:
+    """A qualified name without the ``_fsdp_wrapped_module.``,
+    ``_checkpoint_wrapped_module.`` and ``_orig_mod.`` segments wrappers insert."""
+    if "_wrapped_module" not in name and "_orig_mod" not in name:
         return name
     parts = [p for p in name.split(".") if p not in _WRAPPED_ATTRS]
     return ".".join(parts)

@@ -313,7 +313,10 @@ class Telemetry:
             blocks.extend(_as_blocks(name, res))
 
         try:
-            session._dispatch("hookplug_collect", step=session.step_index, on_result=take)
+            # a producer disabled by an error (on_error="warn") still hands over the steps it
+            # ended before: e.g. nonfinite="raise" failing stats at the step with the NaN
+            session._dispatch("hookplug_collect", step=session.step_index, on_result=take,
+                              include_disabled=True)
         except Exception as exc:  # noqa: BLE001 - raised after the flush (the ranks flush together)
             return blocks, exc
         except BaseException:  # Ctrl-C: what was taken waits for the next flush

@@ -490,10 +490,8 @@ class ParamsPlugin(hookplug.Plugin):
 
     @hookimpl
     def hookplug_collect(self, session, step):
-        if session.removed:
-            self.bank.end_step(session.step_index)
-        return self.bank.collect(
-            lambda key, st: {"step": st, "module": key[0], "site": key[1], "phase": "train"}) or None
+        return self.bank.collect_for(
+            self, session, lambda key, st: {"step": st, "module": key[0], "site": key[1], "phase": "train"})
 
     @hookimpl
     def hookplug_flush(self, records):

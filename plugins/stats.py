@@ -393,10 +393,8 @@ class StatsPlugin(hookplug.Plugin):
         device (rows stay on the device; telemetry drops rows no call touched). A step is
         emitted once, when it ends (``session.step()``) or at ``remove()``: flushing
         mid-step (e.g. per micro-batch) never splits a step into duplicate records."""
-        if session.removed:  # the final flush of remove(): the step still running ends here
-            self.bank.end_step(session.step_index)
-        return self.bank.collect(
-            lambda key, st: {"step": st, "module": key[0], "site": key[1], "phase": key[2]}) or None
+        return self.bank.collect_for(  # remove()'s final flush: the step still running ends
+            self, session, lambda key, st: {"step": st, "module": key[0], "site": key[1], "phase": key[2]})
 
     # -- results ----------------------------------------------------------------------------------
 

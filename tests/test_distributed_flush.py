@@ -79,9 +79,12 @@ def watch(model, state):
 
 
 def ref_stats(values):
+    """Counts over all values, extremes and moments over the finite ones (as the op)."""
     x = torch.tensor(values, dtype=torch.float64)
-    return {"numel": x.numel(), "min": float(x.min()), "max": float(x.max()),
-            "mean": float(x.mean()), "std": float(x.std(correction=0)), "zero_count": int((x == 0).sum())}
+    fin = x[torch.isfinite(x)]
+    return {"numel": x.numel(), "min": float(fin.min()), "max": float(fin.max()),
+            "mean": float(fin.mean()), "std": float(fin.std(correction=0)), "zero_count": int((x == 0).sum()),
+            "nan_count": int(torch.isnan(x).sum())}
 
 
 def key(rec):
@@ -93,16 +96,18 @@ def assert_exact(records, seen_by_rank, ranks=(0, 1)):
     for rec in records:
         values = [v for r in ranks for v in seen_by_rank[r].get(key(rec), [])]
         want = ref_stats(values)
-        for k in ("numel", "zero_count", "min", "max"):
+        for k in ("numel", "zero_count", "nan_count", "min", "max"):
             assert rec[k] == want[k], (key(rec), k, rec[k], want[k])
         for k in ("mean", "std"):
             assert math.isclose(rec[k], want[k], rel_tol=1e-6, abs_tol=1e-7), (key(rec), k, rec[k], want[k])
         edges = torch.tensor(rec["hist_edges"], dtype=torch.float64)
-        assert rec["hist"] == torch.histogram(torch.tensor(values, dtype=torch.float64), bins=edges)[0].long().tolist()
+        x = torch.tensor(values, dtype=torch.float64)
+        assert rec["hist"] == torch.histogram(x[~torch.isnan(x)], bins=edges)[0].long().tolist()
 
 
 def same_on_every_rank(res):
-    strip = lambda recs: sorted(({k: v for k, v in r.items() if k not in ("rank", "time")} for r in recs),
+    strip = lambda recs: sorted(({k: v for k, v in r.items() if k not in ("rank", "time", "first_nonfinite")}
+                                 for r in recs),
                                 key=lambda r: (r["step"], r["module"], r["phase"]))
     assert strip(res[0]["records"]) == strip(res[1]["records"])
 
@@ -177,10 +182,13 @@ def test_a_plugin_disabled_on_one_rank_does_not_hang_the_flush(tmp_path):
     seen = [r["seen"] for r in res]
     for r in res:
         outputs = [rec for rec in r["records"] if rec["site"] == "output"]
-        # rank 1's stats rows stop with its plugin (steps 0 and 1 were pending there): from
-        # then on the records are rank 0's data, still written, flush after flush
+        # rank 1's stats rows stop with its plugin: the steps it ended before (0, and 1, the
+        # NaN's step) are still flushed; from then on the records are rank 0's data, still
+        # written, flush after flush
         assert sorted({rec["step"] for rec in outputs}) == [0, 1, 2, 3, 4]
-        assert_exact(outputs, seen, ranks=(0,))
+        assert_exact([rec for rec in outputs if rec["step"] < 2], seen, ranks=(0, 1))
+        assert_exact([rec for rec in outputs if rec["step"] >= 2], seen, ranks=(0,))
+        assert all(rec["nan_count"] > 0 for rec in outputs if rec["step"] == 1)
         weights = [rec for rec in r["records"] if rec["site"] == "weight"]
         assert sorted({rec["step"] for rec in weights}) == [0, 1, 2, 3, 4]
     same_on_every_rank(res)

@@ -341,6 +341,51 @@ def test_failing_sink_is_disabled_under_warn():
     assert "broken" in s.disabled and len(good.records) == 6
 
 
+@pytest.mark.parametrize("fails_in", ["step", "forward"])
+def test_a_producer_disabled_under_warn_still_hands_over_the_steps_it_ended(fails_in):
+    """stats disabled by an error (``on_error="warn"``) with steps pending (``flush_every``
+    not reached): the steps it ended before still reach the sinks, at the next flush and at
+    ``remove()``. ``nonfinite="raise"`` failing at the NaN's step: that step too, NaN
+    counted and marked first. A forward hook failing mid-step: that step is left out (its
+    rows are partial), never emitted under a later step's number."""
+    from hookplug_plugins.stats import StatsPlugin
+
+    class FailsInForward(StatsPlugin):
+        name = "stats"
+
+        @hookplug.hookimpl
+        def hookplug_forward_output(self, ctx, module, args, kwargs, output):
+            if ctx.step == 3 and ctx.name == "fc2":
+                raise RuntimeError("broken plugin")
+            super().hookplug_forward_output(ctx, module, args, kwargs, output)
+
+    torch.manual_seed(0)
+    m = MLP()
+    plugin = StatsPlugin(nonfinite="raise") if fails_in == "step" else FailsInForward()
+    seen, state, _ = capture_outputs(m)
+    sink = ListSink()
+    with pytest.warns(RuntimeWarning, match="'stats' failed and is disabled"):
+        with hookplug.attach(m, "Linear", plugins=plugin, sink=sink, flush_every=10,
+                             on_error="warn") as s:
+            for step in range(6):
+                state["step"] = step
+                x = torch.randn(2, 32)
+                if step == 3 and fails_in == "step":
+                    x[0, 0] = math.nan
+                m(x)
+                s.step()
+    assert "stats" in s.disabled
+    recs = by_key(sink.records)
+    ended = [0, 1, 2, 3] if fails_in == "step" else [0, 1, 2]
+    assert sorted({k[0] for k in recs}) == ended
+    for (step, module, site), rec in recs.items():
+        outs = seen[(step, module)]
+        assert_record_matches(rec, torch.cat([o.reshape(-1) for o in outs]))
+    if fails_in == "step":
+        assert recs[(3, "fc1", "output")]["nan_count"] == 64
+        assert [k for k, r in recs.items() if r["first_nonfinite"]] == [(3, "fc1", "output")]
+
+
 # -- torch.compile ----------------------------------------------------------------------------------
 
 def _records_of(model, x, compiled):
@@ -994,6 +1039,43 @@ def test_a_session_attached_again_runs_the_graphs_compiled_for_the_last_one(whol
     assert seen[2:] == [seen[1]] * 10, seen  # nothing compiled after the second session
     assert len(eager) == 12 * 12 * 3  # 12 sessions x 12 Linears x (train out, grad; eval out)
     _stat_fields_equal(eager, compiled)
+
+
+class _CompiledInside(nn.Module):
+    """Lightning's recipe: a submodule compiled in place (``self.net = torch.compile(...)``)."""
+
+    def __init__(self, compiled, backend=None):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        if compiled:
+            self.net = torch.compile(self.net, backend=backend)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_a_submodule_compiled_in_place_keeps_its_names_and_is_hooked_once():
+    """``torch.compile``'s wrapper adds an ``_orig_mod`` segment to every name under it;
+    names are the eager model's (selectors written for it match, records line up), the
+    wrapper itself is not hooked beside the module it wraps (its output counted twice), and
+    records and parameter names equal eager."""
+    runs, frames = [0], [0]
+    got = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        m = _CompiledInside(compiled, _counting_backend(runs, frames))
+        assert [n for n, _ in hookplug.select(m, "*")] == ["net", "net.0", "net.1", "net.2"]
+        assert [n for n, _ in hookplug.select(m, "*:net.0", strict=True)] == ["net.0"]
+        sink = ListSink()
+        with hookplug.attach(m, "*", plugins=["stats", ("params", {"params": "*.weight"})],
+                             sink=sink, flush_every=1) as s:
+            for _ in range(2):
+                m(torch.randn(4, 8)).sum().backward()
+                s.step()
+        got[compiled] = by_key(sink.records)
+    assert frames[0] >= 1 and runs[0] == 2  # the compiled run ran compiled code
+    assert {k[1] for k in got[True]} == {"net", "net.0", "net.1", "net.2", "net.0.weight", "net.2.weight"}
+    _stat_fields_equal(got[False], got[True])
 
 
 def test_a_backward_left_from_a_removed_session_records_nothing_in_the_next():
