@@ -10,12 +10,17 @@ same model:
   forward graph (and its backward), as without hooks.
 
 For each: graphs the backend compiled, the wall time of the first training step (the
-compile) and of a later step (median), and the ratio to no hooks. One process, the
+compile) and of a later step (median), and the ratio to no hooks. Then, ``--windows N``:
+the compiled model trains without hooks and a session is attached for one step and
+removed, N times (a debugging window every few steps): the graphs compiled in windows
+after the first, and a window step's time (median over windows 2..N) against a plain
+step's; a session attached again should run the graphs compiled for the last one. One process, the
 dynamo caches reset between variants, after a one-block warm-up that pays one-time costs
 (run with ``TORCHINDUCTOR_FX_GRAPH_CACHE=0 TORCHINDUCTOR_AUTOGRAD_CACHE=0`` so that inductor
 compiles every graph rather than loading it from its cache).
 
     python benchmarks/bench_regional_compile.py [--blocks 12] [--width 256] [--backend aot_eager]
+                                                [--windows 6]
 """
 import argparse
 import statistics
@@ -76,6 +81,35 @@ def run(variant: str, args) -> dict:
     return {"graphs": graphs[0], "first": times[0], "later": statistics.median(times[1:])}
 
 
+def run_windows(args) -> dict:
+    """Plain steps on the compiled blocks, a stats session attached for one step every few."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Block(args.width) for _ in range(args.blocks)))
+    x = torch.randn(args.batch, args.seq, args.width)
+    graphs = [0]
+    backend = counting(args.backend, graphs)
+    for block in model:
+        block.compile(backend=backend)
+    plain, windows, graphs_at = [], [], []
+
+    def step(session=None):
+        t0 = time.perf_counter()
+        model(x).square().mean().backward()
+        if session is not None:
+            session.step()
+        return time.perf_counter() - t0
+
+    for _ in range(args.windows):
+        plain += [step() for _ in range(2)]
+        with hookplug.attach(model, "Linear", plugins=("stats", {"sites": ("output", "grad")})) as s:
+            windows.append(step(s))
+        graphs_at.append(graphs[0])
+    plain += [step() for _ in range(2)]
+    return {"graphs_later": graphs_at[-1] - graphs_at[0], "first": windows[0],
+            "window": statistics.median(windows[1:]), "plain": statistics.median(plain[2:])}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=12)
@@ -84,6 +118,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--backend", default="aot_eager")
+    ap.add_argument("--windows", type=int, default=6, help="debugging windows (0: none)")
     args = ap.parse_args(argv)
     print(f"regional compilation: {args.blocks} blocks x 4 Linear({args.width}), backend "
           f"{args.backend}, torch {torch.__version__}")
@@ -96,6 +131,12 @@ def main(argv=None) -> dict:
         base = results["no hooks"]
         print(f"  {variant:10s} {r['graphs']:7d} {r['first']:13.2f} {r['first'] / base['first']:6.2f} "
               f"{1e3 * r['later']:9.2f} {r['later'] / base['later']:6.2f}")
+    if args.windows > 1:
+        r = results["windows"] = run_windows(args)
+        print(f"  a session attached for 1 step, {args.windows} times: graphs compiled after the first "
+              f"window {r['graphs_later']}; first window step {r['first']:.2f} s; later window steps "
+              f"{1e3 * r['window']:.2f} ms = {r['window'] / r['plain']:.2f} x a plain step "
+              f"({1e3 * r['plain']:.2f} ms)")
     torch._dynamo.reset()
     return results
 

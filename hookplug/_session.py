@@ -158,8 +158,9 @@ class _TracedContext(HookContext):
     """A call's context inside compiled code. Nothing per module is read unless a plugin
     asks: ``name`` comes from the module's binding when read (a traced read makes the graph
     that module's own), and ``_module_tensors`` is the binding's dict of per-module tensors
-    (e.g. ``stats``' row index): dynamo passes those as graph inputs guarded by shape and
-    dtype only, so identical hooked blocks share one graph (``block.compile()``)."""
+    of the call's phase (e.g. ``stats``' row index): dynamo passes those as graph inputs
+    guarded by shape and dtype only, so identical hooked blocks share one graph
+    (``block.compile()``)."""
 
     __slots__ = ("binding", "tensors")
 
@@ -179,7 +180,7 @@ class _TracedContext(HookContext):
 
     @property
     def _module_tensors(self) -> Dict[Any, torch.Tensor]:
-        return self.binding.module_tensors if self.tensors is None else self.tensors
+        return self.binding.module_tensors[self.phase] if self.tensors is None else self.tensors
 
 
 # -- what plugins return ----------------------------------------------------------------------
@@ -471,7 +472,9 @@ class _ModuleBinding:
         self.has_post = False
         self.variants: Dict[bool, Tuple[Tuple, Tuple, Tuple]] = {}
         self._pending: List[HookContext] = []  # pushed by pre_hook, popped by post_hook
-        self.module_tensors: Dict[Any, torch.Tensor] = {}  # see _TracedContext
+        # per phase (see _TracedContext): a graph guards on the table it reads, so the eval
+        # rows made after the first eval pass must not change the training graph's table
+        self.module_tensors: Dict[str, Dict[Any, torch.Tensor]] = {"train": {}, "eval": {}}
 
     def _new_ctx(self, module, compiling: bool) -> HookContext:
         """A call's context. Inside compiled code nothing Python-side that changes per call
@@ -657,7 +660,7 @@ class _ModuleBinding:
             return output
         if not _plain_container(output):
             return None
-        table = self.module_tensors
+        table = self.module_tensors[ctx.phase]
         keys, tensors = tuple(table), tuple(table.values())
         wrapped = [(t, _GradSite.apply(t, functools.partial(self._grad_hooks, ctx, module, paths, keys),
                                        *tensors))
@@ -1346,10 +1349,11 @@ class Session:
                 pb.hook()
         return max(forwards.values(), default=0)
 
-    def _module_tensors_of(self, name: str) -> Optional[Dict[Any, torch.Tensor]]:
-        """The per-module tensor table of hooked module ``name`` (see ``_TracedContext``)."""
+    def _module_tensors_of(self, name: str, phase: str) -> Optional[Dict[Any, torch.Tensor]]:
+        """The per-module tensor table of hooked module ``name`` in ``phase`` (see
+        ``_TracedContext``)."""
         binding = self._bindings.get(name)
-        return None if binding is None else binding.module_tensors
+        return None if binding is None else binding.module_tensors.get(phase)
 
     def _keep_handle(self, module: nn.Module, handle) -> None:
         """Keep ``handle`` for ``remove()``; copies and pickles of ``module`` leave its hook out."""

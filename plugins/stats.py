@@ -285,8 +285,11 @@ class StatsPlugin(hookplug.Plugin):
         for name in self._module_order:
             for site in self.sites:
                 self.bank.row_of((name, first_path[site], "train"))
-        self.bank.reserve(2 * len(self.bank.keys) + 64)  # no growth while compiled code traces
-        self.bank.set_tables(lambda key: session._module_tensors_of(key[0]),
+        # no growth while compiled code traces: room for each (module, path)'s rows in both
+        # phases and 64 more (counted by pairs: the same room, so the same bank shape, when
+        # the last session's eval keys were assigned above)
+        self.bank.reserve(2 * len({key[:2] for key in self.bank.keys}) + 64)
+        self.bank.set_tables(lambda key: session._module_tensors_of(key[0], key[2]),
                              functools.partial(self._before_trace, session),
                              tag=tag)
         model = session.model
@@ -319,21 +322,27 @@ class StatsPlugin(hookplug.Plugin):
             self._check_nonfinite(ended if ended is not before else None)
 
     def _before_trace(self, session) -> None:
-        """Dynamo starts compiling a frame: a key an earlier trace met (an eval pass, an
-        output tuple's ``output[1]``) gets its row for every hooked module of the same class
-        too, and the row tensors are made, so the traces of the other identical blocks find
-        them and share one graph (only the first block's is its own)."""
-        keys, done = self.bank.keys, self._spread_done
-        if done < len(keys):
+        """Dynamo starts compiling a frame: every key gets its twin in the other phase (the
+        training keys' eval rows exist before the first eval pass is traced, so it traces
+        once, as without hooks: compiled users only pay for those rows), and a key an
+        earlier trace met (an output tuple's ``output[1]``) gets its row for every hooked
+        module of the same class too; then the row tensors are made, so the traces of the
+        other identical blocks find them and share one graph (only the first block's is its
+        own)."""
+        keys = self.bank.keys
+        if self._spread_done < len(keys):
             kinds: Dict[type, List[str]] = {}
             for name, module in session.modules_of(self).items():
                 kinds.setdefault(type(module), []).append(name)
             of_name = {n: names for names in kinds.values() for n in names}
-            for name, path, phase in keys[done:]:
-                for other in of_name.get(name, ()):
-                    self.bank.row_of((other, path, phase))
-            self._spread_done = len(keys)
-        self._grad_rows()
+            while self._spread_done < len(keys):  # the keys made here are spread too
+                batch = keys[self._spread_done:]
+                self._spread_done += len(batch)
+                for name, path, _ in batch:
+                    for other in of_name.get(name, ()):
+                        for phase in _PHASES:
+                            self.bank.row_of((other, path, phase))
+                self._grad_rows()
         self.bank.make_row_tensors(at_compile_start=True)
 
     def _grad_rows(self) -> None:

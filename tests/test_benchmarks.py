@@ -47,8 +47,10 @@ def test_telemetry_breakdown_runs_every_layer(capsys):
 
 def test_bench_regional_compile_stats_compiles_the_graphs_of_no_hooks(capsys):
     """Six blocks compiled one by one: with stats on every Linear (outputs and gradients)
-    the backend compiles as many graphs as without hooks (blocks share them)."""
+    the backend compiles as many graphs as without hooks (blocks share them); sessions
+    attached again for one step compile nothing after the first."""
     res = _load("bench_regional_compile").main(["--blocks", "6", "--width", "32", "--seq", "8",
-                                                "--steps", "2"])
+                                                "--steps", "2", "--windows", "3"])
     assert res["stats"]["graphs"] == res["no hooks"]["graphs"] <= 2
+    assert res["windows"]["graphs_later"] == 0
     assert "no hooks" in capsys.readouterr().out

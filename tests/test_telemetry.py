@@ -907,11 +907,10 @@ def test_regional_compilation_of_hooked_blocks_shares_one_graph(sites):
     compilation) under ``fullgraph=True``: the hooked blocks share one forward graph (the
     traced hooks read no per-module constant: the hook ids are the session's, the row
     index is a per-module tensor passed as a graph input, ``ctx.name`` is never read); with
-    output gradients the shared backward graph measures each block into its own rows. Eval
-    keys get their rows when first seen: the first block's eval trace uses constant rows (a
-    graph of its own); when dynamo starts the next block's, every block gets the eval rows
-    and their tensors, so the other 11 share one eval graph. Records equal eager, train and
-    eval."""
+    output gradients the shared backward graph measures each block into its own rows. The
+    eval rows and their tensors are made when dynamo starts the first trace (each training
+    key's twin), so the first eval pass compiles one graph for the 12 blocks, as without
+    hooks (the module's ``training`` flag is guarded). Records equal eager, train and eval."""
     torch.manual_seed(0)
     m = nn.Sequential(*(_Block() for _ in range(12)))
     x = torch.randn(4, 8, requires_grad=True)
@@ -938,7 +937,7 @@ def test_regional_compilation_of_hooked_blocks_shares_one_graph(sites):
     with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
         compiled, seen = run(True)  # first: an earlier session's keys would be assigned at attach
         eager, _ = run(False)
-    assert seen == [1, 1, 3, 3]  # train: one graph for the 12 blocks; eval: the first's, one
+    assert seen == [1, 1, 2, 2]  # train: one graph for the 12 blocks; eval: one more
     assert len(eager) == 24 * (4 * len(sites) - 2 * ("grad" in sites))  # no grads in eval
     _stat_fields_equal(eager, compiled)
 
@@ -1000,9 +999,9 @@ def test_a_session_attached_again_runs_the_graphs_compiled_for_the_last_one(whol
     """A session attached for a few steps, again and again, to a compiled model (a debugging
     window every N steps): each new session takes the ids the last one's hooks had, its
     stats bank is passed to the traced ops as a tensor, not a constant id, and it assigns the
-    last session's keys first, so from the third session on (the second has the eval rows
-    the first made while tracing) no graph is compiled. Before, every attach compiled anew
-    and past dynamo's recompile limit the hooked model ran eagerly. Records equal eager."""
+    last session's keys first (into a bank of the same shape), so from the second session
+    on no graph is compiled. Before, every attach compiled anew and past dynamo's recompile
+    limit the hooked model ran eagerly. Records equal eager."""
     torch.manual_seed(0)
     m = nn.Sequential(*(_Block() for _ in range(6)))
     xs = [torch.randn(4, 8, requires_grad=True) for _ in range(12)]
@@ -1036,8 +1035,46 @@ def test_a_session_attached_again_runs_the_graphs_compiled_for_the_last_one(whol
     with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
         eager, _ = run(False)
         compiled, seen = run(True)
-    assert seen[2:] == [seen[1]] * 10, seen  # nothing compiled after the second session
+    assert seen[1:] == [seen[0]] * 11, seen  # nothing compiled after the first session
     assert len(eager) == 12 * 12 * 3  # 12 sessions x 12 Linears x (train out, grad; eval out)
+    _stat_fields_equal(eager, compiled)
+
+
+def test_evaluations_between_compiled_training_steps_compile_no_graph_more_than_without_hooks():
+    """A compiled model trained with stats on outputs and gradients, evaluated (eval mode,
+    no_grad) after steps 1 and 3: as many graphs as without hooks. Before, the first
+    evaluation's rows changed the table the training graph's grad sites guard on (the
+    training frame compiled again at the next step), and the first evaluation traced
+    with constant rows (one more graph at the second). Records equal eager."""
+    def run(hooked, compiled):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        runs, frames, seen = [0], [0], []
+        model = torch.compile(net, backend=_counting_backend(runs, frames)) if compiled else net
+        sink = ListSink()
+        s = hookplug.attach(net, "Linear", plugins=("stats", {"sites": ("output", "grad")}),
+                            sink=sink, flush_every=1) if hooked else None
+        x = torch.randn(4, 8)
+        for step in range(6):
+            model(x).sum().backward()
+            if step in (1, 3):
+                net.eval()
+                with torch.no_grad():
+                    model(x)
+                net.train()
+            if s:
+                s.step()
+            seen.append(frames[0])
+        if s:
+            s.remove()
+        torch._dynamo.reset()
+        return seen, {(r["step"], r["module"], r["site"], r["phase"]): r for r in sink.records}
+
+    plain, _ = run(False, True)
+    hooked, compiled = run(True, True)
+    _, eager = run(True, False)
+    assert hooked == plain == [1, 2, 2, 2, 2, 2]
+    assert len(eager) == 6 * 2 * 2 + 2 * 2  # steps x Linears x (output, grad); the evals' outputs
     _stat_fields_equal(eager, compiled)
 
 
@@ -1107,8 +1144,9 @@ def test_a_backward_left_from_a_removed_session_records_nothing_in_the_next():
 
 def test_rows_spread_at_compile_start_when_dynamo_is_imported_after_attach(fresh_python):
     """Attached before torch._dynamo was imported (a fresh process): the compile-start
-    callback that spreads first-seen keys to the identical blocks is registered by the
-    import hook, so an eval pass before any step compiles two graphs, not one per block."""
+    callback that gives the training keys their eval twins (and spreads first-seen keys to
+    the identical blocks) is registered by the import hook, so an eval pass before any step
+    compiles one graph, not one per block."""
     last = fresh_python(
         "import sys, torch, torch.nn as nn, hookplug\n"
         "class B(nn.Module):\n"
@@ -1129,7 +1167,7 @@ def test_rows_spread_at_compile_start_when_dynamo_is_imported_after_attach(fresh
         "for _ in range(2):\n"
         "    m(x); s.step(); seen.append(frames[0])\n"
         "print(seen)\n")
-    assert last == "[2, 2]"  # the first block's graph and the shared one
+    assert last == "[1, 1]"  # one graph for the 6 blocks (without the callback: 6, then 7)
 
 
 class _NamedScale(hookplug.Plugin):
