@@ -10,7 +10,9 @@ same model:
   forward graph (and its backward), as without hooks.
 
 For each: graphs the backend compiled, the wall time of the first training step (the
-compile) and of a later step (median), and the ratio to no hooks. Then, ``--windows N``:
+compile) and of a later step (median), and the ratio to no hooks (after a one-block run of
+each, which pays one-time costs: imports, the backend's first compile, plugin loading).
+Then, ``--windows N``:
 the compiled model trains without hooks and a session is attached for one step and
 removed, N times (a debugging window every few steps): the graphs compiled in windows
 after the first, and a window step's time (median over windows 2..N) against a plain
@@ -124,7 +126,8 @@ def main(argv=None) -> dict:
           f"{args.backend}, torch {torch.__version__}")
     print(f"  {'variant':10s} {'graphs':>7s} {'first step s':>13s} {'ratio':>6s} {'later ms':>9s} {'ratio':>6s}")
     # one-time costs (imports, the backend's first compile) are paid before timing anything
-    run("no hooks", argparse.Namespace(**{**vars(args), "blocks": 1, "steps": 2}))
+    for variant in ("no hooks", "stats"):  # (the first attach loads plugins, registers ops)
+        run(variant, argparse.Namespace(**{**vars(args), "blocks": 1, "steps": 2}))
     results = {}
     for variant in ("no hooks", "stats"):
         r = results[variant] = run(variant, args)
