@@ -901,7 +901,7 @@ def _stat_fields_equal(e, c):
             assert math.isclose(e[k][f], c[k][f], rel_tol=1e-6, abs_tol=1e-12), (k, f)
 
 
-@pytest.mark.parametrize("sites", [("input", "output"), ("output", "grad")])
+@pytest.mark.parametrize("sites", [("input", "output"), ("output", "grad"), ("grad",)])
 def test_regional_compilation_of_hooked_blocks_shares_one_graph(sites):
     """Each of 12 identical blocks compiled on its own (``block.compile()``, regional
     compilation) under ``fullgraph=True``: the hooked blocks share one forward graph (the
