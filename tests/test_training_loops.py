@@ -4,6 +4,7 @@ Lightning and 🤗 Trainer runs on CPU with tiny models."""
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 
 import pytest
@@ -1077,3 +1078,50 @@ def test_lightning_resumed_run_samples_by_the_logged_step(tmp_path, manual):
                **_LIGHTNING_QUIET).fit(make(pl), data, ckpt_path=str(path))
     assert logger.steps == [3, 4, 5, 6, 7]
     assert sorted({r["step"] for r in sink.records}) == [4, 6]
+
+
+def test_lightning_compiled_submodule_second_fit_compiles_nothing(fresh_python):
+    """Lightning's recipe ``self.net = torch.compile(self.net)``, the sanity check on, fit
+    twice (a fresh process: dynamo's hook guards not switched on yet). The callback switches
+    the guards on when it is made, so the sanity check's graph is kept when training
+    attaches, and the second fit (sanity check, a new session, validation) runs the graphs
+    of the first: nothing compiles. Before, the first attach dropped the sanity check's
+    code and the second fit compiled it again."""
+    pytest.importorskip("lightning.pytorch")
+    last = fresh_python(
+        "import warnings, torch, torch.nn as nn\n"
+        "import lightning.pytorch as pl\n"
+        "from hookplug.integrations.lightning import HookplugCallback\n"
+        "warnings.simplefilter('ignore')\n"
+        "graphs = [0]\n"
+        "def backend(gm, inputs):\n"
+        "    graphs[0] += 1\n"
+        "    return gm.forward\n"
+        "class M(pl.LightningModule):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.net = torch.compile(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)),\n"
+        "                                 backend=backend)\n"
+        "    def training_step(self, b, i):\n"
+        "        return nn.functional.mse_loss(self.net(b[0]), b[1])\n"
+        "    def validation_step(self, b, i):\n"
+        "        self.log('val', nn.functional.mse_loss(self.net(b[0]), b[1]))\n"
+        "    def configure_optimizers(self):\n"
+        "        return torch.optim.SGD(self.parameters(), lr=0.1)\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "data = torch.utils.data.TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 4, generator=g))\n"
+        "dl = lambda: torch.utils.data.DataLoader(data, batch_size=4)\n"
+        "cb = HookplugCallback('Linear', [('stats', {'sites': ('output', 'grad')})])\n"
+        "trainer = pl.Trainer(max_steps=4, accelerator='cpu', logger=False, enable_checkpointing=False,\n"
+        "                     enable_progress_bar=False, enable_model_summary=False, callbacks=[cb],\n"
+        "                     val_check_interval=2, limit_val_batches=2, num_sanity_val_steps=2)\n"
+        "model = M()\n"
+        "trainer.fit(model, dl(), dl())\n"
+        "first = graphs[0]\n"
+        "assert sorted(cb.session.results()['stats']) == ['net.0', 'net.2']\n"
+        "trainer.fit_loop.epoch_loop.max_steps = 8\n"
+        "trainer.fit(model, dl(), dl())\n"
+        "assert cb.session.removed and trainer.global_step == 8\n"
+        "print([first, graphs[0]])\n")
+    first, second = json.loads(last)
+    assert second == first  # the second fit compiled nothing

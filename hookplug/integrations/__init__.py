@@ -64,6 +64,16 @@ def _sink_with_writer(sink: Any, writer: Any) -> Tuple[Any, bool]:
     return fix(sink), used
 
 
+def _guard_hooks_from_now() -> None:
+    """Switch dynamo's module-hook guards on when a callback is made, not at the attach of
+    training start: the switch drops the code compiled before it (it has no hook guards),
+    and a trainer compiles before training starts (Lightning's sanity check), so each later
+    hook-free pass (validation after fit, a second fit's sanity check) would compile again."""
+    from hookplug._session import _guard_module_hooks
+
+    _guard_module_hooks()
+
+
 def _check_attach_kwargs(kwargs: Dict[str, Any]) -> Dict[str, Any]:
     if "start_step" in kwargs:
         raise TypeError("start_step= is not a callback option: the callback numbers the steps "

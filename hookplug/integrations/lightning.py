@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 from hookplug._optional import optional_import
 
-from . import _attach_kwargs_with_writer, _check_attach_kwargs, _PendingStep
+from . import _attach_kwargs_with_writer, _check_attach_kwargs, _guard_hooks_from_now, _PendingStep
 
 try:  # the unified package first, then the standalone one
     import lightning.pytorch as _pl
@@ -97,6 +97,7 @@ class HookplugCallback(_pl.Callback):
         self.selector = selector
         self.plugins = plugins
         self.attach_kwargs = _check_attach_kwargs(attach_kwargs)
+        _guard_hooks_from_now()
         self.session = None
         self._steps = _PendingStep()
         self._seen_global_step = 0

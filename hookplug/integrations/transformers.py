@@ -46,7 +46,7 @@ from typing import Any
 
 from hookplug._optional import optional_import
 
-from . import _check_attach_kwargs, _PendingStep
+from . import _check_attach_kwargs, _guard_hooks_from_now, _PendingStep
 
 (_trainer_callback,) = optional_import("transformers.trainer_callback",
                                        feature="hookplug.integrations.transformers",
@@ -95,6 +95,7 @@ class HookplugTrainerCallback(_trainer_callback.TrainerCallback):
         self.selector = selector
         self.plugins = plugins
         self.attach_kwargs = _check_attach_kwargs(attach_kwargs)
+        _guard_hooks_from_now()
         self.session = None
         self._steps = _PendingStep()
         _guard_trainer_train()
