@@ -414,7 +414,8 @@ class StatsBank:
         self.pending: List[Tuple[int, Dict[torch.device, torch.Tensor]]] = []
         self.id = next(_bank_ids)  # what stats_accumulate_by_key finds it by (see prepare)
         # the id as the by-row op takes it (a graph input: see accumulate_by_row_op)
-        self.token = torch.tensor([self.id], dtype=torch.int64)
+        with torch.inference_mode(False):  # saved for backward: never an inference tensor
+            self.token = torch.tensor([self.id], dtype=torch.int64)
         self.tag = who  # a key's row tensor is kept under it (see _table_entry)
 
     # -- rows --------------------------------------------------------------------------------

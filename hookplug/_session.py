@@ -807,22 +807,26 @@ class _HookFreeState:
         return state
 
 
-# the (pre, post) hook ids of removed sessions, for the next session to take: a module
-# compiled with a session's hooks guards on their ids, so a session attached again gets
-# the same ids and runs the graphs compiled for the last one (no recompile per attach)
-_FREE_HOOK_IDS: List[Tuple[int, int]] = []
+# The (pre, post) hook ids of a model's sessions, in attach order, each True while free (its
+# session removed): a module compiled with a session's hooks guards on their ids, so a
+# session attached again must get the same ids to run the graphs compiled for the last one
+# (no recompile per attach). A model's session takes the first free pair of that model (two
+# sessions alive together keep theirs whatever order they are removed in), else fresh ids:
+# never another model's (that model's next session would find them taken).
+_HOOK_IDS_OF: "weakref.WeakKeyDictionary[nn.Module, Dict[Tuple[int, int], bool]]" = weakref.WeakKeyDictionary()
 
 
-def _new_hook_ids() -> Tuple[int, int]:
-    """Two ids from torch's hook-handle counter that no live handle has: a removed session's
-    (its hooks are off every module), else fresh ones."""
-    try:
-        return _FREE_HOOK_IDS.pop()
-    except IndexError:
-        pass
-    first = RemovableHandle.next_id
-    RemovableHandle.next_id = first + 2
-    return first, first + 1
+def _new_hook_ids(model: nn.Module) -> Tuple[Tuple[int, int], Dict[Tuple[int, int], bool]]:
+    """Two ids from torch's hook-handle counter that no live handle has, and the table of
+    ``model``'s pairs to give them back to (see _HOOK_IDS_OF)."""
+    pairs = _HOOK_IDS_OF.setdefault(model, {})
+    ids = next((pair for pair, free in pairs.items() if free), None)
+    if ids is None:
+        first = RemovableHandle.next_id
+        RemovableHandle.next_id = first + 2
+        ids = (first, first + 1)
+    pairs[ids] = False
+    return ids, pairs
 
 
 def _shared_id(handle, hook_id: int):
@@ -952,7 +956,9 @@ class Session:
         self._param_bindings: Dict[str, _ParamBinding] = {}
         self._handles: List[Any] = []
         self._guarded: List[Tuple[weakref.ref, int]] = []  # (module, hook id) left out of copies
-        self._hook_ids = _new_hook_ids()  # (pre, post): one id for every module (see _shared_id)
+        self._hook_ids: Optional[Tuple[int, int]] = None  # (pre, post): one id for every module
+        # (see _shared_id), taken by _bind from its model's pairs, given back at remove()
+        self._hook_ids_of_model: Dict[Tuple[int, int], bool] = {}
         self._call_order: Dict[str, List[_Entry]] = {}  # hook name -> entries, in call order
         self._recompute = RecomputeMatcher()  # reentrant checkpoints' recomputes -> their calls
         from ._telemetry import Telemetry, new_run_id
@@ -1189,7 +1195,9 @@ class Session:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        _FREE_HOOK_IDS.append(self._hook_ids)  # no module holds a hook under them now
+        if self._hook_ids is not None:  # no module holds a hook under them now
+            self._hook_ids_of_model[self._hook_ids] = True
+            self._hook_ids = None
         for module_ref, hook_id in self._guarded:
             module = module_ref()
             if module is not None:
@@ -1308,6 +1316,7 @@ class Session:
         """Resolve the plugins' hooks and put the torch hooks on the modules; returns the
         most hooked modules that share one forward code (a repeated block's layers)."""
         self._resolve_hooks()
+        self._hook_ids, self._hook_ids_of_model = _new_hook_ids(model)
         mods = dict(named_modules(model))
         for name in self._module_refs:
             self._bindings[name] = _ModuleBinding(name, self)

@@ -197,6 +197,13 @@ class _Flight:
             self.event.synchronize()
 
 
+def _collects(session, plugin) -> bool:
+    """Whether ``plugin``'s ``hookplug_collect`` is called: live, or disabled and set
+    ``collect_when_disabled`` (it then hands over only what it had finished before)."""
+    entry = session._entry_of.get(id(plugin))
+    return entry is None or entry.disabled is None or getattr(plugin, "collect_when_disabled", False)
+
+
 class Telemetry:
     """Per-session flush state: flushes in flight, step end times, and under torch.distributed
     the layout the ranks agreed on (see :class:`_Layouts`)."""
@@ -313,10 +320,11 @@ class Telemetry:
             blocks.extend(_as_blocks(name, res))
 
         try:
-            # a producer disabled by an error (on_error="warn") still hands over the steps it
-            # ended before: e.g. nonfinite="raise" failing stats at the step with the NaN
+            # a producer disabled by an error (on_error="warn") that sets collect_when_disabled
+            # still hands over the steps it ended before (e.g. nonfinite="raise" failing stats
+            # at the step with the NaN); others are not asked again
             session._dispatch("hookplug_collect", step=session.step_index, on_result=take,
-                              include_disabled=True)
+                              include_disabled=True, skip=lambda plugin: not _collects(session, plugin))
         except Exception as exc:  # noqa: BLE001 - raised after the flush (the ranks flush together)
             return blocks, exc
         except BaseException:  # Ctrl-C: what was taken waits for the next flush

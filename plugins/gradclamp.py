@@ -41,6 +41,7 @@ import torch
 import hookplug
 from hookplug import hookimpl
 from hookplug._func import is_batched
+from hookplug._selectors import named_parameters
 
 __all__ = ["GradClampPlugin"]
 
@@ -188,7 +189,7 @@ class GradClampPlugin(hookplug.Plugin):
         names = set()
         if model is not None:
             ids = {id(p) for m in session.modules_of(self).values() for p in m.parameters()}
-            names = {n for n, p in model.named_parameters() if id(p) in ids}
+            names = {n for n, p in named_parameters(model) if id(p) in ids}  # as the hooks name them
         if not any(self._matches(n) for n in names):
             warnings.warn(
                 f"hookplug plugin 'gradclamp': params={list(self.params)!r} matches no parameter "

@@ -169,6 +169,7 @@ class ParamsPlugin(hookplug.Plugin):
 
     name = "params"
     sampled = False  # sampling is the bank's gate
+    collect_when_disabled = True  # its bank hands over only the steps ended before (collect_for)
     all_ranks = True  # hookplug_flush adds update_to_weight to every rank's records
     decorates_records = True  # ... which makes it no sink: session.has_sinks ignores it
 

@@ -113,6 +113,7 @@ class StatsPlugin(hookplug.Plugin):
 
     name = "stats"  # sampled (every=N): unbound on unsampled steps in eager code; in
     # compiled code (always bound) the bank's device gate skips them
+    collect_when_disabled = True  # its bank hands over only the steps ended before (collect_for)
 
     def __init__(
         self,

@@ -110,6 +110,25 @@ def test_select_a_factory_from_a_file_and_from_a_module(tmp_path, call):
     assert names == ["fc"]
 
 
+def test_select_names_a_submodule_compiled_in_place_as_the_plain_model(tmp_path, call):
+    """``self.net = torch.compile(self.net)``: the tree and names have no ``_orig_mod``
+    segment (they are select()'s names; the tree used to look them up in the raw
+    ``named_modules()`` and raised KeyError)."""
+    (tmp_path / "compiledmod.py").write_text(
+        "import torch, torch.nn as nn\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.net = torch.compile(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)))\n"
+        "    def forward(self, x):\n"
+        "        return self.net(x)\n")
+    out = ok(run("select", "compiledmod.py:M", "Linear", "--plain", cwd=tmp_path)).stdout
+    assert re.search(r"0\s+Linear\s+40\b", out) and re.search(r"2\s+Linear\s+27\b", out), out
+    assert "_orig_mod" not in out and "2 of 5 modules match 'Linear'" in out, out
+    names = ok(run("select", "compiledmod.py:M", "Linear", "--names", cwd=tmp_path)).stdout.split()
+    assert names == ["net.0", "net.2"]
+
+
 # -- profile ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -311,6 +311,28 @@ def test_a_removed_sessions_hook_ids_go_to_the_next_session_never_to_two_live_on
     user.remove()
 
 
+def test_sessions_attached_again_get_their_model_ids_back_whatever_the_order_or_failures():
+    """Two sessions alive together, removed in either order: attached again in the same
+    order they get the same ids (the graphs compiled for them guard on them); a failed
+    attach takes none away; another model's session does not take this model's ids."""
+    model, other = MLP(), MLP()
+
+    def ids(module):
+        return list(module._forward_pre_hooks), list(module._forward_hooks)
+
+    seen = []
+    for first_out in (0, 1, 0):
+        pair = [hookplug.attach(model, "Linear", plugins=Counting()) for _ in range(2)]
+        seen.append(ids(model.fc1))
+        with pytest.raises(PluginError):
+            hookplug.attach(model, "Linear", plugins="no-such-plugin")
+        pair[first_out].remove()
+        pair[1 - first_out].remove()
+        with hookplug.attach(other, "Linear", plugins=Counting()):
+            assert not set(ids(other.fc1)[0]) & set(seen[0][0])  # fresh ids: none of model's
+    assert seen[1] == seen[0] and seen[2] == seen[0]
+
+
 def test_a_session_gives_its_hooks_one_id_for_every_module_and_no_other_handle_gets_it():
     """Every module's forward hook of a session has the same id (likewise its pre hooks: a
     traced call guards on the ids, see regional compilation), an id no other handle gets;

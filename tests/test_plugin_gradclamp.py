@@ -321,3 +321,28 @@ def test_report():
 def test_bad_options(opts, match):
     with pytest.raises(PluginError, match=match):
         hookplug.attach(MLP(), "Linear", plugins=("gradclamp", opts))
+
+
+def test_params_glob_names_a_submodule_compiled_in_place_as_the_plain_model():
+    """``self.net = torch.compile(self.net)``: the ``params`` glob matches the names the
+    hooks use (no ``_orig_mod`` segment): ``net.0.weight`` is steered without a
+    "matches no parameter" warning."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.compile(nn.Sequential(nn.Linear(8, 4)), backend="eager")
+
+        def forward(self, x):
+            return self.net(x)
+
+    torch.manual_seed(0)
+    m = M()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "matches no parameter"
+        s = hookplug.attach(m, "*", plugins=("gradclamp", {"min": 0, "max": 0, "params": "net.0.weight"}))
+    with s:
+        m(torch.randn(2, 8)).sum().backward()
+    fc = m.net._orig_mod[0]
+    assert torch.count_nonzero(fc.weight.grad) == 0
+    assert torch.count_nonzero(fc.bias.grad) == 4
+    assert s["gradclamp"].results() == {"net.0.weight": {"changed": 32}}

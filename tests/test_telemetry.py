@@ -386,6 +386,37 @@ def test_a_producer_disabled_under_warn_still_hands_over_the_steps_it_ended(fail
         assert [k for k, r in recs.items() if r["first_nonfinite"]] == [(3, "fc1", "output")]
 
 
+def test_a_third_party_producer_disabled_under_warn_is_not_asked_again():
+    """A producer without ``collect_when_disabled`` that fails is not collected from again:
+    its records stop at the last flush before the error (none later, none twice)."""
+    class WeightWatch:
+        name = "watch"
+
+        def __init__(self, w):
+            self.w = w
+
+        @hookplug.hookimpl
+        def hookplug_forward_output(self, ctx, output):
+            if ctx.step == 2:
+                raise RuntimeError("broken")
+
+        @hookplug.hookimpl
+        def hookplug_collect(self, session, step):
+            return [({"step": step, "module": "fc", "site": "weight"},
+                     hookplug.ops.tensor_stats(self.w.detach(), bins=0))]
+
+    m = nn.Sequential(nn.Linear(4, 4))
+    sink = ListSink()
+    with pytest.warns(RuntimeWarning, match="'watch' failed and is disabled"):
+        with hookplug.attach(m, "Linear", plugins=WeightWatch(m[0].weight), sink=sink,
+                             flush_every=1, on_error="warn") as s:
+            for _ in range(5):
+                m(torch.randn(2, 4))
+                s.step()
+    assert list(s.disabled) == ["watch"]
+    assert [r["step"] for r in sink.records] == [1, 2]  # collected at the ends of steps 0 and 1
+
+
 # -- torch.compile ----------------------------------------------------------------------------------
 
 def _records_of(model, x, compiled):
@@ -1076,6 +1107,31 @@ def test_evaluations_between_compiled_training_steps_compile_no_graph_more_than_
     assert hooked == plain == [1, 2, 2, 2, 2, 2]
     assert len(eager) == 6 * 2 * 2 + 2 * 2  # steps x Linears x (output, grad); the evals' outputs
     _stat_fields_equal(eager, compiled)
+
+
+def test_attached_under_inference_mode_then_compiled_training_measures_gradients():
+    """Attached inside ``torch.inference_mode()`` (from an evaluation callback), then
+    compiled training with the grad site: nothing the bank saves for backward is an
+    inference tensor (the bank's token was: "Inference tensors cannot be saved for
+    backward"). Records equal eager."""
+    got = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        m = nn.Sequential(*(_Block() for _ in range(2)))
+        run = torch.compile(m, backend="aot_eager") if compiled else m
+        sink = ListSink()
+        with torch.inference_mode():
+            s = hookplug.attach(m, "Linear", plugins=("stats", {"sites": ("output", "grad")}),
+                                sink=sink, flush_every=1)
+        x = torch.randn(2, 8, requires_grad=True)
+        for _ in range(2):
+            run(x).sum().backward()
+            s.step()
+        s.remove()
+        torch._dynamo.reset()
+        got[compiled] = by_key(sink.records)
+    assert len(got[False]) == 2 * 4 * 2  # steps x Linears x (output, grad)
+    _stat_fields_equal(got[False], got[True])
 
 
 class _CompiledInside(nn.Module):

@@ -498,7 +498,10 @@ def selection_lines(model, names: Sequence[str], file=None) -> List[Tuple[str, s
         parts = n.split(".") if n else []
         for i in range(1, len(parts) + 1):
             include.add(".".join(parts[:i]))
-    mods = dict(model.named_modules())
+    from hookplug._selectors import named_modules, unwrap_model
+
+    model = unwrap_model(model)
+    mods = dict(named_modules(model))  # the names select() gives (no wrapper segments)
     children: Dict[str, List[str]] = {}
     for n in mods:
         if n in include and n != "":
@@ -529,10 +532,13 @@ def selection_lines(model, names: Sequence[str], file=None) -> List[Tuple[str, s
 def print_selection(model, label: str, selector: str, names: Sequence[str], use_rich: bool = True,
                     file=None) -> None:
     """The tree of matched modules with class names and parameter counts."""
+    from hookplug._selectors import named_modules, unwrap_model
+
     lines = selection_lines(model, names, file)
-    total_modules = sum(1 for _ in model.modules())
+    model = unwrap_model(model)
+    mods = dict(named_modules(model))  # the names select() gives (no wrapper segments)
+    total_modules = len(mods)
     top = _top_level(list(names))
-    mods = dict(model.named_modules())
     top_params = sum(p.numel() for n in top for p in mods[n].parameters())
     head = f"{type(model).__name__}" + (f" ({label})" if label != type(model).__name__ else "")
     summary = (f"{len(names)} of {total_modules} modules match {selector!r} · "
