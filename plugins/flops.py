@@ -23,7 +23,10 @@ convolutions, attention kernels: the formulas ``FlopCounterMode`` uses) adds
 under ``inference_mode``) is counted through its decomposition, but only when its
 decomposition is the kernel torch would run anyway: unlike ``FlopCounterMode``, an op with a
 kernel of its own (``silu_backward``, ``gelu_backward``, ...) runs that kernel, so results
-and gradients are bitwise those of the model without the plugin.
+and gradients are bitwise those of the model without the plugin (in eager code; under
+``torch.compile`` the plugin is ``traceable = False``: its hooks run outside the graph, a
+graph break per hooked call, so the compiled graphs are split there and their numerics are
+those of the split graphs; ``fullgraph=True`` refuses it with an error naming the plugin).
 
 Beyond ``torch.utils.flop_counter`` (``extra_formulas=True``): attention kernels that torch
 runs but its registry has no formula for get the formula of the other SDPA kernels:
@@ -502,6 +505,10 @@ class FlopsPlugin(hookplug.Plugin):
     See the module docstring for what is counted, the windows and the options."""
 
     name = "flops"
+    # per-call Python state (windows, the mode stack, the autograd graph task): under
+    # torch.compile its hooks run as in eager code, a graph break per hooked call (traced,
+    # dynamo broke the graph inside them anyway, and fullgraph=True failed with its own error)
+    traceable = False
 
     def __init__(self, *, formulas: Optional[Dict[Any, Callable]] = None,
                  extra_formulas: bool = True):

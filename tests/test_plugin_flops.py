@@ -417,3 +417,49 @@ def test_uncounted_classified_from_tags_and_schemas():
         tags = {t for ov in packet.overloads() for t in getattr(packet, ov).tags}
         assert not tags & {torch.Tag.view_copy, torch.Tag.nondeterministic_seeded,
                            torch.Tag.data_dependent_output, torch.Tag.inplace_view}, name
+
+
+class _Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+                                    for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return x
+
+
+@pytest.mark.parametrize("how", ["whole", "per-block"])
+def test_flops_under_torch_compile_equal_eager_and_the_flop_counter(how):
+    """flops keeps Python state per call (traceable = False): under torch.compile its hooks
+    run outside the graph and count what eager code counts, forward and backward, equal to
+    FlopCounterMode; fullgraph=True refuses with an error naming the plugin (it failed
+    inside dynamo with one that did not)."""
+    torch.manual_seed(0)
+    base, x = _Blocks(), torch.randn(8, 16)
+
+    def run(compiled):
+        m = copy.deepcopy(base)
+        model = m
+        if compiled and how == "whole":
+            model = torch.compile(m, backend="aot_eager")
+        elif compiled:
+            for b in m.blocks:
+                b.compile(backend="aot_eager")
+        with hookplug.attach(m, "Linear, Sequential", plugins="flops") as s:
+            model(x).sum().backward()
+        torch._dynamo.reset()
+        return s["flops"].results(), s["flops"].total()
+
+    (eager, total), (compiled, compiled_total) = run(False), run(True)
+    assert compiled == eager and compiled_total == total
+    with FlopCounterMode(display=False) as fc:
+        base(x).sum().backward()
+    assert total["flops"] + total["backward_flops"] == fc.get_total_flops() > 0
+    m = copy.deepcopy(base)
+    with hookplug.attach(m, "Linear", plugins="flops"):
+        with pytest.raises(Exception, match="plugin 'flops' sets traceable = False"):
+            torch.compile(m, backend="aot_eager", fullgraph=True)(x)
+    torch._dynamo.reset()
