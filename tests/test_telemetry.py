@@ -922,6 +922,21 @@ def _uncompile(blocks):
     torch._dynamo.reset()
 
 
+def _phase_step(m, model, x, train, session, runs, compiled_runs=None):
+    """A training step (forward and backward) or an eval pass of ``model`` (``m`` put in
+    train or eval mode), ended by ``session.step()``; ``compiled_runs``: how many compiled
+    graphs the step must have run (every compiled frame ran its graph, none fell back to
+    eager)."""
+    m.train(train)
+    runs[0] = 0
+    y = model(x)
+    if train:
+        y.sum().backward()
+    session.step()
+    if compiled_runs is not None:
+        assert runs[0] == compiled_runs
+
+
 def _stat_fields_equal(e, c):
     """Records (by key) of an eager and a compiled run: the same keys, equal fields."""
     assert set(e) == set(c)
@@ -953,15 +968,8 @@ def test_regional_compilation_of_hooked_blocks_shares_one_graph(sites):
             if compiled:
                 _compile_each(m, runs, frames, fullgraph=True)
             for train in (True, True, False, False):
-                m.train(train)
-                runs[0] = 0
-                y = m(x)
-                if train:
-                    y.sum().backward()
-                s.step()
+                _phase_step(m, m, x, train, s, runs, 12 if compiled else None)
                 seen.append(frames[0])
-                if compiled:
-                    assert runs[0] == 12  # every block ran compiled code
         _uncompile(m)
         return by_key(sink.records), seen
 
@@ -1050,14 +1058,7 @@ def test_a_session_attached_again_runs_the_graphs_compiled_for_the_last_one(whol
             sink = ListSink()
             with hookplug.attach(m, "Linear", plugins=opts, sink=sink, flush_every=1) as s:
                 for train in (True, False):
-                    m.train(train)
-                    runs[0] = 0
-                    y = model(x)
-                    if train:
-                        y.sum().backward()
-                    s.step()
-                    if compiled:  # every compiled frame ran its graph (none fell back to eager)
-                        assert runs[0] == (1 if whole else 6)
+                    _phase_step(m, model, x, train, s, runs, (1 if whole else 6) if compiled else None)
             records.update({(i,) + k: r for k, r in by_key(sink.records).items()})
             seen.append(frames[0])
         _uncompile(m)
