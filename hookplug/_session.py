@@ -1219,6 +1219,10 @@ class Session:
             elif self._attached and not failed and (
                     self.has_sinks or (not child and self._telemetry.collective(self))):
                 self.flush(wait=True)
+                if self._telemetry.has_unsent() and self.has_sinks:
+                    # the final collective flush failed under on_error="warn" (a rank gone):
+                    # no later flush can send its rows again, so this rank's go out alone
+                    self._telemetry.flush(self, wait=True, local=True)
         finally:
             # disabled plugins get their cleanup call too; one failing never skips the others.
             # A forked child leaves the sinks alone: their files, writers and servers are

@@ -332,6 +332,10 @@ class Telemetry:
             raise
         return blocks, None
 
+    def has_unsent(self) -> bool:
+        """Whether blocks a failed flush kept wait for the next one."""
+        return bool(self._carry)
+
     def _keep(self, blocks: List[StatsBlock]) -> None:
         """Put ``blocks`` (taken from the producers, not emitted) first in line for the next
         flush, as copies: a producer may refill its own rows."""
@@ -353,7 +357,8 @@ class Telemetry:
                 flights, prep_error = self._start_collective(session, blocks, dist)
             except Exception as exc:  # a collective failed: send the steps again once
                 self._layouts = _Layouts()
-                fresh = [b for b in blocks if id(b) not in carried]
+                # (at remove() all: they go out in a local flush, see Session._remove)
+                fresh = blocks if session.removed else [b for b in blocks if id(b) not in carried]
                 self._carry = []
                 self._keep(fresh)
                 lost = len(blocks) - len(fresh)

@@ -291,6 +291,47 @@ def test_a_rank_that_raises_flushes_alone_without_waiting(tmp_path):
         assert {rec["rank"] for rec in res[r]["records"]} == {r}
 
 
+def peer_dies(rank, world, out):
+    """Rank 1 raises at step 2 and its process ends (as under torchrun); rank 0 goes on
+    under on_error="warn": its collective flushes fail, and remove() sends its rows alone."""
+    model, state = Net(), {"step": 0}
+    seen = watch(model, state)
+    dump = Dump()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with hookplug.attach(model, "Linear", plugins="stats", sink=dump, flush_every=2,
+                                 on_error="warn") as s:
+                for step in range(4):
+                    state["step"] = step
+                    model(torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank)))
+                    if rank == 1 and step == 2:
+                        raise RuntimeError("rank 1 fails")
+                    s.step()
+        except RuntimeError:  # rank 1: gone at once, no collective left behind
+            with open(os.path.join(out, f"{rank}.json"), "w") as f:
+                json.dump({"records": dump.records, "seen": seen}, f)
+            os._exit(0)
+    return {"records": dump.records, "seen": seen,
+            "warnings": [str(w.message) for w in caught if "hookplug" in str(w.message)]}
+
+
+def test_under_warn_a_rank_whose_peer_died_still_sends_its_last_steps(tmp_path):
+    """The final collective flush of remove() fails too (the peer is gone): this rank's
+    rows, those a failed flush kept included, go to its sink alone. Before, they were
+    dropped at the second failure and never sent."""
+    from _gloo import spawn as spawn_fn
+
+    res = spawn_fn(peer_dies, tmp_path, str(tmp_path))
+    recs = res[0]["records"]
+    assert sorted({rec["step"] for rec in recs}) == [0, 1, 2, 3]
+    assert len({(rec["step"], rec["module"]) for rec in recs}) == len(recs)  # none twice
+    seen = [res[0]["seen"], res[1]["seen"]]
+    assert_exact([rec for rec in recs if rec["step"] < 2], seen, ranks=(0, 1))  # merged
+    assert_exact([rec for rec in recs if rec["step"] >= 2], seen, ranks=(0,))  # its own
+    assert any("distributed flush failed" in w for w in res[0]["warnings"])
+
+
 class _FailingSink:
     name = "failing"
 
