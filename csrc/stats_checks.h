@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
 #include <cmath>
@@ -136,6 +137,14 @@ inline void check_row_tensor(const at::Tensor& acc, const at::Tensor& row) {
                    torch_dtype_name(row.scalar_type()), " with ", row.numel(), " elements");
   TORCH_CHECK(row.device() == acc.device(), who, ": expected row on ", acc.device(),
               " (acc's device), got ", row.device());
+}
+
+// Whether a stats_accumulate_ call passed skip_recompute (a forward hook's) runs while
+// autograd's engine runs a backward on this thread: an activation-checkpoint recompute of
+// compiled forward code, which must not be counted again (eager hooks check the same in
+// Python). Grad-site calls, which run in backward, pass false.
+inline bool in_recompute(bool skip_recompute) {
+  return skip_recompute && torch::autograd::get_current_graph_task_id() != -1;
 }
 
 // Where hookplug::stats_accumulate_ merges: the checked arguments, acc[row] (acc[0] for a

@@ -411,18 +411,21 @@ at::Tensor tensor_stats_cpu(const at::Tensor& x, int64_t bins, int64_t hist_mode
 
 void stats_accumulate_cpu(const at::Tensor& x, const at::Tensor& acc, int64_t row,
                           const std::optional<at::Tensor>& gate, int64_t bins, int64_t hist_mode,
-                          std::optional<double> lo, std::optional<double> hi) {
+                          std::optional<double> lo, std::optional<double> hi,
+                          bool skip_recompute) {
   const BankTarget t = bank_target(x, acc, row, gate, bins, hist_mode, lo, hi);
   if (gate.has_value() && !gate->data_ptr<bool>()[0]) return;
+  if (in_recompute(skip_recompute)) return;
   accumulate_cpu(x, t.a, t.row, t.clock, false);
 }
 
 void stats_accumulate_at_cpu(const at::Tensor& x, const at::Tensor& acc, const at::Tensor& row,
                              const std::optional<at::Tensor>& gate, int64_t bins,
                              int64_t hist_mode, std::optional<double> lo,
-                             std::optional<double> hi) {
+                             std::optional<double> hi, bool skip_recompute) {
   check_row_tensor(acc, row);
-  stats_accumulate_cpu(x, acc, *row.data_ptr<int64_t>(), gate, bins, hist_mode, lo, hi);
+  stats_accumulate_cpu(x, acc, *row.data_ptr<int64_t>(), gate, bins, hist_mode, lo, hi,
+                       skip_recompute);
 }
 
 }  // namespace

@@ -50,15 +50,15 @@ at::Tensor tensor_stats_autograd(const at::Tensor& x, int64_t bins, int64_t hist
 void stats_accumulate_autograd(const at::Tensor& x, const at::Tensor& acc, int64_t row,
                                const std::optional<at::Tensor>& gate, int64_t bins,
                                int64_t hist_mode, std::optional<double> lo,
-                               std::optional<double> hi) {
+                               std::optional<double> hi, bool skip_recompute) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("hookplug::stats_accumulate_", "")
                        .typed<void(const at::Tensor&, const at::Tensor&, int64_t,
                                    const std::optional<at::Tensor>&, int64_t, int64_t,
-                                   std::optional<double>, std::optional<double>)>();
+                                   std::optional<double>, std::optional<double>, bool)>();
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    op.call(x, acc, row, gate, bins, hist_mode, lo, hi);
+    op.call(x, acc, row, gate, bins, hist_mode, lo, hi, skip_recompute);
   }
   acc.unsafeGetTensorImpl()->bump_version();  // acc was written in place
 }
@@ -66,15 +66,15 @@ void stats_accumulate_autograd(const at::Tensor& x, const at::Tensor& acc, int64
 void stats_accumulate_at_autograd(const at::Tensor& x, const at::Tensor& acc, const at::Tensor& row,
                                   const std::optional<at::Tensor>& gate, int64_t bins,
                                   int64_t hist_mode, std::optional<double> lo,
-                                  std::optional<double> hi) {
+                                  std::optional<double> hi, bool skip_recompute) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("hookplug::stats_accumulate_at_", "")
                        .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                    const std::optional<at::Tensor>&, int64_t, int64_t,
-                                   std::optional<double>, std::optional<double>)>();
+                                   std::optional<double>, std::optional<double>, bool)>();
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    op.call(x, acc, row, gate, bins, hist_mode, lo, hi);
+    op.call(x, acc, row, gate, bins, hist_mode, lo, hi, skip_recompute);
   }
   acc.unsafeGetTensorImpl()->bump_version();
 }
@@ -86,14 +86,17 @@ TORCH_LIBRARY(hookplug, m) {
   m.def(
       "tensor_stats(Tensor x, int bins, int hist_mode, float? lo=None, float? hi=None) "
       "-> Tensor");
+  // skip_recompute: a forward hook's call; it does nothing while autograd runs a backward
+  // on this thread (an activation-checkpoint recompute re-running compiled forward code,
+  // which cannot tell at trace time: eager hooks check the same before calling).
   m.def(
       "stats_accumulate_(Tensor x, Tensor(a!) acc, int row, Tensor? gate, int bins, "
-      "int hist_mode, float? lo=None, float? hi=None) -> ()");
+      "int hist_mode, float? lo=None, float? hi=None, bool skip_recompute=False) -> ()");
   // The same with the row index in a tensor on acc's device (read by the kernel there):
   // what compiled code calls, so the graph holds no per-module constant.
   m.def(
       "stats_accumulate_at_(Tensor x, Tensor(a!) acc, Tensor row, Tensor? gate, int bins, "
-      "int hist_mode, float? lo=None, float? hi=None) -> ()");
+      "int hist_mode, float? lo=None, float? hi=None, bool skip_recompute=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(hookplug, Autograd, m) {
@@ -125,7 +128,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     // switch interval (5 ms) behind a busy thread (a data loader's).
     std::optional<pybind11::gil_scoped_release> no_gil;
     if (!x.is_cuda() && x.numel() >= (int64_t{1} << 16)) no_gil.emplace();
-    hookplug::stats_accumulate_autograd(x, acc, row, gate, bins, hist_mode, lo, hi);
+    hookplug::stats_accumulate_autograd(x, acc, row, gate, bins, hist_mode, lo, hi, false);
   }, "hookplug::stats_accumulate_ for eager callers (see hookplug._bank).");
   m.def("rows_to_records", &hookplug::rows_to_records,
         "Telemetry records from host stats rows (see csrc/stats_records.cpp, hookplug._telemetry).");

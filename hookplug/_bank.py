@@ -513,10 +513,13 @@ class StatsBank:
         self.make_row_tensors()
 
     # -- the hot path ------------------------------------------------------------------------
-    def accumulate(self, t: torch.Tensor, key: Tuple, gated: bool = False) -> None:
+    def accumulate(self, t: torch.Tensor, key: Tuple, gated: bool = False,
+                   skip_recompute: bool = False) -> None:
         """Merge the statistics of ``t`` (strided, floating) into ``key``'s row (``gated``:
         sampling left to the device gate alone, as in compiled code). A meta tensor has no
-        values: its key gets a row, nothing is measured."""
+        values: its key gets a row, nothing is measured. ``skip_recompute``: a forward
+        hook's call in compiled code (see ``hookplug.ops``: the op does nothing when it
+        runs as an activation-checkpoint recompute)."""
         compiling = _is_compiling()
         if not compiling and not self.live and not gated:
             return  # an unsampled step (eager); traced code reads the device gate instead
@@ -531,7 +534,7 @@ class StatsBank:
             return
         if self._accumulate is None:  # subclasses, traced code and the reference op: torch.ops
             self.prepare()
-        self._accumulate(t.detach(), dev.acc, row, dev.gate, *self.op_args)
+        self._accumulate(t.detach(), dev.acc, row, dev.gate, *self.op_args, skip_recompute)
 
     def close(self) -> None:
         """The session ended: a compiled backward that still runs finds no bank by id
@@ -540,8 +543,10 @@ class StatsBank:
         _DEFERRED.discard(self)
         self._later = None
 
-    def accumulate_traced(self, t: torch.Tensor, ctx, path: str) -> None:
-        """``accumulate(t, (ctx.name, path, ctx.phase))`` inside compiled code, the row index
+    def accumulate_traced(self, t: torch.Tensor, ctx, path: str, forward: bool) -> None:
+        """``accumulate(t, (ctx.name, path, ctx.phase))`` inside compiled code (``forward``:
+        from a forward hook, not counted again when an activation-checkpoint recompute
+        re-runs the compiled code), the row index
         passed as the module's tensor (``ctx._module_tensors``, see :meth:`make_row_tensors`)
         instead of a constant: the graph is the same for every module, so identical hooked
         blocks share it. A key with no tensor yet (first seen while tracing, or a device
@@ -549,15 +554,15 @@ class StatsBank:
         tensors are made at the next compile start or step, see ``_on_compile_start``)."""
         row = ctx._module_tensors.get(self._table_entry(path, ctx.phase, t.device))
         if row is None:
-            return self.accumulate(t, (ctx.name, path, ctx.phase))
-        self.accumulate_at(t, row)
+            return self.accumulate(t, (ctx.name, path, ctx.phase), skip_recompute=forward)
+        self.accumulate_at(t, row, skip_recompute=forward)
 
-    def accumulate_at(self, t: torch.Tensor, row: torch.Tensor) -> None:
+    def accumulate_at(self, t: torch.Tensor, row: torch.Tensor, skip_recompute: bool = False) -> None:
         """Merge ``t`` into the row whose index ``row`` holds (on ``t``'s device; gated), as
         the by-row op does when a compiled backward runs it."""
         dev = self._devices.get(t.device) or self.device_rows(t.device)
         if dev is not None:
-            self._accumulate_at(t.detach(), dev.acc, row, dev.gate, *self.op_args)
+            self._accumulate_at(t.detach(), dev.acc, row, dev.gate, *self.op_args, skip_recompute)
 
     def accumulate_by_row(self, t: torch.Tensor, ctx, path: str) -> None:
         """``accumulate_by_key`` for a compiled backward, by the module's row tensor where it

@@ -29,6 +29,10 @@ from torch.utils.hooks import RemovableHandle
 from . import hookspecs
 from ._bank import hook_compile_start_if_wanted, is_dtensor
 from ._checkpoint import RecomputeMatcher
+# != -1 in eager code: a forward running inside backward, i.e. activation checkpointing
+# recomputing it (compiled code cannot ask at trace time: the stats op's kernel asks when
+# it runs, see skip_recompute in hookplug.ops)
+from ._checkpoint import _graph_task_id
 from ._config import _records_given, attach_options
 from ._manager import PluginError, PluginLoadError, create_plugin, is_hookimpl, new_plugin_manager
 from ._plugin import Plugin
@@ -64,9 +68,6 @@ _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 # accumulating into the session after remove())
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 _get_ident = threading.get_ident
-# != -1 in eager code: a forward running inside backward, i.e. activation checkpointing
-# recomputing it (inside compiled code checkpointing is traced as a whole: never asked)
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _inference_mode = torch.is_inference_mode_enabled
 
 

@@ -24,6 +24,9 @@ as one node (row layout: :mod:`hookplug._stats`):
   the same with ``row`` a one-element int64 tensor on ``acc``'s device, read by the kernel
   there (on CUDA an index outside the bank makes the call do nothing): what compiled code
   calls, so a graph holds no per-module constant and identical blocks share it.
+- Both take ``skip_recompute=False``: True marks a forward hook's call, which then does
+  nothing while autograd runs a backward on the calling thread (compiled forward code
+  re-run by an activation-checkpoint recompute: it cannot tell at trace time).
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from . import _loader
+from ._checkpoint import _graph_task_id
 from ._stats import (CALLS, CLOCK, FIRST_BAD, HEAD, HIST_HI, HIST_LO, INF, LOG2_BINS,
                      LOG2_MAX_EXP, LOG2_MIN_EXP, MAX_BINS, NAN, ROW_LAYOUT, TensorStats, empty_rows,
                      merge_rows)
@@ -125,7 +129,7 @@ def _register_fake() -> None:
         return x.new_empty((HEAD + _num_buckets(bins, "log2" if hist_mode == 0 else "linear"),),
                            dtype=torch.float64)
 
-    def fake_accumulate(x, acc, row, gate, bins, hist_mode, lo=None, hi=None):
+    def fake_accumulate(x, acc, row, gate, bins, hist_mode, lo=None, hi=None, skip_recompute=False):
         _check_dtype(x, "hookplug::stats_accumulate_")
         return None
 
@@ -258,9 +262,14 @@ def accumulate_(x: torch.Tensor, acc: torch.Tensor, row: int, gate: Optional[tor
         reference_accumulate_(x, acc, row, gate, b, mode, lo, hi)
 
 
-def reference_accumulate_(x, acc, row, gate, bins, hist_mode, lo=None, hi=None) -> None:
+def reference_accumulate_(x, acc, row, gate, bins, hist_mode, lo=None, hi=None,
+                          skip_recompute=False) -> None:
     """Pure-torch ``stats_accumulate_`` (the fallback and the tests' reference); ``row`` an
-    int, or a one-element int64 tensor as ``stats_accumulate_at_`` takes it."""
+    int, or a one-element int64 tensor as ``stats_accumulate_at_`` takes it. Traced by
+    dynamo it is plain torch code: ``skip_recompute`` is then not honoured (the compiled
+    op's kernel reads the thread's autograd state when it runs; this cannot)."""
+    if skip_recompute and not torch.compiler.is_compiling() and _graph_task_id() != -1:
+        return
     if hist_mode == 1 and bins and lo is None:
         raise ValueError("hookplug.ops.accumulate_: an accumulated linear histogram needs a "
                          "fixed range (lo, hi)")

@@ -169,7 +169,7 @@ class StatsPlugin(hookplug.Plugin):
     def _pending(self):
         return self.bank.pending
 
-    def _record(self, ctx, path: str, t) -> None:
+    def _record(self, ctx, path: str, t, forward: bool = True) -> None:
         upcast = MEASURED_AS.get(t.dtype, False)  # as_measured(t), inlined: the hot path
         if upcast is not None:
             if upcast is False:  # integer, bool, complex
@@ -187,7 +187,7 @@ class StatsPlugin(hookplug.Plugin):
             if ctx._module_tensors is None:  # eager code
                 self.bank.accumulate(t, (ctx.name, path, ctx.phase))
             else:  # compiled code: the module's row tensor, not its name (one graph for all)
-                self.bank.accumulate_traced(t, ctx, path)
+                self.bank.accumulate_traced(t, ctx, path, forward)
         except RuntimeError as exc:
             if is_batched(t):  # name the problem, not functorch's batching fallback
                 raise RuntimeError(
@@ -268,7 +268,7 @@ class StatsPlugin(hookplug.Plugin):
                         return
                 self.bank.accumulate_by_row(grad, ctx, site)
             return
-        self._record(ctx, site, grad)
+        self._record(ctx, site, grad, forward=False)
 
     # -- session and telemetry -------------------------------------------------------------------
 

@@ -751,6 +751,45 @@ def test_reference_op_compiled_equals_eager():
     assert math.isfinite(acc_c[1, 4]) and math.isfinite(acc_c[2, 5])  # min, max
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", ["op", "at", "reference"])
+def test_skip_recompute_calls_do_nothing_while_autograd_runs_a_backward(device, impl):
+    """``skip_recompute=True`` (a forward hook's call in compiled code): nothing merged while
+    autograd's engine runs a backward on this thread (an activation-checkpoint recompute),
+    merged as usual outside it; ``skip_recompute=False`` (a grad hook's) merges in both."""
+    if impl != "reference" and not COMPILED:
+        pytest.skip("the compiled op is not available")
+    b, mode, lo, hi = ops.hist_args(None, "log2", None)
+    x = planted(500, torch.float32, gen(33), offset=0.5).to(device)
+    acc = _bank_for(b, mode, lo, hi, device)
+    row = 2 if impl == "op" else torch.tensor([2], device=device if impl == "at" else "cpu")
+    acc_in = acc if impl != "reference" else acc.cpu()
+    call = {"op": torch.ops.hookplug.stats_accumulate_, "at": torch.ops.hookplug.stats_accumulate_at_,
+            "reference": ops.reference_accumulate_}[impl]
+    xs = x if impl != "reference" else x.cpu()
+
+    from hookplug._stats import CALLS as _CALLS, CLOCK, NUMEL
+
+    def merge(skip):
+        call(xs, acc_in, row, None, b, mode, lo, hi, skip)
+
+    class InBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            merge(True)  # skipped
+            merge(False)  # merged
+            return g
+
+    merge(True)  # outside backward: merged
+    InBackward.apply(torch.ones(1, requires_grad=True)).sum().backward()
+    assert acc_in[2, _CALLS] == 2 and acc_in[0, CLOCK] == 2  # two merges, the clock with them
+    assert acc_in[2, NUMEL] == 2 * x.numel()
+
+
 @needs_ext
 def test_accumulate_at_refuses_a_bad_row_tensor():
     x, acc = torch.randn(10), _bank_for(1, 0, None, None, "cpu")

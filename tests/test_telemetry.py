@@ -981,6 +981,51 @@ def test_regional_compilation_of_hooked_blocks_shares_one_graph(sites):
     _stat_fields_equal(eager, compiled)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_blocks_compiled_one_by_one_and_checkpointed_from_eager_code_count_each_call_once(
+        use_reentrant, backend):
+    """``block.compile()`` on each block and ``checkpoint(block, x)`` around it in eager code
+    (🤗 gradient checkpointing with per-layer compile): the recompute inside backward runs
+    the compiled forward again, traced stats op included; the op's kernel sees that it runs
+    inside backward (``skip_recompute``) and does nothing, so input and output records count
+    each call once, and the gradient records (the same op, in backward) are all kept.
+    Records equal the eager run without checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(_Block() for _ in range(3))
+    x = torch.randn(4, 8, requires_grad=True)
+    opts = ("stats", {"sites": ("input", "output", "grad")})
+
+    def run(compiled):
+        sink = ListSink()
+        with hookplug.attach(blocks, "Linear", plugins=opts, sink=sink, flush_every=1) as s:
+            if compiled:
+                for block in blocks:
+                    block.compile(backend=backend)
+            for _ in range(2):
+                h = x
+                for block in blocks:
+                    h = checkpoint(block, h, use_reentrant=use_reentrant) if compiled else block(h)
+                h.sum().backward()
+                s.step()
+        _uncompile(blocks)
+        return by_key(sink.records)
+
+    compiled, eager = run(True), run(False)
+    assert len(eager) == 2 * 6 * 3 and {r["calls"] for r in eager.values()} == {1}
+    if backend == "aot_eager":
+        _stat_fields_equal(eager, compiled)
+    else:  # inductor's fused kernels round differently: counts exact, values close
+        assert set(eager) == set(compiled)
+        for k, e in eager.items():
+            c = compiled[k]
+            assert (c["calls"], c["numel"], c["nan_count"]) == (e["calls"], e["numel"], e["nan_count"]), k
+            for f in ("min", "max", "mean", "std"):
+                assert math.isclose(e[f], c[f], rel_tol=1e-5, abs_tol=1e-6), (k, f)
+
+
 class _TupleBlock(nn.Module):
     """A block whose hooked layer returns a tuple: paths ``output[0]``/``output[1]`` have no
     row until the first call (the row tensors made at attach are the usual keys')."""

@@ -78,8 +78,10 @@ at::Tensor tensor_stats_cuda(const at::Tensor& x, int64_t bins, int64_t hist_mod
 
 void stats_accumulate_cuda(const at::Tensor& x, const at::Tensor& acc, int64_t row,
                            const std::optional<at::Tensor>& gate, int64_t bins, int64_t hist_mode,
-                           std::optional<double> lo, std::optional<double> hi) {
+                           std::optional<double> lo, std::optional<double> hi,
+                           bool skip_recompute) {
   const BankTarget t = bank_target(x, acc, row, gate, bins, hist_mode, lo, hi);
+  if (in_recompute(skip_recompute)) return;
   launch(x, t.a, t.row, t.clock, gate.has_value() ? gate->data_ptr<bool>() : nullptr, false);
 }
 
@@ -88,9 +90,10 @@ void stats_accumulate_cuda(const at::Tensor& x, const at::Tensor& acc, int64_t r
 void stats_accumulate_at_cuda(const at::Tensor& x, const at::Tensor& acc, const at::Tensor& row,
                               const std::optional<at::Tensor>& gate, int64_t bins,
                               int64_t hist_mode, std::optional<double> lo,
-                              std::optional<double> hi) {
+                              std::optional<double> hi, bool skip_recompute) {
   check_row_tensor(acc, row);
   const BankTarget t = bank_target(x, acc, std::nullopt, gate, bins, hist_mode, lo, hi);
+  if (in_recompute(skip_recompute)) return;
   launch(x, t.a, t.row, t.clock, gate.has_value() ? gate->data_ptr<bool>() : nullptr, false,
          &row, acc.size(0));
 }
