@@ -489,9 +489,11 @@ def _tree_glyphs(file) -> Tuple[str, str, str, str]:
         return "|-- ", "`-- ", "|   ", "    "
 
 
-def selection_lines(model, names: Sequence[str], file=None) -> List[Tuple[str, str, str, bool]]:
+def selection_lines(model, names: Sequence[str], file=None,
+                    mods: Optional[Dict[str, Any]] = None) -> List[Tuple[str, str, str, bool]]:
     """``[(tree label, class name, params text, matched), ...]``: the matched modules and
-    their ancestors, in model order, drawn as a tree under the root."""
+    their ancestors, in model order, drawn as a tree under the root (``mods``: the
+    unwrapped model's ``named_modules`` as a dict, where the caller has it already)."""
     chosen = set(names)
     include = {""}
     for n in names:
@@ -501,7 +503,8 @@ def selection_lines(model, names: Sequence[str], file=None) -> List[Tuple[str, s
     from hookplug._selectors import named_modules, unwrap_model
 
     model = unwrap_model(model)
-    mods = dict(named_modules(model))  # the names select() gives (no wrapper segments)
+    if mods is None:
+        mods = dict(named_modules(model))  # the names select() gives (no wrapper segments)
     children: Dict[str, List[str]] = {}
     for n in mods:
         if n in include and n != "":
@@ -534,9 +537,9 @@ def print_selection(model, label: str, selector: str, names: Sequence[str], use_
     """The tree of matched modules with class names and parameter counts."""
     from hookplug._selectors import named_modules, unwrap_model
 
-    lines = selection_lines(model, names, file)
     model = unwrap_model(model)
     mods = dict(named_modules(model))  # the names select() gives (no wrapper segments)
+    lines = selection_lines(model, names, file, mods)
     total_modules = len(mods)
     top = _top_level(list(names))
     top_params = sum(p.numel() for n in top for p in mods[n].parameters())
