@@ -981,18 +981,34 @@ def test_regional_compilation_of_hooked_blocks_shares_one_graph(sites):
     _stat_fields_equal(eager, compiled)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("use_reentrant", [False, True])
-def test_blocks_compiled_one_by_one_and_checkpointed_from_eager_code_count_each_call_once(
-        use_reentrant, backend):
-    """``block.compile()`` on each block and ``checkpoint(block, x)`` around it in eager code
-    (🤗 gradient checkpointing with per-layer compile): the recompute inside backward runs
-    the compiled forward again, traced stats op included; the op's kernel sees that it runs
-    inside backward (``skip_recompute``) and does nothing, so input and output records count
-    each call once, and the gradient records (the same op, in backward) are all kept.
-    Records equal the eager run without checkpointing."""
-    from torch.utils.checkpoint import checkpoint
+_SAC_UNDER_AOT_EAGER = pytest.mark.xfail(
+    raises=NotImplementedError, strict=False,
+    reason="torch: SAC's _CachingTorchDispatchMode has no rule for auto_functionalized_v2 (README)")
 
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("how", ["non-reentrant", "reentrant", "selective"])
+def test_blocks_compiled_one_by_one_and_checkpointed_from_eager_code_count_each_call_once(
+        how, backend, request):
+    """``block.compile()`` on each block and ``checkpoint(block, x)`` around it in eager code
+    (🤗 gradient checkpointing with per-layer compile; selective: a policy saving matmuls):
+    the recompute inside backward runs the compiled forward again, traced stats op included;
+    the op's kernel sees that it runs inside backward (``skip_recompute``) and does nothing,
+    so input and output records count each call once, and the gradient records (the same
+    op, in backward) are all kept. Records equal the eager run without checkpointing."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    if how == "selective" and backend == "aot_eager":
+        request.applymarker(_SAC_UNDER_AOT_EAGER)
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    kw = {"use_reentrant": how == "reentrant"}
+    if how == "selective":
+        kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
     torch.manual_seed(0)
     blocks = nn.ModuleList(_Block() for _ in range(3))
     x = torch.randn(4, 8, requires_grad=True)
@@ -1000,17 +1016,19 @@ def test_blocks_compiled_one_by_one_and_checkpointed_from_eager_code_count_each_
 
     def run(compiled):
         sink = ListSink()
-        with hookplug.attach(blocks, "Linear", plugins=opts, sink=sink, flush_every=1) as s:
-            if compiled:
-                for block in blocks:
-                    block.compile(backend=backend)
-            for _ in range(2):
-                h = x
-                for block in blocks:
-                    h = checkpoint(block, h, use_reentrant=use_reentrant) if compiled else block(h)
-                h.sum().backward()
-                s.step()
-        _uncompile(blocks)
+        try:
+            with hookplug.attach(blocks, "Linear", plugins=opts, sink=sink, flush_every=1) as s:
+                if compiled:
+                    for block in blocks:
+                        block.compile(backend=backend)
+                for _ in range(2):
+                    h = x
+                    for block in blocks:
+                        h = checkpoint(block, h, **kw) if compiled else block(h)
+                    h.sum().backward()
+                    s.step()
+        finally:
+            _uncompile(blocks)
         return by_key(sink.records)
 
     compiled, eager = run(True), run(False)
