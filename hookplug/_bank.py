@@ -181,17 +181,31 @@ def _hook_compile_start() -> None:
         pass
 
 
-def hook_compile_start_if_wanted() -> None:
-    """``_hook_compile_start`` where a bank wants its ``before_trace`` (dynamo being imported
-    now: see ``hookplug._session._HookGuardsOnImport``)."""
-    if any(bank.before_trace is not None for bank in list(_BANKS.values())):
-        _hook_compile_start()
+hook_compile_start = _hook_compile_start  # (the session's name for it)
+
+# Whether inference mode was on where dynamo started compiling the frame being traced, per
+# thread: dynamo traces with it off, and cannot read it in traced code.
+_TRACE_STATE = threading.local()
+
+
+def _read_trace_inference_mode() -> bool:
+    return getattr(_TRACE_STATE, "inference_mode", False)
+
+
+_assume_constant = getattr(torch.compiler, "assume_constant_result", None)
+# In traced code: a constant of the trace with no guard of its own; a graph traced under
+# inference mode runs only there anyway (dynamo's tensor guards check the dispatch keys,
+# which inference mode changes). False where this torch cannot say.
+trace_inference_mode = (_assume_constant(_read_trace_inference_mode) if _assume_constant is not None
+                        else (lambda: False))
 
 
 def _on_compile_start(_args=None) -> None:
-    """Before dynamo traces a frame (outside the trace): deferred banks are made, and each
-    bank's ``before_trace`` runs (``stats``: rows and row tensors for keys an earlier trace
-    met, so the next identical block's trace finds them and shares its graph)."""
+    """Before dynamo traces a frame (outside the trace): the caller's inference mode is noted
+    (see ``trace_inference_mode``), deferred banks are made, and each bank's
+    ``before_trace`` runs (``stats``: rows and row tensors for keys an earlier trace met, so
+    the next identical block's trace finds them and shares its graph)."""
+    _TRACE_STATE.inference_mode = torch.is_inference_mode_enabled()
     for bank in list(_DEFERRED):
         bank.prepare_deferred()
     for bank in list(_BANKS.values()):

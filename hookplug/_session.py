@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from . import hookspecs
-from ._bank import hook_compile_start_if_wanted, is_dtensor
+from ._bank import hook_compile_start, is_dtensor, trace_inference_mode
 from ._checkpoint import RecomputeMatcher
 # != -1 in eager code: a forward running inside backward, i.e. activation checkpointing
 # recomputing it (compiled code cannot ask at trace time: the stats op's kernel asks when
@@ -116,10 +116,12 @@ def _input_ids(args, kwargs) -> set:
 
 def _phase_of(module: nn.Module) -> str:
     """``"eval"`` for a module in eval mode or under inference_mode, else ``"train"``
-    (inside compiled code: the module's mode only; dynamo cannot read inference_mode)."""
+    (inside compiled code: inference mode where dynamo started compiling the frame, see
+    ``hookplug._bank.trace_inference_mode``)."""
     if not module.training:
         return "eval"
-    return "train" if _is_compiling() or not torch.is_inference_mode_enabled() else "eval"
+    inference = trace_inference_mode() if _is_compiling() else torch.is_inference_mode_enabled()
+    return "eval" if inference else "train"
 
 
 class HookContext:
@@ -481,7 +483,7 @@ class _ModuleBinding:
         """A call's context. Inside compiled code nothing Python-side that changes per call
         or per step is read (no recompiles): call_index is -1, step is read lazily."""
         if compiling:
-            return _TracedContext(self, "train" if module.training else "eval")
+            return _TracedContext(self, _phase_of(module))
         index = self.calls
         self.calls = index + 1
         phase = "train" if module.training and not _inference_mode() else "eval"
@@ -1529,6 +1531,7 @@ def _guard_module_hooks(recompile_limit: int = 0) -> None:
             if reset is not None:
                 reset()
         _raise_recompile_limit(config, recompile_limit)
+        hook_compile_start()  # (again after a torch._dynamo.reset(), which drops it)
         return
     _PENDING_RECOMPILE_LIMIT[0] = max(_PENDING_RECOMPILE_LIMIT[0], recompile_limit)
     if not any(isinstance(f, _HookGuardsOnImport) for f in sys.meta_path):
@@ -1591,7 +1594,7 @@ class _HookGuardsOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if getattr(config, "skip_nnmodule_hook_guards", False):
             config.skip_nnmodule_hook_guards = False
         _raise_recompile_limit(config, _PENDING_RECOMPILE_LIMIT[0])
-        hook_compile_start_if_wanted()
+        hook_compile_start()
 
 
 def _skip_plugin(exc: PluginError, stacklevel: int) -> None:

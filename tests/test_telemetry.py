@@ -1173,6 +1173,46 @@ def test_evaluations_between_compiled_training_steps_compile_no_graph_more_than_
     _stat_fields_equal(eager, compiled)
 
 
+@pytest.mark.parametrize("whole", [True, False], ids=["whole-model", "per-block"])
+def test_a_compiled_model_in_train_mode_called_under_inference_mode_records_eval(whole):
+    """A model left in train mode, compiled, called under ``torch.inference_mode()`` between
+    training steps (an ad-hoc evaluation): its records are phase "eval", as in eager code
+    (dynamo traces with inference mode off; the mode where it started compiling the frame
+    is what counts), kept apart from the training rows, with as many graphs as without
+    hooks. Records equal eager."""
+    def run(hooked, compiled):
+        torch.manual_seed(0)
+        m = nn.Sequential(*(_Block() for _ in range(3)))
+        runs, frames, seen = [0], [0], []
+        if compiled and not whole:
+            _compile_each(m, runs, frames)
+        model = torch.compile(m, backend=_counting_backend(runs, frames)) if compiled and whole else m
+        sink = ListSink()
+        s = hookplug.attach(m, "Linear", plugins=("stats", {"sites": ("output", "grad")}),
+                            sink=sink, flush_every=1) if hooked else None
+        x = torch.randn(4, 8)
+        for step in range(4):
+            model(x).sum().backward()
+            if step in (1, 2):
+                with torch.inference_mode():
+                    model(x)
+            if s:
+                s.step()
+            seen.append(frames[0])
+        if s:
+            s.remove()
+        _uncompile(m)
+        return seen, {(r["step"], r["module"], r["site"], r["phase"]): r for r in sink.records}
+
+    plain, _ = run(False, True)
+    hooked, compiled = run(True, True)
+    _, eager = run(True, False)
+    assert hooked == plain
+    assert {k[-1] for k in eager} == {"train", "eval"}
+    assert len(eager) == 4 * 6 * 2 + 2 * 6  # steps x Linears x (output, grad); the evals' outputs
+    _stat_fields_equal(eager, compiled)
+
+
 def test_attached_under_inference_mode_then_compiled_training_measures_gradients():
     """Attached inside ``torch.inference_mode()`` (from an evaluation callback), then
     compiled training with the grad site: nothing the bank saves for backward is an
