@@ -156,7 +156,12 @@ def accumulate_by_row_op():
 
 
 def _register_ordered_effect(op) -> None:
-    """Mark ``op`` an ordered side effect (private torch APIs: there is no public one)."""
+    """Mark ``op`` an ordered side effect (private torch APIs: there is no public one).
+    Also mark torch's ``with_effects`` (the node such an op becomes in a graph) a side
+    effect for FX's dead-code elimination: compiled autograd copies an AOT backward into
+    its own graph without the effect tokens and then eliminates dead code, and FX judges
+    ``with_effects`` pure, so the grad site's op was dropped (no gradient record) when
+    compiled autograd was enabled around ``backward()`` only."""
     from torch._higher_order_ops import effects
 
     register = getattr(torch.library, "_register_effectful_op", None)
@@ -164,9 +169,15 @@ def _register_ordered_effect(op) -> None:
         register(op._name, effects._EffectType.ORDERED)
     else:  # older torch: the op overload
         effects._register_effectful_op(op, effects._EffectType.ORDERED)
+    try:
+        from torch.fx.node import has_side_effect
+
+        has_side_effect(torch.ops.higher_order.with_effects)
+    except (ImportError, AttributeError):  # a torch without either: as before
+        pass
 
 
-def _hook_compile_start() -> None:
+def hook_compile_start() -> None:
     """Have dynamo call ``_on_compile_start`` when it starts compiling a frame (torch's
     compile-start callbacks; imports dynamo; registered again after a
     ``torch._dynamo.reset()``, which clears them). Where this torch has none, a deferred
@@ -180,8 +191,6 @@ def _hook_compile_start() -> None:
     except Exception:  # noqa: BLE001 - a torch without them (private API)
         pass
 
-
-hook_compile_start = _hook_compile_start  # (the session's name for it)
 
 # Whether inference mode was on where dynamo started compiling the frame being traced, per
 # thread: dynamo traces with it off, and cannot read it in traced code.
@@ -510,7 +519,7 @@ class StatsBank:
         if later is not None:
             self._later = later
             _DEFERRED.add(self)
-            _hook_compile_start()
+            hook_compile_start()
 
     def prepare_deferred(self) -> None:
         """Make the bank of the device ``prepare(later=...)`` names, once it is known."""
@@ -605,7 +614,7 @@ class StatsBank:
         self.before_trace = before_trace
         self._tables_made = (0, 0)
         if before_trace is not None and "torch._dynamo" in sys.modules:
-            _hook_compile_start()  # (not imported yet: compiled code would import it first)
+            hook_compile_start()  # (not imported yet: compiled code would import it first)
 
     @_outside_inference_mode
     def make_row_tensors(self, *, at_compile_start: bool = False) -> None:
@@ -617,7 +626,7 @@ class StatsBank:
         dynamo's compile-start callback, compiling but not tracing); costs nothing when no
         key or device was added since the last call."""
         if self.before_trace is not None and not at_compile_start and "torch._dynamo" in sys.modules:
-            _hook_compile_start()  # again after a torch._dynamo.reset(), which drops it
+            hook_compile_start()  # again after a torch._dynamo.reset(), which drops it
         made = (len(self.keys), len(self._devices))
         if self.table_of is None or made == self._tables_made or (_is_compiling() and not at_compile_start):
             return

@@ -372,9 +372,9 @@ def _plain_container(obj) -> bool:
 def _compiled_autograd_may_run() -> bool:
     """Whether compiled autograd is on, or will be for a backward dynamo traces now (its
     config flag, or ``compiled_autograd._enable``), read at trace time (dynamo guards on
-    it). Compiled autograd copies the AOT backward graph into its own and drops
-    :class:`_GradSite`'s effectful op there (no record; inductor fails), while it traces
-    tensor hooks as eager code does: grad sites take those then."""
+    it). Compiled autograd copies the AOT backward graph into its own, and the effect token
+    of :class:`_GradSite`'s op fails there under inductor (dynamo cannot trace it), while it
+    traces tensor hooks as eager code does: grad sites take those then."""
     config = sys.modules.get("torch._dynamo.config")
     ca = sys.modules.get("torch._dynamo.compiled_autograd")
     return bool(getattr(config, "compiled_autograd", False)

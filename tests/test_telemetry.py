@@ -675,10 +675,11 @@ def test_compiled_grad_site_under_compiled_autograd_equals_eager(how):
 
 def test_compiled_autograd_around_backward_only_trains_on_with_shared_block_graphs():
     """Blocks compiled one by one (sharing a graph, their row tensors graph inputs) and
-    compiled autograd switched on only around ``backward()``: training runs and the output
-    records equal eager. (The row tensors are saved for backward by ``_GradSite``: closed
-    over, compiled autograd failed on them, IndexError in its prologue. The grad records
-    are still lost there, as documented: compiled autograd drops the effectful op.)"""
+    compiled autograd switched on only around ``backward()``: training runs and the records,
+    gradients included, equal eager. (The row tensors are saved for backward by
+    ``_GradSite``: closed over, compiled autograd failed on them, IndexError in its
+    prologue. Compiled autograd copies the AOT backward without its effect tokens and then
+    eliminated the grad site's ``with_effects`` node as dead code: no grad records.)"""
     from torch._dynamo import compiled_autograd
 
     torch.manual_seed(0)
@@ -703,8 +704,8 @@ def test_compiled_autograd_around_backward_only_trains_on_with_shared_block_grap
         return by_key(sink.records)
 
     eager, compiled = run(False), run(True)
-    assert {k for k in eager if k[2] == "output"} == set(compiled)
-    _stat_fields_equal({k: eager[k] for k in compiled}, compiled)
+    assert len(eager) == 2 * 6 * 2  # steps x Linears x (output, grad)
+    _stat_fields_equal(eager, compiled)
 
 
 def test_grad_site_without_the_by_key_op_falls_back_to_tensor_hooks(monkeypatch):
