@@ -188,6 +188,7 @@ def hook_compile_start() -> None:
 
         if _on_compile_start not in callback_handler.start_callbacks:
             callback_handler.register_start_callback(_on_compile_start)
+        _mark_trace_constants()
     except Exception:  # noqa: BLE001 - a torch without them (private API)
         pass
 
@@ -201,12 +202,23 @@ def _read_trace_inference_mode() -> bool:
     return getattr(_TRACE_STATE, "inference_mode", False)
 
 
-_assume_constant = getattr(torch.compiler, "assume_constant_result", None)
-# In traced code: a constant of the trace with no guard of its own; a graph traced under
-# inference mode runs only there anyway (dynamo's tensor guards check the dispatch keys,
-# which inference mode changes). False where this torch cannot say.
-trace_inference_mode = (_assume_constant(_read_trace_inference_mode) if _assume_constant is not None
-                        else (lambda: False))
+def _not_known() -> bool:
+    return False
+
+
+# What traced code calls (``trace_inference_mode()``, read through this module): the reader
+# once hook_compile_start has marked it a constant of the trace (no guard of its own: a
+# graph traced under inference mode runs only there anyway, dynamo's tensor guards check
+# the dispatch keys, which inference mode changes). Marking imports dynamo, so it waits
+# until dynamo is imported; False where this torch cannot mark it.
+trace_inference_mode: Callable[[], bool] = _not_known
+
+
+def _mark_trace_constants() -> None:
+    global trace_inference_mode
+    mark = getattr(torch.compiler, "assume_constant_result", None)
+    if mark is not None and trace_inference_mode is _not_known:
+        trace_inference_mode = mark(_read_trace_inference_mode)
 
 
 def _on_compile_start(_args=None) -> None:
@@ -215,6 +227,8 @@ def _on_compile_start(_args=None) -> None:
     ``before_trace`` runs (``stats``: rows and row tensors for keys an earlier trace met, so
     the next identical block's trace finds them and shares its graph)."""
     _TRACE_STATE.inference_mode = torch.is_inference_mode_enabled()
+    if trace_inference_mode is _not_known:  # (dynamo was still importing at hook_compile_start)
+        _mark_trace_constants()
     for bank in list(_DEFERRED):
         bank.prepare_deferred()
     for bank in list(_BANKS.values()):

@@ -27,7 +27,8 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from . import hookspecs
-from ._bank import hook_compile_start, is_dtensor, trace_inference_mode
+from . import _bank
+from ._bank import hook_compile_start, is_dtensor
 from ._checkpoint import RecomputeMatcher
 # != -1 in eager code: a forward running inside backward, i.e. activation checkpointing
 # recomputing it (compiled code cannot ask at trace time: the stats op's kernel asks when
@@ -120,7 +121,7 @@ def _phase_of(module: nn.Module) -> str:
     ``hookplug._bank.trace_inference_mode``)."""
     if not module.training:
         return "eval"
-    inference = trace_inference_mode() if _is_compiling() else torch.is_inference_mode_enabled()
+    inference = _bank.trace_inference_mode() if _is_compiling() else torch.is_inference_mode_enabled()
     return "eval" if inference else "train"
 
 

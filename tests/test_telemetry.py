@@ -1331,6 +1331,30 @@ def test_rows_spread_at_compile_start_when_dynamo_is_imported_after_attach(fresh
     assert last == "[1, 1]"  # one graph for the 6 blocks (without the callback: 6, then 7)
 
 
+def test_inference_mode_is_read_in_compiled_code_when_dynamo_is_imported_after_attach(fresh_python):
+    """Attached before torch._dynamo was imported (a fresh process): the compile-start
+    callback notes inference mode and the traced reader is marked a trace constant once
+    dynamo is imported, so a compiled model in train mode called under inference_mode
+    records phase "eval"."""
+    last = fresh_python(
+        "import sys, torch, torch.nn as nn, hookplug\n"
+        "m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))\n"
+        "got = []\n"
+        "class Sink:\n"
+        "    @hookplug.hookimpl\n"
+        "    def hookplug_flush(self, records):\n"
+        "        got.extend(records)\n"
+        "s = hookplug.attach(m, 'Linear', plugins='stats', sink=Sink(), flush_every=1)\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        "run = torch.compile(m, backend='aot_eager')\n"
+        "run(torch.randn(2, 8)); s.step()\n"
+        "with torch.inference_mode():\n"
+        "    run(torch.randn(2, 8))\n"
+        "s.step(); s.remove()\n"
+        "print(sorted({(r['step'], r['phase']) for r in got}))\n")
+    assert last == "[(0, 'train'), (1, 'eval')]"
+
+
 class _NamedScale(hookplug.Plugin):
     """A traceable third-party plugin that reads ``ctx.name`` in compiled code (each
     hooked module's traced graph is then its own)."""
