@@ -304,7 +304,7 @@ class _DeviceRows:
     rows in use when it was taken (the meta row and one per key), not the whole capacity."""
 
     __slots__ = ("acc", "gate", "empty", "totals", "unfolded", "lock", "_block", "_next", "_views",
-                 "_snapshot")
+                 "_snapshot", "retired")
 
     @_outside_inference_mode
     def __init__(self, device, capacity: int, width: int, lo: float, hi: float, live: bool,
@@ -314,6 +314,8 @@ class _DeviceRows:
         self.acc = self.empty.clone()
         self.totals = self.empty.clone()
         self.unfolded: List[torch.Tensor] = []
+        # the step's rows before the bank last grew (see grow): merged into acc at end_step
+        self.retired: List[torch.Tensor] = []
         self.gate = torch.tensor([live], dtype=torch.bool, device=device)
         # end_step's append and fold: readers may be other threads. Reentrant: a signal handler
         # that removes the session (SIGTERM: flush and exit) can run inside a fold and end a
@@ -339,6 +341,8 @@ class _DeviceRows:
         batch (a block is never reused: its slots live as long as anyone holds them), so a
         step costs two copies, no allocation and, on the CPU, one call into the extension
         and no torch op; the step after rows were added gets a copy of its own."""
+        if self.retired:
+            self._absorb_retired()
         n, acc, empty = self._views
         if n != used:  # rows were added (or the bank grew): keys may keep arriving
             acc, empty = self.acc[:used], self.empty[:used]
@@ -391,15 +395,44 @@ class _DeviceRows:
             self.acc.copy_(self.empty)
             self.totals.copy_(self.empty)
             self.unfolded = []
+            self.retired = []
+
+    def current(self) -> torch.Tensor:
+        """The step being filled (``acc``, with the rows it had before the bank grew merged
+        in): what readers of the running step use."""
+        if not self.retired:
+            return self.acc
+        return _merge_retired(self.acc, self.retired, self.empty)
 
     @_outside_inference_mode
     def grow(self, capacity: int) -> None:
+        """More rows. The step's rows so far stay where they are (``retired``) and ``acc``
+        starts empty (its clock carried on): another thread's op that read ``acc`` before
+        the swap and merges after it (CPU kernels run without the GIL) still lands in the
+        retired rows, which ``end_step`` merges in; copying them over would lose it."""
         self.fold()
         fresh = self.empty[-1:].expand(capacity - self.acc.shape[0], -1)  # not the meta row
         self.empty = torch.cat([self.empty, fresh])
-        self.acc = torch.cat([self.acc, fresh])
+        old = self.acc
+        acc = self.empty.clone()
+        acc[0] = old[0]  # the meta row: the clock goes on
+        self.acc = acc
+        self.retired.append(old)
         self.totals = torch.cat([self.totals, fresh])
         self._views = (0, None, None)
+
+    def _absorb_retired(self) -> None:
+        self.acc.copy_(_merge_retired(self.acc, self.retired, self.empty))
+        self.retired = []
+
+
+def _merge_retired(acc: torch.Tensor, retired: List[torch.Tensor], empty: torch.Tensor) -> torch.Tensor:
+    """``acc`` with the (fewer) rows of each retired bank merged in (``empty``: acc's empty
+    rows); the clock is the latest of theirs (each counted on from the same value)."""
+    stacked = torch.stack([acc] + [pad_rows(r, empty) for r in retired])
+    out = merge_rows(stacked)
+    out[0, CLOCK] = stacked[:, 0, CLOCK].amax()
+    return out
 
 
 def pad_rows(snap: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
@@ -732,7 +765,7 @@ class StatsBank:
         n = len(self.keys)
         if not n or not self._devices:
             return {}
-        per_dev = [merge_rows(torch.stack([d.fold()[1:n + 1], d.acc[1:n + 1]]))
+        per_dev = [merge_rows(torch.stack([d.fold()[1:n + 1], d.current()[1:n + 1]]))
                    for d in self._devices.values()]
         rows = per_dev[0] if len(per_dev) == 1 else merge_rows(
             torch.stack([r.to(per_dev[0].device) for r in per_dev]))

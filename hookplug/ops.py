@@ -19,7 +19,8 @@ as one node (row layout: :mod:`hookplug._stats`):
   the current stream; calls on one stream merge in stream order, so results are
   deterministic for a given sequence of calls (the float merge is Chan's formula in that
   order; counts and buckets are exact). On the CPU a lock serializes the final merge, so
-  threads sharing a bank lose nothing.
+  threads sharing a bank lose nothing (a compiled graph that functionalizes the op,
+  ``aot_eager``'s, merges into a copy and copies it back: no longer so there).
 - ``torch.ops.hookplug.stats_accumulate_at_(x, acc, row, gate, bins, hist_mode, lo, hi)``:
   the same with ``row`` a one-element int64 tensor on ``acc``'s device, read by the kernel
   there (on CUDA an index outside the bank makes the call do nothing): what compiled code

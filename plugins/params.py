@@ -527,8 +527,8 @@ class ParamsPlugin(hookplug.Plugin):
         dev = next(iter(self.bank._devices.values()))  # parameters live on one device
         if over == "all":
             from hookplug._stats import merge_rows
-            return merge_rows(torch.stack([dev.fold()[1:n + 1], dev.acc[1:n + 1]]))
-        cur = dev.acc[1:n + 1]
+            return merge_rows(torch.stack([dev.fold()[1:n + 1], dev.current()[1:n + 1]]))
+        cur = dev.current()[1:n + 1]
         if self._last is None:
             return cur
         last = pad_rows(next(iter(self._last.values())), dev.empty[:n + 1])[1:n + 1]

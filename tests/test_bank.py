@@ -298,6 +298,36 @@ def test_snapshots_of_a_growing_key_set_fold_and_flush_exactly():
         _same_stats(merged[key].row, torch.cat(list(steps.values())))
 
 
+def test_a_merge_into_the_rows_a_growing_bank_replaced_is_kept():
+    """Another thread's op that read ``acc`` before the bank grew and merges after (CPU
+    kernels run without the GIL): its merge lands in the old rows, which are kept and merged
+    into the step at ``end_step`` (they were copied at growth and the late merge was lost:
+    a bug hunt's two threads recorded 297 of 300 calls). The running step read before
+    ``end_step`` (``merged``) holds it too."""
+    bank = StatsBank()
+    bank.prepare(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+    key = ("big", "output", "train")
+    xs = [torch.randn(5000, generator=gen) for _ in range(3)]
+    bank.accumulate(xs[0], key)
+    dev = bank.device_rows(torch.device("cpu"))
+    before, row = dev.acc, bank.rows[key]
+    capacity = bank._capacity
+    for j in range(capacity):  # the bank grows
+        bank.row_of((f"m{j}", "output", "train"))
+    assert bank._capacity > capacity and dev.acc is not before
+    torch.ops.hookplug.stats_accumulate_(xs[1], before, row, dev.gate, *bank.op_args)  # the late merge
+    bank.accumulate(xs[2], key)
+    whole = torch.cat(xs)
+    _same_stats(bank.merged(lambda k: k)[key].row, whole)
+    bank.end_step(0)
+    assert not dev.retired
+    (block,) = bank.collect(lambda k, st: {"key": k})
+    (got,) = [r for m, r in zip(block.metas, block.rows) if m["key"] == key]
+    _same_stats(got, whole)
+    assert int(got[CALLS]) == 3
+
+
 def test_snapshots_keep_no_more_memory_than_they_hold():
     """A key set that grows every step (a snapshot of its own each time) and then stays put
     (slots of one block per fold batch): the ended steps waiting for telemetry keep at most
