@@ -44,35 +44,37 @@ struct StatsArgs {
   double lo, hi;
 };
 
+// who: the op the caller is, as error messages name it.
 inline StatsArgs check_stats_args(const at::Tensor& x, int64_t bins, int64_t hist_mode,
-                                  std::optional<double> lo, std::optional<double> hi) {
+                                  std::optional<double> lo, std::optional<double> hi,
+                                  const char* who = "hookplug::tensor_stats") {
   TORCH_CHECK_TYPE(x.layout() == at::kStrided,
-                   "hookplug::tensor_stats: expected a dense (strided) tensor, got layout ",
+                   who, ": expected a dense (strided) tensor, got layout ",
                    x.layout());
   const auto t = x.scalar_type();
   TORCH_CHECK_TYPE(t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16,
-                   "hookplug::tensor_stats: expected a floating tensor (float32, float64, "
+                   who, ": expected a floating tensor (float32, float64, "
                    "float16, bfloat16), got ",
                    torch_dtype_name(t));
   TORCH_CHECK_VALUE(hist_mode == kHistLog2 || hist_mode == kHistLinear,
-                    "hookplug::tensor_stats: expected hist_mode 0 (log2) or 1 (linear), got ",
+                    who, ": expected hist_mode 0 (log2) or 1 (linear), got ",
                     hist_mode);
   TORCH_CHECK_VALUE(bins >= 0 && bins <= kMaxBins,  // kMaxBins == hookplug._stats.MAX_BINS
-                    "hookplug::tensor_stats: expected 0 <= bins <= ", kMaxBins,
+                    who, ": expected 0 <= bins <= ", kMaxBins,
                     " (0 turns the histogram off), got ", bins);
   TORCH_CHECK_VALUE(lo.has_value() == hi.has_value(),
-                    "hookplug::tensor_stats: a range needs both lo and hi, got lo=",
+                    who, ": a range needs both lo and hi, got lo=",
                     lo.has_value() ? std::to_string(*lo) : "None",
                     ", hi=", hi.has_value() ? std::to_string(*hi) : "None");
   StatsArgs a{};
   a.has_range = lo.has_value();
   if (a.has_range) {
     TORCH_CHECK_VALUE(hist_mode == kHistLinear,
-                      "hookplug::tensor_stats: a range applies to the linear histogram "
+                      who, ": a range applies to the linear histogram "
                       "(hist_mode=1) only, got hist_mode=",
                       hist_mode, " (log2)");
     TORCH_CHECK_VALUE(*lo < *hi && std::isfinite(*hi - *lo),  // NaN, inf, a width past the largest
-                      "hookplug::tensor_stats: expected a finite range with lo < hi (and hi - lo "
+                      who, ": expected a finite range with lo < hi (and hi - lo "
                       "finite), got (", *lo, ", ", *hi, ")");
     a.lo = *lo;
     a.hi = *hi;
@@ -105,8 +107,7 @@ inline at::Tensor empty_stats_row(const at::Tensor& x, const StatsArgs& a) {
 // The bank arguments of hookplug::stats_accumulate_(x, acc, row, gate, ...) (row: none
 // when the kernel reads it from device memory and checks it there).
 inline void check_bank(const at::Tensor& x, const at::Tensor& acc, std::optional<int64_t> row,
-                       const std::optional<at::Tensor>& gate, const StatsArgs& a) {
-  const char* who = "hookplug::stats_accumulate_";
+                       const std::optional<at::Tensor>& gate, const StatsArgs& a, const char* who) {
   TORCH_CHECK_TYPE(acc.scalar_type() == at::kDouble && acc.dim() == 2 && acc.is_contiguous(),
                    who, ": expected acc to be a contiguous 2-D float64 tensor, got a ",
                    acc.dim(), "-D ", torch_dtype_name(acc.scalar_type()), " tensor");
@@ -158,9 +159,10 @@ struct BankTarget {
 inline BankTarget bank_target(const at::Tensor& x, const at::Tensor& acc, std::optional<int64_t> row,
                               const std::optional<at::Tensor>& gate, int64_t bins,
                               int64_t hist_mode, std::optional<double> lo,
-                              std::optional<double> hi) {
-  const StatsArgs a = check_stats_args(x, bins, hist_mode, lo, hi);
-  check_bank(x, acc, row, gate, a);
+                              std::optional<double> hi,
+                              const char* who = "hookplug::stats_accumulate_") {
+  const StatsArgs a = check_stats_args(x, bins, hist_mode, lo, hi, who);
+  check_bank(x, acc, row, gate, a, who);
   double* base = acc.data_ptr<double>();
   return BankTarget{a, base + row.value_or(0) * acc.size(1), base + kClock};
 }

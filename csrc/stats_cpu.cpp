@@ -409,14 +409,23 @@ at::Tensor tensor_stats_cpu(const at::Tensor& x, int64_t bins, int64_t hist_mode
   return row;
 }
 
+// Both accumulate ops; who: the op, as its error messages name it.
+void accumulate_into_row(const at::Tensor& x, const at::Tensor& acc, int64_t row,
+                         const std::optional<at::Tensor>& gate, int64_t bins, int64_t hist_mode,
+                         std::optional<double> lo, std::optional<double> hi, bool skip_recompute,
+                         const char* who) {
+  const BankTarget t = bank_target(x, acc, row, gate, bins, hist_mode, lo, hi, who);
+  if (gate.has_value() && !gate->data_ptr<bool>()[0]) return;
+  if (in_recompute(skip_recompute)) return;
+  accumulate_cpu(x, t.a, t.row, t.clock, false);
+}
+
 void stats_accumulate_cpu(const at::Tensor& x, const at::Tensor& acc, int64_t row,
                           const std::optional<at::Tensor>& gate, int64_t bins, int64_t hist_mode,
                           std::optional<double> lo, std::optional<double> hi,
                           bool skip_recompute) {
-  const BankTarget t = bank_target(x, acc, row, gate, bins, hist_mode, lo, hi);
-  if (gate.has_value() && !gate->data_ptr<bool>()[0]) return;
-  if (in_recompute(skip_recompute)) return;
-  accumulate_cpu(x, t.a, t.row, t.clock, false);
+  accumulate_into_row(x, acc, row, gate, bins, hist_mode, lo, hi, skip_recompute,
+                      "hookplug::stats_accumulate_");
 }
 
 void stats_accumulate_at_cpu(const at::Tensor& x, const at::Tensor& acc, const at::Tensor& row,
@@ -424,8 +433,8 @@ void stats_accumulate_at_cpu(const at::Tensor& x, const at::Tensor& acc, const a
                              int64_t hist_mode, std::optional<double> lo,
                              std::optional<double> hi, bool skip_recompute) {
   check_row_tensor(acc, row);
-  stats_accumulate_cpu(x, acc, *row.data_ptr<int64_t>(), gate, bins, hist_mode, lo, hi,
-                       skip_recompute);
+  accumulate_into_row(x, acc, *row.data_ptr<int64_t>(), gate, bins, hist_mode, lo, hi,
+                      skip_recompute, "hookplug::stats_accumulate_at_");
 }
 
 }  // namespace

@@ -14,6 +14,7 @@ Python check in eager code and a one-element device flag the op reads inside com
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -188,18 +189,31 @@ def hook_compile_start() -> None:
 
         if _on_compile_start not in callback_handler.start_callbacks:
             callback_handler.register_start_callback(_on_compile_start)
+        if _on_compile_end not in callback_handler.end_callbacks:
+            callback_handler.register_end_callback(_on_compile_end)
         _mark_trace_constants()
     except Exception:  # noqa: BLE001 - a torch without them (private API)
         pass
 
 
-# Whether inference mode was on where dynamo started compiling the frame being traced, per
-# thread: dynamo traces with it off, and cannot read it in traced code.
+# Whether inference mode was on where dynamo started compiling a frame, and that compile's
+# id, per thread: dynamo traces with it off, and cannot read it in traced code.
 _TRACE_STATE = threading.local()
 
 
 def _read_trace_inference_mode() -> bool:
-    return getattr(_TRACE_STATE, "inference_mode", False)
+    """The inference mode noted at the start of the compile being traced; False where none
+    was noted for it (callbacks dropped by ``torch._dynamo.reset()``, or skipped: dynamo
+    runs them only when no other compile is in flight, on any thread)."""
+    noted = getattr(_TRACE_STATE, "inference_mode", None)
+    if not noted or noted[1] is None:
+        return False
+    try:
+        from torch._guards import CompileContext
+
+        return str(CompileContext.current_compile_id()) == noted[1]
+    except Exception:  # noqa: BLE001 - private API
+        return False
 
 
 def _not_known() -> bool:
@@ -221,19 +235,31 @@ def _mark_trace_constants() -> None:
         trace_inference_mode = mark(_read_trace_inference_mode)
 
 
-def _on_compile_start(_args=None) -> None:
+def _on_compile_start(args=None) -> None:
     """Before dynamo traces a frame (outside the trace): the caller's inference mode is noted
     (see ``trace_inference_mode``), deferred banks are made, and each bank's
     ``before_trace`` runs (``stats``: rows and row tensors for keys an earlier trace met, so
     the next identical block's trace finds them and shares its graph)."""
-    _TRACE_STATE.inference_mode = torch.is_inference_mode_enabled()
+    inference = torch.is_inference_mode_enabled()
+    _TRACE_STATE.inference_mode = (True, getattr(args, "compile_id", None)) if inference else None
     if trace_inference_mode is _not_known:  # (dynamo was still importing at hook_compile_start)
         _mark_trace_constants()
-    for bank in list(_DEFERRED):
-        bank.prepare_deferred()
-    for bank in list(_BANKS.values()):
-        if bank.before_trace is not None:
-            bank.before_trace()
+    # bank memory and row tensors made here are never inference tensors (a compile started
+    # under inference_mode, e.g. a validation pass before training: a training graph saves
+    # row tensors for backward)
+    with torch.inference_mode(False) if inference else contextlib.nullcontext():
+        for bank in list(_DEFERRED):
+            bank.prepare_deferred()
+        for bank in list(_BANKS.values()):
+            if bank.before_trace is not None:
+                bank.before_trace()
+
+
+def _on_compile_end(_args=None) -> None:
+    """The compiles in flight ended: what ``_on_compile_start`` noted is no longer theirs
+    (compile ids start over after ``torch._dynamo.reset()``, which also drops these
+    callbacks: a stale note could match a later compile's id)."""
+    _TRACE_STATE.inference_mode = None
 
 
 def check_sites(who: str, sites, allowed) -> tuple:

@@ -507,7 +507,9 @@ class _ModuleBinding:
             return None
         s = self.session
         ctx = self._new_ctx(module, compiling)
-        if self.has_post:  # the same ctx reaches forward_output for this call
+        if self.has_post and not compiling:  # the same ctx reaches forward_output for this call
+            # (compiled code makes an equal one there: a traced list mutation graph-breaks
+            # inside a checkpoint's region and is lost when its early stop raises)
             self._pending.append(ctx)
         if not impls:
             return None
@@ -579,11 +581,9 @@ class _ModuleBinding:
         """``post_hook`` inside compiled code: the sampled tuples always, nothing Python-side
         that changes per call (no recompiles), gradient sites traced into the graph."""
         fwd_out, out_grad = self.all_out, self.all_grad
-        ctx = self._pending.pop() if self.has_pre and self._pending else None
         if not fwd_out and not out_grad:
             return None
-        if ctx is None:
-            ctx = self._new_ctx(module, True)
+        ctx = self._new_ctx(module, True)  # equal to pre_hook's (see there)
         new = _fold(self.session, fwd_out, "hookplug_forward_output", output, (ctx, module, args, kwargs), (),
                     self.where) if fwd_out else None
         if new is not None:

@@ -799,8 +799,15 @@ def test_accumulate_at_refuses_a_bad_row_tensor():
     with pytest.raises(TypeError, match="one-element int64 tensor, got torch.int64 with 2 elements"):
         op(x, acc, torch.tensor([1, 2]), None, 1, 0)
     for bad in (0, 4, -1):  # row 0 is the meta row; the bank has 4 rows
-        with pytest.raises(ValueError, match=rf"expected a row in \[1, 4\).*got {bad}"):
+        with pytest.raises(ValueError, match=rf"stats_accumulate_at_: expected a row in \[1, 4\).*got {bad}"):
             op(x, acc, torch.tensor([bad]), None, 1, 0)
+    # every message names the op called (they named stats_accumulate_ or tensor_stats)
+    with pytest.raises(TypeError, match="hookplug::stats_accumulate_at_: expected a floating tensor"):
+        op(x.int(), acc, torch.tensor([1]), None, 1, 0)
+    with pytest.raises(TypeError, match="hookplug::stats_accumulate_: expected a floating tensor"):
+        torch.ops.hookplug.stats_accumulate_(x.int(), acc, 1, None, 1, 0)
+    with pytest.raises(ValueError, match="hookplug::stats_accumulate_: expected 0 <= bins"):
+        torch.ops.hookplug.stats_accumulate_(x, acc, 1, None, -1, 0)
     if cuda_kernels():
         with pytest.raises(RuntimeError, match="expected row on cpu"):
             op(x, acc, torch.tensor([1], device="cuda"), None, 1, 0)

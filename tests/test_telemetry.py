@@ -982,6 +982,123 @@ def test_regional_compilation_of_hooked_blocks_shares_one_graph(sites):
     _stat_fields_equal(eager, compiled)
 
 
+class _CheckpointedInside(nn.Module):
+    """A block that checkpoints its own body (🤗 transformers 5's gradient checkpointing
+    does it inside ``__call__``): compiled, the checkpoint is traced into the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def body(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.body, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("sites", [("input", "output"), ("input", "output", "grad")])
+@pytest.mark.parametrize("where", ["inside", "around"])
+def test_checkpointed_compiled_blocks_with_input_and_output_sites_compile_as_without_hooks(where, sites):
+    """Input and output sites on modules inside a checkpoint compiled with them (inside), and
+    on compiled blocks checkpointed from eager code and selected themselves (around, torch's
+    default ``use_reentrant=False``): as many graphs as without hooks and none after the
+    first step. The pre hook no longer hands its context to the post hook through a list
+    in compiled code: inside a checkpoint's traced region the list mutation graph-broke
+    (the blocks ran eagerly), and around, the checkpoint's early stop raised before the
+    post hook's pop, so the list grew each step and the hooks recompiled until the limit.
+    Records equal eager without checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    def run(compiled, hooked=True):
+        torch.manual_seed(0)
+        blocks = nn.ModuleList((_CheckpointedInside if where == "inside" else _Block)() for _ in range(3))
+        x = torch.randn(4, 8, requires_grad=True)
+        sink, runs, frames, seen = ListSink(), [0], [0], []
+        if compiled:
+            _compile_each(blocks, runs, frames)
+        selector = "Linear" if where == "inside" else "*"
+        s = (hookplug.attach(blocks, selector, plugins=("stats", {"sites": sites}), sink=sink, flush_every=1)
+             if hooked else None)
+        for _ in range(4):
+            h = x
+            for block in blocks:
+                if where == "around" and compiled:
+                    h = checkpoint(block, h, use_reentrant=False)
+                elif where == "inside" and not compiled:
+                    h = block.body(h)  # the eager reference: no checkpoint
+                else:
+                    h = block(h)
+            h.sum().backward()
+            if s:
+                s.step()
+            seen.append(frames[0])
+        pending = sum(len(b._pending) for b in s._bindings.values()) if s else 0
+        if s:
+            s.remove()
+        _uncompile(blocks)
+        return by_key(sink.records), seen, pending
+
+    eager, _, _ = run(False)
+    compiled, seen, pending = run(True)
+    _, plain, _ = run(True, hooked=False)
+    assert seen[-1] == seen[0] and pending == 0, (seen, pending)
+    if where == "inside":
+        assert seen == plain == [1] * 4
+    # (around: the selected blocks' own hooks, outside their compiled call, are frames of their own)
+    _stat_fields_equal(eager, compiled)
+
+
+def test_a_training_trace_after_dynamo_reset_is_not_labelled_by_an_earlier_inference_trace():
+    """An evaluation under ``torch.inference_mode`` compiled, then ``torch._dynamo.reset()``
+    (which drops the compile-start callbacks) and a training step traced at once: the
+    inference mode noted for the earlier compile does not reach the new trace (noted per
+    compile id), so training records stay "train"."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    run = torch.compile(m, backend="aot_eager")
+    sink = ListSink()
+    x = torch.randn(4, 8)
+    with hookplug.attach(m, "Linear", plugins=("stats", {"sites": ("output", "grad")}), sink=sink,
+                         flush_every=1) as s:
+        with torch.inference_mode():
+            run(x)
+        s.step()
+        torch._dynamo.reset()
+        run(x).sum().backward()
+        s.step()
+    torch._dynamo.reset()
+    phases = {(r["step"], r["site"], r["phase"]) for r in sink.records}
+    assert phases == {(0, "output", "eval"), (1, "output", "train"), (1, "grad", "train")}
+
+
+def test_a_model_first_compiled_under_inference_mode_trains_in_eval_mode_with_the_grad_site():
+    """The first compile under ``torch.inference_mode`` (a validation pass before training)
+    makes the eval rows' tensors; a model then trained in eval mode (frozen norms) with
+    the grad site saves them for backward: they are not inference tensors ("Inference
+    tensors cannot be saved for backward"). Records equal eager."""
+    got = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
+        run = torch.compile(m, backend="aot_eager") if compiled else m
+        sink = ListSink()
+        x = torch.randn(4, 8)
+        with hookplug.attach(m, "Linear", plugins=("stats", {"sites": ("output", "grad")}), sink=sink,
+                             flush_every=1) as s:
+            with torch.inference_mode():
+                run(x)
+            s.step()
+            run(x).sum().backward()
+            s.step()
+        torch._dynamo.reset()
+        got[compiled] = {(r["step"], r["module"], r["site"], r["phase"]): r for r in sink.records}
+    assert len(got[False]) == 2 + 4
+    _stat_fields_equal(got[False], got[True])
+
+
 _SAC_UNDER_AOT_EAGER = pytest.mark.xfail(
     raises=NotImplementedError, strict=False,
     reason="torch: SAC's _CachingTorchDispatchMode has no rule for auto_functionalized_v2 (README)")

@@ -92,7 +92,8 @@ void stats_accumulate_at_cuda(const at::Tensor& x, const at::Tensor& acc, const 
                               int64_t hist_mode, std::optional<double> lo,
                               std::optional<double> hi, bool skip_recompute) {
   check_row_tensor(acc, row);
-  const BankTarget t = bank_target(x, acc, std::nullopt, gate, bins, hist_mode, lo, hi);
+  const BankTarget t = bank_target(x, acc, std::nullopt, gate, bins, hist_mode, lo, hi,
+                                   "hookplug::stats_accumulate_at_");
   if (in_recompute(skip_recompute)) return;
   launch(x, t.a, t.row, t.clock, gate.has_value() ? gate->data_ptr<bool>() : nullptr, false,
          &row, acc.size(0));
