@@ -206,8 +206,10 @@ def _read_trace_inference_mode() -> bool:
     was noted for it (callbacks dropped by ``torch._dynamo.reset()``, or skipped: dynamo
     runs them only when no other compile is in flight, on any thread)."""
     noted = getattr(_TRACE_STATE, "inference_mode", None)
-    if not noted or noted[1] is None:
+    if not noted:
         return False
+    if noted[1] is None:  # a torch whose callbacks name no compile: the note (cleared at the end)
+        return True
     try:
         from torch._guards import CompileContext
 
@@ -428,7 +430,8 @@ class _DeviceRows:
         in): what readers of the running step use."""
         if not self.retired:
             return self.acc
-        return _merge_retired(self.acc, self.retired, self.empty)
+        with self.lock:  # (not while grow swaps them)
+            return _merge_retired(self.acc, self.retired, self.empty)
 
     @_outside_inference_mode
     def grow(self, capacity: int) -> None:
@@ -436,20 +439,22 @@ class _DeviceRows:
         starts empty (its clock carried on): another thread's op that read ``acc`` before
         the swap and merges after it (CPU kernels run without the GIL) still lands in the
         retired rows, which ``end_step`` merges in; copying them over would lose it."""
-        self.fold()
-        fresh = self.empty[-1:].expand(capacity - self.acc.shape[0], -1)  # not the meta row
-        self.empty = torch.cat([self.empty, fresh])
-        old = self.acc
-        acc = self.empty.clone()
-        acc[0] = old[0]  # the meta row: the clock goes on
-        self.acc = acc
-        self.retired.append(old)
-        self.totals = torch.cat([self.totals, fresh])
-        self._views = (0, None, None)
+        with self.lock:  # against end_step's _absorb_retired (another thread's step())
+            self._fold_locked()
+            fresh = self.empty[-1:].expand(capacity - self.acc.shape[0], -1)  # not the meta row
+            empty = torch.cat([self.empty, fresh])
+            old = self.acc
+            acc = empty.clone()
+            acc[0] = old[0]  # the meta row: the clock goes on
+            self.empty, self.acc = empty, acc
+            self.retired.append(old)
+            self.totals = torch.cat([self.totals, fresh])
+            self._views = (0, None, None)
 
     def _absorb_retired(self) -> None:
-        self.acc.copy_(_merge_retired(self.acc, self.retired, self.empty))
-        self.retired = []
+        with self.lock:
+            retired, self.retired = self.retired, []
+            self.acc.copy_(_merge_retired(self.acc, retired, self.empty))
 
 
 def _merge_retired(acc: torch.Tensor, retired: List[torch.Tensor], empty: torch.Tensor) -> torch.Tensor:

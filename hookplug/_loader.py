@@ -37,8 +37,9 @@ import threading
 import warnings
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
-__all__ = ["CUDA_ARCH_DEFAULT", "BuildError", "csrc_dir", "sources", "cxx_flags", "nvcc_flags",
-           "ld_flags", "cuda_plan", "cuda_arch_env", "build_info_source", "built_for", "jit_build",
+__all__ = ["CUDA_ARCH_DEFAULT", "OPS_VERSION", "BuildError", "csrc_dir", "sources", "cxx_flags",
+           "nvcc_flags", "ld_flags", "cuda_plan", "cuda_arch_env", "build_info_source", "built_for",
+           "built_ops_version", "jit_build",
            "load"]
 
 _log = logging.getLogger("hookplug.build")
@@ -240,16 +241,34 @@ def build_info_source(with_cuda: bool, cuda_why: str, cuda_arch: Optional[str]) 
         f"WITH_CUDA = {bool(with_cuda)!r}\n"
         f"CUDA_WHY = {cuda_why!r}\n"
         f"CUDA_ARCH_LIST = {cuda_arch!r}\n"
+        f"OPS_VERSION = {OPS_VERSION!r}\n"
     )
+
+
+# The version of the op schemas and of what the Python side passes them: raised when they
+# change, so a build from older sources (a checkout pulled and not rebuilt) is rebuilt, not
+# imported (2: stats_accumulate_'s skip_recompute).
+OPS_VERSION = 2
 
 
 def built_for() -> Optional[str]:
     """The torch version the prebuilt ``hookplug._C`` was built for, or None if unknown."""
+    info = _build_info()
+    return None if info is None else getattr(info, "TORCH_VERSION", None)
+
+
+def built_ops_version() -> Optional[int]:
+    """The ``OPS_VERSION`` of the sources the prebuilt ``hookplug._C`` was built from (1:
+    before it was written), or None if unknown."""
+    info = _build_info()
+    return None if info is None else getattr(info, "OPS_VERSION", 1)
+
+
+def _build_info():
     try:
-        info = importlib.import_module("hookplug._build_info")
+        return importlib.import_module("hookplug._build_info")
     except ImportError:
         return None
-    return getattr(info, "TORCH_VERSION", None)
 
 
 class _StaleBuild(ImportError):
@@ -263,6 +282,10 @@ def _import_prebuilt() -> Any:
     if built is not None and built != torch.__version__:
         raise _StaleBuild(f"hookplug._C was built for torch {built} but torch "
                           f"{torch.__version__} is running")
+    ops_version = built_ops_version()
+    if ops_version is not None and ops_version != OPS_VERSION:
+        raise _StaleBuild(f"hookplug._C was built from older sources (ops version {ops_version}, "
+                          f"this hookplug needs {OPS_VERSION})")
     if built is None:
         _log.debug("hookplug/_build_info.py is missing: importing hookplug._C unchecked")
     return importlib.import_module("hookplug._C")

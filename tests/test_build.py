@@ -198,6 +198,21 @@ def test_build_info_source_roundtrip():
     assert ns["TORCH_VERSION"] == torch.__version__
     assert ns["WITH_CUDA"] is False and ns["CUDA_ARCH_LIST"] is None
     assert ns["CUDA_WHY"] == "HOOKPLUG_NO_CUDA=1"
+    assert ns["OPS_VERSION"] == _loader.OPS_VERSION
+
+
+def test_a_build_from_older_sources_is_rebuilt_not_imported(monkeypatch):
+    """A ``_C`` built for this torch from sources whose op schemas are older (a checkout
+    pulled and not rebuilt: its ``stats_accumulate_`` lacks ``skip_recompute``, and every
+    compiled call would fail) is rebuilt with the JIT, not imported."""
+    monkeypatch.setattr(_loader, "built_ops_version", lambda: _loader.OPS_VERSION - 1)
+    monkeypatch.setattr(_loader, "_stale_logged", type(_loader._stale_logged)())
+    sentinel = object()
+    assert _loader.load(allow_jit=False) == (None, None)
+    assert _loader.load(allow_jit=True, build=lambda: sentinel) == (sentinel, "jit")
+    if ops.backend() == "compiled" and _loader.built_for() is not None:  # the real build: current
+        monkeypatch.undo()
+        assert _loader.built_ops_version() == _loader.OPS_VERSION
 
 
 @pytest.fixture
