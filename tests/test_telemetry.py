@@ -982,21 +982,14 @@ def test_regional_compilation_of_hooked_blocks_shares_one_graph(sites):
     _stat_fields_equal(eager, compiled)
 
 
-class _CheckpointedInside(nn.Module):
+class _CheckpointedInside(_Block):
     """A block that checkpoints its own body (🤗 transformers 5's gradient checkpointing
     does it inside ``__call__``): compiled, the checkpoint is traced into the graph."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
-
-    def body(self, x):
-        return x + self.fc2(torch.relu(self.fc1(x)))
 
     def forward(self, x):
         from torch.utils.checkpoint import checkpoint
 
-        return checkpoint(self.body, x, use_reentrant=False)
+        return checkpoint(super().forward, x, use_reentrant=False)
 
 
 @pytest.mark.parametrize("sites", [("input", "output"), ("input", "output", "grad")])
@@ -1028,7 +1021,7 @@ def test_checkpointed_compiled_blocks_with_input_and_output_sites_compile_as_wit
                 if where == "around" and compiled:
                     h = checkpoint(block, h, use_reentrant=False)
                 elif where == "inside" and not compiled:
-                    h = block.body(h)  # the eager reference: no checkpoint
+                    h = _Block.forward(block, h)  # the eager reference: no checkpoint
                 else:
                     h = block(h)
             h.sum().backward()
@@ -1051,14 +1044,14 @@ def test_checkpointed_compiled_blocks_with_input_and_output_sites_compile_as_wit
     _stat_fields_equal(eager, compiled)
 
 
-def test_a_training_trace_after_dynamo_reset_is_not_labelled_by_an_earlier_inference_trace():
-    """An evaluation under ``torch.inference_mode`` compiled, then ``torch._dynamo.reset()``
-    (which drops the compile-start callbacks) and a training step traced at once: the
-    inference mode noted for the earlier compile does not reach the new trace (noted per
-    compile id), so training records stay "train"."""
+def _inference_pass_then_training_step(train_mode: bool, compiled: bool, reset: bool = False):
+    """A small MLP (in train or eval mode; compiled with aot_eager or not) attached with
+    stats on outputs and gradients: a pass under ``torch.inference_mode``, a step, then
+    (after ``torch._dynamo.reset()`` where asked) a training step; its records by (step,
+    module, site, phase)."""
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
-    run = torch.compile(m, backend="aot_eager")
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).train(train_mode)
+    run = torch.compile(m, backend="aot_eager") if compiled else m
     sink = ListSink()
     x = torch.randn(4, 8)
     with hookplug.attach(m, "Linear", plugins=("stats", {"sites": ("output", "grad")}), sink=sink,
@@ -1066,12 +1059,22 @@ def test_a_training_trace_after_dynamo_reset_is_not_labelled_by_an_earlier_infer
         with torch.inference_mode():
             run(x)
         s.step()
-        torch._dynamo.reset()
+        if reset:
+            torch._dynamo.reset()
         run(x).sum().backward()
         s.step()
     torch._dynamo.reset()
-    phases = {(r["step"], r["site"], r["phase"]) for r in sink.records}
-    assert phases == {(0, "output", "eval"), (1, "output", "train"), (1, "grad", "train")}
+    return {(r["step"], r["module"], r["site"], r["phase"]): r for r in sink.records}
+
+
+def test_a_training_trace_after_dynamo_reset_is_not_labelled_by_an_earlier_inference_trace():
+    """An evaluation under ``torch.inference_mode`` compiled, then ``torch._dynamo.reset()``
+    (which drops the compile-start callbacks) and a training step traced at once: the
+    inference mode noted for the earlier compile does not reach the new trace (noted per
+    compile id, cleared at compile end), so training records stay "train"."""
+    got = _inference_pass_then_training_step(train_mode=True, compiled=True, reset=True)
+    assert {(k[0], k[2], k[3]) for k in got} == {(0, "output", "eval"), (1, "output", "train"),
+                                                  (1, "grad", "train")}
 
 
 def test_a_model_first_compiled_under_inference_mode_trains_in_eval_mode_with_the_grad_site():
@@ -1079,24 +1082,10 @@ def test_a_model_first_compiled_under_inference_mode_trains_in_eval_mode_with_th
     makes the eval rows' tensors; a model then trained in eval mode (frozen norms) with
     the grad site saves them for backward: they are not inference tensors ("Inference
     tensors cannot be saved for backward"). Records equal eager."""
-    got = {}
-    for compiled in (False, True):
-        torch.manual_seed(0)
-        m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
-        run = torch.compile(m, backend="aot_eager") if compiled else m
-        sink = ListSink()
-        x = torch.randn(4, 8)
-        with hookplug.attach(m, "Linear", plugins=("stats", {"sites": ("output", "grad")}), sink=sink,
-                             flush_every=1) as s:
-            with torch.inference_mode():
-                run(x)
-            s.step()
-            run(x).sum().backward()
-            s.step()
-        torch._dynamo.reset()
-        got[compiled] = {(r["step"], r["module"], r["site"], r["phase"]): r for r in sink.records}
-    assert len(got[False]) == 2 + 4
-    _stat_fields_equal(got[False], got[True])
+    eager = _inference_pass_then_training_step(train_mode=False, compiled=False)
+    compiled = _inference_pass_then_training_step(train_mode=False, compiled=True)
+    assert len(eager) == 2 + 4
+    _stat_fields_equal(eager, compiled)
 
 
 _SAC_UNDER_AOT_EAGER = pytest.mark.xfail(
