@@ -373,14 +373,16 @@ def _plain_container(obj) -> bool:
 def _compiled_autograd_may_run() -> bool:
     """Whether compiled autograd is on, or will be for a backward dynamo traces now (its
     config flag, or ``compiled_autograd._enable``), read at trace time (dynamo guards on
-    it). Compiled autograd copies the AOT backward graph into its own, and the effect token
+    it). Not while compiled autograd runs a backward (``in_compiled_autograd_region``): a
+    forward traced there is a checkpoint's recompute, which must take the path its forward
+    took (``_enable`` around ``backward()`` only: the grad-site op), else it saves other
+    tensors and torch's checkpoint check fails. Compiled autograd copies the AOT backward graph into its own, and the effect token
     of :class:`_GradSite`'s op fails there under inductor (dynamo cannot trace it), while it
     traces tensor hooks as eager code does: grad sites take those then."""
     config = sys.modules.get("torch._dynamo.config")
     ca = sys.modules.get("torch._dynamo.compiled_autograd")
     return bool(getattr(config, "compiled_autograd", False)
-                or getattr(ca, "compiled_autograd_enabled", False)
-                or getattr(ca, "in_compiled_autograd_region", False))
+                or getattr(ca, "compiled_autograd_enabled", False))
 
 
 class _GradSite(torch.autograd.Function):

@@ -708,6 +708,44 @@ def test_compiled_autograd_around_backward_only_trains_on_with_shared_block_grap
     _stat_fields_equal(eager, compiled)
 
 
+def test_compiled_autograd_around_backward_only_with_checkpointed_compiled_blocks_equals_eager():
+    """Blocks compiled one by one, checkpointed from eager code, compiled autograd switched
+    on around ``backward()`` only: the recompute, traced while compiled autograd runs the
+    backward, takes the grad-site path its forward took (it took the tensor-hook path:
+    other tensors saved, torch's CheckpointError). Records equal eager."""
+    from torch._dynamo import compiled_autograd
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    m = nn.Sequential(*(_Block() for _ in range(2)))
+    x = torch.randn(4, 8, requires_grad=True)
+    opts = ("stats", {"sites": ("input", "output", "grad")})
+
+    def run(compiled):
+        sink, runs, frames = ListSink(), [0], [0]
+        try:
+            with hookplug.attach(m, "Linear", plugins=opts, sink=sink, flush_every=1) as s:
+                if compiled:
+                    _compile_each(m, runs, frames)
+                for _ in range(2):
+                    h = x
+                    for block in m:
+                        h = checkpoint(block, h, use_reentrant=False) if compiled else block(h)
+                    if compiled:
+                        with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+                            h.sum().backward()
+                    else:
+                        h.sum().backward()
+                    s.step()
+        finally:
+            _uncompile(m)
+        return by_key(sink.records)
+
+    eager, compiled = run(False), run(True)
+    assert len(eager) == 2 * 4 * 3  # steps x Linears x (input, output, grad)
+    _stat_fields_equal(eager, compiled)
+
+
 def test_grad_site_without_the_by_key_op_falls_back_to_tensor_hooks(monkeypatch):
     """Where torch cannot keep the by-key op in a graph (no effect registration), grad sites
     take the tensor-hook path in compiled code too: a graph break per module, same records."""
