@@ -458,7 +458,7 @@ class _ModuleBinding:
 
     __slots__ = ("name", "where", "session", "fwd_in", "fwd_out", "out_grad", "all_in", "all_out",
                  "all_grad", "grad_in_graph", "eager_only", "eager_reason", "calls", "has_pre",
-                 "has_post", "variants", "_pending", "module_tensors", "__weakref__")
+                 "has_post", "variants", "recompute", "_pending", "module_tensors", "__weakref__")
 
     def __init__(self, name: str, session: "Session"):
         self.name = name
@@ -477,6 +477,8 @@ class _ModuleBinding:
         self.has_pre = False
         self.has_post = False
         self.variants: Dict[bool, Tuple[Tuple, Tuple, Tuple]] = {}
+        # plugins told of a forward re-run inside backward (see Plugin._recompute_started)
+        self.recompute: Tuple = ()
         self._pending: List[HookContext] = []  # pushed by pre_hook, popped by post_hook
         # per phase (see _TracedContext): a graph guards on the table it reads, so the eval
         # rows made after the first eval pass must not change the training graph's table
@@ -501,6 +503,8 @@ class _ModuleBinding:
         if not compiling and _graph_task_id() != -1:  # a recompute (activation checkpointing)
             if self.has_post:
                 self._pending.append(None)
+            for plugin in self.recompute:
+                plugin._recompute_started(self.name)
             return None
         impls = self.all_in if compiling else self.fwd_in
         if not impls and not self.has_post:
@@ -550,6 +554,9 @@ class _ModuleBinding:
             # one pending call is this thread's own (each thread takes only its own); with
             # more, calls of this module are nested or overlap on two threads
             ctx = pending.pop() if len(pending) == 1 else self._own_pending()
+            if ctx is None and self.recompute:
+                for plugin in self.recompute:
+                    plugin._recompute_ended(self.name, output)
             if not fwd_out and not out_grad:
                 return None
             if ctx is None:
@@ -1460,6 +1467,8 @@ class Session:
             untraceable = list(dict.fromkeys(
                 self._entry_of[id(p)].name for impls in binding.variants[True] for p, _ in impls
                 if not getattr(p, "traceable", True)))
+            binding.recompute = tuple(e.plugin for e in allowed
+                                      if callable(getattr(e.plugin, "_recompute_started", None)))
             binding.eager_only = bool(untraceable)
             binding.eager_reason = _eager_reason(untraceable) if untraceable else ""
             if binding.eager_only and hasattr(sys.modules.get("torch._dynamo"), "disable"):

@@ -48,11 +48,12 @@ branches (q/k/v projections reading one tensor, a residual shortcut), where
 ``total()`` counts every op of every window once: with the root selected (``"*:"``) it is the
 whole model; ops outside all selected modules (the loss, the optimizer) are not seen.
 Forward runs of other threads are not counted; the backward of a counted forward is, on
-whichever thread autograd runs it. Under activation checkpointing the forward is counted once (the
-recompute is not counted as forward); with ``use_reentrant=False`` the recompute's ops count
-as backward FLOPs of the module whose backward node ran it (the work the device does), with
-``use_reentrant=True`` the modules inside the checkpoint get no backward FLOPs (their graph
-is rebuilt inside backward, where this plugin does not look). With ``every=N`` only sampled steps are counted.
+whichever thread autograd runs it. Under activation checkpointing (reentrant or not) the
+forward is counted once; the recompute's ops, work the device does in backward, count as
+backward FLOPs of each module it re-runs and of the selected modules around the checkpoint:
+a module's backward FLOPs are its plain backward plus its own forward (less where a
+non-reentrant recompute stops early), and ``total()`` equals ``FlopCounterMode``'s. With
+``every=N`` only sampled steps are counted.
 
 ``uncounted()`` lists the ops without a formula that do arithmetic (pointwise ops,
 reductions, normalizations, softmax, ...: torch counts those as 0 FLOPs and so does this
@@ -116,6 +117,8 @@ _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 _peek_seq = getattr(getattr(torch._C, "_autograd", None), "_get_sequence_nr", None) or getattr(
     torch.autograd, "_get_sequence_nr", None)
 _HOP = getattr(getattr(torch, "_ops", None), "HigherOrderOperator", ())
+_current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+_FunctionNode = getattr(torch.autograd.function, "BackwardCFunction", ())
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
 
 
@@ -489,6 +492,35 @@ class _Lease:
             window.close()
 
 
+class _Recompute:
+    """A reentrant checkpoint's recompute running on one thread: the selected modules it
+    re-runs (innermost last), their windows and the autograd nodes they create."""
+
+    __slots__ = ("base", "names", "windows", "lo", "seqs", "owners", "roots")
+
+    def __init__(self, base: Tuple[str, ...], lo: Optional[int]):
+        self.base = base  # owners of the backward window the recompute runs in
+        self.names: List[str] = []
+        self.windows: List[_Window] = []
+        self.lo = lo  # the first node's sequence number; None: non-reentrant (no nodes kept)
+        self.seqs: List[int] = []
+        self.owners: List[Tuple[str, ...]] = []
+        self.roots: List[Any] = []
+
+    def running(self) -> Tuple[str, ...]:
+        return tuple(dict.fromkeys((*self.base, *self.names)))
+
+
+def _note_owners(seqs: List[int], owners: List[Tuple[str, ...]], seq: int,
+                 names: Tuple[str, ...]) -> None:
+    """Nodes with sequence number ``seq`` and up are owned by ``names`` (a timeline)."""
+    if seqs and seqs[-1] == seq:
+        owners[-1] = names
+    else:
+        seqs.append(seq)
+        owners.append(names)
+
+
 class _OpenCall:
     """A selected module's forward that has started and not returned."""
 
@@ -525,6 +557,7 @@ class FlopsPlugin(hookplug.Plugin):
         self._session_ref: Callable[[], Any] = lambda: None
         self._finalizer: Optional[weakref.finalize] = None
         self._lease = _Lease()  # the open forward window, shared with the finalizer
+        self._recomputes: Dict[int, _Recompute] = {}  # thread -> its reentrant recompute
         self._clear_forward()
         self._reset_state()
 
@@ -670,11 +703,61 @@ class FlopsPlugin(hookplug.Plugin):
     def _set_active(self, seq: int) -> None:
         """The running selected modules changed at autograd sequence number ``seq``."""
         self._active = tuple(dict.fromkeys(c.name for c in self._calls))
-        if self._timeline_seq and self._timeline_seq[-1] == seq:
-            self._timeline_owners[-1] = self._active
-        else:
-            self._timeline_seq.append(seq)
-            self._timeline_owners.append(self._active)
+        _note_owners(self._timeline_seq, self._timeline_owners, seq, self._active)
+
+    # -- reentrant recomputes (called by the session, see _ModuleBinding.recompute) ----------------
+
+    def _recompute_started(self, name: str) -> None:
+        """A selected module's forward runs again inside backward (activation checkpointing):
+        its ops count as backward FLOPs of the modules it re-runs and of the modules around
+        the checkpoint. Those are the owners of the backward window it runs in: in a
+        reentrant checkpoint, the ``torch.autograd.Function`` node made where the checkpoint
+        was called; in a non-reentrant one, the node inside the checkpoint that unpacked a
+        saved tensor, whose owners count only where they enclose ``name``. The nodes a
+        reentrant recompute creates are the ones its backward runs: they get windows as a
+        forward's do."""
+        try:
+            if not self._counting or _peek_seq is None:
+                return
+            d = _dispatcher()
+            rec = self._recomputes.get(threading.get_ident())
+            if rec is None:  # the outermost re-run module: inside the window it runs in
+                outer = next((w for w in reversed(d.windows) if w.plugin_ref() is self), None)
+                base = outer.owners or () if outer is not None else ()
+                reentrant = isinstance(_current_node(), _FunctionNode)
+                if not reentrant:
+                    base = tuple(n for n in base if n == "" or name.startswith(n + "."))
+                rec = self._recomputes[threading.get_ident()] = _Recompute(
+                    base, _peek_seq() if reentrant else None)
+            rec.names.append(name)
+            window = _Window(self, rec.running())
+            d.open(window)
+            rec.windows.append(window)
+            _note_owners(rec.seqs, rec.owners, _peek_seq(), window.owners)
+        except Exception as exc:  # noqa: BLE001 - never alter the model's computation
+            self._fail("a checkpoint's recompute", exc)
+
+    def _recompute_ended(self, name: str, output) -> None:
+        """The recomputed call of ``name`` returned (or raised: ``output`` is None)."""
+        try:
+            rec = self._recomputes.get(threading.get_ident())
+            if rec is None or name not in rec.names:
+                return
+            i = len(rec.names) - 1 - rec.names[::-1].index(name)
+            for window in reversed(rec.windows[i:]):
+                window.close()
+            del rec.names[i:], rec.windows[i:]
+            seq = _peek_seq()
+            if rec.lo is not None and output is not None and torch.is_grad_enabled():
+                rec.roots.extend(t.grad_fn for _, t in iter_tensors(output) if t.grad_fn is not None)
+            if rec.names:
+                _note_owners(rec.seqs, rec.owners, seq, rec.running())
+                return
+            del self._recomputes[threading.get_ident()]
+            if rec.roots and seq > rec.lo:  # (roots: reentrant only)
+                self._hook_nodes(rec.roots, rec.lo, seq, rec.seqs, rec.owners)
+        except Exception as exc:  # noqa: BLE001
+            self._fail("a checkpoint's recompute", exc)
 
     def _clear_forward(self) -> None:
         self._calls: List[_OpenCall] = []
@@ -741,6 +824,10 @@ class FlopsPlugin(hookplug.Plugin):
         self._counting = False
         self._lease.release()
         self._clear_forward()
+        recomputes, self._recomputes = self._recomputes, {}
+        for rec in recomputes.values():
+            for window in reversed(rec.windows):
+                window.close()
         _settle_this_thread()
 
     def _session_gone(self) -> bool:
@@ -786,10 +873,13 @@ class FlopsPlugin(hookplug.Plugin):
                     return
             self._add(window, packet, formula, args, kwargs, out)
         except Exception as exc:  # noqa: BLE001 - never alter the model's computation
-            self._ended = True
-            self._counting = False
-            warnings.warn(f"flops: counting failed on {func} ({type(exc).__name__}: {exc}); the "
-                          "plugin stops counting for this session", RuntimeWarning, stacklevel=2)
+            self._fail(func, exc)
+
+    def _fail(self, where, exc: Exception) -> None:
+        self._ended = True
+        self._counting = False
+        warnings.warn(f"flops: counting failed on {where} ({type(exc).__name__}: {exc}); the "
+                      "plugin stops counting for this session", RuntimeWarning, stacklevel=3)
 
     def _add(self, window: _Window, op, formula, args, kwargs, out) -> None:
         try:

@@ -463,3 +463,51 @@ def test_flops_under_torch_compile_equal_eager_and_the_flop_counter(how):
         with pytest.raises(Exception, match="plugin 'flops' sets traceable = False"):
             torch.compile(m, backend="aot_eager", fullgraph=True)(x)
     torch._dynamo.reset()
+
+
+class _CheckpointedEncoder(nn.Module):
+    """🤗-style gradient checkpointing: the encoder (a selected module) checkpoints each of
+    its layers; the head runs outside any checkpoint."""
+
+    def __init__(self, reentrant=None, dim=16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(EncoderLayer(dim, 2, 2 * dim, sdpa=False) for _ in range(2))
+        self.head = nn.Linear(dim, 3)
+        self.reentrant = reentrant  # None: no checkpoint
+
+    def encode(self, x):
+        for layer in self.layers:
+            x = layer(x) if self.reentrant is None else torch.utils.checkpoint.checkpoint(
+                layer, x, use_reentrant=self.reentrant)
+        return x
+
+    def forward(self, x):
+        return self.head(self.encode(x))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpoint_recompute_counts_as_backward_of_the_modules_it_reruns(reentrant):
+    """Activation checkpointing: the forward counts once; the recompute's ops count as
+    backward FLOPs of each module it re-runs and of the modules around the checkpoint, so a
+    module's backward is its plain backward plus its own forward, and the session's total is
+    FlopCounterMode's (it counted 0 for the layers under a reentrant checkpoint before)."""
+    x = torch.randn(2, 5, 16, requires_grad=True)  # (a reentrant checkpoint needs one)
+
+    def counts(ckpt):
+        model = _CheckpointedEncoder(ckpt)
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            plugin = run(model, x, backward=True, extra_formulas=False)  # as FlopCounterMode
+        return plugin.results(), plugin.total()
+
+    (plain, plain_total), (res, total) = counts(None), counts(reentrant)
+    assert {n: r["flops"] for n, r in res.items()} == {n: r["flops"] for n, r in plain.items()}
+    rerun = {n: r["flops"] if n.startswith("layers.") else 0 for n, r in plain.items()}
+    rerun[""] = sum(r["flops"] for n, r in plain.items() if n.count(".") == 1 and n.startswith("layers."))
+    assert rerun[""] > rerun["layers.0"] > rerun["layers.0.query"] > 0
+    assert {n: r["backward_flops"] for n, r in res.items()} == {
+        n: r["backward_flops"] + rerun[n] for n, r in plain.items()}
+    assert total["backward_flops"] == plain_total["backward_flops"] + rerun[""]
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False), FlopCounterMode(display=False) as fc:
+        _CheckpointedEncoder(reentrant)(x).sum().backward()
+    assert total["flops"] + total["backward_flops"] == fc.get_total_flops()
