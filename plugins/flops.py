@@ -721,6 +721,8 @@ class FlopsPlugin(hookplug.Plugin):
                 return
             d = _dispatcher()
             rec = self._recomputes.get(threading.get_ident())
+            if rec is not None and not any(w is rec.windows[-1] for w in d.windows):
+                rec = None  # left by a backward that KeyboardInterrupt stopped (no post hooks)
             if rec is None:  # the outermost re-run module: inside the window it runs in
                 outer = next((w for w in reversed(d.windows) if w.plugin_ref() is self), None)
                 base = outer.owners or () if outer is not None else ()

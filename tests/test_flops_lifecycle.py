@@ -170,6 +170,50 @@ def test_keyboard_interrupt_in_forward_leaves_no_mode_and_next_call_counts_right
     assert modes() == []
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_interrupt_inside_a_checkpoints_recompute_leaves_no_window(reentrant):
+    """A recompute (in backward) stopped by KeyboardInterrupt (no post hooks) or by an error
+    (post hooks run): the next step counts as a clean session does."""
+    torch.manual_seed(0)
+    stop = Interrupt(KeyboardInterrupt, on=())
+    inner = nn.Sequential(nn.Linear(4, 8), stop, nn.Linear(8, 4))
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.head = inner, nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=reentrant))
+
+    model = Checkpointed()
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def step():
+        model(x).sum().backward()
+
+    ref = FlopsPlugin()
+    with hookplug.attach(model, "*, *:", plugins=ref):
+        step()
+    assert ref.results()["inner.0"]["backward_flops"] > ref.results()["inner.0"]["flops"] > 0
+    for exc in (KeyboardInterrupt, ValueError):
+        stop.exc, stop.calls, stop.on = exc, 0, {1}  # the recompute's call
+        plugin = FlopsPlugin()
+        with hookplug.attach(model, "*, *:", plugins=plugin) as session:
+            with pytest.raises(exc):
+                step()
+            session.step()
+            plugin.reset()
+            torch.mm(torch.randn(4, 4), torch.randn(4, 4))  # outside every window
+            assert plugin.total()["flops"] + plugin.total()["backward_flops"] == 0
+            stop.on = set()
+            step()
+            assert modes() == []
+        assert plugin.results() == ref.results(), exc
+        assert plugin.total() == ref.total()
+        assert modes() == []
+
+
 def test_forward_raising_closes_the_window():
     model = nn.Sequential(nn.Linear(4, 8), Interrupt(ValueError, on=(0,)), nn.Linear(8, 4))
     x = torch.randn(4, 4)
