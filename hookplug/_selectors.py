@@ -475,6 +475,15 @@ def named_parameters(model: nn.Module) -> List[Tuple[str, nn.Parameter]]:
     return [(clean_name(n), p) for n, p in model.named_parameters()]
 
 
+def parameter_names(model: nn.Module) -> Dict[int, List[str]]:
+    """``{id(parameter): [every name it has]}``, first the one ``named_parameters()`` gives: a
+    tied parameter (``lm_head.weight`` is ``wte.weight``) has one per owner."""
+    names: Dict[int, List[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(clean_name(n))
+    return names
+
+
 def check_strict(who: str, strict) -> None:
     """``strict`` of ``select()`` and ``attach()``: True or False, nothing else."""
     if not isinstance(strict, bool):

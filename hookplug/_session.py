@@ -736,13 +736,25 @@ class _ParamBinding:
         and the dict moves with the Python object but the autograd hook that runs it does
         not. Assigning the dict back installs it on the current one (0.2 us; every hook in
         it runs again, not only ours; an address check would miss a reused address). A
-        parameter now frozen is left without a hook until it needs a gradient again."""
+        frozen parameter gets its hook too (``requires_grad`` is on for the registration
+        only; torch keeps a leaf's hooks through freezing): it runs once the parameter is
+        unfrozen, also in the backward right after ``requires_grad_(True)``."""
         param = self.param()
-        if param is None or not param.requires_grad:
+        if param is None:
             return
         hooks = param._backward_hooks
         if self.handle is None or hooks is None or self.handle.id not in hooks:
-            self.handle = param.register_hook(self)  # first time, or a new Parameter object
+            # first time, or a new Parameter object
+            if param.requires_grad:
+                self.handle = param.register_hook(self)
+            elif param.is_leaf and (param.is_floating_point() or param.is_complex()):
+                param.requires_grad_(True)
+                try:
+                    self.handle = param.register_hook(self)
+                finally:
+                    param.requires_grad_(False)
+            else:
+                return
             self.session._handles.append(self.handle)
             if not self.session._fsdp2_warned and _sharded_by_fsdp2(param, self.session.model):
                 self.session._fsdp2_warned = True  # once a session: it names the first one
@@ -761,6 +773,21 @@ class _ParamBinding:
             self.calls += 1
         return _fold(s, self.impls, "hookplug_param_grad", grad, (ctx, self.name, self.param()), (),
                      f"parameter {self.name!r}")
+
+
+class _Rehook:
+    """A module's ``load_state_dict`` post-hook: its parameters (new objects under
+    ``assign=True``) get their gradient hooks before the next backward."""
+
+    __slots__ = ("bindings",)
+
+    def __init__(self, bindings: List[_ParamBinding]):
+        self.bindings = bindings
+
+    def __call__(self, module, incompatible_keys) -> None:
+        for pb in self.bindings:
+            if not pb.session._removed:
+                pb.hook()
 
 
 # exceptions that end an iteration, not a run: remove() in their handler is a normal end
@@ -1158,8 +1185,8 @@ class Session:
         sampling = (self._step % self.every) == 0 and not self._removed
         if not self._removed:
             for pb in self._param_bindings.values():
-                if pb.handle is not None:
-                    pb.hook()  # module.to()/.double() under swap_module_params_on_conversion
+                if pb.variants.get(True):  # a parameter unfrozen or replaced (module.to()/.double()
+                    pb.hook()              # under swap_module_params_on_conversion) since attach
         if sampling != self._sampling:
             self._sampling = sampling
             self._apply_sampling()
@@ -1345,8 +1372,8 @@ class Session:
             if entry.is_sink:
                 continue
             for mn in entry.modules:
-                for p in mods[mn].parameters():
-                    if p.requires_grad and id(p) in params_by_id:
+                for p in mods[mn].parameters():  # frozen ones too: hooked once they need a gradient
+                    if id(p) in params_by_id:
                         wanted_params[params_by_id[id(p)]] = p
         owners: Dict[int, Tuple[nn.Module, str]] = {}
         for mod in mods.values():
@@ -1370,9 +1397,14 @@ class Session:
             if binding.has_pre or binding.has_post:
                 code = getattr(type(mod).forward, "__code__", type(mod))
                 forwards[code] = forwards.get(code, 0) + 1
+        replaced_in: Dict[int, Tuple[nn.Module, List[_ParamBinding]]] = {}
         for pb in self._param_bindings.values():
             if pb.variants[True]:
                 pb.hook()
+                owner = pb.owner_ref()
+                replaced_in.setdefault(id(owner), (owner, []))[1].append(pb)
+        for owner, pbs in replaced_in.values():  # load_state_dict(assign=True) makes new Parameters
+            self._keep_handle(owner, owner.register_load_state_dict_post_hook(_Rehook(pbs)))
         return max(forwards.values(), default=0)
 
     def _module_tensors_of(self, name: str, phase: str) -> Optional[Dict[Any, torch.Tensor]]:

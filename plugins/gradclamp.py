@@ -41,7 +41,7 @@ import torch
 import hookplug
 from hookplug import hookimpl
 from hookplug._func import is_batched
-from hookplug._selectors import named_parameters
+from hookplug._selectors import parameter_names
 
 __all__ = ["GradClampPlugin"]
 
@@ -105,10 +105,13 @@ class GradClampPlugin(hookplug.Plugin):
         self._dtype_bounds: Dict[torch.dtype, tuple] = {}
         self._layouts_warned: set = set()
 
+    def _glob_matches(self, pname: str) -> bool:
+        return any(fnmatch.fnmatchcase(pname, g) for g in self.params)
+
     def _matches(self, pname: str) -> bool:
         hit = self._match.get(pname)
         if hit is None:
-            hit = self._match[pname] = any(fnmatch.fnmatchcase(pname, g) for g in self.params)
+            hit = self._match[pname] = self._glob_matches(pname)
         return hit
 
     # -- the transform ---------------------------------------------------------------------------
@@ -185,12 +188,16 @@ class GradClampPlugin(hookplug.Plugin):
     def hookplug_session_start(self, session):
         if not self.params:
             return
+        self._match = {}  # names of another model (a plugin attached again)
         model = session.model
-        names = set()
+        hits = []
         if model is not None:
             ids = {id(p) for m in session.modules_of(self).values() for p in m.parameters()}
-            names = {n for n, p in named_parameters(model) if id(p) in ids}  # as the hooks name them
-        if not any(self._matches(n) for n in names):
+            for pid, names in parameter_names(model).items():
+                if pid in ids:  # the hooks name it by its first name; a tied one matches by any
+                    hit = self._match[names[0]] = any(self._glob_matches(n) for n in names)
+                    hits.append(hit)
+        if not any(hits):
             warnings.warn(
                 f"hookplug plugin 'gradclamp': params={list(self.params)!r} matches no parameter "
                 f"of the {len(session.modules_of(self))} selected module(s); parameter hooks exist "

@@ -6,8 +6,8 @@ updates — exact under DDP, FSDP2 and HSDP without gathering a tensor.
         for x in data:
             model(x).sum().backward()
             opt.step()          # params measures here: weight + grad before, update after
-            opt.zero_grad()
             s.step()            # the training step ends after optimizer.step()
+            opt.zero_grad()     # (after s.step(): see "When it measures")
     st = s["params"].results()["fc1.weight"]["grad"]       # a hookplug.TensorStats
     st.l2, st.rms, st.zero_fraction                         # device tensors
     s["params"].update_to_weight()["fc1.weight"]            # update.l2 / weight.l2
@@ -17,7 +17,9 @@ Options (keyword-only):
 - ``sites=("weight", "grad", "update")``: any subset; a single string is accepted.
 - ``params="*"``: a glob (``fnmatch``) or a list of globs on the qualified parameter name
   (``"*.weight"``, ``"encoder.*"``). The parameters are those of the selected modules
-  (their children's included), named as in the unwrapped model.
+  (their children's included), named as in the unwrapped model; a tied parameter
+  (``lm_head.weight`` is ``wte.weight``) is matched by any of its names and named by the
+  first that matches. A glob list that matches none warns.
 - ``bins``, ``hist``, ``range``, ``max_pending_steps``: as for ``stats``.
 - ``optimizer=None``: by default every ``torch.optim.Optimizer`` that holds a selected
   parameter is observed through torch's global optimizer step hooks; pass an optimizer (or
@@ -37,9 +39,11 @@ reduce-scatter, after gradient accumulation over micro-batches, after clipping a
 ``weight after - weight before`` the optimizer step (the step post-hook). Call
 ``session.step()`` after ``optimizer.step()``: what the optimizer did belongs to the step
 that ends there. A parameter no optimizer step touched during a training step (no
-optimizer, or ``GradScaler`` skipping a step) is measured at ``session.step()`` (weight and
-``p.grad`` if it is still set); without any optimizer the update is the change between two
-``session.step()`` calls. The per-micro-batch gradient tensor hook is not used: it sees the
+optimizer, or ``GradScaler`` skipping a step: the step with the inf/NaN gradients) is
+measured at ``session.step()``, weight and ``p.grad`` if it is still set: call
+``session.step()`` before ``zero_grad()`` (or zero at the start of the loop), or
+``measure_unstepped()`` before ``zero_grad()``; without any optimizer the update is the
+change between two ``session.step()`` calls. The per-micro-batch gradient tensor hook is not used: it sees the
 local, not yet reduced gradient, and FSDP2's sharded parameters get none.
 
 - ``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS): the closure
@@ -94,6 +98,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import math
+import sys
 import warnings
 import weakref
 from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
@@ -104,12 +109,13 @@ import hookplug
 from hookplug import hookimpl
 from hookplug._bank import (LATE_CLOCK, StatsBank, as_measured, check_hist_options, check_max_pending, check_sites,
                             dtensor_local, is_dtensor, pad_rows)
-from hookplug._selectors import clean_name
+from hookplug._selectors import clean_name, parameter_names
 from hookplug._stats import TensorStats, touched
 
 __all__ = ["ParamsPlugin"]
 
 _SITES = ("weight", "grad", "update")
+_ROUNDED = (torch.float16, torch.bfloat16)  # an update in these dtypes would be rounded
 
 
 def _dist():
@@ -143,12 +149,27 @@ class _Frame:
     """One ``optimizer.step()`` in progress: the parameters its pre-hook measured (those of
     an enclosing step excluded) and whether their gradients wait for its closure."""
 
-    __slots__ = ("opt", "prs", "grad_pending")
+    __slots__ = ("opt", "prs", "grad_pending", "caller")
 
-    def __init__(self, opt, prs: List[_Param]):
+    def __init__(self, opt, prs: List[_Param], caller):
         self.opt = opt
         self.prs = prs
         self.grad_pending = False
+        self.caller = caller  # the frame of torch's step wrapper that runs our hooks
+
+    def running(self, stack: set) -> bool:
+        """Its ``step()`` has not returned nor raised (``stack``: ids of the live frames)."""
+        return self.caller is None or id(self.caller) in stack
+
+
+def _live_frames(depth: int = 2) -> set:
+    """``id`` of every frame on this thread's stack above our caller's caller."""
+    ids = set()
+    f = sys._getframe(depth)
+    while f is not None:
+        ids.add(id(f))
+        f = f.f_back
+    return ids
 
 
 def _closure_of(args, kwargs) -> Tuple[Any, Any]:
@@ -206,13 +227,14 @@ class ParamsPlugin(hookplug.Plugin):
                               who=self.name, clock_base=LATE_CLOCK)  # measured after activations
         self._params: List[_Param] = []
         self._by_id: Dict[int, _Param] = {}
-        self._opt_cache: Dict[int, Tuple[int, List[_Param]]] = {}
+        self._opt_cache: Dict[int, Tuple[Any, int, List[_Param]]] = {}  # id -> (ref, n, params)
         self._frames: List[_Frame] = []  # optimizer steps in progress, outermost first
         self._handles: List[Any] = []
         self._session_ref = None
         self._opt_seen = False
         self._last: Optional[Dict[torch.device, torch.Tensor]] = None
         self._warned_partial = False
+        self._warned_layouts: set = set()
 
     # -- which parameters ------------------------------------------------------------------------
 
@@ -226,14 +248,22 @@ class ParamsPlugin(hookplug.Plugin):
                 for attr, p in mod.named_parameters(recurse=False, remove_duplicate=False):
                     if id(p) not in owner:
                         owner[id(p)] = (clean_name(f"{mname}.{attr}" if mname else attr), mod, attr)
+        aliases = parameter_names(model) if model is not None else {}
         for mod in session.modules_of(self).values():
             for p in mod.parameters():
                 if id(p) in seen or id(p) not in owner:
                     continue
                 seen.add(id(p))
-                name, m, attr = owner[id(p)]
-                if any(fnmatch.fnmatchcase(name, g) for g in self.globs):
+                _, m, attr = owner[id(p)]
+                # a tied parameter is matched by any of its names, and named by the first that matches
+                name = next((n for n in aliases.get(id(p), ()) if any(fnmatch.fnmatchcase(n, g) for g in self.globs)),
+                            None)
+                if name is not None:
                     found.append((name, m, attr))
+        if not found and seen:
+            warnings.warn(f"hookplug plugin 'params': params={list(self.globs)!r} matches no parameter of the "
+                          f"{len(session.modules_of(self))} selected module(s) (by any of their names); "
+                          "nothing is measured", RuntimeWarning, stacklevel=2)
         found.sort(key=lambda f: f[0])  # the same order (and rows) on every rank
         self._warn_fsdp1([getattr(m, "_parameters", {}).get(a) for _, m, a in found])
         self._params = [_Param(n, m, a, i) for i, (n, m, a) in enumerate(found)]
@@ -269,8 +299,15 @@ class ParamsPlugin(hookplug.Plugin):
         elif self._world > 1 and self.plain_tensors == "replicated":
             if self._rank != pr.index % self._world:
                 return None
-        if t.layout is not torch.strided or t.is_meta:
-            return None  # a meta tensor (not materialized yet) has no values
+        if t.is_meta:
+            return None  # not materialized yet: no values
+        if t.layout is not torch.strided:
+            if t.layout not in self._warned_layouts:
+                self._warned_layouts.add(t.layout)
+                warnings.warn(f"hookplug plugin 'params': {pr.name} has a {t.layout} tensor (a sparse "
+                              "gradient: nn.Embedding(sparse=True)); only strided tensors are measured, "
+                              "this one is left out", RuntimeWarning, stacklevel=2)
+            return None
         return as_measured(t.detach())  # float8 through float32 (exact); no integers
 
     # -- measuring ---------------------------------------------------------------------------------
@@ -320,21 +357,24 @@ class ParamsPlugin(hookplug.Plugin):
             w = self._local(pr, pr.tensor())
             if w is None or w.shape != prev.shape or w.device != prev.device:
                 continue
+            if prev.dtype in _ROUNDED:  # 16-bit weights: their difference is exact in float32
+                self.bank.accumulate(w.to(torch.float32).sub_(prev), pr.keys["update"])
+                continue
             torch.sub(w, prev, out=prev)  # prev now holds the update (refilled before the next)
             self.bank.accumulate(prev, pr.keys["update"])
 
     def _of_optimizer(self, opt) -> List[_Param]:
         n = sum(len(g["params"]) for g in opt.param_groups)
         hit = self._opt_cache.get(id(opt))
-        if hit is not None and hit[0] == n:
-            return hit[1]
+        if hit is not None and hit[0]() is opt and hit[1] == n:  # (an id is reused once freed)
+            return hit[2]
         ids = {id(p) for g in opt.param_groups for p in g["params"]}
         prs = []
         for pr in self._params:
             t = pr.tensor()
             if t is not None and id(t) in ids:
                 prs.append(pr)
-        self._opt_cache[id(opt)] = (n, prs)
+        self._opt_cache[id(opt)] = (weakref.ref(opt), n, prs)
         return prs
 
     def _opt_pre(self, opt, args=None, kwargs=None):
@@ -345,12 +385,15 @@ class ParamsPlugin(hookplug.Plugin):
         if not self.bank.live or self._removed():
             return None
         frames = self._frames
+        if frames:  # a step that raised never ran its post-hook: not an enclosing step
+            live = _live_frames()
+            frames[:] = [f for f in frames if f.running(live)]
         prs = self._of_optimizer(opt)
         if frames and prs:  # nested (a wrapper's inner optimizer, a subclass's super().step()):
             # what an enclosing step measures is its own
             outer = {pr.index for f in frames for pr in f.prs}
             prs = [pr for pr in prs if pr.index not in outer]
-        frame = _Frame(opt, prs)
+        frame = _Frame(opt, prs, sys._getframe(1))
         frames.append(frame)
         if not prs:
             return None
@@ -454,19 +497,30 @@ class ParamsPlugin(hookplug.Plugin):
                 if w is not None:
                     self._snapshot(pr, w)
 
+    def measure_unstepped(self) -> None:
+        """Measure now what ``session.step()`` would: the weight and gradient of each
+        parameter no optimizer step measured in the step in progress (a step ``GradScaler``
+        skipped). For a loop that frees the gradients (``zero_grad()``) before it calls
+        ``session.step()``: call this before ``zero_grad()``. Hugging Face's Trainer
+        callback does (``on_optimizer_step``)."""
+        if not self.bank.live or self._removed():
+            return
+        frames, self._frames = self._frames, []  # steps left open (one raised) end here
+        for f in frames:
+            if f.grad_pending and f.prs:
+                f.grad_pending = False
+                self._measure_grads(f.prs)
+        todo = [pr for pr in self._params if not pr.done]
+        if todo:
+            if not self._opt_seen and "update" in self.sites:
+                self._update(todo)  # no optimizer: the change since the last step()
+            self._measure(todo, snapshot=False)
+
     @hookimpl
     def hookplug_step(self, session, step):
-        frames, self._frames = self._frames, []  # steps left open (one raised) end here
         if self.bank.live:
-            for f in frames:
-                if f.grad_pending and f.prs:
-                    f.grad_pending = False
-                    self._measure_grads(f.prs)
-            todo = [pr for pr in self._params if not pr.done]
-            if todo:
-                if not self._opt_seen and "update" in self.sites:
-                    self._update(todo)  # no optimizer: the change since the last step()
-                self._measure(todo, snapshot=False)
+            self.measure_unstepped()
+        self._frames = []
         for pr in self._params:
             pr.done = False
         self.bank.end_step(step, warn_unflushed=session.has_sinks)

@@ -285,6 +285,46 @@ def test_param_hooks_survive_round_trips_and_replaced_parameters():
         torch.__future__.set_swap_module_params_on_conversion(before)
 
 
+def test_param_frozen_at_attach_is_steered_once_unfrozen():
+    """Staged fine-tuning: a backbone frozen at attach, unfrozen later, is steered in the
+    very next backward (it got no hook at all: its gradients went through untouched); the
+    hook leaves ``requires_grad`` as it was."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    model[0].weight.requires_grad_(False)
+    x = torch.randn(3, 4)
+    with hookplug.attach(model, "*", plugins=("gradclamp", {"min": 0, "max": 0, "params": "*.weight"})) as s:
+        assert not model[0].weight.requires_grad
+        grads = run(model, x)
+        assert "0.weight" not in grads and torch.count_nonzero(grads["1.weight"]) == 0
+        s.step()
+        model[0].weight.requires_grad_(True)  # no step() between: the next backward is steered
+        grads = run(model, x)
+        assert torch.count_nonzero(grads["0.weight"]) == 0
+        assert torch.count_nonzero(grads["0.bias"]) > 0
+        assert s["gradclamp"].results()["0.weight"]["changed"] > 0
+    assert all(p._backward_hooks in (None, {}) for p in model.parameters())  # removed
+
+
+def test_params_loaded_with_assign_are_steered_in_the_next_backward():
+    """``load_state_dict(assign=True)`` makes new Parameter objects: they get their hooks
+    when it returns (they waited for the next step() before)."""
+    torch.manual_seed(0)
+    model = MLP(8, 16, 4)
+    state = {k: v.clone() + 1 for k, v in model.state_dict().items()}
+    x = torch.randn(5, 8)
+    with hookplug.attach(model, "*", plugins=("gradclamp", {"min": 0, "max": 0, "params": "*.bias"})):
+        old = model.fc1.bias
+        model.load_state_dict(state, assign=True)
+        assert model.fc1.bias is not old
+        grads = run(model, x)
+    biases = [n for n in grads if n.endswith("bias")]
+    assert biases and all(torch.count_nonzero(grads[n]) == 0 for n in biases)
+    assert any(torch.count_nonzero(g) > 0 for n, g in grads.items() if n.endswith("weight"))
+    assert all(p._backward_hooks in (None, {}) for p in model.parameters())
+    assert not model.fc1._load_state_dict_post_hooks  # removed with the session
+
+
 def test_params_glob_matching_nothing_warns():
     with pytest.warns(RuntimeWarning, match="matches no parameter"):
         hookplug.attach(

@@ -1125,3 +1125,36 @@ def test_lightning_compiled_submodule_second_fit_compiles_nothing(fresh_python):
         "print([first, graphs[0]])\n")
     first, second = json.loads(last)
     assert second == first  # the second fit compiled nothing
+
+
+def test_transformers_callback_measures_a_skipped_steps_gradients_before_the_trainer_zeroes_them():
+    """The Trainer zeroes the gradients between ``optimizer.step()`` and ``on_step_end``: a
+    step GradScaler skipped (no optimizer hook runs) has its inf/NaN gradients measured at
+    ``on_optimizer_step`` (they were gone by the time the step ended: no grad record)."""
+    pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from hookplug.integrations.transformers import HookplugTrainerCallback
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sink = Collect()
+    cb = HookplugTrainerCallback("Linear", [("params", {"bins": 0})], sink=sink)
+    args, state, control = SimpleNamespace(eval_on_start=False), SimpleNamespace(global_step=0), None
+    cb.on_train_begin(args, state, control, model=model)
+    for step in range(2):  # the Trainer's order of calls around one optimizer step
+        cb.on_step_begin(args, state, control)
+        loss = model(torch.randn(3, 4)).sum()
+        (loss * (math.inf if step == 1 else 1.0)).backward()
+        if step == 0:
+            opt.step()  # step 1 is skipped, as GradScaler skips a step with inf/NaN gradients
+        cb.on_optimizer_step(args, state, control)
+        model.zero_grad()
+        state.global_step += 1
+        cb.on_step_end(args, state, control)
+    cb.on_train_end(args, state, control)
+    grads = {r["step"]: r for r in sink.records if r["module"] == "0.weight" and r["site"] == "grad"}
+    assert set(grads) == {1, 2}
+    assert grads[1]["nan_count"] + grads[1]["inf_count"] == 0
+    assert grads[2]["nan_count"] + grads[2]["inf_count"] == grads[2]["numel"] > 0

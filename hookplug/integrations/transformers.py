@@ -119,6 +119,16 @@ class HookplugTrainerCallback(_trainer_callback.TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         self._commit()
 
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        # the Trainer zeroes the gradients before on_step_end: a parameter the optimizer
+        # step left out (a step GradScaler skipped for inf/NaN gradients) is measured now
+        s = self.session
+        if s is not None and not s.removed:
+            for plugin in s.plugins.values():
+                measure = getattr(plugin, "measure_unstepped", None)
+                if callable(measure):
+                    measure()
+
     def on_step_end(self, args, state, control, **kwargs):
         self._steps.end(state.global_step)
 
