@@ -43,9 +43,13 @@ A call whose ``forward`` raised captures nothing: its output is not captured and
 inputs (read before ``forward``) are dropped again, so ``inputs`` and ``features`` stay call
 by call alike; with ``keep="last"`` the last output stays and the module has no ``inputs``
 entry until a call returns. A module that returns None is captured as None (also when
-called while an exception is being handled). With ``grads=True``, the gradient copies of a call that the kept calls
-have moved past (``keep="last"``/``N``) are dropped; every gradient held is counted in
-``nbytes`` and bounded by ``max_bytes``.
+called while an exception is being handled). ``grads`` and ``inputs`` go call by call
+with ``features``: with a list, entry ``i`` of each is of the call of ``features[m][i]``
+(``None`` for a call that got no gradient: evaluation between training steps, a frozen
+teacher), and ``save`` writes them under the same index; with ``keep="last"`` they are of
+the call ``features`` holds (no entry where it has none). The gradients of a call the kept
+calls have moved past (``keep="last"``/``N``) are dropped; every gradient held is counted
+in ``nbytes`` and bounded by ``max_bytes``.
 """
 
 from __future__ import annotations
@@ -223,17 +227,35 @@ class CapturePlugin(hookplug.Plugin):
 
     @property
     def grads(self) -> Dict[str, Any]:
-        """``{module: gradient of the output}`` in the output's structure (``grads=True``)."""
+        """``{module: gradient of the output}`` in the output's structure (``grads=True``), of
+        the calls ``features`` holds: with a list, ``grads[m][i]`` is the gradient of the call
+        of ``features[m][i]`` (None: no gradient reached it, e.g. an evaluation call); with
+        ``keep="last"``, a module whose last call got none has no entry."""
         if self._events:
             self._wait()
-        return self._store["grads"]
+        return self._aligned("grads")
 
     @property
     def inputs(self) -> Dict[str, Any]:
-        """``{module: args tuple}`` read before ``forward`` (``inputs=True``)."""
+        """``{module: args tuple}`` read before ``forward`` (``inputs=True``), of the calls
+        ``features`` holds (aligned as ``grads`` are)."""
         if self._events:
             self._wait()
-        return self._store["inputs"]
+        return self._aligned("inputs")
+
+    def _aligned(self, kind: str) -> Dict[str, Any]:
+        """What ``kind`` holds, call by call with ``features``: a list entry per kept call
+        (None where ``kind`` has none), or, with ``keep="last"``, the value of the call
+        ``features`` holds."""
+        store, calls = self._store[kind], self._calls[kind]
+        fcalls = self._calls["features"]
+        if self.keep == "last":
+            return {n: v for n, v in store.items() if calls.get(n) == fcalls.get(n)}
+        out = {}
+        for name, values in store.items():
+            by_call = dict(zip(calls[name], values))
+            out[name] = [by_call.get(c) for c in fcalls.get(name, ())]
+        return out
 
     # -- copying ---------------------------------------------------------------------------------
 
@@ -379,6 +401,23 @@ class CapturePlugin(hookplug.Plugin):
         self._put(kind, name, call, value)
         return True
 
+    def _trim(self, kind: str, name: str) -> None:
+        """Forget what ``kind`` holds for calls of ``name`` older than every call ``features``
+        keeps (``keep="last"``/``N``)."""
+        floor = self._floor("features", name)
+        if floor is None:
+            return
+        store, calls = self._store[kind], self._calls[kind]
+        if self.keep == "last":
+            if name in store and calls[name] < floor:
+                self.nbytes -= _nbytes(store.pop(name))
+                del calls[name]
+            return
+        cl = calls.get(name)
+        while cl and cl[0] < floor:
+            self.nbytes -= _nbytes(store[name].pop(0))
+            cl.pop(0)
+
     def _discard(self, kind: str, name: str, call: int) -> None:
         """Forget what ``kind`` holds for that call of ``name`` (nothing if it holds none)."""
         store, calls = self._store[kind], self._calls[kind]
@@ -406,9 +445,15 @@ class CapturePlugin(hookplug.Plugin):
                 self._discard("inputs", ctx.name, ctx.call_index)
             return
         ok = self._capture("features", ctx.name, ctx.call_index, output, "output")
+        if not ok:
+            if self.keep_inputs:  # a call is captured whole or not at all
+                self._discard("inputs", ctx.name, ctx.call_index)
+            return
+        if self.keep_grads and self.keep != "all":  # gradients of calls no longer kept go
+            self._trim("grads", ctx.name)
+            self._drop_grad_calls(ctx.name, self._floor("features", ctx.name))
         if (
-            ok
-            and self.keep_grads
+            self.keep_grads
             and not isinstance(output, torch.Tensor)
             and any(t.requires_grad for _, t in iter_tensors(output))
         ):
@@ -441,18 +486,17 @@ class CapturePlugin(hookplug.Plugin):
         if _is_batched(grad):
             self._warn_batched("gradient", name)
             return
-        floor = self._floor("grads", name)
-        if floor is not None and call < floor:  # older than what is kept: never stored
-            self._drop_grad_calls(name, floor)
+        feature = self._captured("features", name, call)
+        if feature is None:  # a call features does not hold (moved past, or not captured)
+            self._drop_grad_calls(name, self._floor("features", name))
             return
         key = (name, call)
         skel = self._skeletons.get(key)
         if skel is None and path != "output":
             # a call that ran without autograd (a reentrant checkpoint's first forward; its
             # recompute's grads come with its ctx): the structure is the captured output's
-            feature = self._captured("features", name, call)
-            if feature is None or isinstance(feature, torch.Tensor):
-                return  # the forward call was not captured
+            if isinstance(feature, torch.Tensor):
+                return
             skel = self._add_skeleton(name, call, feature)
         if skel is None:
             if not self._room("grads", name, call, grad.numel() * grad.element_size()):
@@ -470,9 +514,9 @@ class CapturePlugin(hookplug.Plugin):
         self._after_copy(grad.device)
         value = map_tensors(lambda _p, s: parts.get(s.path), skel, "output", leaf=_Slot)
         self._put("grads", name, call, value)
-        # the parts of calls this one replaced (keep="last"/N) are no longer held by the
+        # the parts of calls features moved past (keep="last"/N) are no longer held by the
         # store: drop them, so every part held is one counted in nbytes
-        self._drop_grad_calls(name, self._floor("grads", name))
+        self._drop_grad_calls(name, self._floor("features", name))
 
     def _parts_bytes(self, key) -> int:
         parts = self._grad_parts.get(key)
@@ -491,7 +535,7 @@ class CapturePlugin(hookplug.Plugin):
 
         if self._events:
             self._wait()
-        stores = {k: v for k, v in self._store.items() if v}
+        stores = {k: (v if k == "features" else self._aligned(k)) for k, v in self._store.items() if v}
         left_out: List[str] = []
         for kind, store in stores.items():
             prefix = _PREFIX[kind]

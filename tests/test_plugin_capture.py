@@ -395,6 +395,51 @@ class TwoOut(nn.Module):
         return y, y * 2
 
 
+@pytest.mark.parametrize("keep", ["all", 2, "last"])
+def test_grads_and_inputs_go_call_by_call_with_features_when_some_calls_get_no_gradient(keep, tmp_path):
+    """Evaluation between training steps: calls 0 and 2 run without autograd, 1 and 3 get a
+    gradient. ``grads[m][i]`` is the gradient of the call of ``features[m][i]`` (None for an
+    evaluation call), in memory and in the saved file (the lists were shorter and paired
+    call 0's output with call 1's gradient; keep=2 kept call 1's gradient beside calls 2
+    and 3; keep="last" showed the training gradient beside the evaluation output)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2))
+    opts = {"keep": keep, "grads": True, "inputs": True}
+    with hookplug.attach(model, "Linear", plugins=("capture", opts)) as s:
+        for i in range(4):
+            x = torch.full((1, 3), float(i + 1))
+            if i % 2 == 0:
+                with torch.no_grad():
+                    model(x)
+            else:
+                (model(x).sum() * (i + 1)).backward()
+        cap = s["capture"]
+        feats, grads, inputs = cap.features["0"], cap.grads.get("0"), cap.inputs["0"]
+        path = tmp_path / "cap.safetensors"
+        cap.save(path)
+    kept = {"all": [0, 1, 2, 3], 2: [2, 3], "last": [3]}[keep]
+    want_grads = [None if c % 2 == 0 else torch.full((1, 2), float(c + 1)) for c in kept]
+    if keep == "last":
+        feats, grads, inputs = [feats], [grads], [inputs]
+    assert [float(f.detach().sum() - model[0].bias.sum()) for f in feats] == pytest.approx(
+        [float(model[0].weight.sum()) * (c + 1) for c in kept], rel=1e-5)
+    assert len(grads) == len(feats) == len(inputs) == len(kept)
+    for got, want in zip(grads, want_grads):
+        assert (got is None) if want is None else torch.equal(got, want)
+    assert [float(a[0][0, 0]) for a in inputs] == [c + 1.0 for c in kept]
+    back = hookplug.load_capture(path, what="all")
+    saved = back["grads"].get("0") if keep != "last" else [back["grads"].get("0")]
+    for got, want in zip(saved, want_grads):
+        assert (got is None) if want is None else torch.equal(got, want)
+    if keep == "last":  # an evaluation call last: no gradient of it, not the one before
+        with hookplug.attach(model, "Linear", plugins=("capture", opts)) as s:
+            (model(torch.ones(1, 3)).sum() * 5).backward()
+            assert torch.equal(s["capture"].grads["0"], torch.full((1, 2), 5.0))
+            with torch.no_grad():
+                model(torch.ones(1, 3))
+            assert "0" not in s["capture"].grads and s["capture"].nbytes == 2 * 4 + 3 * 4
+
+
 def _held_part_bytes(cap):
     return sum(t.numel() * t.element_size() for parts in cap._grad_parts.values() for t in parts.values())
 
