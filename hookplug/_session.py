@@ -116,8 +116,10 @@ def _input_ids(args, kwargs) -> set:
 
 
 def _phase_of(module: nn.Module) -> str:
-    """``"eval"`` for a module in eval mode or under inference_mode, else ``"train"``
-    (inside compiled code: inference mode where dynamo started compiling the frame, see
+    """``"eval"`` for a model (the session's root module: a frozen submodule kept in eval
+    mode inside a training model, a distillation teacher, runs in the training step) in
+    eval mode or under inference_mode, else ``"train"`` (inside compiled code: inference
+    mode where dynamo started compiling the frame, see
     ``hookplug._bank.trace_inference_mode``)."""
     if not module.training:
         return "eval"
@@ -127,7 +129,7 @@ def _phase_of(module: nn.Module) -> str:
 
 class HookContext:
     """What a per-call hook knows about the call: module ``name``, ``phase`` (``"train"``,
-    or ``"eval"`` when the module is in eval mode or under ``torch.inference_mode``),
+    or ``"eval"`` when the model is in eval mode or under ``torch.inference_mode``),
     ``call_index`` (how many times this module ran before in this session; -1 inside
     torch.compile'd code, where Python counters would make dynamo recompile), the session's
     ``step`` and ``session``. Inside compiled code ``step`` is a Python int read at trace
@@ -487,11 +489,14 @@ class _ModuleBinding:
     def _new_ctx(self, module, compiling: bool) -> HookContext:
         """A call's context. Inside compiled code nothing Python-side that changes per call
         or per step is read (no recompiles): call_index is -1, step is read lazily."""
+        root = self.session._model_ref()  # the phase is the model's (see _phase_of)
+        if root is None:
+            root = module
         if compiling:
-            return _TracedContext(self, _phase_of(module))
+            return _TracedContext(self, _phase_of(root))
         index = self.calls
         self.calls = index + 1
-        phase = "train" if module.training and not _inference_mode() else "eval"
+        phase = "train" if root.training and not _inference_mode() else "eval"
         return HookContext(self.name, index, self.session._step, self.session, phase, _get_ident())
 
     def pre_hook(self, module, args, kwargs):
@@ -570,8 +575,10 @@ class _ModuleBinding:
             index = self.calls
             self.calls = index + 1
             s = self.session
+            root = s._model_ref()  # the phase is the model's (see _phase_of)
             ctx = HookContext(self.name, index, s._step, s,
-                              "train" if module.training and not _inference_mode() else "eval")
+                              "train" if (module if root is None else root).training and not _inference_mode()
+                              else "eval")
         new = None
         for plugin, fn in fwd_out:  # _fold's loop, inlined: the call costs as much as the rest
             try:
@@ -613,7 +620,7 @@ class _ModuleBinding:
             return None
         ctx = self.session._recompute.recompute_ctx(self)
         if ctx is None:
-            ctx = HookContext(self.name, -1, None, self.session, _phase_of(module))
+            ctx = HookContext(self.name, -1, None, self.session, _phase_of(self.session._phase_module(module)))
         return self._watch_grads(ctx, module, args, kwargs, output, None)
 
     def _watch_grads(self, ctx, module, args, kwargs, output, new):
@@ -1069,6 +1076,11 @@ class Session:
         are dropped: a model with an Inf in some output every step, e.g. masked logits,
         would otherwise grow it without bound; the records keep ``first_nonfinite``)."""
         return list(self._nonfinite)
+
+    def _phase_module(self, module: nn.Module) -> nn.Module:
+        """The module whose mode is a call's phase: the model (see ``_phase_of``)."""
+        root = self._model_ref()
+        return module if root is None else root
 
     def _training(self) -> bool:
         """Whether the model is in training mode (its root: a frozen submodule in eval mode

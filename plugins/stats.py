@@ -45,8 +45,8 @@ Every floating tensor of the structure is measured and keyed by its path: ``"out
 ``mask``); ``"grad"``, ``"grad[1]"`` (the gradient of ``output``, ``output[1]``). Integer,
 bool and complex tensors are skipped. A row counts its calls too (``calls``): a site whose
 tensors were empty in every call (an expert no token reached) has an entry with ``calls > 0``,
-``numel`` 0 and NaN statistics. Phases: forwards of a module in eval mode or under
-``torch.inference_mode`` are kept apart (``phase="eval"`` in records); activation
+``numel`` 0 and NaN statistics. Phases: forwards of the model in eval mode (the attached
+model's mode, not a submodule's) or under ``torch.inference_mode`` are kept apart (``phase="eval"`` in records); activation
 checkpointing's recomputed forwards are not counted (the session does not call forward
 hooks during a recompute).
 

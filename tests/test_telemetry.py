@@ -1358,6 +1358,55 @@ def test_a_compiled_model_in_train_mode_called_under_inference_mode_records_eval
     _stat_fields_equal(eager, compiled)
 
 
+@pytest.mark.parametrize("compiled", [None, "whole", "per-block"])
+def test_a_frozen_submodule_in_eval_mode_records_with_the_training_step(compiled):
+    """A frozen backbone kept in eval mode inside a training model (linear probing, a
+    distillation teacher) runs in the training step: phase "train", one row per step; the
+    validation between steps (the model in eval mode) is phase "eval" apart (the phase was
+    the module's own mode: the backbone's training rows were all "eval", merged with the
+    validation's). Compiled: the same records, as many graphs as without hooks."""
+    def run(hooked):
+        torch.manual_seed(0)
+        m = nn.Sequential(*(_Block() for _ in range(3)))
+        m[0].requires_grad_(False)
+        runs, frames, seen = [0], [0], []
+        if compiled == "per-block":
+            _compile_each(m, runs, frames)
+        model = torch.compile(m, backend=_counting_backend(runs, frames)) if compiled == "whole" else m
+        sink = ListSink()
+        s = hookplug.attach(m, "Linear", plugins=("stats", {"sites": ("output", "grad")}),
+                            sink=sink, flush_every=1) if hooked else None
+        x = torch.randn(4, 8)
+        for step in range(3):
+            m.train()
+            m[0].eval()  # the frozen backbone
+            model(x).sum().backward()
+            if step == 1:
+                m.eval()
+                with torch.no_grad():
+                    model(x * 100)
+            if s:
+                s.step()
+            seen.append(frames[0])
+        if s:
+            s.remove()
+        if compiled == "per-block":
+            _uncompile(m)
+        torch._dynamo.reset()
+        return seen, {(r["step"], r["module"], r["site"], r["phase"]): r for r in sink.records}
+
+    plain, _ = run(False)
+    graphs, records = run(True)
+    if compiled:
+        assert graphs == plain
+    frozen = {k: r for k, r in records.items() if k[1].startswith("0.") and k[2] == "output"}
+    assert sorted((k[0], k[3]) for k in frozen if k[1] == "0.fc1") == [
+        (0, "train"), (1, "eval"), (1, "train"), (2, "train")]
+    assert all(r["calls"] == 1 for r in frozen.values())
+    assert records[(1, "0.fc1", "output", "eval")]["max"] > 10 * records[(1, "0.fc1", "output", "train")]["max"]
+    assert not any(k[2] == "grad" and k[3] == "eval" for k in records)
+
+
 def test_attached_under_inference_mode_then_compiled_training_measures_gradients():
     """Attached inside ``torch.inference_mode()`` (from an evaluation callback), then
     compiled training with the grad site: nothing the bank saves for backward is an
