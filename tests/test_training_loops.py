@@ -333,7 +333,8 @@ def test_reentrant_checkpoint_with_frozen_norms_and_validation_between_steps():
         return sorted(contexts.seen)
 
     plain = run(None)
-    assert len(plain) == 8 and {p for _, _, _, p, _ in plain} == {"train", "eval"}
+    # the frozen norms run in the training step: phase "train" (the model's mode)
+    assert len(plain) == 8 and {p for _, _, _, p, _ in plain} == {"train"}
     assert [c for n, c, *_ in plain if n == "segs.0.0"] == [1, 3]  # validation calls count
     assert run(True) == plain
 
