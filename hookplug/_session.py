@@ -1199,6 +1199,12 @@ class Session:
             for pb in self._param_bindings.values():
                 if pb.variants.get(True):  # a parameter unfrozen or replaced (module.to()/.double()
                     pb.hook()              # under swap_module_params_on_conversion) since attach
+            me = _get_ident()
+            for binding in self._bindings.values():
+                if binding._pending:  # this thread's calls left by a BaseException (Ctrl-C:
+                    # torch runs no post hook then), and recomputes' marks: no call of this
+                    # thread is in progress between steps
+                    binding._pending[:] = [c for c in binding._pending if c is not None and c._thread != me]
         if sampling != self._sampling:
             self._sampling = sampling
             self._apply_sampling()

@@ -172,6 +172,11 @@ def _live_frames(depth: int = 2) -> set:
     return ids
 
 
+def _remove_handles(handles) -> None:
+    for h in handles:
+        h.remove()
+
+
 def _closure_of(args, kwargs) -> Tuple[Any, Any]:
     """The closure passed to ``optimizer.step`` and where: ``(closure, "closure")`` (keyword),
     ``(closure, 1)`` (positional; ``args[0]`` is the optimizer), or ``(None, None)``."""
@@ -230,6 +235,7 @@ class ParamsPlugin(hookplug.Plugin):
         self._opt_cache: Dict[int, Tuple[Any, int, List[_Param]]] = {}  # id -> (ref, n, params)
         self._frames: List[_Frame] = []  # optimizer steps in progress, outermost first
         self._handles: List[Any] = []
+        self._unhook: Optional[weakref.finalize] = None
         self._session_ref = None
         self._opt_seen = False
         self._last: Optional[Dict[torch.device, torch.Tensor]] = None
@@ -374,7 +380,11 @@ class ParamsPlugin(hookplug.Plugin):
             t = pr.tensor()
             if t is not None and id(t) in ids:
                 prs.append(pr)
-        self._opt_cache[id(opt)] = (weakref.ref(opt), n, prs)
+        cache = self._opt_cache
+        if len(cache) >= 16:  # optimizers made and dropped (one per phase, an LR finder)
+            for key in [k for k, v in cache.items() if v[0]() is None]:
+                del cache[key]
+        cache[id(opt)] = (weakref.ref(opt), n, prs)
         return prs
 
     def _opt_pre(self, opt, args=None, kwargs=None):
@@ -491,6 +501,9 @@ class ParamsPlugin(hookplug.Plugin):
             for opt in self._optimizers:
                 self._handles += [opt.register_step_pre_hook(self._opt_pre),
                                   opt.register_step_post_hook(self._opt_post)]
+        # a session dropped without remove(): torch's global hooks would keep this plugin (its
+        # bank, the update copies) alive and called at every optimizer step of the process
+        self._unhook = weakref.finalize(session, _remove_handles, list(self._handles))
         if "update" in self.sites and session.sampled:  # the baseline without an optimizer
             for pr in self._params:
                 w = self._local(pr, pr.tensor())
@@ -536,8 +549,10 @@ class ParamsPlugin(hookplug.Plugin):
 
     @hookimpl
     def hookplug_session_end(self, session):
-        for h in self._handles:
-            h.remove()
+        if self._unhook is not None:
+            self._unhook.detach()
+            self._unhook = None
+        _remove_handles(self._handles)
         self._handles = []
         self._frames = []
         for pr in self._params:

@@ -435,3 +435,33 @@ print(s.run_id)
         "telemetry at exit")
     count = collections.Counter((r["step"], r["module"]) for r in read_jsonl(tmp_path))
     assert count == {(step, mod): 1 for step in range(3) for mod in ("fc1", "fc2", "fc3")}
+
+
+def test_calls_a_keyboard_interrupt_left_are_forgotten_at_the_next_step():
+    """torch runs no post hook when a forward is left by a BaseException (Ctrl-C): the
+    context its pre hook kept waited for good, one per interrupted call."""
+    import torch.nn as nn
+
+    class Interrupted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.armed = nn.Linear(4, 4), False
+
+        def forward(self, x):
+            if self.armed:
+                raise KeyboardInterrupt
+            return self.lin(x)
+
+    inner = Interrupted()
+    model = nn.Sequential(nn.Linear(4, 4), inner, nn.Linear(4, 2))
+    with hookplug.attach(model, "*", plugins=("stats", {"sites": ("input", "output")})) as s:
+        for _ in range(5):
+            inner.armed = True
+            with pytest.raises(KeyboardInterrupt):
+                model(torch.randn(3, 4))
+            inner.armed = False
+            s.step()
+            assert all(not b._pending for b in s._bindings.values())
+        model(torch.randn(3, 4))
+        res = s["stats"].results()
+        assert int(res["1"]["output"].calls) == 1 and int(res["1"]["input[0]"].calls) == 6

@@ -822,3 +822,30 @@ def test_skipped_gradscaler_step_is_measured_before_zero_grad():
     assert grads[(0, "0.weight")]["nan_count"] + grads[(0, "0.weight")]["inf_count"] == 0
     assert grads[(1, "0.weight")]["nan_count"] + grads[(1, "0.weight")]["inf_count"] > 0
     assert not any(r["site"] == "update" and r["step"] == 1 for r in sink.records)
+
+
+def test_a_session_dropped_without_remove_takes_its_optimizer_hooks_with_it():
+    """torch's global optimizer hooks held the plugin (its bank and the update copies) for
+    good, and ran at every optimizer step of the process; the cache of optimizers seen
+    keeps no dropped optimizer."""
+    import gc
+    import weakref
+
+    from torch.optim import optimizer as torch_opt
+
+    gc.collect()
+    hooks = len(torch_opt._global_optimizer_pre_hooks), len(torch_opt._global_optimizer_post_hooks)
+    for _ in range(3):
+        m, x = model_and_data()
+        s = hookplug.attach(m, "Linear", plugins="params")
+        plugin = weakref.ref(s["params"])
+        for _ in range(40):  # a new optimizer each step (an LR finder)
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            m(x).sum().backward()
+            opt.step()
+            s.step()
+        assert len(s["params"]._opt_cache) <= 16
+        del s, m, opt
+        gc.collect()
+        assert plugin() is None
+    assert (len(torch_opt._global_optimizer_pre_hooks), len(torch_opt._global_optimizer_post_hooks)) == hooks

@@ -679,3 +679,38 @@ def test_sink_method_without_hookimpl_warns_when_the_class_is_defined():
                 pass
 
     assert len(record) == 1
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "tensorboard", "prometheus"])
+def test_a_session_dropped_without_remove_releases_its_sinks_files_threads_and_port(tmp_path, kind):
+    """A session and its model dropped without remove() (an exception escaping a training
+    function, a notebook cell run again): the sink's file, writer thread or server goes with
+    them (each run kept a file descriptor, a writer thread or the port for good)."""
+    import gc
+    import weakref
+
+    if kind == "tensorboard":
+        pytest.importorskip("tensorboard")
+    if kind == "prometheus":
+        pytest.importorskip("prometheus_client")
+    fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+    gc.collect()
+    before_fds, before_threads = fds(), threading.active_count()
+    port = None
+    for run in range(3):
+        model = MLP()
+        if kind == "prometheus":
+            sink = ("prometheus", {"port": port or 0})
+        else:
+            sink = (kind, {"path": str(tmp_path / f"run{run}")})
+        s = hookplug.attach(model, "Linear", plugins="stats", sink=sink, flush_every=1)
+        if kind == "prometheus":
+            port = s.sinks["prometheus"].port  # the next run asks for the same port
+        model(torch.randn(2, 32)).sum().backward()
+        s.step()
+        gone = weakref.ref(s)
+        del s, model
+        gc.collect()
+        assert gone() is None
+    assert fds() == before_fds
+    assert threading.active_count() == before_threads

@@ -47,6 +47,7 @@ import json
 import math
 import os
 import warnings
+import weakref
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import hookplug
@@ -183,6 +184,8 @@ class JsonlSink(hookplug.Sink):
             if parent:
                 os.makedirs(parent, exist_ok=True)
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+            # a session dropped without remove(): the file closes when the sink is collected
+            self._fd_closer = weakref.finalize(self, os.close, self._fd)
             with _locked(self._fd):
                 self._end_torn_line(self._fd)
             self._edges = {}  # a new file (or a new session's records): write the edges again
@@ -295,6 +298,7 @@ class JsonlSink(hookplug.Sink):
         self._edges = {}
         self._written = None
         if self._fd is not None:
+            self._fd_closer.detach()
             os.close(self._fd)
             self._fd = None
 

@@ -61,6 +61,12 @@ if hasattr(os, "register_at_fork"):  # POSIX
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _close_if_alive(sink_ref) -> None:
+    sink = sink_ref()
+    if sink is not None:
+        sink.close()
+
+
 def _client():
     return optional_import("prometheus_client", "prometheus_client.core",
                            feature="the hookplug 'prometheus' sink", extra="prometheus",
@@ -163,6 +169,9 @@ class PrometheusSink(hookplug.Sink):
         self._server_pid = os.getpid()
         self.port = self._server.server_address[1]
         _SERVING.add(self)
+        # a session dropped without remove(): the serving thread keeps this sink alive, so it
+        # stops (and frees the port) when the session is collected
+        self._stopper = weakref.finalize(session, _close_if_alive, weakref.ref(self))
 
     @property
     def url(self) -> Optional[str]:
@@ -212,6 +221,7 @@ class PrometheusSink(hookplug.Sink):
         the inherited socket is closed: ``shutdown()`` would wait forever for a serving
         thread that does not run there."""
         if self._server is not None:
+            self._stopper.detach()
             if self._server_pid == os.getpid():
                 self._server.shutdown()
                 self._server.server_close()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import hookplug
@@ -87,6 +88,9 @@ class TensorBoardSink(hookplug.Sink):
             self.path = self.resolve_path(session, rank)
             self.writer = self._writer_cls(log_dir=self.path, flush_secs=self.flush_secs,
                                            max_queue=self.max_queue)
+            # a session dropped without remove(): the writer (and its thread) closes when the
+            # sink is collected
+            self._writer_closer = weakref.finalize(self, self.writer.close)
         return self.writer
 
     @hookplug.hookimpl
@@ -128,6 +132,7 @@ class TensorBoardSink(hookplug.Sink):
         if self.writer is None:
             return
         if self._own_writer:
+            self._writer_closer.detach()
             self.writer.close()
             self.writer = None
         else:
