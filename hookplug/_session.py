@@ -754,7 +754,8 @@ class _ParamBinding:
             # first time, or a new Parameter object
             if param.requires_grad:
                 self.handle = param.register_hook(self)
-            elif param.is_leaf and (param.is_floating_point() or param.is_complex()):
+            elif (param.is_leaf and (param.is_floating_point() or param.is_complex())
+                  and not param.is_inference()):  # (an inference tensor cannot require grad)
                 param.requires_grad_(True)
                 try:
                     self.handle = param.register_hook(self)

@@ -52,7 +52,10 @@ whichever thread autograd runs it. Under activation checkpointing (reentrant or 
 forward is counted once; the recompute's ops, work the device does in backward, count as
 backward FLOPs of each module it re-runs and of the selected modules around the checkpoint:
 a module's backward FLOPs are its plain backward plus its own forward (less where a
-non-reentrant recompute stops early), and ``total()`` equals ``FlopCounterMode``'s. With
+non-reentrant recompute stops early), and ``total()`` equals ``FlopCounterMode``'s. Ops of
+the checkpointed code outside every selected module go to the modules around the
+checkpoint (reentrant), or (``use_reentrant=False``) to the module whose backward node
+unpacked a saved tensor and so ran the recompute. With
 ``every=N`` only sampled steps are counted.
 
 ``uncounted()`` lists the ops without a formula that do arithmetic (pointwise ops,
@@ -511,6 +514,26 @@ class _Recompute:
         return tuple(dict.fromkeys((*self.base, *self.names)))
 
 
+_CHECKPOINT_FILE = getattr(torch.utils.checkpoint, "__file__", None)
+
+
+def _reentrant_recompute() -> bool:
+    """Whether the forward re-run inside backward is a reentrant checkpoint's (it runs in an
+    ``autograd.Function``'s ``backward``: torch's ``use_reentrant=True``, DeepSpeed's,
+    Megatron's) rather than ``use_reentrant=False``'s, which runs in the unpack hook of a
+    saved tensor (maybe unpacked by a custom ``Function``'s backward): whichever of the two
+    frames is nearer on the stack."""
+    f = sys._getframe(2)
+    while f is not None:
+        code = f.f_code
+        if code.co_filename == _CHECKPOINT_FILE and code.co_name != "backward":
+            return False  # torch.utils.checkpoint's unpack hook / recompute
+        if code.co_name == "backward" and code.co_varnames[:1] == ("ctx",):
+            return True
+        f = f.f_back
+    return isinstance(_current_node(), _FunctionNode)
+
+
 def _note_owners(seqs: List[int], owners: List[Tuple[str, ...]], seq: int,
                  names: Tuple[str, ...]) -> None:
     """Nodes with sequence number ``seq`` and up are owned by ``names`` (a timeline)."""
@@ -726,7 +749,7 @@ class FlopsPlugin(hookplug.Plugin):
             if rec is None:  # the outermost re-run module: inside the window it runs in
                 outer = next((w for w in reversed(d.windows) if w.plugin_ref() is self), None)
                 base = outer.owners or () if outer is not None else ()
-                reentrant = isinstance(_current_node(), _FunctionNode)
+                reentrant = _reentrant_recompute()
                 if not reentrant:
                     base = tuple(n for n in base if n == "" or name.startswith(n + "."))
                 rec = self._recomputes[threading.get_ident()] = _Recompute(

@@ -99,6 +99,7 @@ import fnmatch
 import functools
 import math
 import sys
+import threading
 import warnings
 import weakref
 from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
@@ -149,17 +150,19 @@ class _Frame:
     """One ``optimizer.step()`` in progress: the parameters its pre-hook measured (those of
     an enclosing step excluded) and whether their gradients wait for its closure."""
 
-    __slots__ = ("opt", "prs", "grad_pending", "caller")
+    __slots__ = ("opt", "prs", "grad_pending", "caller", "thread")
 
     def __init__(self, opt, prs: List[_Param], caller):
         self.opt = opt
         self.prs = prs
         self.grad_pending = False
         self.caller = caller  # the frame of torch's step wrapper that runs our hooks
+        self.thread = threading.get_ident()
 
-    def running(self, stack: set) -> bool:
-        """Its ``step()`` has not returned nor raised (``stack``: ids of the live frames)."""
-        return self.caller is None or id(self.caller) in stack
+    def running(self, stack: set, thread: int) -> bool:
+        """Its ``step()`` has not returned nor raised (``stack``: ids of the live frames of
+        ``thread``; a step of another thread is taken as running)."""
+        return self.caller is None or self.thread != thread or id(self.caller) in stack
 
 
 def _live_frames(depth: int = 2) -> set:
@@ -396,8 +399,8 @@ class ParamsPlugin(hookplug.Plugin):
             return None
         frames = self._frames
         if frames:  # a step that raised never ran its post-hook: not an enclosing step
-            live = _live_frames()
-            frames[:] = [f for f in frames if f.running(live)]
+            live, me = _live_frames(), threading.get_ident()
+            frames[:] = [f for f in frames if f.running(live, me)]
         prs = self._of_optimizer(opt)
         if frames and prs:  # nested (a wrapper's inner optimizer, a subclass's super().step()):
             # what an enclosing step measures is its own

@@ -849,3 +849,32 @@ def test_a_session_dropped_without_remove_takes_its_optimizer_hooks_with_it():
         gc.collect()
         assert plugin() is None
     assert (len(torch_opt._global_optimizer_pre_hooks), len(torch_opt._global_optimizer_post_hooks)) == hooks
+
+
+def test_optimizer_steps_on_two_threads_keep_their_updates():
+    """A step running on another thread is not one that raised: a second optimizer stepping
+    meanwhile on this thread leaves it its update (this thread's stack was the only one
+    looked at, and the other step's frame was dropped)."""
+    import threading
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    oa = torch.optim.SGD(m[0].parameters(), lr=0.1)
+    ob = torch.optim.SGD(m[1].parameters(), lr=0.1)
+    inside, go = threading.Event(), threading.Event()
+    handle = oa.register_step_pre_hook(lambda o, a, k: (inside.set(), go.wait()) and None)
+    try:
+        with hookplug.attach(m, "Linear", plugins=("params", {"params": "*.weight"})) as s:
+            m(torch.randn(2, 4)).sum().backward()
+            before = [m[0].weight.detach().clone(), m[1].weight.detach().clone()]
+            t = threading.Thread(target=oa.step)
+            t.start()
+            inside.wait()
+            ob.step()  # while oa's step waits inside on the other thread
+            go.set()
+            t.join()
+            res = s["params"].results()
+            for i in (0, 1):
+                check(res[f"{i}.weight"]["update"], ref(m[i].weight - before[i]))
+    finally:
+        handle.remove()

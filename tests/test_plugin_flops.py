@@ -511,3 +511,44 @@ def test_checkpoint_recompute_counts_as_backward_of_the_modules_it_reruns(reentr
     with torch.utils.checkpoint.set_checkpoint_early_stop(False), FlopCounterMode(display=False) as fc:
         _CheckpointedEncoder(reentrant)(x).sum().backward()
     assert total["flops"] + total["backward_flops"] == fc.get_total_flops()
+
+
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+class _SquareAct(nn.Module):
+    def forward(self, x):
+        return _Square.apply(x)
+
+
+def test_non_reentrant_recompute_unpacked_by_a_custom_function_is_charged_to_the_modules_rerun():
+    """A custom ``autograd.Function`` (a fused kernel, flash-attn) inside a block under
+    ``use_reentrant=False`` unpacks first: the recompute is still the non-reentrant one, so
+    that module gets no FLOPs of the recompute (it got all of them, taken for a reentrant
+    checkpoint's node)."""
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def counts(ckpt):
+        torch.manual_seed(0)
+        blk = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), _SquareAct())
+        model = nn.Sequential(blk)
+        forward = (lambda t: torch.utils.checkpoint.checkpoint(blk, t, use_reentrant=False)) if ckpt else blk
+        plugin = FlopsPlugin(extra_formulas=False)
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False), \
+                hookplug.attach(model, "Linear, _SquareAct", plugins=plugin):
+            forward(x).sum().backward()
+        return plugin.results()
+
+    plain, ckpt = counts(False), counts(True)
+    assert ckpt["0.2"]["backward_flops"] == plain["0.2"]["backward_flops"] == 0
+    for name in ("0.0", "0.1"):
+        assert ckpt[name]["backward_flops"] == plain[name]["backward_flops"] + plain[name]["flops"] > 0

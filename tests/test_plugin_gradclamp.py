@@ -306,6 +306,19 @@ def test_param_frozen_at_attach_is_steered_once_unfrozen():
     assert all(p._backward_hooks in (None, {}) for p in model.parameters())  # removed
 
 
+def test_frozen_inference_tensor_parameter_is_left_without_a_hook():
+    """A teacher made under ``torch.inference_mode()`` and frozen: its parameters cannot
+    require grad, so they get no hook (attach raised trying to switch requires_grad on)."""
+    with torch.inference_mode():
+        teacher = nn.Linear(4, 4)
+    teacher.requires_grad_(False)
+    model = nn.Sequential(teacher, nn.Linear(4, 4))
+    with hookplug.attach(model, "Linear", plugins=("gradclamp", {"min": 0, "max": 0, "params": "*"})):
+        grads = run(model, torch.randn(2, 4))
+        assert set(grads) == {"1.weight", "1.bias"} and all(torch.count_nonzero(g) == 0 for g in grads.values())
+    assert teacher.weight._backward_hooks in (None, {}) and not teacher.weight.requires_grad
+
+
 def test_params_loaded_with_assign_are_steered_in_the_next_backward():
     """``load_state_dict(assign=True)`` makes new Parameter objects: they get their hooks
     when it returns (they waited for the next step() before)."""
