@@ -5,9 +5,18 @@ only supplies the conventions a session relies on (``results``, ``reset``, ``rep
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+import warnings
+from typing import Any, Callable, Dict, Hashable
 
 __all__ = ["Plugin"]
+
+
+def warn_once(seen: set, key: Hashable, message: Callable[[], str], stacklevel: int = 3) -> None:
+    """A ``RuntimeWarning`` the first time ``key`` is met (``seen`` keeps the keys met);
+    ``message()`` is built only then."""
+    if key not in seen:
+        seen.add(key)
+        warnings.warn(message(), RuntimeWarning, stacklevel=stacklevel)
 
 
 class Plugin:

@@ -41,6 +41,7 @@ import torch
 import hookplug
 from hookplug import hookimpl
 from hookplug._func import is_batched
+from hookplug._plugin import warn_once
 from hookplug._selectors import parameter_names
 
 __all__ = ["GradClampPlugin"]
@@ -137,11 +138,9 @@ class GradClampPlugin(hookplug.Plugin):
         if not grad.is_floating_point():
             return None
         if grad.layout != torch.strided or grad.is_nested:
-            if grad.layout not in self._layouts_warned:
-                self._layouts_warned.add(grad.layout)
-                warnings.warn(f"gradclamp: the gradient of {what()} is a {grad.layout} tensor; "
-                              "only strided (dense) gradients are steered, this one is left as it "
-                              "is", RuntimeWarning, stacklevel=2)
+            warn_once(self._layouts_warned, grad.layout, lambda: (
+                f"gradclamp: the gradient of {what()} is a {grad.layout} tensor; only strided "
+                "(dense) gradients are steered, this one is left as it is"))
             return None
         lo, hi = self._bounds(grad.dtype)
         g = grad

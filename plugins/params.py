@@ -110,6 +110,7 @@ import hookplug
 from hookplug import hookimpl
 from hookplug._bank import (LATE_CLOCK, StatsBank, as_measured, check_hist_options, check_max_pending, check_sites,
                             dtensor_local, is_dtensor, pad_rows)
+from hookplug._plugin import warn_once
 from hookplug._selectors import clean_name, parameter_names
 from hookplug._stats import TensorStats, touched
 
@@ -311,11 +312,9 @@ class ParamsPlugin(hookplug.Plugin):
         if t.is_meta:
             return None  # not materialized yet: no values
         if t.layout is not torch.strided:
-            if t.layout not in self._warned_layouts:
-                self._warned_layouts.add(t.layout)
-                warnings.warn(f"hookplug plugin 'params': {pr.name} has a {t.layout} tensor (a sparse "
-                              "gradient: nn.Embedding(sparse=True)); only strided tensors are measured, "
-                              "this one is left out", RuntimeWarning, stacklevel=2)
+            warn_once(self._warned_layouts, t.layout, lambda: (
+                f"hookplug plugin 'params': {pr.name} has a {t.layout} tensor (a sparse gradient: "
+                "nn.Embedding(sparse=True)); only strided tensors are measured, this one is left out"))
             return None
         return as_measured(t.detach())  # float8 through float32 (exact); no integers
 
