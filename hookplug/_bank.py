@@ -466,6 +466,14 @@ def _merge_retired(acc: torch.Tensor, retired: List[torch.Tensor], empty: torch.
     return out
 
 
+def merge_devices(per_device: List[torch.Tensor]) -> torch.Tensor:
+    """Rows of the same keys taken on several devices, merged on the first one's device (a
+    key measured on one device only keeps its rows: the others' are empty)."""
+    if len(per_device) == 1:
+        return per_device[0]
+    return merge_rows(torch.stack([r.to(per_device[0].device) for r in per_device]))
+
+
 def pad_rows(snap: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
     """``snap`` (a snapshot taken when fewer rows were in use) with the rows of ``empty``
     after its own: as many rows as ``empty``."""
@@ -790,16 +798,21 @@ class StatsBank:
             raise
         return out
 
+    def total_rows(self) -> Optional[torch.Tensor]:
+        """The rows of every assigned key (meta row left out): totals plus the running
+        step, merged over devices; None before any key or device."""
+        n = len(self.keys)
+        if not n or not self._devices:
+            return None
+        return merge_devices([merge_rows(torch.stack([d.fold()[1:n + 1], d.current()[1:n + 1]]))
+                              for d in self._devices.values()])
+
     def merged(self, select: Callable[[Tuple], Optional[Tuple]]) -> Dict[Tuple, TensorStats]:
         """Totals plus the running step, merged over devices and over the keys ``select``
         maps to one group (``None``: left out); rows never touched are left out."""
-        n = len(self.keys)
-        if not n or not self._devices:
+        rows = self.total_rows()
+        if rows is None:
             return {}
-        per_dev = [merge_rows(torch.stack([d.fold()[1:n + 1], d.current()[1:n + 1]]))
-                   for d in self._devices.values()]
-        rows = per_dev[0] if len(per_dev) == 1 else merge_rows(
-            torch.stack([r.to(per_dev[0].device) for r in per_dev]))
         used = touched(rows).tolist()  # rows assigned in advance may never be used
         groups: Dict[Tuple, List[int]] = {}
         for i, key in enumerate(self.keys):

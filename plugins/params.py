@@ -109,7 +109,7 @@ import torch
 import hookplug
 from hookplug import hookimpl
 from hookplug._bank import (LATE_CLOCK, StatsBank, as_measured, check_hist_options, check_max_pending, check_sites,
-                            dtensor_local, is_dtensor, pad_rows)
+                            dtensor_local, is_dtensor, merge_devices, pad_rows)
 from hookplug._plugin import warn_once
 from hookplug._selectors import clean_name, parameter_names
 from hookplug._stats import TensorStats, touched
@@ -592,18 +592,22 @@ class ParamsPlugin(hookplug.Plugin):
                 self.bank.row_of(pr.keys[s])
 
     def _rows(self, over: str) -> Optional[torch.Tensor]:
+        """One row per bank key, merged over the devices the parameters live on (a model
+        split over devices: each parameter is measured on its own)."""
+        if over == "all":
+            return self.bank.total_rows()
         n = len(self.bank.keys)
         if not n or not self.bank._devices:
             return None
-        dev = next(iter(self.bank._devices.values()))  # parameters live on one device
-        if over == "all":
-            from hookplug._stats import merge_rows
-            return merge_rows(torch.stack([dev.fold()[1:n + 1], dev.current()[1:n + 1]]))
-        cur = dev.current()[1:n + 1]
-        if self._last is None:
-            return cur
-        last = pad_rows(next(iter(self._last.values())), dev.empty[:n + 1])[1:n + 1]
-        return torch.where(touched(cur)[:, None], cur, last)
+        per_device = []
+        for device, dev in self.bank._devices.items():
+            cur = dev.current()[1:n + 1]
+            last = None if self._last is None else self._last.get(device)
+            if last is not None:  # a row the running step has not touched: the last step's
+                last = pad_rows(last, dev.empty[:n + 1])[1:n + 1]
+                cur = torch.where(touched(cur)[:, None], cur, last)
+            per_device.append(cur)
+        return merge_devices(per_device)
 
     def results(self, over: str = "step") -> Dict[str, Dict[str, TensorStats]]:
         """``{param: {site: TensorStats}}`` of this rank (unmerged under torch.distributed:

@@ -878,3 +878,45 @@ def test_optimizer_steps_on_two_threads_keep_their_updates():
                 check(res[f"{i}.weight"]["update"], ref(m[i].weight - before[i]))
     finally:
         handle.remove()
+
+
+def test_a_model_split_over_two_devices_reads_every_parameter_in_results(monkeypatch):
+    """Parameters on two devices (``device_map="auto"``, CPU-offloaded layers) have their rows
+    in two device banks: ``results()``/``update_to_weight()`` read both (they read the first
+    only). The second device is a second bank key, ``cpu:0``, that layer 2 writes into."""
+    m, x = model_and_data()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    with hookplug.attach(m, "Linear", plugins="params") as s:
+        bank = s["params"].bank
+        cpu, other = torch.device("cpu"), torch.device("cpu", 0)
+        bank.device_rows(cpu), bank.device_rows(other)
+        plain = bank.accumulate
+
+        def accumulate(t, key, *args, **kwargs):
+            if not key[0].startswith("2."):
+                return plain(t, key, *args, **kwargs)
+            banks = bank._devices
+            banks[cpu], banks[other] = banks[other], banks[cpu]
+            try:
+                return plain(t, key, *args, **kwargs)
+            finally:
+                banks[cpu], banks[other] = banks[other], banks[cpu]
+
+        monkeypatch.setattr(bank, "accumulate", accumulate)
+        for step in range(2):
+            opt.zero_grad()
+            m(x * (step + 1)).square().mean().backward()
+            before = {n: p.detach().clone() for n, p in m.named_parameters()}
+            grads = {n: p.grad.detach().clone() for n, p in m.named_parameters()}
+            opt.step()
+            s.step()  # results() after the step ended: the last step's rows, of both banks
+            res, ratio = s["params"].results(), s["params"].update_to_weight()
+            assert set(res) == set(ratio) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+            for n, p in m.named_parameters():
+                check(res[n]["weight"], ref(before[n]))
+                check(res[n]["grad"], ref(grads[n]))
+                check(res[n]["update"], ref(p.detach() - before[n]))
+        assert set(s["params"].results(over="all")) == set(res)
+        assert "2.weight" in s["params"].report()
+        n = len(bank.keys)
+        assert bool(bank._devices[other].fold()[1:n + 1, 0].any())  # the split took place
