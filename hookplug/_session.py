@@ -532,10 +532,13 @@ class _ModuleBinding:
                 s._plugin_failed(plugin, "hookplug_forward_input", exc)
                 continue
             if res is not None:
-                if not (isinstance(res, tuple) and len(res) == 2 and isinstance(res[1], dict)):
+                if not (isinstance(res, tuple) and len(res) == 2 and isinstance(res[0], (tuple, list))
+                        and isinstance(res[1], dict)):
+                    got = (f"({', '.join(type(r).__name__ for r in res)})"
+                           if isinstance(res, tuple) else type(res).__name__)
                     s._plugin_failed(plugin, "hookplug_forward_input", PluginError(
                         f"plugin {s._entry_of[id(plugin)].name!r}: hookplug_forward_input must return None or "
-                        f"(args, kwargs), got {type(res).__name__}"))
+                        f"(args: tuple, kwargs: dict), got {got}"))
                     continue
                 args, kwargs = res
                 args = tuple(args)

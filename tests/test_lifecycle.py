@@ -102,6 +102,12 @@ class Returns(hookplug.Plugin):
         self.calls = 0
 
     @hookimpl
+    def hookplug_forward_input(self, args, kwargs):
+        if self.hook == "forward_input":
+            self.calls += 1
+            return self.value((args, kwargs))
+
+    @hookimpl
     def hookplug_forward_output(self, output):
         if self.hook == "forward_output":
             self.calls += 1
@@ -134,6 +140,11 @@ def run_step(model):
 
 
 BAD_RETURNS = [
+    # the 1-tuple forgotten: a batch of one would be unbound into its rows, a larger one raise
+    ("forward_input", lambda ak: (ak[0][0], ak[1]), r"hookplug_forward_input must return None or "
+     r"\(args: tuple, kwargs: dict\), got \(Tensor, dict\)"),
+    ("forward_input", lambda ak: (5, {}), r"hookplug_forward_input .*got \(int, dict\)"),
+    ("forward_input", lambda ak: list(ak), r"hookplug_forward_input .*got list"),
     ("forward_output", lambda out: "not a tensor", "hookplug_forward_output for module '0' must return "
      r"None or a tensor like the module's output \(Tensor\(shape=\(4, 6\), dtype=torch.float32, "
      r"device=cpu\)\), got str"),
