@@ -34,12 +34,17 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import torch
 import torch.nn as nn
 
 __all__ = ["SelectorError", "select", "parse_selector", "unwrap_model", "clean_name",
            "named_modules", "named_parameters"]
 
-_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+def _is_class_path(name: str) -> bool:
+    """``Conv2d``, ``torch.nn.Linear``: dotted Python identifiers (any the language allows)."""
+    return all(part.isidentifier() for part in name.split("."))
+
 
 try:  # Python 3.11+
     from re import _constants as _sre_c
@@ -98,6 +103,19 @@ def _class_end(text: str, i: int) -> int:
         j += 2 if text[j] == "\\" else 1
     return j
 
+def _glob_class_end(text: str, i: int) -> Optional[int]:
+    """Index of the ``]`` closing the ``fnmatch`` character class that opens at ``text[i]``
+    (a leading ``!`` and a first ``]`` are part of it); None where none closes it (fnmatch
+    then takes the ``[`` literally)."""
+    j = i + 1
+    if j < len(text) and text[j] == "!":
+        j += 1
+    if j < len(text) and text[j] == "]":
+        j += 1
+    end = text.find("]", j)
+    return None if end < 0 else end
+
+
 def _split_terms(selector: str) -> List[Tuple[int, str]]:
     """Split on top-level commas; inside a ``re:`` part, escapes, character classes and
     brackets protect commas."""
@@ -110,6 +128,11 @@ def _split_terms(selector: str) -> List[Tuple[int, str]]:
         if in_regex and ch == "[":  # a character class: brackets inside it are literal
             i = _class_end(selector, i) + 1
             continue
+        if seen_colon and not in_regex and ch == "[":  # a glob's character class: "l.[1,2]"
+            end = _glob_class_end(selector, i)
+            if end is not None:
+                i = end + 1
+                continue
         if not in_regex and ch == ":" and not seen_colon:
             seen_colon = True
             k = i + 1
@@ -312,7 +335,7 @@ def _parse_term(selector: str, offset: int, text: str) -> _Term:
                 raise SelectorError(selector, alt_col, "empty class name in alternation")
             if name == "*":
                 raise SelectorError(selector, alt_col, "'*' cannot be combined with class names")
-            if not _IDENT.fullmatch(name):
+            if not _is_class_path(name):
                 bad = next((k for k, c in enumerate(name) if not (c.isalnum() or c in "_.")), 0)
                 raise SelectorError(
                     selector, alt_col + bad,
@@ -434,6 +457,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     ``DataParallel``/``DistributedDataParallel``, FSDP1 and ``checkpoint_wrapper`` at the
     root, so names do not depend on the wrapper (FSDP2's ``fully_shard`` wraps nothing)."""
     while True:
+        if isinstance(model, torch.jit.ScriptModule):  # (its _modules is not a dict)
+            return model
         inner = getattr(model, "_orig_mod", None)
         if not isinstance(inner, nn.Module):
             inner = next((model._modules[a] for a in _WRAPPED_ATTRS
@@ -506,9 +531,11 @@ def select(
     named = named_modules(model)
     known = list({k for _, m in named for k in type(m).__mro__})
     chosen: dict = {}
+    inert_only = []  # terms that matched only modules no plugin can observe
     for term in terms:
         class_ok = [_class_matcher(selector, p, known) for p in term.classes]
         name_ok = _name_matcher(selector, term)
+        matched = []
         for name, mod in named:
             if not name_ok(name):
                 continue
@@ -518,11 +545,30 @@ def select(
                 chosen.pop(name, None)
             else:
                 chosen[name] = mod
+                matched.append((name, mod))
+        if matched and all(_never_called(m) for _, m in matched):
+            inert_only.append(matched)
     result = [(n, m) for n, m in named if n in chosen]
     if not result:
         msg = f"selector {selector!r} matched no module of {type(model).__name__}"
         if strict:
             raise SelectorError(selector, 0, msg)
         warnings.warn(msg, stacklevel=2)
+    for matched in inert_only:
+        shown = ", ".join(f"{n or '<root>'!r} ({type(m).__name__})" for n, m in matched[:3])
+        more = f" and {len(matched) - 3} more" if len(matched) > 3 else ""
+        first = matched[0][0]
+        warnings.warn(
+            f"selector {selector!r} matched only {shown}{more}: containers with no forward "
+            "of their own and no parameters of their own, so no hook of theirs ever runs "
+            f"(nothing is recorded for them); select their children instead, e.g. "
+            f"'*:{first + '.' if first else ''}*'", stacklevel=2)
     return result
+
+
+def _never_called(module: nn.Module) -> bool:
+    """A container (``ModuleList``, ``ModuleDict``) no forward can call: it has none of its
+    own, and holds no parameters of its own for ``params`` to measure."""
+    return (getattr(type(module), "forward", None) is nn.Module.forward
+            and next(module.parameters(recurse=False), None) is None)
 

@@ -1738,6 +1738,12 @@ def attach(
     plan: Dict[str, Tuple[Any, List[str], Dict[str, Any]]] = {}
     for sel, spec in groups:
         matched = select(model, sel, strict=strict)
+        for n, m in matched:
+            if isinstance(m, torch.jit.ScriptModule):
+                raise TypeError(
+                    f"attach(): module {n or '<root>'!r} is a TorchScript module "
+                    f"({type(m).__name__}), which takes no Python hooks; attach to the eager "
+                    "model before torch.jit.script/trace" + (f", or leave it out: '..., -*:{n}'" if n else ""))
         specs = _normalize_specs(spec)
         if not specs:
             raise PluginError(f"attach(): no plugins given for selector {sel!r}")

@@ -185,3 +185,62 @@ def test_wrappers_are_looked_through():
     m = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
     assert names(torch.compile(m), "Linear") == ["0", "2"]
     assert names(nn.DataParallel(m), "*:0") == ["0"]
+
+
+class _Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(3, 3) for _ in range(4)])
+        self.table = nn.ParameterList([nn.Parameter(torch.ones(2))])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_container_never_called_warns_and_names_its_children():
+    """``*:layers`` picks the ModuleList itself, which no forward calls: every plugin records
+    nothing for it. The warning says so and what to write."""
+    m = _Stack()
+    with pytest.warns(UserWarning, match=r"matched only 'layers' \(ModuleList\).*no hook of theirs "
+                                         r"ever runs.*'\*:layers\.\*'"):
+        assert names(m, "*:layers") == ["layers"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(names(m, "*")) == 6  # with callable modules: no warning
+        assert names(m, "*:layers.*") == [f"layers.{i}" for i in range(4)]
+        assert names(m, "*:table") == ["table"]  # parameters of its own: params measures them
+    with pytest.warns(UserWarning, match="'layers'"):
+        with hookplug.attach(m, "*:layers", plugins="flops") as s:
+            m(torch.randn(2, 3))
+    assert s["flops"].results()["layers"]["flops"] == 0
+
+
+def test_glob_character_class_may_hold_a_comma_and_class_names_any_identifier():
+    m = _Stack()
+    assert names(m, "*:layers.[1,3]") == ["layers.1", "layers.3"]
+    assert names(m, "*:layers.[!1,3], Linear:layers.0") == ["layers.0", "layers.2"]
+    with pytest.warns(UserWarning, match="matched no module"):  # an open '[' is literal
+        assert names(m, "*:layers.[1") == []
+
+    class Блок(nn.Linear):
+        pass
+
+    m.add_module("b", Блок(2, 2))
+    assert names(m, "Блок") == ["b"]
+
+
+def test_torchscript_modules_select_and_attach_refuses_them_by_name():
+    scripted = torch.jit.script(nn.Sequential(nn.Linear(3, 3)))
+    assert names(scripted, "*:") == [""] and names(scripted, "*") == ["0"]
+    with pytest.raises(TypeError, match=r"module '<root>' is a TorchScript module.*before "
+                                        r"torch\.jit\.script"):
+        hookplug.attach(scripted, "*:", plugins="stats")
+    m = nn.Sequential(nn.Linear(3, 3), torch.jit.script(nn.Linear(3, 3)))
+    with pytest.raises(TypeError, match=r"module '1' is a TorchScript module.*-\*:1"):
+        hookplug.attach(m, "*", plugins="stats")
+    assert not m[0]._forward_hooks and not m[0]._forward_pre_hooks
+    with hookplug.attach(m, "*, -*:1", plugins="stats") as s:
+        m(torch.randn(2, 3))
+    assert list(s["stats"].results()) == ["0"]
