@@ -495,6 +495,16 @@ def named_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     return list(out.items())
 
 
+def module_aliases(model: nn.Module) -> Dict[int, List[str]]:
+    """``{id(module): [its other names]}`` for the modules reachable by more than one name
+    (``self.dec = self.enc``): a selector may name any of them; hooks and records use the
+    first, the one ``named_modules()`` gives."""
+    names: Dict[int, List[str]] = {}
+    for name, mod in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(mod), []).append(clean_name(name))
+    return {k: v[1:] for k, v in names.items() if len(set(v)) > 1}
+
+
 def named_parameters(model: nn.Module) -> List[Tuple[str, nn.Parameter]]:
     """``model.named_parameters()`` with wrapper segments removed from the names."""
     return [(clean_name(n), p) for n, p in model.named_parameters()]
@@ -529,6 +539,7 @@ def select(
     model = unwrap_model(model)
     terms = parse_selector(selector)
     named = named_modules(model)
+    aliases = module_aliases(model)
     known = list({k for _, m in named for k in type(m).__mro__})
     chosen: dict = {}
     inert_only = []  # terms that matched only modules no plugin can observe
@@ -537,7 +548,7 @@ def select(
         name_ok = _name_matcher(selector, term)
         matched = []
         for name, mod in named:
-            if not name_ok(name):
+            if not name_ok(name) and not any(name_ok(a) for a in aliases.get(id(mod), ())):
                 continue
             if class_ok and not any(f(mod) for f in class_ok):
                 continue

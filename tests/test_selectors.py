@@ -244,3 +244,16 @@ def test_torchscript_modules_select_and_attach_refuses_them_by_name():
     with hookplug.attach(m, "*, -*:1", plugins="stats") as s:
         m(torch.randn(2, 3))
     assert list(s["stats"].results()) == ["0"]
+
+
+def test_a_module_reachable_by_two_names_is_selected_by_either():
+    """``self.dec = self.enc``: ``named_modules()`` gives the first name only, so ``*:dec``
+    matched nothing. Any name selects it (and removes it); records use the first."""
+    shared = nn.Sequential(nn.Linear(3, 3))
+    m = nn.Module()
+    m.enc, m.dec, m.head = shared, shared, nn.Linear(3, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert names(m, "*:dec") == ["enc"]
+        assert names(m, "Linear:dec.*") == ["enc.0"]
+        assert names(m, "*, -*:dec*") == ["head"]
