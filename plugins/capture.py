@@ -36,8 +36,11 @@ plugin sets ``traceable = False``: a graph break per hooked call, call indices c
 Objects that are not tensors, containers or dataclasses but hold tensors (HF caches such
 as ``past_key_values``: a ``DynamicCache`` with lists of key/value tensors) are not kept
 live: their tensors are captured (detached, cloned) in a dict of the object's attributes
-(``{"key_cache": [...], "value_cache": [...], ...}``), with one warning per plugin naming
-the class; the dict saves and loads like any other structure.
+(``__dict__`` and ``__slots__``: ``{"layers": [...], ...}``), with one warning per plugin
+naming the class; the dict saves and loads like any other structure. An object holding no
+tensor when captured (an empty cache the forward fills) is kept as a ``copy.deepcopy``
+where it reaches only plain values, containers and such objects; else (it reaches a
+module, or a type unknown here) it is kept as it is, live.
 
 A call whose ``forward`` raised captures nothing: its output is not captured and its
 inputs (read before ``forward``) are dropped again, so ``inputs`` and ``features`` stay call
@@ -55,6 +58,7 @@ in ``nbytes`` and bounded by ``max_bytes``.
 from __future__ import annotations
 
 import bisect
+import copy
 import sys
 import types
 import warnings
@@ -104,24 +108,52 @@ def _objects_as_dicts(obj: Any, found: List[str], depth: int = 0) -> Any:
         return rebuild(obj, new)
     if isinstance(obj, _OPAQUE):
         return obj
-    attrs = getattr(obj, "__dict__", None)
-    if not isinstance(attrs, dict):
+    attrs = _attributes(obj)
+    if attrs is None:
         return obj
     out: Dict[str, Any] = {}
     holds_tensors = False
     for key, value in attrs.items():
-        if not isinstance(key, str) or key.startswith("__"):
-            continue
         value = _objects_as_dicts(value, found, depth + 1)
         if next(iter_tensors(value), None) is not None:
             out[key] = value
             holds_tensors = True
         elif isinstance(value, (str, int, float, bool)) or value is None:
             out[key] = value
-    if not holds_tensors:
-        return obj
+    if not holds_tensors:  # (yet: an empty HF cache fills after the call) a copy, when cheap
+        return copy.deepcopy(obj) if _copies_cheaply(obj) else obj
     found.append(type(obj).__name__)
     return out
+
+
+def _attributes(obj: Any) -> Optional[Dict[str, Any]]:
+    """The attributes of an object, from its ``__dict__`` and ``__slots__`` (dunder names
+    left out); None for one with neither."""
+    attrs = getattr(obj, "__dict__", None)
+    out = dict(attrs) if isinstance(attrs, dict) else None
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            if slot not in ("__dict__", "__weakref__") and hasattr(obj, slot):
+                out = {} if out is None else out
+                out.setdefault(slot, getattr(obj, slot))
+    if out is None:
+        return None
+    return {k: v for k, v in out.items() if isinstance(k, str) and not k.startswith("__")}
+
+
+def _copies_cheaply(obj: Any, depth: int = 0) -> bool:
+    """Whether ``obj`` reaches only plain values, containers and objects made of them (no
+    tensor, no module, nothing unknown), so a ``deepcopy`` is small."""
+    if isinstance(obj, _PLAIN) or (isinstance(obj, _OPAQUE) and not isinstance(obj, torch.nn.Module)):
+        return True
+    if isinstance(obj, (torch.Tensor, torch.nn.Module)) or depth > _MAX_OBJECT_DEPTH:
+        return False
+    kids = children(obj, init_only=True)
+    if kids is not None:
+        return all(_copies_cheaply(v, depth + 1) for _, _, v in kids)
+    attrs = _attributes(obj)
+    return attrs is not None and all(_copies_cheaply(v, depth + 1) for v in attrs.values())
 
 
 def _shape_text(t: torch.Tensor) -> str:

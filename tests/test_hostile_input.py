@@ -411,6 +411,63 @@ def test_item18_real_dynamic_cache():
     assert tensors and all(t.shape[2] == 2 for t in tensors)
 
 
+class SlottedOut:
+    __slots__ = ("hidden", "n")
+
+    def __init__(self, hidden):
+        self.hidden, self.n = hidden, 3
+
+
+def test_item18_objects_empty_when_captured_and_slotted_objects_are_not_kept_live():
+    """An empty cache (HF's for the first layer) filled after the call was kept live: it held
+    the later layers' tensors, attached to the graph, outside ``nbytes``/``max_bytes``. An
+    object with ``__slots__`` and a tensor was kept as the live object too."""
+
+    class Fills(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(2, 2)
+
+        def forward(self, x, cache):
+            y = self.proj(x)
+            cache.update(y, -y)
+            return SlottedOut(y)
+
+    layer, cache = Fills(), TinyCache()
+    x = torch.randn(1, 2, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with hookplug.attach(layer, "*:", plugins=("capture", {"inputs": True})) as s:
+            out = layer(x, cache)
+    kept_cache = s["capture"].inputs[""][1]
+    assert kept_cache is not cache and isinstance(kept_cache, TinyCache)
+    assert kept_cache.key_cache == [] and kept_cache.seen_tokens == 0  # as it was at the call
+    feat = s["capture"].features[""]
+    assert feat == {"hidden": feat["hidden"], "n": 3}
+    assert torch.equal(feat["hidden"], out.hidden) and feat["hidden"].grad_fn is None
+    assert s["capture"].nbytes == 2 * 4 + 2 * 4  # the input x and the output's tensor
+
+
+def test_item18_real_dynamic_cache_passed_to_blocks_is_not_kept_live():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=16,
+                                  bos_token_id=0, eos_token_id=0)
+    m = transformers.GPT2Model(cfg).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with hookplug.attach(m, "*:h.*", plugins=("capture", {"inputs": True})) as s:
+            out = m(torch.randint(0, 50, (1, 5)), use_cache=True)
+    live = out.past_key_values
+    for block in ("h.0", "h.1"):
+        for a in s["capture"].inputs[block]:
+            for obj in [a] + ([] if not isinstance(a, dict) else list(a.get("layers", []))):
+                assert obj is not live and all(obj is not layer for layer in live.layers)
+    assert s["capture"].nbytes == sum(t.numel() * t.element_size()
+                                      for kind in ("features", "inputs")
+                                      for v in getattr(s["capture"], kind).values()
+                                      for _, t in hookplug.structures.iter_tensors(v))
+
+
 def test_item18_save_of_an_unknown_object_warns(tmp_path):
     from hookplug._capture_io import save_capture
 
