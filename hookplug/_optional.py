@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import importlib
+import sys
+import threading
 from types import ModuleType
-from typing import Tuple
+from typing import List, Tuple
 
-__all__ = ["optional_import"]
+__all__ = ["optional_import", "import_off_stack"]
 
 
 def optional_import(*modules: str, feature: str, extra: str, package: str) -> Tuple[ModuleType, ...]:
@@ -18,3 +20,25 @@ def optional_import(*modules: str, feature: str, extra: str, package: str) -> Tu
             f"{feature} needs the {package} package: pip install 'hookplug[{extra}]' "
             f"(or pip install {package}) [{exc}]"
         ) from exc
+
+
+def import_off_stack(name: str) -> None:
+    """Import ``name`` on a thread of its own if not yet imported. ``torch.fx.wrap``, run at
+    the first import of ``torch._dynamo``, holds its own frame in a reference cycle, and with
+    it every frame below (the caller's locals: the user's model) until the cycle collector
+    runs; a fresh thread's stack holds nothing of the caller's."""
+    if name in sys.modules:
+        return
+    failed: List[BaseException] = []
+
+    def run():
+        try:
+            importlib.import_module(name)
+        except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
+            failed.append(exc)
+
+    t = threading.Thread(target=run, name=f"hookplug-import-{name}", daemon=True)
+    t.start()
+    t.join()
+    if failed:
+        raise failed[0]

@@ -107,6 +107,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hookplug
 from hookplug import hookimpl
+from hookplug._optional import import_off_stack
 from hookplug.structures import iter_tensors
 
 __all__ = ["FlopsPlugin", "count_flops"]
@@ -648,6 +649,7 @@ class FlopsPlugin(hookplug.Plugin):
 
     @hookimpl
     def hookplug_session_start(self, session):
+        import_off_stack("torch._dynamo")  # (else first imported by the dispatch mode, in forward)
         self._end_windows()
         self._reset_state()
         self._session_ref = weakref.ref(session)

@@ -420,3 +420,35 @@ def test_gradients_bitwise_equal_with_and_without_flops(make, shape):
     differ = [i for i, (a, b) in enumerate(zip(got, ref)) if not torch.equal(a, b)]
     assert differ == [], f"gradients {differ} of {len(ref)} differ with flops attached"
     assert plugin.total()["backward_flops"] > 0
+
+
+_FIRST_SESSION_OF_A_PROCESS = """
+import gc, sys, weakref
+import torch, torch.nn as nn
+import hookplug
+assert "torch._dynamo" not in sys.modules, "the test needs dynamo not yet imported"
+gc.disable()
+
+def run():
+    m = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    with hookplug.attach(m, "*", plugins="flops") as s:
+        m(torch.randn(2, 3)).sum().backward()
+    assert s["flops"].total()["flops"] > 0
+    return weakref.ref(m)
+
+model = run()
+print("freed" if model() is None else "kept")
+"""
+
+
+def test_the_first_flops_session_of_a_process_leaves_the_model_to_refcounting():
+    """torch imports dynamo at the first call of a dynamo-disabled function, and ``torch.fx.wrap``
+    (run by that import) keeps its frame in a cycle with every frame below: imported inside
+    the model's forward, the model waited for the cycle collector (DESIGN: no cycle holds it)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FIRST_SESSION_OF_A_PROCESS], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "freed"
