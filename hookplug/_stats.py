@@ -75,10 +75,13 @@ def merge_rows(rows: torch.Tensor, dim: int = 0) -> torch.Tensor:
     dev = torch.where(n_k > 0, mean_k - mean, 0.0)
     m2 = (rows[..., M2] + n_k * dev * dev).sum(0)
     out = rows.sum(0)  # counts and buckets
-    out[..., MIN] = rows[..., MIN].amin(0)
-    out[..., MAX] = rows[..., MAX].amax(0)
-    out[..., MEAN] = torch.where(n > 0, mean, 0.0)
-    out[..., M2] = m2
+    lo, hi = rows[..., MIN].amin(0), rows[..., MAX].amax(0)
+    out[..., MIN], out[..., MAX] = lo, hi
+    # the weighted mean may round an ulp past the extremes: constant data keeps mean = min
+    # and M2 = 0 exactly (a std == 0 check for dead units), any other stays within them
+    same = lo == hi
+    out[..., MEAN] = torch.where(n > 0, torch.where(same, lo, torch.minimum(torch.maximum(mean, lo), hi)), 0.0)
+    out[..., M2] = torch.where(same, 0.0, m2)
     out[..., HIST_LO] = rows[0, ..., HIST_LO]
     out[..., HIST_HI] = rows[0, ..., HIST_HI]
     out[..., FIRST_BAD] = rows[..., FIRST_BAD].amin(0)
@@ -102,6 +105,39 @@ def _edges(lo: float, hi: float, hist: Any, b: int) -> List[float]:
                                               and hi == _LOG2_EDGES[-1])):
         return _LOG2_EDGES_LIST
     return [lo + ((hi - lo) * i) / b for i in range(b)] + [hi]
+
+
+def is_log2_edges(edges: List[float]) -> bool:
+    """Whether ``edges`` are the log2 histogram's (a record's ``hist_edges``)."""
+    return len(edges) == LOG2_BINS + 1 and edges[0] == _LOG2_EDGES[0] and edges[-1] == _LOG2_EDGES[-1]
+
+
+def hist_outside(rec: Dict[str, Any]) -> Tuple[int, int]:
+    """``(below, above)``: the finite values of a record a linear histogram left out (outside
+    the given range), by side. The record's ``min``/``max`` tell the side; a record with
+    values on both sides counts them all ``above`` (the split is not measured). ``(0, 0)``
+    for log2 (it counts every value but NaN)."""
+    counts = rec.get("hist") or ()
+    out = int(rec["numel"] - rec["nan_count"] - rec["inf_count"] - sum(counts))
+    if out <= 0:
+        return 0, 0
+    edges = rec["hist_edges"]
+    below = rec["min"] < edges[0] and not rec["max"] > edges[-1]
+    return (out, 0) if below else (0, out)
+
+
+def hist_upper_bounds(edges: List[float]) -> List[float]:
+    """The inclusive upper bound of each bucket (Prometheus' ``le``): a bucket holds
+    ``edges[i] <= x < edges[i + 1]``, so its bound is the float just below its right edge,
+    except where the bucket includes that edge: a linear histogram's last (``x == hi``),
+    and log2's negative buckets, ``-2**(e+1) < x <= -2**e``; log2's innermost negative
+    bucket holds every negative down to the smallest, its zero bucket only zeros."""
+    b = len(edges) - 1
+    if not is_log2_edges(edges):
+        return [math.nextafter(edges[i + 1], -math.inf) for i in range(b - 1)] + [edges[-1]]
+    zero = b // 2
+    out = [edges[i + 1] for i in range(zero - 1)] + [-math.ulp(0.0), 0.0]
+    return out + [math.nextafter(edges[i + 1], -math.inf) for i in range(zero + 1, b)]
 
 
 class TensorStats:

@@ -578,3 +578,22 @@ def test_a_signal_handler_removing_the_session_inside_a_fold_loses_no_step(monke
     assert ended == list(range(31)) and s.removed
     count = collections.Counter(r["step"] for r in sink.records)
     assert count == {step: 1 for step in range(32)}  # step 31 was folding: not lost
+
+
+def test_merging_constant_data_keeps_mean_exact_and_std_zero():
+    """The weighted mean of equal means rounded an ulp (0.1 merged over 8 steps gave
+    0.10000000000000002 > max, std 1.4e-17): a ``std == 0`` dead-unit check failed. Constant
+    data merges to mean = min = max and M2 = 0; other data keeps min <= mean <= max."""
+    gen = torch.Generator().manual_seed(0)
+    for value in (0.1, 1.0 / 3.0, -7.3e-5, 1e300):
+        for _ in range(20):
+            sizes = torch.randint(1, 40, (8,), generator=gen).tolist()
+            rows = torch.stack([ops.tensor_stats(torch.full((n,), value, dtype=torch.float64)).row
+                                for n in sizes])
+            st = TensorStats(merge_rows(rows))
+            assert float(st.mean) == value == float(st.min) == float(st.max)
+            assert float(st.std) == 0.0
+    parts = [torch.randn(int(n), dtype=torch.float64, generator=gen) * 1e-3 + 5.0 for n in (3, 17, 9)]
+    st = TensorStats(merge_rows(torch.stack([ops.tensor_stats(p).row for p in parts])))
+    assert float(st.min) <= float(st.mean) <= float(st.max)
+    torch.testing.assert_close(st.mean, torch.cat(parts).mean(), rtol=1e-15, atol=0)

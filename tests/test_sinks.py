@@ -322,7 +322,8 @@ def test_prometheus_endpoint_scraped_over_loopback():
     want = [sum(r["hist"][i] for r in fc1) for i in range(131)]
     cum = [sum(want[: i + 1]) for i in range(131)]
     assert [v for _, v in buckets] == cum
-    assert [le for le, _ in buckets[:-1]] == fc1[0]["hist_edges"][1:-1]
+    from hookplug._stats import hist_upper_bounds
+    assert [le for le, _ in buckets[:-1]] == hist_upper_bounds(fc1[0]["hist_edges"])[:-1]
     nonfinite = {smp.labels["module"]: smp.value for smp in fams["hookplug_tensor_nonfinite"].samples
                  if smp.name.endswith("_total")}
     assert nonfinite["fc1"] == sum(r["nan_count"] + r["inf_count"] for r in fc1)
@@ -344,6 +345,76 @@ def test_prometheus_textfile_and_no_server(tmp_path):
     fams = {f.name: f for f in text_string_to_metric_families(prom.read_text())}
     means = {smp.labels["module"]: smp.value for smp in fams["hookplug_tensor_mean"].samples}
     assert means == {r["module"]: r["mean"] for r in truth}
+
+
+class _Values(torch.nn.Module):
+    def forward(self, x):
+        return x * 1
+
+
+_EDGE_VALUES = [[0.5, 1.0, 2.0, -1.0, -0.5, 0.0, 1e-12, -1e-12, 3.0, math.inf, -math.inf, 1e10, math.nan],
+                [0.25, 4.0, -2.0, 1.0, 0.75]]
+
+
+@pytest.mark.parametrize("hist, values", [
+    ({}, _EDGE_VALUES),
+    ({"hist": "linear", "bins": 4, "range": (0.0, 1.0)},  # outside the range: below, above, both
+     [[-5.0, 0.1, 0.5, 0.9, 1.0], [0.1, 0.25, 7.0], [-1.0, 0.3, 2.0], [0.0, 0.99]])])
+def test_prometheus_buckets_count_the_values_at_most_le_and_count_matches_sum(hist, values):
+    """``le`` is inclusive: a value on a bucket edge (1.0, 0.5: the log2 edges) counts in
+    ``le="1.0"`` only if ``1.0 <= le``. It was counted one bucket late. A linear range's
+    outside values went uncounted beside a ``_sum`` that held them."""
+    pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    m = torch.nn.Sequential(_Values())
+    s = hookplug.attach(m, "*:0", plugins=("stats", hist), sink=("prometheus", {"port": None}),
+                        flush_every=1)
+    for step in values:
+        m(torch.tensor(step, dtype=torch.float64))
+        s.step()
+    fams = {f.name: f for f in text_string_to_metric_families(s["prometheus"].exposition())}
+    s.remove()
+    seen = [v for step in values for v in step if not math.isnan(v)]
+    placed = []  # where each value counts: a step with values on both sides of a linear
+    for step in values:  # range counts its outside ones in +Inf only (documented)
+        both = hist and min(step) < 0.0 and max(step) > 1.0
+        placed += [math.inf if both and not 0.0 <= v <= 1.0 else v for v in step if not math.isnan(v)]
+    samples = fams["hookplug_tensor_values"].samples
+    buckets = [(float(x.labels["le"]), x.value) for x in samples if x.name.endswith("_bucket")]
+    assert buckets[-1] == (math.inf, len(seen))
+    for le, got in buckets:
+        assert got == sum(1 for v in placed if v <= le), le
+    if hist:  # _sum and _count (left out with negative buckets, log2's) cover the same values
+        by = {x.name: x.value for x in samples}
+        assert by["hookplug_tensor_values_count"] == len(seen)
+        assert math.isclose(by["hookplug_tensor_values_sum"], sum(seen))
+        assert buckets[0][1] == 4  # -5 (below the range), 0.1 twice, 0.0
+
+
+def test_tensorboard_linear_histogram_counts_values_outside_its_range(tmp_path):
+    """``num`` counted the in-range buckets while ``sum`` held every finite value: TensorBoard's
+    mean (sum / num) was off. The outside values get buckets of their own."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    m = torch.nn.Sequential(_Values())
+    s = hookplug.attach(m, "*:0", plugins=("stats", {"hist": "linear", "bins": 4, "range": (0.0, 1.0)}),
+                        sink=("tensorboard", {"path": str(tmp_path / "tb")}), flush_every=1)
+    steps = [[-5.0, 0.1, 0.5, 0.9], [0.1, 7.0, 0.2], [0.3, 0.6]]
+    for step in steps:
+        m(torch.tensor(step, dtype=torch.float64))
+        s.step()
+    s.remove()
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"histograms": 0})
+    acc.Reload()
+    hists = {e.step: e.histogram_value for e in acc.Histograms("hookplug/hist/0/output")}
+    for i, step in enumerate(steps):
+        h = hists[i]
+        assert h.num == len(step) == sum(h.bucket)
+        assert math.isclose(h.sum, sum(step)) and (h.min, h.max) == (min(step), max(step))
+    assert list(hists[0].bucket_limit) == [0.0, 0.25, 0.5, 0.75, 1.0] and hists[0].bucket[0] == 1
+    assert list(hists[1].bucket_limit) == [0.25, 0.5, 0.75, 1.0, 7.0] and hists[1].bucket[-1] == 1
 
 
 def test_prometheus_keeps_eval_forwards_apart_from_training():

@@ -22,8 +22,14 @@ are never mixed into the training series) and ``rank`` (``<namespace>``: the
   the statistics of the latest step flushed;
 - ``<namespace>_tensor_nonfinite_total`` counter (NaN + Inf values over the whole run);
 - ``<namespace>_tensor_values`` histogram: the histogram buckets summed over every step
-  flushed, bucket ``le`` = the right edge of each bucket (the log2 layout: ..., -1, -0.5,
-  ..., 0.5, 1, ...), the ``+Inf`` bucket counting every value seen but NaNs (which no bucket holds). With negative buckets,
+  flushed, bucket ``le`` = the largest value each bucket holds (a bucket spans
+  ``edges[i] <= x < edges[i + 1]``: ``le`` is the float just below its right edge, e.g.
+  ``0.9999999999999999`` for log2's ``[0.5, 1)``, so a value on an edge, ``1.0``, counts
+  in the next; log2's negative buckets hold their right edge, ``-1.0``), the ``+Inf``
+  bucket counting every value seen but NaNs (which no bucket holds). A linear histogram's
+  finite values outside its given range are counted too: below it in every bucket, above
+  it in ``+Inf`` only (a step with values on both sides: all in ``+Inf``), so ``_count``
+  and ``_sum`` cover the same values. With negative buckets,
   as the log2 layout has, ``_sum`` and ``_count`` are left out (``prometheus_client``'s rule
   for histograms that can see negative values). It restarts (a counter reset) for a
   (module, site) whose bucket edges change;
@@ -41,6 +47,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import hookplug
 from hookplug._optional import optional_import
+from hookplug._stats import hist_outside, hist_upper_bounds, is_log2_edges
 
 __all__ = ["PrometheusSink"]
 
@@ -86,7 +93,7 @@ class _Collector:
         labels = ["module", "site", "phase", "rank"]
         with sink._lock:
             latest = dict(sink._latest)
-            hists = {k: (list(v[0]), list(v[1]), v[2]) for k, v in sink._hists.items()}
+            hists = {k: (v[0], list(v[1]), *v[2:]) for k, v in sink._hists.items()}
             nonfinite = dict(sink._nonfinite)
             step = sink._step
         for stat in STATS:
@@ -105,13 +112,16 @@ class _Collector:
         h = core.HistogramMetricFamily(f"{ns}_tensor_values",
                                        "value histogram summed over every step flushed",
                                        labels=labels)
-        for key, (edges, counts, total) in hists.items():
+        for key, (edges, counts, total, below, above) in hists.items():
             buckets: List[Tuple[str, float]] = []
-            running = 0
-            for right, n in zip(edges[1:-1], counts[:-1]):
+            running = below  # below a linear range: at most every bound
+            bounds = hist_upper_bounds(edges)
+            if is_log2_edges(edges):  # its outermost bucket, [2**32, +Inf], is +Inf's
+                bounds, above = bounds[:-1], above + counts[-1]
+            for bound, n in zip(bounds, counts):
                 running += n
-                buckets.append((repr(float(right)), running))
-            buckets.append(("+Inf", running + counts[-1]))
+                buckets.append((repr(float(bound)), running))
+            buckets.append(("+Inf", running + above))
             h.add_metric(list(key), buckets, total)
         yield h
         if step is not None:
@@ -141,7 +151,8 @@ class PrometheusSink(hookplug.Sink):
         self._server_pid: Optional[int] = None  # the process serving (its thread runs there only)
         self._lock = threading.Lock()
         self._latest: Dict[Tuple[str, str, str, str], Dict[str, Any]] = {}
-        self._hists: Dict[Tuple[str, str, str, str], Tuple[list, list, float]] = {}
+        # (edges, counts, sum, below, above): summed over the steps flushed
+        self._hists: Dict[Tuple[str, str, str, str], Tuple[list, list, float, int, int]] = {}
         self._nonfinite: Dict[Tuple[str, str, str, str], int] = {}
         self._step: Optional[int] = None
 
@@ -193,11 +204,13 @@ class PrometheusSink(hookplug.Sink):
                 if counts and edges:
                     n_finite = rec["numel"] - rec["nan_count"] - rec["inf_count"]
                     part = rec["mean"] * n_finite if n_finite > 0 and math.isfinite(rec["mean"]) else 0.0
+                    below, above = hist_outside(rec)
                     old = self._hists.get(key)
                     if old is None or old[0] != edges:
-                        self._hists[key] = (list(edges), list(counts), part)
+                        self._hists[key] = (list(edges), list(counts), part, below, above)
                     else:
-                        self._hists[key] = (old[0], [a + b for a, b in zip(old[1], counts)], old[2] + part)
+                        self._hists[key] = (old[0], [a + b for a, b in zip(old[1], counts)], old[2] + part,
+                                            old[3] + below, old[4] + above)
                 self._step = rec["step"] if self._step is None else max(self._step, rec["step"])
         if self.path:
             parent = os.path.dirname(self.path)

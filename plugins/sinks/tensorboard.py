@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import hookplug
 from hookplug._optional import optional_import
+from hookplug._stats import hist_outside
 
 from ._tags import DEFAULT_SCALARS, ROOT_NAME, hist_tag, scalar_tag  # noqa: F401
 
@@ -123,9 +124,15 @@ class TensorBoardSink(hookplug.Sink):
             total = sum_squares = 0.0
         lo = rec["min"] if math.isfinite(rec["min"]) else edges[0]
         hi = rec["max"] if math.isfinite(rec["max"]) else edges[-1]
+        limits, counts = list(edges[1:]), list(counts)
+        below, above = hist_outside(rec)  # a linear range's outside: buckets of their own,
+        if below:                         # so num counts what sum and sum_squares cover
+            limits, counts = [edges[0]] + limits, [below] + counts
+        if above:
+            limits, counts = limits + [hi], counts + [above]
         w.add_histogram_raw(tag, min=lo, max=hi, num=int(sum(counts)), sum=total,
-                            sum_squares=sum_squares, bucket_limits=list(edges[1:]),
-                            bucket_counts=list(counts), global_step=step, walltime=walltime)
+                            sum_squares=sum_squares, bucket_limits=limits,
+                            bucket_counts=counts, global_step=step, walltime=walltime)
 
     def close(self) -> None:
         """Close the writer the sink opened (a ``writer=`` given to it is only flushed)."""
