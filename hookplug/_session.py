@@ -1190,7 +1190,9 @@ class Session:
         one is numbered one more; plugins see ``hookplug_step``, sampling (``every=N``, on
         step numbers) and ``flush_every`` take effect. A resumed run passes its global step
         and continues from it (``attach(start_step=...)`` numbers its first step before it
-        runs, for sampling). Also usable as ``with session.step(): ...``."""
+        runs, for sampling). Call it after the step's work: ``with session.step():`` is
+        refused (the call ends the step before the body runs, which would belong to the
+        next)."""
         if step is not None:
             if not isinstance(step, int) or isinstance(step, bool) or step < 0:
                 raise ValueError(f"session.step(step=...) expects an int >= 0, got {step!r}")
@@ -1555,7 +1557,8 @@ class Session:
 
 
 class _StepScope:
-    """Returned by ``Session.step()`` so it can also be used as a context manager."""
+    """Returned by ``Session.step()``: refuses ``with session.step():``, whose body would run
+    in the step after the one the call ended (the boundary is the call, not the exit)."""
 
     __slots__ = ("session",)
 
@@ -1563,7 +1566,9 @@ class _StepScope:
         self.session = session
 
     def __enter__(self) -> Session:
-        return self.session
+        raise TypeError(
+            "with session.step(): the call ends the step at once, so the body would count "
+            "in the next step; call session.step() after each step's work instead")
 
     def __exit__(self, *exc) -> None:
         return None

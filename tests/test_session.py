@@ -802,3 +802,14 @@ def test_report_and_results_isolate_a_failing_plugin_under_warn():
 def test_select_checks_strict_as_attach_does():
     with pytest.raises(TypeError, match="select\\(\\): strict must be True or False, got 'x'"):
         hookplug.select(MLP(), "Linear", strict="x")
+
+
+def test_with_session_step_is_refused_with_what_to_write():
+    """``with s.step():`` ended the step before its body ran: each body was recorded one step
+    late and the last ended only at remove(). The form is refused by name."""
+    m = MLP()
+    with hookplug.attach(m, "*:fc1", plugins=Recorder()) as s:
+        with pytest.raises(TypeError, match=r"call session\.step\(\) after each step's work"):
+            with s.step():
+                m(torch.randn(2, 32))
+        s.step()
