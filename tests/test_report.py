@@ -214,7 +214,27 @@ def test_formatting():
     assert _report.fmt_float(0.00035208) == "3.52e-4"
     assert _report.fmt_float(-2.339359) == "-2.339"
     assert _report.fmt_float(123456.0) == "1.23e+5"
+    # one form from 1e4 on (.4g gave 1.235e+04 and 1e+04 beside 1.00e+5)
+    assert [_report.fmt_float(v) for v in (12345.6, 9999.5, 99999.9, 1e5, 1234.5)] == \
+        ["1.23e+4", "1.00e+4", "1.00e+5", "1.00e+5", "1234"]
+    assert _report.fmt_si(1.5e21, "F") == "1.5e+21F"  # past the E prefix (was 1.5e+03E)
     assert _report.fmt_shape([8, 16, 32, 32]) == "8x16x32x32"
+
+
+@pytest.mark.parametrize("sites", [("input",), ("grad",)])
+def test_input_or_grad_stats_are_not_shown_as_the_output_columns(sites):
+    """With only input (or grad) sites, their stats filled the min/max/mean/std/NaN columns
+    under the output heading, while the totals row left them out."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 32)
+    x[0, 0] = float("nan")
+    doc = _run(MLP(), [x], plugins=[("stats", {"sites": sites})], steps=1, backward="grad" in sites)
+    cols, rows, total, _ = _report.profile_table(doc)
+    titles = [c for c, _ in cols]
+    for name, row in zip(doc["modules"], rows):
+        assert doc["modules"][name]["primary"] is None
+        assert [row[titles.index(t)] for t in ("min", "max", "mean", "std", "NaN")] == ["-"] * 5
+    assert total[titles.index("NaN")] == "0"
 
 
 def test_table_leaves_out_columns_of_plugins_not_run(mlp_doc):

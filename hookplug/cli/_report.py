@@ -106,17 +106,11 @@ def _top_level(names: Sequence[str]) -> List[str]:
 
 
 def _primary_path(paths: Dict[str, Any]) -> Optional[str]:
-    if not paths:
-        return None
+    """The output site the table's stat columns show (under an ``output`` heading, beside
+    output totals): None where only inputs or gradients were measured."""
     if "output" in paths:
         return "output"
-    for p in paths:
-        if p.startswith("output"):
-            return p
-    for p in paths:
-        if not p.startswith(("input", "grad")):
-            return p
-    return next(iter(paths))
+    return next((p for p in paths if not p.startswith(("input", "grad"))), None)
 
 
 
@@ -221,9 +215,8 @@ def fmt_float(v: Any) -> str:
     if f == 0:
         return "0"
     a = abs(f)
-    if 1e-3 <= a < 1e5:
-        text = f"{f:.4g}"
-    else:
+    text = f"{f:.4g}" if 1e-3 <= a < 1e4 else "e"
+    if "e" in text:  # (9999.5 rounds to 1e+04): one scientific form for every large or small value
         text = f"{f:.2e}".replace("e-0", "e-").replace("e+0", "e+")
     return text
 
@@ -238,12 +231,12 @@ def fmt_si(v: Any, unit: str = "") -> str:
         return "-"
     x = float(v)
     for prefix in ("", "K", "M", "G", "T", "P", "E"):
-        if abs(x) < 999.5 or prefix == "E":
+        if abs(x) < 999.5:
             if prefix == "":
                 return f"{int(round(x))}{unit}"
             return f"{x:.3g}{prefix}{unit}"
         x /= 1000.0
-    return str(v)  # pragma: no cover
+    return f"{float(v):.3g}{unit}"  # past 999.5E: scientific (1.5e+21)
 
 
 def fmt_shape(shape: Optional[Sequence[int]]) -> str:
