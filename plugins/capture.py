@@ -69,6 +69,8 @@ import torch
 import hookplug
 from hookplug import hookimpl
 from hookplug._func import is_batched as _is_batched
+from hookplug._func import outside_transforms as _outside_transforms
+from hookplug._func import unwrapped as _unwrapped
 from hookplug.structures import children, iter_tensors, map_tensors, rebuild
 
 __all__ = ["CapturePlugin"]
@@ -292,6 +294,10 @@ class CapturePlugin(hookplug.Plugin):
     # -- copying ---------------------------------------------------------------------------------
 
     def _copy(self, t: torch.Tensor) -> torch.Tensor:
+        plain = _unwrapped(t)
+        if plain is not t:  # a torch.func.grad wrapper: a copy of the plain tensor it holds, made
+            with _outside_transforms():  # outside the transform (else a wrapper again)
+                return self._copy(plain)
         t = t.detach()
         if self.to == "cpu" and t.device.type != "cpu":
             if t.is_nested or t.layout is not torch.strided:

@@ -40,7 +40,7 @@ import torch
 
 import hookplug
 from hookplug import hookimpl
-from hookplug._func import is_batched
+from hookplug._func import is_batched, outside_transforms, unwrapped
 from hookplug._plugin import warn_once
 from hookplug._selectors import parameter_names
 
@@ -174,12 +174,20 @@ class GradClampPlugin(hookplug.Plugin):
             if self.nan == "keep":  # NaN stays NaN: not a change
                 diff &= g == g  # noqa: PLR0124 - False exactly at NaN
             n = diff.sum()
+        plain = unwrapped(n)
+        if plain is not n:  # inside torch.func.grad: n wraps the count; a counter kept as such
+            with outside_transforms():  # escaped, and an in-place add to one made outside raised
+                self._count(key, plain)
+        else:
+            self._count(key, n)
+        return g
+
+    def _count(self, key: str, n: torch.Tensor) -> None:
         counter = self._changed.get(key)
         if counter is None or counter.device != n.device:
             self._changed[key] = n if counter is None else counter.to(n.device) + n
         else:
             counter.add_(n)
-        return g
 
     # -- hooks -----------------------------------------------------------------------------------
 

@@ -249,3 +249,82 @@ def test_gradclamp_under_vmap_steers_and_keeps_working():
         assert s["gradclamp"].results() == {}  # vmapped gradients are not counted
         model(x).pow(2).sum().backward()  # the session goes on as usual
         assert int(s["gradclamp"].results()["2"]["changed"]) > 0
+
+
+def test_gradclamp_under_grad_steers_counts_and_runs_again():
+    """The count under ``torch.func.grad`` is a wrapper of the transform: kept as the counter
+    it escaped, and the next call's in-place add to it raised (so did a counter made by a
+    plain backward before)."""
+    from torch.func import functional_call, grad
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x = torch.randn(5, 8)
+
+    def loss(p):
+        return functional_call(model, p, (x,)).pow(2).sum()
+
+    def clamp_hook(mod, a, out):
+        out.register_hook(lambda g: g.clamp(max=0.01))
+
+    handles = [m.register_forward_hook(clamp_hook) for m in (model[0], model[2])]
+    want = grad(loss)(params)
+    for h in handles:
+        h.remove()
+    out2 = model(x).detach()
+    with hookplug.attach(model, "Linear", plugins=("gradclamp", {"max": 0.01})) as s:
+        model(x).pow(2).sum().backward()  # a plain counter first
+        for _ in range(2):
+            got = grad(loss)(params)
+            assert all(torch.equal(got[k], want[k]) for k in want)
+        changed = s["gradclamp"].results()
+    assert int(changed["2"]["changed"]) == 3 * int((2 * out2 > 0.01).sum())
+    assert not torch._C._functorch.is_functorch_wrapped_tensor(s["gradclamp"]._changed["2"])
+
+
+def test_capture_under_grad_keeps_plain_tensors():
+    """Captures made inside ``torch.func.grad`` were the transform's TensorWrappers: right
+    values, but ``torch.save`` and ``data_ptr()`` refused them."""
+    import io
+
+    from torch.func import grad
+
+    model, params, x, loss = _per_sample_loss()
+    with hookplug.attach(model, "Linear", plugins=("capture", {"grads": True})) as s:
+        grad(loss)(params, x[0])
+    feats, grads = s["capture"].features, s["capture"].grads
+    for t in list(feats.values()) + list(grads.values()):
+        assert not torch._C._functorch.is_functorch_wrapped_tensor(t)
+        t.data_ptr()
+    torch.save((feats, grads), io.BytesIO())
+    assert torch.equal(feats["0"], model[0](x[0].unsqueeze(0)))
+    want = torch.func.grad(lambda y: loss_tail(model, y))(model[0](x[0].unsqueeze(0)).detach())
+    assert torch.equal(grads["0"], want)
+
+
+def loss_tail(model, h):
+    return model[2](model[1](h)).square().sum()
+
+
+def test_legacy_batched_gradients_are_treated_like_vmapped_ones():
+    """``autograd.grad(is_grads_batched=True)`` and ``jacobian(vectorize=True)`` batch with the
+    older BatchedTensor, which ``is_batched`` missed: capture's backward raised, gradclamp
+    kept one as its counter (``results()`` raised), stats gave the raw batching error."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x = torch.randn(4)
+    want = torch.autograd.functional.jacobian(model, x, vectorize=False)
+    with hookplug.attach(model, "Linear", plugins=("gradclamp", {"min": -10.0, "max": 10.0})) as s:
+        got = torch.autograd.functional.jacobian(model, x, vectorize=True)
+    torch.testing.assert_close(got, want)
+    assert s["gradclamp"].results() == {}
+    with hookplug.attach(model, "Linear", plugins=("capture", {"grads": True})) as s:
+        xr = x.clone().requires_grad_()
+        with pytest.warns(RuntimeWarning, match="batched by torch.func"):
+            torch.autograd.grad(model(xr), xr, torch.eye(3), is_grads_batched=True)
+        assert s["capture"].grads == {}
+    with hookplug.attach(model, "Linear", plugins=("stats", {"sites": ("output", "grad")})):
+        xr = x.clone().requires_grad_()
+        with pytest.raises(RuntimeError, match="batched by torch.func"):
+            torch.autograd.grad(model(xr), xr, torch.eye(3), is_grads_batched=True)
