@@ -457,14 +457,17 @@ def _settle_this_thread() -> None:
 
 
 class _NodeWindow:
-    """Node pre/post hooks opening and closing a backward window around one autograd node."""
+    """Node pre/post hooks opening and closing a backward window around one autograd node.
+    Under ``create_graph=True`` the node's backward builds a graph of its own (a gradient
+    penalty's): its nodes get windows of the same owners, so a second backward through them
+    counts as their backward too."""
 
     __slots__ = ("plugin_ref", "owners", "open_windows")
 
     def __init__(self, plugin: "FlopsPlugin", owners: Tuple[str, ...]):
         self.plugin_ref = weakref.ref(plugin)
         self.owners = owners
-        self.open_windows: List[_Window] = []
+        self.open_windows: List[Tuple[_Window, Optional[int]]] = []
 
     def pre(self, grad_outputs):
         plugin = self.plugin_ref()
@@ -472,12 +475,21 @@ class _NodeWindow:
             return None
         window = _Window(plugin, self.owners)
         _dispatcher().open(window)
-        self.open_windows.append(window)
+        lo = _peek_seq() if _peek_seq is not None and torch.is_grad_enabled() else None
+        self.open_windows.append((window, lo))
         return None
 
     def post(self, grad_inputs, grad_outputs):
-        if self.open_windows:
-            self.open_windows.pop().close()
+        if not self.open_windows:
+            return None
+        window, lo = self.open_windows.pop()
+        window.close()
+        if lo is not None:  # create_graph: the nodes this backward made
+            hi = _peek_seq()
+            plugin = self.plugin_ref()
+            roots = [g.grad_fn for g in grad_inputs if isinstance(g, torch.Tensor) and g.grad_fn is not None]
+            if plugin is not None and roots and hi > lo and not plugin._ended:
+                plugin._hook_nodes(roots, lo, hi, [lo], [self.owners])
         return None
 
 

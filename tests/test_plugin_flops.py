@@ -552,3 +552,58 @@ def test_non_reentrant_recompute_unpacked_by_a_custom_function_is_charged_to_the
     assert ckpt["0.2"]["backward_flops"] == plain["0.2"]["backward_flops"] == 0
     for name in ("0.0", "0.1"):
         assert ckpt[name]["backward_flops"] == plain[name]["backward_flops"] + plain[name]["flops"] > 0
+
+
+class _AtenFlops(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every op's FLOPs by FlopCounterMode's own formulas, with no module tracking (which
+    ``autograd.grad(create_graph=True)`` trips in FlopCounterMode itself)."""
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_map
+        from torch.utils.flop_counter import flop_registry
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            def shape(t):
+                return t.shape if isinstance(t, torch.Tensor) else t
+            self.total += formula(*tree_map(shape, args), **tree_map(shape, kwargs), out_val=tree_map(shape, out))
+        return out
+
+
+@pytest.mark.parametrize("form", ["backward", "autograd.grad"])
+def test_a_gradient_penalty_counts_its_second_order_backward(form):
+    """Under ``create_graph=True`` a node's backward builds a graph whose second backward is
+    the model's work too (WGAN-GP, input-gradient penalties); those nodes got no window:
+    1840 of FlopCounterMode's 2560 for this MLP."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x0 = torch.randn(5, 4)
+
+    def penalty():
+        x = x0.clone().requires_grad_()
+        if form == "backward":
+            m(x).sum().backward(create_graph=True)
+            g, x.grad = x.grad, None
+        else:
+            g, = torch.autograd.grad(m(x).sum(), x, create_graph=True)
+        (g.norm(dim=1) - 1).pow(2).mean().backward()
+        m.zero_grad(set_to_none=True)
+
+    with _AtenFlops() as ref:
+        penalty()
+    with hookplug.attach(m, "*, *:", plugins="flops") as s:
+        penalty()
+    t = s["flops"].total()
+    assert t["flops"] + t["backward_flops"] == ref.total
+    per = s["flops"].results()
+    assert per["0"]["backward_flops"] + per["2"]["backward_flops"] == t["backward_flops"]
+    if form == "backward":
+        with FlopCounterMode(display=False) as fc:
+            penalty()
+        assert fc.get_total_flops() == ref.total
