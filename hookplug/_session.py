@@ -641,10 +641,21 @@ class _ModuleBinding:
         own = _own_outputs(output, args, kwargs)
         if own is not None:
             output = new = own
+        found: List[Tuple[torch.Tensor, List[str]]] = []
         for path, t in iter_tensors(output):
             # a leaf (a Parameter returned as is) would keep a tensor hook for good
             if t.requires_grad and t.grad_fn is not None:
-                t.register_hook(functools.partial(self.grad_hook, ctx, module, path))
+                for u, paths in found:
+                    if u is t:  # one tensor at two paths, (y, y): one hook, or a plugin
+                        paths.append(path)  # steering its gradient would do so twice
+                        break
+                else:
+                    found.append((t, [path]))
+        for t, paths in found:
+            if len(paths) == 1:
+                t.register_hook(functools.partial(self.grad_hook, ctx, module, paths[0]))
+            else:  # every path's hooks with the whole gradient, as compiled code runs them
+                t.register_hook(functools.partial(self._grad_hooks, ctx, module, paths, ()))
         return new
 
     def _own_pending(self) -> Optional[HookContext]:
@@ -697,9 +708,10 @@ class _ModuleBinding:
 
         return map_tensors(swap, output)
 
-    def _grad_hooks(self, ctx, module, paths, keys, grad, saved):
+    def _grad_hooks(self, ctx, module, paths, keys, grad, saved=()):
         """The grad hooks of every path of one tensor (the first replacement wins), with a
-        context whose per-module tensors are those ``_GradSite`` saved (under ``keys``)."""
+        context whose per-module tensors are those ``_GradSite`` saved (under ``keys``;
+        none in eager code)."""
         if keys:
             ctx = _TracedContext(self, ctx.phase, dict(zip(keys, saved)))
         out = None

@@ -813,3 +813,36 @@ def test_with_session_step_is_refused_with_what_to_write():
             with s.step():
                 m(torch.randn(2, 32))
         s.step()
+
+
+def test_a_tensor_returned_at_two_paths_is_steered_once():
+    """``return y, y`` (HF's ``last_hidden_state is hidden_states[-1]``): a tensor hook per
+    path made a plugin doubling the gradient double it twice in eager code (compiled code
+    ran every path's hooks once, on one gradient). Observers still see each path."""
+
+    class Scale(hookplug.Plugin):
+        name = "scale"
+
+        @hookimpl
+        def hookplug_output_grad(self, grad):
+            return grad * 2
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y, y
+
+    torch.manual_seed(0)
+    m, x = nn.Sequential(Twice()), torch.randn(2, 4)
+    m(x)[0].sum().backward()
+    plain = m[0].lin.weight.grad.clone()
+    m.zero_grad()
+    with hookplug.attach(m, "Twice", plugins=[Scale(), ("stats", {"sites": ("grad",)})]) as s:
+        m(x)[0].sum().backward()
+    torch.testing.assert_close(m[0].lin.weight.grad, 2 * plain)
+    seen = s["stats"].results()["0"]
+    assert set(seen) == {"grad[0]", "grad[1]"} and all(int(v.calls) == 1 for v in seen.values())
