@@ -22,13 +22,15 @@ def optional_import(*modules: str, feature: str, extra: str, package: str) -> Tu
         ) from exc
 
 
-def import_off_stack(name: str) -> None:
-    """Import ``name`` on a thread of its own if not yet imported. ``torch.fx.wrap``, run at
-    the first import of ``torch._dynamo``, holds its own frame in a reference cycle, and with
-    it every frame below (the caller's locals: the user's model) until the cycle collector
-    runs; a fresh thread's stack holds nothing of the caller's."""
+def import_off_stack(name: str) -> bool:
+    """Import ``name`` on a thread of its own if not yet imported (True: it was imported
+    now). ``torch.fx.wrap``, run at the first import of ``torch._dynamo``, holds its own
+    frame in a reference cycle, and with it every frame below (the caller's locals: the
+    user's model) until the cycle collector runs; a fresh thread's stack holds nothing of
+    the caller's. What the import sets in thread-local state (``torch._dynamo.config``'s
+    settings are per thread from torch 2.13) stays on that thread: set it again."""
     if name in sys.modules:
-        return
+        return False
     failed: List[BaseException] = []
 
     def run():
@@ -42,3 +44,4 @@ def import_off_stack(name: str) -> None:
     t.join()
     if failed:
         raise failed[0]
+    return True

@@ -1605,6 +1605,7 @@ def _guard_module_hooks(recompile_limit: int = 0) -> None:
     (:func:`_raise_recompile_limit`). Where dynamo is not imported yet (importing it costs
     seconds), both are made when its config module is first imported."""
     config = sys.modules.get("torch._dynamo.config")
+    recompile_limit = max(recompile_limit, _PENDING_RECOMPILE_LIMIT[0])  # (asked before the import)
     if config is not None:
         if getattr(config, "skip_nnmodule_hook_guards", False):
             config.skip_nnmodule_hook_guards = False

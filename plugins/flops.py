@@ -661,7 +661,9 @@ class FlopsPlugin(hookplug.Plugin):
 
     @hookimpl
     def hookplug_session_start(self, session):
-        import_off_stack("torch._dynamo")  # (else first imported by the dispatch mode, in forward)
+        if import_off_stack("torch._dynamo"):  # (else first imported by the dispatch mode, in
+            from hookplug._session import _guard_module_hooks  # forward); its config is per thread:
+            _guard_module_hooks()  # the module-hook guards and recompile limit set again on this one
         self._end_windows()
         self._reset_state()
         self._session_ref = weakref.ref(session)

@@ -430,9 +430,12 @@ assert "torch._dynamo" not in sys.modules, "the test needs dynamo not yet import
 gc.disable()
 
 def run():
-    m = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    m = nn.Sequential(*[nn.Sequential(nn.Linear(3, 3), nn.ReLU()) for _ in range(12)])
     with hookplug.attach(m, "*", plugins="flops") as s:
         m(torch.randn(2, 3)).sum().backward()
+        import torch._dynamo.config as c  # imported on another thread: set on this one too
+        assert not c.skip_nnmodule_hook_guards and c.recompile_limit >= 12 + 8, (
+            c.skip_nnmodule_hook_guards, c.recompile_limit)
     assert s["flops"].total()["flops"] > 0
     return weakref.ref(m)
 
