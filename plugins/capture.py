@@ -39,8 +39,9 @@ live: their tensors are captured (detached, cloned) in a dict of the object's at
 (``__dict__`` and ``__slots__``: ``{"layers": [...], ...}``), with one warning per plugin
 naming the class; the dict saves and loads like any other structure. An object holding no
 tensor when captured (an empty cache the forward fills) is kept as a ``copy.deepcopy``
-where it reaches only plain values, containers and such objects; else (it reaches a
-module, or a type unknown here) it is kept as it is, live.
+where it reaches only plain values, containers, classes, functions and instances of
+pure-Python classes made of them; else (it reaches a module, a bound method, a file, a
+C type such as ``functools.partial``) it is kept as it is, live.
 
 A call whose ``forward`` raised captures nothing: its output is not captured and its
 inputs (read before ``forward``) are dropped again, so ``inputs`` and ``features`` stay call
@@ -123,7 +124,12 @@ def _objects_as_dicts(obj: Any, found: List[str], depth: int = 0) -> Any:
         elif isinstance(value, (str, int, float, bool)) or value is None:
             out[key] = value
     if not holds_tensors:  # (yet: an empty HF cache fills after the call) a copy, when cheap
-        return copy.deepcopy(obj) if _copies_cheaply(obj) else obj
+        if _copies_cheaply(obj):
+            try:
+                return copy.deepcopy(obj)
+            except Exception:  # noqa: BLE001 - a __deepcopy__ of its own refusing: kept live
+                return obj
+        return obj
     found.append(type(obj).__name__)
     return out
 
@@ -136,7 +142,11 @@ def _attributes(obj: Any) -> Optional[Dict[str, Any]]:
     for cls in type(obj).__mro__:
         slots = cls.__dict__.get("__slots__", ())
         for slot in (slots,) if isinstance(slots, str) else slots:
-            if slot not in ("__dict__", "__weakref__") and hasattr(obj, slot):
+            if slot in ("__dict__", "__weakref__"):
+                continue
+            if slot.startswith("__") and not slot.endswith("__"):  # private: name-mangled
+                slot = f"_{cls.__name__.lstrip('_')}{slot}"
+            if hasattr(obj, slot):
                 out = {} if out is None else out
                 out.setdefault(slot, getattr(obj, slot))
     if out is None:
@@ -145,17 +155,24 @@ def _attributes(obj: Any) -> Optional[Dict[str, Any]]:
 
 
 def _copies_cheaply(obj: Any, depth: int = 0) -> bool:
-    """Whether ``obj`` reaches only plain values, containers and objects made of them (no
-    tensor, no module, nothing unknown), so a ``deepcopy`` is small."""
-    if isinstance(obj, _PLAIN) or (isinstance(obj, _OPAQUE) and not isinstance(obj, torch.nn.Module)):
+    """Whether ``obj`` reaches only plain values, containers, classes, functions and
+    instances of pure-Python classes made of them (no tensor, no module, no bound method,
+    no object of a C type keeping state ``__dict__`` does not show, such as a
+    ``functools.partial`` or a file), so a ``deepcopy`` is small and safe."""
+    if isinstance(obj, _PLAIN) or isinstance(obj, (type, types.FunctionType)):
         return True
-    if isinstance(obj, (torch.Tensor, torch.nn.Module)) or depth > _MAX_OBJECT_DEPTH:
+    if depth > _MAX_OBJECT_DEPTH or isinstance(obj, (torch.Tensor, *_OPAQUE)):
         return False
     kids = children(obj, init_only=True)
     if kids is not None:
         return all(_copies_cheaply(v, depth + 1) for _, _, v in kids)
+    if not all(cls.__flags__ & _HEAPTYPE for cls in type(obj).__mro__ if cls is not object):
+        return False  # a C type (or a subclass of one): its state is not all in attributes
     attrs = _attributes(obj)
     return attrs is not None and all(_copies_cheaply(v, depth + 1) for v in attrs.values())
+
+
+_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement
 
 
 def _shape_text(t: torch.Tensor) -> str:

@@ -562,3 +562,55 @@ def test_bad_input_config_module_and_capture_path(tmp_path):
             hookplug.plot_features(torch.randn(1, 2, 4, 4), tmp_path / "x.png", module=module)
     with pytest.raises(IsADirectoryError, match=r"load_capture: '.*' is a directory, not a capture file"):
         hookplug.load_capture(tmp_path)
+
+
+class _Holder:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+class _Private:
+    __slots__ = ("__cache", "n")
+
+    def __init__(self, t):
+        self.__cache, self.n = t, 1
+
+
+def test_item18_objects_a_deepcopy_would_break_or_bloat_stay_live(tmp_path):
+    """Tensor-less objects are deep-copied only where that is small and safe: one reaching a
+    Python module, a file, a bound method (the whole model it is bound to) or a C type's
+    hidden state (``functools.partial`` of a non-leaf tensor) made the forward raise, or
+    copied a model per call; a name-mangled slot holding a tensor was not seen."""
+    import functools
+    import math as math_module
+
+    big = nn.Linear(64, 64)
+    x = torch.randn(1, 2, requires_grad=True)
+    nonleaf = x * 2
+    with open(tmp_path / "f.txt", "w") as f:
+        live = [_Holder(lib=math_module), functools.partial(torch.add, nonleaf), _Holder(f=f), f,
+                _Holder(fn=big.forward)]
+
+        class Takes(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(2, 2)
+
+            def forward(self, x, obj):
+                return self.lin(x)
+
+        layer = Takes()
+        for obj in live:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with hookplug.attach(layer, "*:", plugins=("capture", {"inputs": True})) as s:
+                    layer(x, obj)
+            assert s["capture"].inputs[""][1] is obj, type(obj)
+            assert s["capture"].nbytes == 2 * 4 + 2 * 4
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with hookplug.attach(layer, "*:", plugins=("capture", {"inputs": True})) as s:
+                layer(x, _Private(nonleaf))
+        kept = s["capture"].inputs[""][1]
+        assert set(kept) == {"_Private__cache", "n"} and kept["_Private__cache"].grad_fn is None
+        assert torch.equal(kept["_Private__cache"], nonleaf)
