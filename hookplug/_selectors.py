@@ -496,13 +496,24 @@ def named_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
 
 
 def module_aliases(model: nn.Module) -> Dict[int, List[str]]:
-    """``{id(module): [its other names]}`` for the modules reachable by more than one name
-    (``self.dec = self.enc``): a selector may name any of them; hooks and records use the
-    first, the one ``named_modules()`` gives."""
+    """``{id(module): [its names]}`` for the modules reachable by more than one name
+    (``self.dec = self.enc``): a selector may name any of them (the first 256 found); hooks
+    and records use the one ``named_modules()`` gives."""
     names: Dict[int, List[str]] = {}
-    for name, mod in model.named_modules(remove_duplicate=False):
-        names.setdefault(id(mod), []).append(clean_name(name))
-    return {k: v[1:] for k, v in names.items() if len(set(v)) > 1}
+    todo: List[Tuple[str, nn.Module, frozenset]] = [("", model, frozenset())]
+    while todo:  # every path, as named_modules(remove_duplicate=False) walks, but bounded
+        prefix, mod, above = todo.pop()
+        seen = names.setdefault(id(mod), [])
+        if len(seen) >= _MAX_ALIASES:  # sharing nested at each level has exponentially many
+            continue
+        seen.append(clean_name(prefix))
+        for attr, child in mod._modules.items():
+            if child is not None and id(child) not in above:  # (a module holding its parent)
+                todo.append((f"{prefix}.{attr}" if prefix else attr, child, above | {id(mod)}))
+    return {k: v for k, v in names.items() if len(set(v)) > 1}
+
+
+_MAX_ALIASES = 256  # names looked at per module
 
 
 def named_parameters(model: nn.Module) -> List[Tuple[str, nn.Parameter]]:
@@ -531,8 +542,35 @@ def select(
     """Return the ``[(name, module), ...]`` that ``selector`` picks, in ``named_modules()`` order.
 
     A dry run: nothing is attached. A selector that matches nothing warns, or raises
-    :class:`SelectorError` with ``strict=True``.
+    :class:`SelectorError` with ``strict=True``; a term that matches only containers no
+    forward calls (an ``nn.ModuleList``) warns.
     """
+    result, containers = select_terms(model, selector, strict=strict, stacklevel=3)
+    warn_never_called(selector, containers, stacklevel=3)
+    return result
+
+
+def warn_never_called(selector: str, containers: List[List[Tuple[str, nn.Module]]],
+                      stacklevel: int) -> None:
+    """The warning for each term of ``selector`` that matched only containers with no forward
+    (``containers``, from :func:`select_terms`)."""
+    for matched in containers:
+        shown = ", ".join(f"{n or '<root>'!r} ({type(m).__name__})" for n, m in matched[:3])
+        more = f" and {len(matched) - 3} more" if len(matched) > 3 else ""
+        first = matched[0][0]
+        warnings.warn(
+            f"selector {selector!r} matched only {shown}{more}: containers with no forward of "
+            "their own, which no forward calls, so hooks on their calls never run (stats, "
+            "capture, flops and gradclamp on outputs record nothing for them); select their "
+            f"children instead, e.g. '*:{first + '.' if first else ''}*' (params and "
+            "gradclamp's params= take their children's parameters as they are)",
+            stacklevel=stacklevel + 1)
+
+
+def select_terms(model: nn.Module, selector: str, *, strict: bool = False, stacklevel: int = 2
+                 ) -> Tuple[List[Tuple[str, nn.Module]], List[List[Tuple[str, nn.Module]]]]:
+    """:func:`select`, and the matches of each term that matched only containers no forward
+    calls (left for the caller to warn about: ``attach`` does where its plugins need calls)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"select() expects a torch.nn.Module, got {type(model).__name__}")
     check_strict("select()", strict)
@@ -542,7 +580,7 @@ def select(
     aliases = module_aliases(model)
     known = list({k for _, m in named for k in type(m).__mro__})
     chosen: dict = {}
-    inert_only = []  # terms that matched only modules no plugin can observe
+    containers = []  # the matches of terms that matched only containers no forward calls
     for term in terms:
         class_ok = [_class_matcher(selector, p, known) for p in term.classes]
         name_ok = _name_matcher(selector, term)
@@ -558,28 +596,18 @@ def select(
                 chosen[name] = mod
                 matched.append((name, mod))
         if matched and all(_never_called(m) for _, m in matched):
-            inert_only.append(matched)
+            containers.append(matched)
     result = [(n, m) for n, m in named if n in chosen]
     if not result:
         msg = f"selector {selector!r} matched no module of {type(model).__name__}"
         if strict:
             raise SelectorError(selector, 0, msg)
-        warnings.warn(msg, stacklevel=2)
-    for matched in inert_only:
-        shown = ", ".join(f"{n or '<root>'!r} ({type(m).__name__})" for n, m in matched[:3])
-        more = f" and {len(matched) - 3} more" if len(matched) > 3 else ""
-        first = matched[0][0]
-        warnings.warn(
-            f"selector {selector!r} matched only {shown}{more}: containers with no forward "
-            "of their own and no parameters of their own, so no hook of theirs ever runs "
-            f"(nothing is recorded for them); select their children instead, e.g. "
-            f"'*:{first + '.' if first else ''}*'", stacklevel=2)
-    return result
+        warnings.warn(msg, stacklevel=stacklevel)
+    return result, containers
 
 
 def _never_called(module: nn.Module) -> bool:
-    """A container (``ModuleList``, ``ModuleDict``) no forward can call: it has none of its
-    own, and holds no parameters of its own for ``params`` to measure."""
-    return (getattr(type(module), "forward", None) is nn.Module.forward
-            and next(module.parameters(recurse=False), None) is None)
+    """A container (``ModuleList``, ``ModuleDict``, ``ParameterList``) no forward can call:
+    it has no forward of its own."""
+    return getattr(type(module), "forward", None) is nn.Module.forward
 

@@ -37,7 +37,8 @@ from ._checkpoint import _graph_task_id
 from ._config import _records_given, attach_options
 from ._manager import PluginError, PluginLoadError, create_plugin, is_hookimpl, new_plugin_manager
 from ._plugin import Plugin
-from ._selectors import check_strict, named_modules, named_parameters, select, unwrap_model
+from ._selectors import (check_strict, named_modules, named_parameters, select_terms, unwrap_model,
+                         warn_never_called)
 from ._sink import Sink
 from .structures import children, iter_tensors, map_tensors
 
@@ -1681,6 +1682,16 @@ class _HookGuardsOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         hook_compile_start()
 
 
+def _needs_calls(plugin) -> bool:
+    """Whether ``plugin`` works only through module calls: it implements a forward or
+    output-gradient hook and no parameter-gradient hook (``params`` implements none: it reads
+    the parameters of the selected modules, children's included)."""
+    def has(name):
+        return getattr(getattr(plugin, name, None), "hookplug_impl", None) is not None
+    return (any(has(n) for n in ("hookplug_forward_input", "hookplug_forward_output", "hookplug_output_grad"))
+            and not has("hookplug_param_grad"))
+
+
 def _skip_plugin(exc: PluginError, stacklevel: int) -> None:
     """Under ``on_error="warn"``: the one warning for a plugin left out of the session."""
     warnings.warn(f"{exc}; attached without it (on_error='warn')", RuntimeWarning, stacklevel=stacklevel)
@@ -1754,14 +1765,18 @@ def attach(
 
     chosen: Dict[str, nn.Module] = {}
     plan: Dict[str, Tuple[Any, List[str], Dict[str, Any]]] = {}
+    never_called = []
     for sel, spec in groups:
-        matched = select(model, sel, strict=strict)
+        matched, containers = select_terms(model, sel, strict=strict, stacklevel=4)
         for n, m in matched:
             if isinstance(m, torch.jit.ScriptModule):
                 raise TypeError(
                     f"attach(): module {n or '<root>'!r} is a TorchScript module "
                     f"({type(m).__name__}), which takes no Python hooks; attach to the eager "
-                    "model before torch.jit.script/trace" + (f", or leave it out: '..., -*:{n}'" if n else ""))
+                    "model before torch.jit.script/trace"
+                    + (f", or leave it out: '..., -*:{n}, -*:{n}.*'" if n else ""))
+        if containers:
+            never_called.append((sel, containers, spec))
         specs = _normalize_specs(spec)
         if not specs:
             raise PluginError(f"attach(): no plugins given for selector {sel!r}")
@@ -1790,6 +1805,11 @@ def attach(
     built = _build_plugins([(k, opts, inst) for k, (inst, _, opts) in plan.items()], on_error)
     for key, instance in built:
         session._add_plugin(key, instance, sorted(plan[key][1], key=order.__getitem__))
+    by_key = dict(built)
+    for sel, containers, spec in never_called:  # where a plugin works through module calls
+        group = [by_key.get(getattr(inst, "name", None) or name) for name, _, inst in _normalize_specs(spec)]
+        if any(p is not None and _needs_calls(p) for p in group):
+            warn_never_called(sel, containers, stacklevel=3)
     sink_specs = [(getattr(inst, "name", None) or n, o, inst) for n, o, inst in _normalize_specs(sink, "sink")]
     for key, instance in _build_plugins(sink_specs, on_error):
         session._add_plugin(key, instance, [], sink=True)

@@ -109,7 +109,7 @@ def _edges(lo: float, hi: float, hist: Any, b: int) -> List[float]:
 
 def is_log2_edges(edges: List[float]) -> bool:
     """Whether ``edges`` are the log2 histogram's (a record's ``hist_edges``)."""
-    return len(edges) == LOG2_BINS + 1 and edges[0] == _LOG2_EDGES[0] and edges[-1] == _LOG2_EDGES[-1]
+    return len(edges) == LOG2_BINS + 1 and list(edges) == _LOG2_EDGES_LIST
 
 
 def hist_outside(rec: Dict[str, Any]) -> Tuple[int, int]:
@@ -131,7 +131,9 @@ def hist_upper_bounds(edges: List[float]) -> List[float]:
     ``edges[i] <= x < edges[i + 1]``, so its bound is the float just below its right edge,
     except where the bucket includes that edge: a linear histogram's last (``x == hi``),
     and log2's negative buckets, ``-2**(e+1) < x <= -2**e``; log2's innermost negative
-    bucket holds every negative down to the smallest, its zero bucket only zeros."""
+    bucket holds every negative down to the smallest, its zero bucket only zeros. (A linear
+    histogram's kernel computes the bucket index, ``floor((x - lo) * bins / (hi - lo))``,
+    which may round a value within a few ulp of an edge into the neighbouring bucket.)"""
     b = len(edges) - 1
     if not is_log2_edges(edges):
         return [math.nextafter(edges[i + 1], -math.inf) for i in range(b - 1)] + [edges[-1]]

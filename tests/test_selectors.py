@@ -203,18 +203,27 @@ def test_a_container_never_called_warns_and_names_its_children():
     """``*:layers`` picks the ModuleList itself, which no forward calls: every plugin records
     nothing for it. The warning says so and what to write."""
     m = _Stack()
-    with pytest.warns(UserWarning, match=r"matched only 'layers' \(ModuleList\).*no hook of theirs "
-                                         r"ever runs.*'\*:layers\.\*'"):
+    with pytest.warns(UserWarning, match=r"matched only 'layers' \(ModuleList\).*hooks on their calls "
+                                         r"never run.*'\*:layers\.\*'"):
         assert names(m, "*:layers") == ["layers"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert len(names(m, "*")) == 6  # with callable modules: no warning
         assert names(m, "*:layers.*") == [f"layers.{i}" for i in range(4)]
-        assert names(m, "*:table") == ["table"]  # parameters of its own: params measures them
     with pytest.warns(UserWarning, match="'layers'"):
         with hookplug.attach(m, "*:layers", plugins="flops") as s:
             m(torch.randn(2, 3))
     assert s["flops"].results()["layers"]["flops"] == 0
+    # params and gradclamp's params= take the children's parameters: no warning for them alone
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for plugins in ("params", ("gradclamp", {"min": 0, "max": 0, "params": "*"})):
+            m.zero_grad(set_to_none=True)
+            with hookplug.attach(m, "*:layers", plugins=plugins) as s:
+                m(torch.randn(2, 3)).sum().backward()
+        assert all(not p.grad.any() for p in m.layers.parameters())  # zeroed through the container
+    with pytest.warns(UserWarning, match="'layers'"):  # beside one that needs calls: it warns
+        hookplug.attach(m, "*:layers", plugins=["stats", "params"]).remove()
 
 
 def test_glob_character_class_may_hold_a_comma_and_class_names_any_identifier():

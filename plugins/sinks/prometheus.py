@@ -25,8 +25,10 @@ are never mixed into the training series) and ``rank`` (``<namespace>``: the
   flushed, bucket ``le`` = the largest value each bucket holds (a bucket spans
   ``edges[i] <= x < edges[i + 1]``: ``le`` is the float just below its right edge, e.g.
   ``0.9999999999999999`` for log2's ``[0.5, 1)``, so a value on an edge, ``1.0``, counts
-  in the next; log2's negative buckets hold their right edge, ``-1.0``), the ``+Inf``
-  bucket counting every value seen but NaNs (which no bucket holds). A linear histogram's
+  in the next; log2's negative buckets hold their right edge, ``-1.0``; a linear
+  histogram's index may round a value within a few ulp of an edge across it), the ``+Inf``
+  bucket counting every value seen but NaNs (which no bucket holds; a linear histogram
+  leaves out +-Inf too). A linear histogram's
   finite values outside its given range are counted too: below it in every bucket, above
   it in ``+Inf`` only (a step with values on both sides: all in ``+Inf``), so ``_count``
   and ``_sum`` cover the same values. With negative buckets,

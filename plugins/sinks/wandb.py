@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import hookplug
 from hookplug._optional import optional_import
+from hookplug._stats import hist_outside
 
 from ._tags import DEFAULT_SCALARS, hist_tag, scalar_tag
 
@@ -50,12 +51,19 @@ def _wandb():
 
 
 def histogram_bins(counts: Sequence[int], edges: Sequence[float], lo: float = math.nan,
-                   hi: float = math.nan, max_bins: int = MAX_BINS
-                   ) -> Optional[Tuple[List[int], List[float]]]:
+                   hi: float = math.nan, max_bins: int = MAX_BINS, *, below: int = 0,
+                   above: int = 0) -> Optional[Tuple[List[int], List[float]]]:
     """``(counts, edges)`` for a plot: empty buckets at either end dropped, the outer
     edges widened to ``lo``/``hi`` (the finite min/max) where the data lies beyond them,
     groups of adjacent buckets summed so at most ``max_bins`` remain (exact: only edges are
-    dropped). None when every bucket is empty."""
+    dropped). ``below``/``above``: values a linear histogram's range left out
+    (:func:`hookplug._stats.hist_outside`), given buckets of their own out to ``lo``/``hi``.
+    None when every bucket is empty."""
+    counts, edges = list(counts), list(edges)
+    if below and math.isfinite(lo) and lo < edges[0]:
+        counts, edges = [below] + counts, [lo] + edges
+    if above and math.isfinite(hi) and hi > edges[-1]:
+        counts, edges = counts + [above], edges + [hi]
     nz = [i for i, c in enumerate(counts) if c]
     if not nz:
         return None
@@ -136,7 +144,9 @@ class WandbSink(hookplug.Sink):
             for stat in self.stats:
                 row[scalar_tag(stat, module, site, phase)] = rec[stat]
             if self.histogram and rec.get("hist") and rec.get("hist_edges"):
-                bins = histogram_bins(rec["hist"], rec["hist_edges"], rec["min"], rec["max"])
+                below, above = hist_outside(rec)
+                bins = histogram_bins(rec["hist"], rec["hist_edges"], rec["min"], rec["max"],
+                                      below=below, above=above)
                 if bins is not None:
                     row[hist_tag(module, site, phase)] = self._wandb.Histogram(np_histogram=bins)
         for step in sorted(rows):
