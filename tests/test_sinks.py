@@ -615,7 +615,7 @@ def test_wandb_histogram_bins_trim_widen_and_merge_exactly():
     # a linear range's outside values get bins of their own (the outer bins spanned them uncounted)
     assert histogram_bins([1, 0, 1, 1], [0.0, 0.25, 0.5, 0.75, 1.0], -5.0, 7.0, below=1, above=2) == \
         ([1, 1, 0, 1, 1, 2], [-5.0, 0.0, 0.25, 0.5, 0.75, 1.0, 7.0])
-    assert histogram_bins([0, 0], [0.0, 0.5, 1.0], -5.0, 0.5, below=3) == ([3], [-5.0, 0.0])
+    assert histogram_bins([0, 0], [0.0, 0.5, 1.0], -5.0, -1.0, below=3) == ([3], [-5.0, 0.0])
     x = torch.randn(10_000, generator=torch.Generator().manual_seed(0))
     st = hookplug.ops.tensor_stats(x, bins=2000, hist="linear", range=(-5.0, 5.0))
     counts, edges = st.hist_counts.tolist(), st.hist_edges.tolist()
