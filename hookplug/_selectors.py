@@ -457,18 +457,39 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     ``DataParallel``/``DistributedDataParallel``, FSDP1 and ``checkpoint_wrapper`` at the
     root, so names do not depend on the wrapper (FSDP2's ``fully_shard`` wraps nothing)."""
     while True:
-        if isinstance(model, torch.jit.ScriptModule):  # (its _modules is not a dict)
+        inner = unwrap_model_once(model)
+        if inner is model:
             return model
-        inner = getattr(model, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            inner = next((model._modules[a] for a in _WRAPPED_ATTRS
-                          if isinstance(model._modules.get(a), nn.Module)), None)
-        if isinstance(inner, nn.Module):
-            model = inner
-        elif isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-            model = model.module
-        else:
-            return model
+        model = inner
+
+
+def unwrap_model_once(model: nn.Module) -> nn.Module:
+    """The module one wrapper of :func:`unwrap_model` wraps; ``model`` where it is none."""
+    if isinstance(model, torch.jit.ScriptModule):  # (its _modules is not a dict)
+        return model
+    inner = getattr(model, "_orig_mod", None)
+    if not isinstance(inner, nn.Module):
+        inner = next((model._modules[a] for a in _WRAPPED_ATTRS
+                      if isinstance(model._modules.get(a), nn.Module)), None)
+    if isinstance(inner, nn.Module):
+        return inner
+    if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        return model.module
+    return model
+
+
+def replica_group(model: nn.Module):
+    """The ``process_group`` of the first ``DistributedDataParallel`` among the wrappers
+    :func:`unwrap_model` looks through (None: none): the ranks holding replicas of the
+    model's plain parameters (a data-parallel group of a pipeline x data-parallel job)."""
+    while isinstance(model, nn.Module):
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            return getattr(model, "process_group", None)
+        inner = unwrap_model_once(model)
+        if inner is model:
+            return None
+        model = inner
+    return None
 
 
 # the child attributes of wrappers that are left out of names (FSDP1, checkpoint_wrapper,

@@ -37,8 +37,8 @@ from ._checkpoint import _graph_task_id
 from ._config import _records_given, attach_options
 from ._manager import PluginError, PluginLoadError, create_plugin, is_hookimpl, new_plugin_manager
 from ._plugin import Plugin
-from ._selectors import (check_strict, named_modules, named_parameters, select_terms, unwrap_model,
-                         warn_never_called)
+from ._selectors import (check_strict, named_modules, named_parameters, replica_group, select_terms,
+                         unwrap_model, warn_never_called)
 from ._sink import Sink
 from .structures import children, iter_tensors, map_tensors
 
@@ -1001,6 +1001,9 @@ class Session:
         # records hold this rank's statistics, and every sink it has gets them
         self.distributed = distributed
         self._model_ref = weakref.ref(model)
+        # the process group of a DistributedDataParallel the model was attached through: the
+        # ranks holding replicas of its plain parameters (None: the world)
+        self._replica_group = None
         self.every = every
         self.on_error = on_error
         self.flush_every = flush_every
@@ -1750,10 +1753,13 @@ def attach(
     selector, plugins, every, sink, on_error, strict, flush_every = attach_options(
         config, _given, selector, plugins, every=every, sink=sink, on_error=on_error,
         strict=strict, flush_every=flush_every)
+    group = None
     if isinstance(model, nn.Module):
+        group = replica_group(model)
         model = unwrap_model(model)  # hooks on the wrapped modules serve the wrapper too
     session = Session(model, every=every, on_error=on_error, flush_every=flush_every,
                       start_step=start_step, distributed=distributed)
+    session._replica_group = group
     if isinstance(selector, dict):
         if plugins is not None:
             raise PluginError("attach(): with a {selector: plugins} dict, leave plugins= unset")

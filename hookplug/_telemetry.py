@@ -108,7 +108,8 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}" + (f"-{n}" if n else "")
 
 
-def _dist():
+def initialized_dist():
+    """``torch.distributed`` where a default process group exists, else None."""
     d = torch.distributed
     if d.is_available() and d.is_initialized():
         return d
@@ -217,13 +218,23 @@ class Telemetry:
         # BaseException (Ctrl-C) interrupted
         self._carry: List[StatsBlock] = []
         self._layouts = _Layouts()
+        # this process's rank, noted at each step and flush while torch.distributed runs: the
+        # flushes after destroy_process_group() keep it (they took rank 0: another rank's
+        # records went to rank 0's sinks and file)
+        self._rank = 0
+        self.note_rank()
+
+    def note_rank(self) -> None:
+        dist = initialized_dist()
+        if dist is not None:
+            self._rank = dist.get_rank()
 
     @staticmethod
     def collective(session) -> bool:
         """Whether this session's flushes are collective: torch.distributed is initialized
         with more than one rank and some plugin of the session (disabled or not) implements
         ``hookplug_collect``. Then every flush runs the same collectives on every rank."""
-        dist = _dist()
+        dist = initialized_dist()
         return (dist is not None and session.distributed and dist.get_world_size() > 1
                 and bool(session._call_order.get("hookplug_collect")))
 
@@ -232,6 +243,7 @@ class Telemetry:
     def on_step(self, session, ended: int) -> None:
         """At ``session.step()``: note when the step ended, emit finished flushes, and start
         a flush every ``flush_every`` steps. Never waits for the device."""
+        self.note_rank()
         times = self.step_times
         times[ended] = time.time()
         if len(times) > _MAX_STEP_TIMES:  # nobody flushes: keep the newest only
@@ -351,7 +363,7 @@ class Telemetry:
     def _pack(self, session, blocks: List[StatsBlock], error: Optional[BaseException], carried: set,
               local: bool) -> Tuple[List[_Flight], Optional[BaseException]]:
         """:meth:`_start` once the blocks are collected: their flights (collectives run here)."""
-        dist = _dist()
+        dist = initialized_dist()
         if not local and self.collective(session):
             try:
                 flights, prep_error = self._start_collective(session, blocks, dist)
@@ -377,7 +389,8 @@ class Telemetry:
         by_device: Dict[torch.device, List[StatsBlock]] = {}
         for b in blocks:
             by_device.setdefault(b.rows.device, []).append(b)
-        rank = dist.get_rank() if dist is not None else 0
+        self.note_rank()
+        rank = self._rank
         run_id = getattr(session, "run_id", None)
         flights = []
         for dev, items in by_device.items():

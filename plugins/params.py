@@ -112,19 +112,13 @@ from hookplug._bank import (LATE_CLOCK, StatsBank, as_measured, check_hist_optio
                             dtensor_local, is_dtensor, merge_devices, pad_rows)
 from hookplug._plugin import warn_once
 from hookplug._selectors import clean_name, parameter_names
+from hookplug._telemetry import initialized_dist
 from hookplug._stats import TensorStats, touched
 
 __all__ = ["ParamsPlugin"]
 
 _SITES = ("weight", "grad", "update")
 _ROUNDED = (torch.float16, torch.bfloat16)  # an update in these dtypes would be rounded
-
-
-def _dist():
-    d = torch.distributed
-    if d.is_available() and d.is_initialized():
-        return d
-    return None
 
 
 class _Param:
@@ -323,6 +317,7 @@ class ParamsPlugin(hookplug.Plugin):
     def _measure(self, prs, *, snapshot: bool, grads: bool = True) -> None:
         """Weight and grad of ``prs`` (and the weight copy for the update); ``grads=False``:
         the gradients are measured later (``_measure_grads``, after the step's closure)."""
+        self._refresh_replicas()
         bank, sites = self.bank, self.sites
         grads = grads and "grad" in sites
         for pr in prs:
@@ -340,6 +335,7 @@ class ParamsPlugin(hookplug.Plugin):
 
     def _measure_grads(self, prs) -> None:
         """The gradients of ``prs`` alone, after the step's closure (as ``_measure``)."""
+        self._refresh_replicas()
         for pr in prs:
             p = pr.tensor()
             if self._local(pr, p) is not None:  # what this rank counts
@@ -468,6 +464,19 @@ class ParamsPlugin(hookplug.Plugin):
             self._update(frame.prs)
         return None
 
+    def _refresh_replicas(self) -> None:
+        """This rank and the number of ranks holding replicas of a plain parameter (the
+        process group of the DistributedDataParallel attached through, else the world), read
+        until there is a process group: a session attached before ``init_process_group``
+        counted each replica on every rank."""
+        if self._world > 1 or self._session_ref is None:
+            return
+        session = self._session_ref()
+        d = initialized_dist() if session is not None and session.distributed else None
+        if d is not None:
+            group = session._replica_group
+            self._rank, self._world = d.get_rank(group), d.get_world_size(group)
+
     def _removed(self) -> bool:
         s = self._session_ref() if self._session_ref is not None else None
         return s is None or s.removed
@@ -477,9 +486,8 @@ class ParamsPlugin(hookplug.Plugin):
     @hookimpl
     def hookplug_session_start(self, session):
         self._session_ref = weakref.ref(session)
-        d = _dist() if session.distributed else None
-        self._rank = d.get_rank() if d is not None else 0
-        self._world = d.get_world_size() if d is not None else 1
+        self._rank, self._world = 0, 1
+        self._refresh_replicas()
         self._select(session)
         # every row now, in name order: the same layout on every rank, whatever each holds
         for pr in self._params:

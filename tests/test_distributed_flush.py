@@ -390,3 +390,30 @@ def test_a_session_on_one_rank_with_distributed_false_never_communicates(tmp_pat
     assert {key(rec) for rec in res[0]["records"]} == set(res[0]["seen"])
     assert_exact(res[0]["records"], {0: res[0]["seen"]}, ranks=(0,))
     assert res[1]["records"] == []
+
+
+def _destroy_before_remove(rank, world, port, out):
+    from _gloo import init
+
+    init(rank, world, port)
+    torch.manual_seed(rank)
+    m = nn.Sequential(nn.Linear(4, 4))
+    s = hookplug.attach(m, "Linear", plugins="stats", sink=("jsonl", {"path": out}), flush_every=2)
+    for _ in range(3):
+        m(torch.randn(3, 4))
+        s.step()
+    dist.destroy_process_group()
+    s.remove()  # the last step goes out locally, after the group is gone
+    return {}
+
+
+def test_records_flushed_after_destroy_process_group_keep_their_rank(tmp_path):
+    """After ``destroy_process_group()`` the rank was read as 0: rank 1's last step was written
+    into rank 0's file (rank 1's jsonl sink has no ``all_ranks``), labelled rank 0."""
+    from _gloo import spawn_bare
+
+    out = tmp_path / "runs"
+    spawn_bare(_destroy_before_remove, tmp_path, str(out))
+    lines = [json.loads(x) for f in sorted(out.rglob("*.jsonl")) for x in f.read_text().splitlines()]
+    recs = [r for r in lines if "module" in r]
+    assert [(r["step"], r["rank"], r["numel"]) for r in recs] == [(0, 0, 24), (1, 0, 24), (2, 0, 12)]

@@ -181,3 +181,48 @@ def test_sharded_param_stats_equal_unsharded(tmp_path, mode, world):
             assert r["hist"] == w["hist"]
             if r["site"] == "grad":
                 assert close(r["l2"], norms[r["step"]][r["module"]])
+
+
+def _ddp_params(rank, world, port, attach_first, singleton_groups):
+    from _gloo import init
+
+    if not attach_first:
+        init(rank, world, port)
+    groups = [dist.new_group([r]) for r in range(world)] if singleton_groups else None
+    torch.manual_seed(0 if not singleton_groups else rank)  # a stage of its own per rank
+    m = nn.Sequential()
+    m.add_module(f"s{rank if singleton_groups else 0}", nn.Linear(4, 4))
+    sink = Dump()
+    ddp = None
+    if attach_first:  # attached before the group exists (the DDP comes later)
+        s = hookplug.attach(m, "Linear", plugins=("params", {"sites": ("weight", "grad")}), sink=sink)
+        init(rank, world, port)
+        ddp = nn.parallel.DistributedDataParallel(m)
+    else:
+        ddp = nn.parallel.DistributedDataParallel(m, process_group=groups[rank] if groups else None)
+        s = hookplug.attach(ddp, "Linear", plugins=("params", {"sites": ("weight", "grad")}), sink=sink)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ddp(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    s.step()
+    s.remove()
+    recs = {(r["module"], r["site"]): r["numel"] for r in sink.records}
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"recs": [[k[0], k[1], v] for k, v in sorted(recs.items())]}
+
+
+@pytest.mark.parametrize("attach_first, singleton_groups", [(True, False), (False, True)])
+def test_ddp_replicas_are_counted_once_per_replica_group(tmp_path, attach_first, singleton_groups):
+    """A replicated parameter is counted by one rank of the ranks holding it. Attached before
+    ``init_process_group``, the world was read as 1 (each replica counted on every rank:
+    numel 32 for a 4x4 weight); with DDP over a process group of its own (a pipeline stage
+    per rank), the owner was picked over the whole world (half the parameters unrecorded)."""
+    from _gloo import spawn_bare
+
+    got = spawn_bare(_ddp_params, tmp_path, attach_first, singleton_groups)
+    names = ["s0", "s1"] if singleton_groups else ["s0"]
+    want = sorted([f"{n}.{p}", site, 16 if p == "weight" else 4]
+                  for n in names for p in ("weight", "bias") for site in ("weight", "grad"))
+    for r in got:
+        assert r["recs"] == want
