@@ -67,7 +67,8 @@ read no tensor (creation, fills, asserts), creation and conversion ops (``device
 or ``memory_format`` arguments: ``*_like``, ``new_*``, ``_to_copy``, ``clone``), and the
 data-movement families torch has no tag for (``_DATA_MOVEMENT``: concatenation, padding,
 gather/scatter/index ops, ``where``/``masked_fill``, ``repeat``/``flip``/``roll``/``tril``,
-copies); plus the ``hookplug`` namespace (other plugins' statistics).
+copies), communication (the ``c10d`` collectives and their functional forms, FSDP2's
+``fsdp`` copies); plus the ``hookplug`` namespace (other plugins' statistics).
 
 Options (keyword-only):
 
@@ -187,6 +188,12 @@ _DATA_MOVEMENT = frozenset("""
 """.split())
 
 
+# namespaces of communication ops (c10d collectives, their functional forms, FSDP2's copies
+# in and out of its all-gather / reduce-scatter buffers, DTensor's autograd wrappers)
+_COMMUNICATION = frozenset(("c10d", "_c10d_functional", "c10d_functional",
+                            "_c10d_functional_autograd", "fsdp", "_dtensor"))
+
+
 def _is_tensor_type(t) -> bool:
     return isinstance(t, torch.TensorType) or (
         isinstance(t, (torch.ListType, torch.OptionalType)) and _is_tensor_type(t.getElementType()))
@@ -208,7 +215,10 @@ def _does_arithmetic(func) -> bool:
     names = {a.name for a in schema.arguments}
     if {"device", "layout"} <= names or "memory_format" in names:
         return False  # *_like, new_*, _to_copy, clone: creation and conversion
-    base = schema.name.partition("::")[2].rstrip("_")
+    namespace, _, base = schema.name.partition("::")
+    if namespace in _COMMUNICATION:
+        return False  # collectives and FSDP2's gather/scatter copies: data movement
+    base = base.rstrip("_")
     return base not in _DATA_MOVEMENT and base.removesuffix("_copy") not in _DATA_MOVEMENT
 
 

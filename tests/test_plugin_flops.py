@@ -417,6 +417,12 @@ def test_uncounted_classified_from_tags_and_schemas():
         tags = {t for ov in packet.overloads() for t in getattr(packet, ov).tags}
         assert not tags & {torch.Tag.view_copy, torch.Tag.nondeterministic_seeded,
                            torch.Tag.data_dependent_output, torch.Tag.inplace_view}, name
+    # communication is data movement (under DDP/FSDP2/TP uncounted() listed the collectives)
+    from hookplug_plugins.flops import _does_arithmetic
+    for op in (torch.ops.c10d._allgather_base_.default, torch.ops.c10d.allreduce_.default,
+               torch.ops._c10d_functional.all_reduce.default,
+               torch.ops._c10d_functional.wait_tensor.default):
+        assert not _does_arithmetic(op), op
 
 
 class _Blocks(nn.Module):
