@@ -237,11 +237,18 @@ def _mark_trace_constants() -> None:
         trace_inference_mode = mark(_read_trace_inference_mode)
 
 
+# more to run at each compile start (the session's: dynamo's per-thread config settings on
+# the compiling thread)
+ON_COMPILE_START: List[Callable[[], None]] = []
+
+
 def _on_compile_start(args=None) -> None:
     """Before dynamo traces a frame (outside the trace): the caller's inference mode is noted
     (see ``trace_inference_mode``), deferred banks are made, and each bank's
     ``before_trace`` runs (``stats``: rows and row tensors for keys an earlier trace met, so
     the next identical block's trace finds them and shares its graph)."""
+    for settle in ON_COMPILE_START:
+        settle()
     inference = torch.is_inference_mode_enabled()
     _TRACE_STATE.inference_mode = (True, getattr(args, "compile_id", None)) if inference else None
     if trace_inference_mode is _not_known:  # (dynamo was still importing at hook_compile_start)

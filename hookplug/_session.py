@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import hookspecs
 from . import _bank
-from ._bank import hook_compile_start, is_dtensor
+from ._bank import ON_COMPILE_START, hook_compile_start, is_dtensor
 from ._checkpoint import RecomputeMatcher
 # != -1 in eager code: a forward running inside backward, i.e. activation checkpointing
 # recomputing it (compiled code cannot ask at trace time: the stats op's kernel asks when
@@ -710,14 +710,15 @@ class _ModuleBinding:
         return map_tensors(swap, output)
 
     def _grad_hooks(self, ctx, module, paths, keys, grad, saved=()):
-        """The grad hooks of every path of one tensor (the first replacement wins), with a
-        context whose per-module tensors are those ``_GradSite`` saved (under ``keys``;
-        none in eager code)."""
+        """The grad hooks of every path of one tensor: the first replacement is the
+        gradient, and the paths after it see it (they steer nothing more), with a context
+        whose per-module tensors are those ``_GradSite`` saved (under ``keys``; none in
+        eager code)."""
         if keys:
             ctx = _TracedContext(self, ctx.phase, dict(zip(keys, saved)))
         out = None
-        for path in paths:
-            res = self.grad_hook(ctx, module, path, grad)
+        for path in paths:  # a later path sees the gradient as steered (a clamp counts once)
+            res = self.grad_hook(ctx, module, path, grad if out is None else out)
             if res is not None and out is None:
                 out = res
         return out
@@ -1608,8 +1609,8 @@ def _guard_module_hooks(recompile_limit: int = 0) -> None:
     by the guards. Also raise dynamo's recompile limit to ``recompile_limit``
     (:func:`_raise_recompile_limit`). Where dynamo is not imported yet (importing it costs
     seconds), both are made when its config module is first imported."""
+    _WANTED_LIMIT[0] = max(_WANTED_LIMIT[0], recompile_limit)
     config = sys.modules.get("torch._dynamo.config")
-    recompile_limit = max(recompile_limit, _PENDING_RECOMPILE_LIMIT[0])  # (asked before the import)
     if config is not None:
         if getattr(config, "skip_nnmodule_hook_guards", False):
             config.skip_nnmodule_hook_guards = False
@@ -1624,6 +1625,28 @@ def _guard_module_hooks(recompile_limit: int = 0) -> None:
     _PENDING_RECOMPILE_LIMIT[0] = max(_PENDING_RECOMPILE_LIMIT[0], recompile_limit)
     if not any(isinstance(f, _HookGuardsOnImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _HookGuardsOnImport())
+
+
+# the highest recompile limit any session asked for; > -1 once one attached (guards wanted)
+_WANTED_LIMIT = [-1]
+
+
+def _guards_on_this_thread() -> None:
+    """At each compile start (``hookplug._bank.ON_COMPILE_START``): dynamo's config settings
+    are per thread (torch 2.13), so a thread other than the one that attached (or dynamo
+    first imported on another thread) gets the module-hook guards and the recompile limit
+    the sessions asked for when it compiles. No code-cache reset here: inside a compile."""
+    if _WANTED_LIMIT[0] < 0:
+        return
+    config = sys.modules.get("torch._dynamo.config")
+    if config is None:
+        return
+    if getattr(config, "skip_nnmodule_hook_guards", False):
+        config.skip_nnmodule_hook_guards = False
+    _raise_recompile_limit(config, _WANTED_LIMIT[0])
+
+
+ON_COMPILE_START.append(_guards_on_this_thread)
 
 
 def _raise_recompile_limit(config, wanted: int) -> None:

@@ -166,13 +166,17 @@ def _copies_cheaply(obj: Any, depth: int = 0) -> bool:
     kids = children(obj, init_only=True)
     if kids is not None:
         return all(_copies_cheaply(v, depth + 1) for _, _, v in kids)
-    if not all(cls.__flags__ & _HEAPTYPE for cls in type(obj).__mro__ if cls is not object):
-        return False  # a C type (or a subclass of one): its state is not all in attributes
+    if not all(cls.__flags__ & _HEAPTYPE and not _COPY_PROTOCOL.intersection(cls.__dict__)
+               for cls in type(obj).__mro__ if cls is not object):
+        return False  # a C type, or one copying itself its own way: state beyond attributes
     attrs = _attributes(obj)
     return attrs is not None and all(_copies_cheaply(v, depth + 1) for v in attrs.values())
 
 
 _HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement
+# (functools.partial is a heap type on Python 3.11 whose state lives in C, told by __reduce__)
+_COPY_PROTOCOL = frozenset(("__reduce__", "__reduce_ex__", "__getstate__", "__deepcopy__",
+                            "__copy__", "__getnewargs__", "__getnewargs_ex__"))
 
 
 def _shape_text(t: torch.Tensor) -> str:

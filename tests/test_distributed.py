@@ -173,7 +173,7 @@ def test_reduction_merges_rows_exactly_even_far_from_zero(monkeypatch):
     mean and std are exact to float64 rounding from the first flush."""
     from hookplug import _telemetry
 
-    monkeypatch.setattr(_telemetry, "_dist", lambda: FakeDist())
+    monkeypatch.setattr(_telemetry, "initialized_dist", lambda: FakeDist())
     g = torch.Generator().manual_seed(0)
     data = [1e6 + torch.randn(4096, dtype=torch.float64, generator=g) * (1 + i) for i in range(3)]
 
@@ -227,7 +227,7 @@ def test_a_failed_collective_warns_under_warn_and_its_steps_go_out_with_the_next
             super().all_gather_into_tensor(out, t)
 
     fake = Flaky()
-    monkeypatch.setattr(_telemetry, "_dist", lambda: fake)
+    monkeypatch.setattr(_telemetry, "initialized_dist", lambda: fake)
     model, sink = MLP(), ListSink()
     with hookplug.attach(model, "Linear", plugins="stats", sink=sink, flush_every=1, on_error="warn") as s:
         model(torch.randn(2, 32))
@@ -250,7 +250,7 @@ def test_a_block_that_cannot_be_laid_out_is_left_out_and_reported(monkeypatch):
     from hookplug import _telemetry
     from hookplug._stats import StatsBlock
 
-    monkeypatch.setattr(_telemetry, "_dist", lambda: FakeDist())
+    monkeypatch.setattr(_telemetry, "initialized_dist", lambda: FakeDist())
 
     class Odd:
         name = "odd"

@@ -589,7 +589,7 @@ def test_item18_objects_a_deepcopy_would_break_or_bloat_stay_live(tmp_path):
     nonleaf = x * 2
     with open(tmp_path / "f.txt", "w") as f:
         live = [_Holder(lib=math_module), functools.partial(torch.add, nonleaf), _Holder(f=f), f,
-                _Holder(fn=big.forward)]
+                _Holder(fn=big.forward), functools.partial(big.forward), _Holder(p=functools.partial(big))]
 
         class Takes(nn.Module):
             def __init__(self):

@@ -846,3 +846,12 @@ def test_a_tensor_returned_at_two_paths_is_steered_once():
     torch.testing.assert_close(m[0].lin.weight.grad, 2 * plain)
     seen = s["stats"].results()["0"]
     assert set(seen) == {"grad[0]", "grad[1]"} and all(int(v.calls) == 1 for v in seen.values())
+    # gradclamp counts what it changed once, not once per path
+    counts = []
+    for n in (1, 2, 3):
+        m2 = nn.Sequential(Twice())
+        m2[0].forward = (lambda mod, k: lambda x: (mod.lin(x),) * k)(m2[0], n)
+        with hookplug.attach(m2, "Twice", plugins=("gradclamp", {"max": 0.5})) as s2:
+            (m2(x)[0] * torch.arange(8.0).view(2, 4)).sum().backward()
+        counts.append(int(s2["gradclamp"].results()["0"]["changed"]))
+    assert counts == [7, 7, 7]

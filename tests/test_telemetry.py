@@ -2174,3 +2174,37 @@ def test_session_nonfinite_keeps_the_latest_ten_thousand():
         assert kept[0]["step"] == 5 and kept[-1]["step"] == 10_004
         kept.clear()  # a copy
         assert len(s.nonfinite) == 10_000
+
+
+_GUARDS_ON_ANOTHER_THREAD = """
+import sys, threading
+import torch, torch.nn as nn
+import hookplug
+assert "torch._dynamo" not in sys.modules
+m = nn.Sequential(*[nn.Sequential(nn.Linear(3, 3)) for _ in range(12)])
+s = hookplug.attach(m, "Linear", plugins="stats")
+t = threading.Thread(target=lambda: __import__("torch._dynamo"))  # imported elsewhere first
+t.start(); t.join()
+import torch._dynamo.config as c
+torch.compile(m, backend="eager")(torch.randn(2, 3))
+seen = [(c.skip_nnmodule_hook_guards, c.recompile_limit)]
+def other():
+    torch.compile(lambda x: x * 2, backend="eager")(torch.randn(2))
+    seen.append((c.skip_nnmodule_hook_guards, c.recompile_limit))
+t = threading.Thread(target=other); t.start(); t.join()
+print(seen)
+"""
+
+
+def test_a_thread_that_compiles_gets_the_module_hook_guards():
+    """dynamo's config settings are per thread (torch 2.13): dynamo first imported on another
+    thread, or a compile on a thread other than the one that attached, ran without the
+    module-hook guards and with the default recompile limit."""
+    import ast
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _GUARDS_ON_ANOTHER_THREAD], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert ast.literal_eval(out.stdout.strip().splitlines()[-1]) == [(False, 20), (False, 20)]
