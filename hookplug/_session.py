@@ -1641,9 +1641,9 @@ def _guards_on_this_thread() -> None:
     config = sys.modules.get("torch._dynamo.config")
     if config is None:
         return
-    if getattr(config, "skip_nnmodule_hook_guards", False):
+    if getattr(config, "skip_nnmodule_hook_guards", False):  # a thread not set up yet
         config.skip_nnmodule_hook_guards = False
-    _raise_recompile_limit(config, _WANTED_LIMIT[0])
+        _raise_recompile_limit(config, _WANTED_LIMIT[0])
 
 
 ON_COMPILE_START.append(_guards_on_this_thread)
