@@ -1,5 +1,6 @@
 """Issue 13: hostile input and faults — selectors, config files, the jsonl sink, capture and
 its files, the CLI. Each test names the item it covers."""
+import contextlib
 import errno
 import json
 import os
@@ -391,6 +392,15 @@ def test_item18_capture_snapshots_cache_objects(tmp_path):
     assert torch.equal(back[""][2]["past_key_values"]["key_cache"][0], cache.key_cache[0])
 
 
+@contextlib.contextmanager
+def _quiet_capture(model, selector, config):
+    """A capture session with its warnings (objects kept as snapshots) silenced."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with hookplug.attach(model, selector, plugins=("capture", config)) as session:
+            yield session
+
+
 def test_item18_real_dynamic_cache():
     transformers = pytest.importorskip("transformers")
     cache = transformers.DynamicCache()
@@ -401,11 +411,9 @@ def test_item18_real_dynamic_cache():
             return (k, cache)
 
     layer = Layer()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with hookplug.attach(layer, "*:", plugins=("capture", {"keep": "all"})) as s:
-            layer(torch.ones(1, 1, 2, 4))
-            layer(torch.ones(1, 1, 1, 4))
+    with _quiet_capture(layer, "*:", {"keep": "all"}) as s:
+        layer(torch.ones(1, 1, 2, 4))
+        layer(torch.ones(1, 1, 1, 4))
     snap = s["capture"].features[""][0][1]
     tensors = [t for _, t in hookplug.structures.iter_tensors(snap)]
     assert tensors and all(t.shape[2] == 2 for t in tensors)
@@ -435,10 +443,8 @@ def test_item18_objects_empty_when_captured_and_slotted_objects_are_not_kept_liv
 
     layer, cache = Fills(), TinyCache()
     x = torch.randn(1, 2, requires_grad=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with hookplug.attach(layer, "*:", plugins=("capture", {"inputs": True})) as s:
-            out = layer(x, cache)
+    with _quiet_capture(layer, "*:", {"inputs": True}) as s:
+        out = layer(x, cache)
     kept_cache = s["capture"].inputs[""][1]
     assert kept_cache is not cache and isinstance(kept_cache, TinyCache)
     assert kept_cache.key_cache == [] and kept_cache.seen_tokens == 0  # as it was at the call
@@ -453,10 +459,8 @@ def test_item18_real_dynamic_cache_passed_to_blocks_is_not_kept_live():
     cfg = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=16,
                                   bos_token_id=0, eos_token_id=0)
     m = transformers.GPT2Model(cfg).eval()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with hookplug.attach(m, "*:h.*", plugins=("capture", {"inputs": True})) as s:
-            out = m(torch.randint(0, 50, (1, 5)), use_cache=True)
+    with _quiet_capture(m, "*:h.*", {"inputs": True}) as s:
+        out = m(torch.randint(0, 50, (1, 5)), use_cache=True)
     live = out.past_key_values
     for block in ("h.0", "h.1"):
         for a in s["capture"].inputs[block]:
