@@ -183,6 +183,17 @@ def test_nested_selection_totals_count_each_parameter_once():
     assert doc["totals"]["flops"] == doc["modules"]["layer1"]["flops"]["flops"]
 
 
+def test_flops_total_counts_the_children_of_a_container_that_never_runs():
+    from hookplug.models import tiny_transformer
+
+    model = tiny_transformer().eval()
+    doc = _run(model, torch.randint(0, 100, (2, 8)), selector="*", steps=2)
+    mods = doc["modules"]
+    assert mods["layers"]["calls"] == 0 and mods["layers"]["flops"]["flops"] == 0  # a ModuleList
+    want = mods["layers.0"]["flops"]["flops"] + mods["layers.1"]["flops"]["flops"] + mods["head"]["flops"]["flops"]
+    assert want > 0 and doc["totals"]["flops"] == want
+
+
 # -- terminal ----------------------------------------------------------------------------------
 
 def _cells(text):

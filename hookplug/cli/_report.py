@@ -122,6 +122,13 @@ def _per_step(row: Optional[Dict[str, Any]], steps: int) -> Optional[Dict[str, A
     return {k: v if k == "params" else _int(v) // steps for k, v in row.items()}
 
 
+def _flops_total(sections: Dict[str, Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """A section's ``flops_total`` (each op counted once over the session), if one gives it:
+    the top-level modules' sum misses the children of a container that never runs itself
+    (a selected ``ModuleList`` counts 0)."""
+    return next((s["flops_total"] for s in sections.values() if isinstance(s.get("flops_total"), dict)), None)
+
+
 def build_document(session, records: Sequence[Dict[str, Any]], meta: Dict[str, Any],
                    hidden: Sequence[str] = ()) -> Dict[str, Any]:
     """The whole run as one JSON-able dict: ``meta`` (what the CLI knows), the plugins'
@@ -153,8 +160,10 @@ def build_document(session, records: Sequence[Dict[str, Any]], meta: Dict[str, A
     top = _top_level(list(modules))
     totals: Dict[str, Any] = {"modules": len(modules), "params": sum(modules[n]["params"] for n in top)}
     if flops is not None:
+        whole = _flops_total(sections)
         for k in ("flops", "macs", "backward_flops"):
-            totals[k] = sum(_int((modules[n]["flops"] or {}).get(k)) for n in top)
+            totals[k] = (_int(whole.get(k)) // steps if whole is not None
+                         else sum(_int((modules[n]["flops"] or {}).get(k)) for n in top))
     if stats is not None:
         sites = [(p, d) for m in modules.values() for p, d in (m["stats"] or {}).items()]
         for k in ("numel", "nan_count", "inf_count", "zero_count"):
