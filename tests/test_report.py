@@ -336,6 +336,42 @@ def test_log2_histogram_collapses_long_empty_runs():
     assert svg.count('class="pos"') == 2
 
 
+def _svg_titles(svg):
+    import html as _h
+
+    return [_h.unescape(t) for t in re.findall(r"<title>(.*?)</title>", svg)]
+
+
+def test_log2_histogram_labels_its_open_ended_buckets_truthfully():
+    from hookplug.ops import reference_tensor_stats
+
+    x = torch.tensor([3e38, float("inf"), -1e30, 1e-30, 1e-40])  # past 2^33 and below 2^-32
+    svg = _html._hist_svg("m", reference_tensor_stats(x).to_dict())
+    titles = _svg_titles(svg)
+    assert "2³² to ∞: 2" in titles and "−∞ to −2³²: 1" in titles and "0 to 2⁻³¹: 2" in titles, titles
+    assert not any("2³³" in t or "2⁻³²" in t for t in titles)
+
+
+def test_linear_histogram_edges_are_labelled_apart():
+    from hookplug.ops import reference_tensor_stats
+
+    x = torch.tensor([1.0, 1.00004, 1.00006])
+    d = reference_tensor_stats(x, bins=10, hist="linear", range=(1.0, 1.0001)).to_dict()
+    titles = _svg_titles(_html._hist_svg("m", d))
+    assert titles[0] == "1 to 1.00001: 1" and "1.00004 to 1.00005: 1" in titles, titles
+    doc = {**_lin_doc(d)}
+    page = _html.render_html(doc)
+    assert "log2 histogram" not in page and "equal buckets" in page
+
+
+def _lin_doc(stats):
+    return {"model": {"class": "M", "label": "m", "spec": "m", "params": 0, "modules": 1},
+            "input": {"description": "3 float32", "source": "random"}, "device": "cpu", "selector": "*",
+            "kinds": ["stats"], "plugins_active": ["stats"], "totals": {"modules": 1, "params": 0},
+            "modules": {"a": {"class": "C", "params": 0, "calls": 1, "outputs": {}, "output_shape": [3],
+                              "flops": None, "stats": {"output": stats}, "primary": "output"}}}
+
+
 # -- TensorBoard -----------------------------------------------------------------------------
 
 def _tb_tags(logdir):

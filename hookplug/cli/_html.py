@@ -6,6 +6,8 @@ import html
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from hookplug._stats import is_log2_edges
+
 from ._report import (_grad_path, _int, _num, _ms_per_step, _summary_lines, fmt_float, fmt_si, has_grads,
                       profile_table, table_values)
 
@@ -28,6 +30,30 @@ def _fmt_edge(v: Any) -> str:
     if m == 0.5:
         return f"{sign}2{str(e - 1).translate(_SUPERSCRIPT)}"
     return f"{sign}{abs(f):.2g}"
+
+
+def _edge_formatter(edges: Sequence[Any], log2: bool):
+    """How a histogram's edges are labelled: log2's outermost edges as infinity and its
+    innermost as 0 (those buckets hold every larger magnitude, +-Inf, and every smaller one,
+    down to the subnormals); a linear histogram's with the digits that tell its edges apart."""
+    if log2:
+        outer, inner = abs(float(edges[-1])), abs(float(edges[len(edges) // 2]))
+
+        def fmt(v: Any) -> str:
+            f = _num(v)
+            if f is not None and abs(f) == outer:
+                return "∞" if f > 0 else "−∞"
+            return "0" if f is not None and abs(f) == inner else _fmt_edge(v)
+        return fmt
+    finite = sorted({f for f in map(_num, edges) if f is not None})
+    digits = next((d for d in range(2, 18) if len({f"{f:.{d}g}" for f in finite}) == len(finite)), 17)
+
+    def fmt(v: Any) -> str:
+        f = _num(v)
+        if f is None:
+            return _fmt_edge(v)
+        return "0" if f == 0 else ("−" if f < 0 else "") + f"{abs(f):.{digits}g}"
+    return fmt
 
 
 def _hist_bars(counts: Sequence[int], edges: Sequence[Any]) -> List[Tuple[Optional[float], Optional[float], int]]:
@@ -96,7 +122,8 @@ def _hist_svg(name: str, stats: Optional[Dict[str, Any]], width: int = 300, heig
             why = "no values recorded"
         parts.append(f'<text x="{width / 2}" y="{height / 2}" text-anchor="middle">{why}</text></svg>')
         return "".join(parts)
-    log2 = bool(edges) and all(_num(e) == 0 or _is_pow2(e) for e in edges)
+    log2 = is_log2_edges(edges)
+    fmt_edge = _edge_formatter(edges, log2)
     items = _hist_items(bars, log2)
     unit = pw / sum(w for *_, w in items)
     top = math.log1p(max(c for _, _, _, c, _ in items))
@@ -111,12 +138,12 @@ def _hist_svg(name: str, stats: Optional[Dict[str, Any]], width: int = 300, heig
             parts.append(f'<path class="axis" d="M{mid - 3:.2f},{base + 4} l2.5,-8 '
                          f'M{mid:.2f},{base + 4} l2.5,-8"/>'
                          f'<rect class="gap" x="{x:.2f}" y="{pad_t}" width="{bw:.2f}" height="{ph}">'
-                         f"<title>{esc(f'no values from {_fmt_edge(lo)} to {_fmt_edge(hi)}')}</title></rect>")
+                         f"<title>{esc(f'no values from {fmt_edge(lo)} to {fmt_edge(hi)}')}</title></rect>")
             if spans_zero:
                 ticks.append((1, mid, "0"))
             else:
-                ticks.append((2, x, _fmt_edge(lo)))
-                ticks.append((2, x + bw, _fmt_edge(hi)))
+                ticks.append((2, x, fmt_edge(lo)))
+                ticks.append((2, x + bw, fmt_edge(hi)))
         else:
             h = 0.0 if c == 0 else max(1.0, ph * math.log1p(c) / top)
             if spans_zero or (flo == 0 and fhi == 0):
@@ -130,23 +157,23 @@ def _hist_svg(name: str, stats: Optional[Dict[str, Any]], width: int = 300, heig
             elif cls == "zero" and log2:
                 tip = f"zero: {c:,}"
             else:
-                tip = f"{_fmt_edge(lo)} to {_fmt_edge(hi)}: {c:,}"
+                tip = f"{fmt_edge(lo)} to {fmt_edge(hi)}: {c:,}"
             parts.append(f'<rect class="{cls}" x="{x:.2f}" y="{base - h:.2f}" width="{max(bw - 0.6, 0.6):.2f}" '
                          f'height="{h:.2f}"><title>{esc(tip)}</title></rect>')
             if spans_zero:
                 ticks.append((1, x + bw / 2, "0"))
         if k == 0 and lo is not None and not (kind == "gap" and spans_zero):
-            ticks.append((0, x, _fmt_edge(lo)))
+            ticks.append((0, x, fmt_edge(lo)))
         if k == len(items) - 1 and hi is not None and not (kind == "gap" and spans_zero):
-            ticks.append((0, x + bw, _fmt_edge(hi)))
+            ticks.append((0, x + bw, fmt_edge(hi)))
         if kind == "bar" and k > 0 and lo is not None:
             e = _log2_exp(lo) if log2 else None
             if (log2 and e is not None and e % 4 == 0) or (not log2 and k % max(1, len(items) // 4) == 0):
-                ticks.append((3, x, _fmt_edge(lo)))
+                ticks.append((3, x, fmt_edge(lo)))
         x += bw
     placed: List[Tuple[float, str]] = []
     for _, tx, label in sorted(ticks, key=lambda t: t[0]):
-        if all(abs(tx - px) >= 34 for px, _ in placed):
+        if all(abs(tx - px) >= 34 and label != pl for px, pl in placed):  # one tick per label (log2: 3 edges read 0)
             placed.append((tx, label))
     for tx, label in sorted(placed):
         anchor = "start" if tx <= pad_l + 10 else ("end" if tx >= pad_l + pw - 10 else "middle")
@@ -341,7 +368,11 @@ def render_html(doc: Dict[str, Any]) -> str:
     if has_stats and has_grads(doc):
         groups.append(("Gradient distributions", "hist grad", lambda mod: _grad_path(mod.get("stats") or {})))
     for heading, cls, path_of in groups:
-        out.append(f'<h2>{heading}<small>log2 histogram: one bucket per sign and binary exponent; '
+        edges = [((m.get("stats") or {}).get(path_of(m) or "") or {}).get("hist_edges") or []
+                 for m in doc["modules"].values()]
+        kind = ("log2 histogram: one bucket per sign and binary exponent" if any(map(is_log2_edges, edges))
+                else "histogram: equal buckets over its range (values outside it, NaN and ±Inf not counted)")
+        out.append(f'<h2>{heading}<small>{kind}; '
                    'bar height on a log scale; hover a bar for its count</small></h2>')
         out.append('<p class="legend"><i style="background:var(--neg)"></i>negative'
                    '<i style="background:var(--zero)"></i>zero<i style="background:var(--pos)"></i>positive</p>')
