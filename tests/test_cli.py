@@ -405,3 +405,20 @@ def test_parse_plugins_keeps_distinct_plugins_in_order():
     assert _parse_plugins("stats(bins=0),flops") == [("stats", {"bins": 0}), ("flops", {})]
     with pytest.raises(UsageError, match="given twice"):
         _parse_plugins("stats,flops,stats")
+
+
+@pytest.mark.parametrize("plain", ["", "1"])
+def test_stdout_closed_early_still_writes_the_reports_and_exits_0(plain, tmp_path):
+    """``hookplug profile ... --html r.html | head -1``: the table hits a closed pipe; the
+    reports asked for are written all the same, and the status is 0 with rich as without."""
+    r, w = os.pipe()
+    os.close(r)  # a reader that is gone before the first line
+    try:
+        proc = subprocess.run([*COMMAND, "profile", "mlp", "--html", "r.html", "--json", "r.json"], cwd=tmp_path,
+                              stdout=w, stderr=subprocess.PIPE, text=True, env={**ENV, "HOOKPLUG_PLAIN": plain},
+                              timeout=120)
+    finally:
+        os.close(w)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert (tmp_path / "r.html").stat().st_size and json.loads((tmp_path / "r.json").read_text())["modules"]

@@ -649,10 +649,14 @@ def cmd_profile(args) -> int:
         if tb_writer is not None:
             tb_writer.close()
 
-    if args.json == "-":
-        sys.stdout.write(_report.to_json(doc) + "\n")
-    else:
-        _report.print_profile(doc, use_rich=_use_rich(args))
+    broken_pipe = None
+    try:
+        if args.json == "-":
+            sys.stdout.write(_report.to_json(doc) + "\n")
+        else:
+            _report.print_profile(doc, use_rich=_use_rich(args))
+    except BrokenPipeError as exc:  # `| head`: the reports asked for are still written
+        broken_pipe = exc
     for path, text, what in ((json_path, lambda: _report.to_json(doc), "JSON"),
                              (html_path, lambda: _html.render_html(doc), "HTML")):
         if path is None:
@@ -664,6 +668,8 @@ def cmd_profile(args) -> int:
         print(f"{PROG}: wrote {path}", file=sys.stderr)
     if tb_writer is not None:
         print(f"{PROG}: wrote TensorBoard events to {args.tensorboard}", file=sys.stderr)
+    if broken_pipe is not None:
+        raise broken_pipe
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import errno
 import json
 import math
 import sys
@@ -371,6 +372,19 @@ def _summary_lines(doc: Dict[str, Any]) -> List[str]:
 
 # -- terminal output -------------------------------------------------------------------------
 
+def _console(**kwargs):
+    """A rich ``Console`` on which a closed pipe (``| head``) raises ``BrokenPipeError``, as
+    ``print`` does (rich's own handling exits with status 1, skipping what is left to do)."""
+    from rich.console import Console
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+    return _Console(**kwargs)
+
+
 def _fit_console(console, renderables: Sequence[Any]):
     """When stdout is not a terminal, widen rich's console to the content (no wrapping in
     files and pipes)."""
@@ -410,7 +424,6 @@ def print_profile(doc: Dict[str, Any], use_rich: bool = True, file=None) -> None
     cols, rows, total, bad = profile_table(doc)
     if use_rich:
         from rich import box
-        from rich.console import Console
         from rich.table import Table
         from rich.text import Text
 
@@ -427,7 +440,7 @@ def print_profile(doc: Dict[str, Any], use_rich: bool = True, file=None) -> None
         table.add_section()
         table.add_row(*[Text(c, style="bold") for c in total])
         head, sub = Text(_headline(doc), style="bold"), Text(_subline(doc), style="dim")
-        console = _fit_console(Console(file=file, highlight=False), [table, head, sub])
+        console = _fit_console(_console(file=file, highlight=False), [table, head, sub])
         console.print(head)
         console.print(sub)
         console.print(table)
@@ -462,7 +475,6 @@ def print_plugins(rows: List[Dict[str, str]], use_rich: bool = True, file=None) 
         return
     if use_rich:
         from rich import box
-        from rich.console import Console
         from rich.table import Table
         from rich.text import Text
 
@@ -472,7 +484,7 @@ def print_plugins(rows: List[Dict[str, str]], use_rich: bool = True, file=None) 
         for row in cells:
             status = Text(row[2], style="green" if row[2] == "ok" else "bold red")
             table.add_row(Text(row[0], style="cyan"), row[1], status, Text(row[3], style="dim"), row[4])
-        console = _fit_console(Console(file=file, highlight=False), [table])
+        console = _fit_console(_console(file=file, highlight=False), [table])
         console.print(table)
         for line in failures:
             console.print(Text(line, style="red"))
@@ -551,10 +563,9 @@ def print_selection(model, label: str, selector: str, names: Sequence[str], use_
     width = max(len(t) for t, *_ in lines) + 2
     cwidth = max(len(c) for _, c, _, _ in lines) + 2
     if use_rich:
-        from rich.console import Console
         from rich.text import Text
 
-        console = Console(file=file, highlight=False)
+        console = _console(file=file, highlight=False)
         if not console.is_terminal:
             console.width = max(console.width, width + cwidth + 16)
         console.print(Text(head, style="bold"))
