@@ -216,6 +216,22 @@ def test_plain_and_rich_tables_have_the_same_content(mlp_doc):
     assert _cells(rich_out.getvalue()) >= _cells(text) - {"-" * n for n in range(1, 40)}
 
 
+def test_rich_table_on_a_narrow_terminal_cuts_no_cell(mlp_doc, monkeypatch):
+    pytest.importorskip("rich")
+    _, _, doc = mlp_doc
+    monkeypatch.setenv("FORCE_COLOR", "1")  # a terminal, 50 columns
+    monkeypatch.setenv("COLUMNS", "50")
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    out = io.StringIO()
+    _report.print_profile(doc, use_rich=True, file=out)
+    text = re.sub(r"\x1b\[[0-9;]*m", "", out.getvalue())
+    cols, rows, total, _ = _report.profile_table(doc)
+    assert "…" not in text
+    for row in [[t for t, _ in cols]] + rows:
+        for cell in row:
+            assert cell in text, (cell, text)
+
+
 def test_formatting():
     assert _report.fmt_si(101_470_208) == "101M"
     assert _report.fmt_si(38_535_168) == "38.5M"

@@ -385,15 +385,18 @@ def _console(**kwargs):
     return _Console(**kwargs)
 
 
-def _fit_console(console, renderables: Sequence[Any]):
+def _fit_console(console, renderables: Sequence[Any], whole: Sequence[Any] = ()):
     """When stdout is not a terminal, widen rich's console to the content (no wrapping in
-    files and pipes)."""
-    if not console.is_terminal:
-        from rich.measure import Measurement
+    files and pipes); on a terminal, to the full width of ``whole`` where the terminal is
+    narrower (it wraps the lines; rich would cut numbers to "0.…" and drop columns)."""
+    from rich.measure import Measurement
 
-        wide = console.options.update(width=4000, max_width=4000)
+    wide = console.options.update(width=4000, max_width=4000)
+    if not console.is_terminal:
         widest = max((Measurement.get(console, wide, r).maximum for r in renderables), default=80)
         console.width = max(widest, 80)
+    elif whole:
+        console.width = max([console.width] + [Measurement.get(console, wide, r).maximum for r in whole])
     return console
 
 
@@ -440,7 +443,7 @@ def print_profile(doc: Dict[str, Any], use_rich: bool = True, file=None) -> None
         table.add_section()
         table.add_row(*[Text(c, style="bold") for c in total])
         head, sub = Text(_headline(doc), style="bold"), Text(_subline(doc), style="dim")
-        console = _fit_console(_console(file=file, highlight=False), [table, head, sub])
+        console = _fit_console(_console(file=file, highlight=False), [table, head, sub], whole=[table])
         console.print(head)
         console.print(sub)
         console.print(table)
