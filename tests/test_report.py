@@ -447,3 +447,13 @@ def test_plot_features_without_matplotlib_says_how_to_install(monkeypatch, tmp_p
     monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
     with pytest.raises(ImportError, match=r"hookplug\[plot\]"):
         hookplug.plot_features(torch.randn(3, 4, 4), tmp_path / "x.png")
+
+
+def test_plugin_listing_shows_brackets_of_a_description_as_text():
+    pytest.importorskip("rich")
+    rows = [{"name": "clip", "origin": "hookplug-clip 0.1 [dev]", "status": "ok", "entry_point": "clip:Clip",
+             "description": "Clamp outputs to [lo, hi] per module [/b]"}]
+    out = io.StringIO()
+    _report.print_plugins(rows, use_rich=True, file=out)  # was MarkupError, or "[lo, hi]" dropped
+    text = " ".join(out.getvalue().split())
+    assert "Clamp outputs to [lo, hi] per module [/b]" in text and "[dev]" in text

@@ -486,7 +486,7 @@ def print_plugins(rows: List[Dict[str, str]], use_rich: bool = True, file=None) 
             table.add_column(title, no_wrap=title in ("name", "origin", "entry point"))
         for row in cells:
             status = Text(row[2], style="green" if row[2] == "ok" else "bold red")
-            table.add_row(Text(row[0], style="cyan"), row[1], status, Text(row[3], style="dim"), row[4])
+            table.add_row(Text(row[0], style="cyan"), Text(row[1]), status, Text(row[3], style="dim"), Text(row[4]))
         console = _fit_console(_console(file=file, highlight=False), [table])
         console.print(table)
         for line in failures:
