@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from hookplug._stats import is_log2_edges
 
 from ._report import (_grad_path, _int, _num, _ms_per_step, _summary_lines, fmt_float, fmt_si, has_grads,
-                      profile_table, table_values)
+                      has_primary, profile_table, table_values)
 
 __all__ = ["render_html"]
 
@@ -321,14 +321,14 @@ def render_html(doc: Dict[str, Any]) -> str:
         cards.append(("FLOPs / step", fmt_si(t.get("flops")), "selected modules", False))
         if doc.get("backward"):
             cards.append(("backward FLOPs", fmt_si(t.get("backward_flops")), "selected modules", False))
-    if has_stats:
+    if has_stats and has_primary(doc):
         cards.append(("NaN values", f"{_int(t.get('nan_count')):,}", "in selected outputs",
                       bool(_int(t.get("nan_count")))))
         cards.append(("Inf values", f"{_int(t.get('inf_count')):,}", "in selected outputs",
                       bool(_int(t.get("inf_count")))))
-        if has_grads(doc):
-            bad = _int(t.get("grad_nan_count")) + _int(t.get("grad_inf_count"))
-            cards.append(("NaN/Inf gradients", f"{bad:,}", "in output gradients", bool(bad)))
+    if has_stats and has_grads(doc):
+        bad = _int(t.get("grad_nan_count")) + _int(t.get("grad_inf_count"))
+        cards.append(("NaN/Inf gradients", f"{bad:,}", "in output gradients", bool(bad)))
     ms = _ms_per_step(doc)
     if ms is not None:
         cards.append(("time / step", f"{ms:.1f} ms", "median, hooks attached", False))
@@ -364,7 +364,7 @@ def render_html(doc: Dict[str, Any]) -> str:
         out.append(f'<td class="{"num" if align == "right" else ""}">{esc(cell)}</td>')
     out.append("</tr></tfoot></table></div>")
 
-    groups = [("Output distributions", "hist", lambda mod: mod.get("primary"))] if has_stats else []
+    groups = [("Output distributions", "hist", lambda mod: mod.get("primary"))] if has_stats and has_primary(doc) else []
     if has_stats and has_grads(doc):
         groups.append(("Gradient distributions", "hist grad", lambda mod: _grad_path(mod.get("stats") or {})))
     for heading, cls, path_of in groups:

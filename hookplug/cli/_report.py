@@ -270,6 +270,11 @@ def has_grads(doc: Dict[str, Any]) -> bool:
     return any(_grad_path(m.get("stats") or {}) for m in doc["modules"].values())
 
 
+def has_primary(doc: Dict[str, Any]) -> bool:
+    """Whether some module has output (or input) statistics for the min..Inf columns."""
+    return any(m.get("primary") for m in doc["modules"].values())
+
+
 _STAT_COLS = (("min", "min", fmt_float), ("max", "max", fmt_float), ("mean", "mean", fmt_float),
               ("std", "std", fmt_float), ("NaN", "nan_count", fmt_count), ("Inf", "inf_count", fmt_count))
 _GRAD_COLS = (("grad absmax", "absmax", fmt_float), ("grad std", "std", fmt_float),
@@ -293,7 +298,7 @@ def profile_table(doc: Dict[str, Any]) -> Tuple[List[Tuple[str, str]], List[List
     kinds = doc.get("kinds", [])
     numeric = [("FLOPs", "flops", lambda v: fmt_si(v))] if "flops" in kinds else []
     if "stats" in kinds:
-        numeric += list(_STAT_COLS) + (list(_GRAD_COLS) if has_grads(doc) else [])
+        numeric += (list(_STAT_COLS) if has_primary(doc) else []) + (list(_GRAD_COLS) if has_grads(doc) else [])
     cols = [("module", "left"), ("class", "left"), ("output", "left"), ("params", "right")]
     cols += [(title, "right") for title, _, _ in numeric]
     rows, bad = [], []
@@ -361,7 +366,8 @@ def _summary_lines(doc: Dict[str, Any]) -> List[str]:
               for r in first[:3]] + ([f"... and in {len(first) - 3} more steps"] if len(first) > 3 else [])
     lines += doc.get("notes") or []
     if "stats" in doc.get("kinds", []) and doc.get("steps", 1) > 1:
-        lines.append(f"statistics over all {doc['steps']} steps; FLOPs per step")
+        lines.append(f"statistics over all {doc['steps']} steps"
+                     + ("; FLOPs per step" if "flops" in doc.get("kinds", []) else ""))
     for name, why in (doc.get("disabled") or {}).items():
         lines.append(f"plugin {name!r} was disabled during the run: {why}")
     missing = [p for p in doc.get("plugins", []) if p not in (doc.get("plugins_active") or [])]
