@@ -6,8 +6,8 @@
     trainer.fit(model, ...)
     cb.session.nonfinite            # also after fit: the session is removed, its data kept
 
-- attaches to the ``LightningModule`` when training starts (``on_train_start``: after the
-  sanity check, whose forwards are not training), with ``selector``, ``plugins`` and any
+- attaches to the ``LightningModule`` when training starts (when its first batch starts,
+  after the sanity check, whose forwards are not training), with ``selector``, ``plugins`` and any
   :func:`hookplug.attach` keyword (``config=``, ``every=``, ``sink=``, ``flush_every=``...);
 - ends a hookplug step on every batch with an optimizer step (``trainer.global_step``
   advanced; with ``accumulate_grad_batches=k`` once per k batches), numbered as Lightning
@@ -16,8 +16,9 @@
   ``global_step`` counts every ``optimizer.step()`` (two per batch for a GAN's two
   optimizers), the number is Lightning's logging step of the batch, one per batch
   (``fit_loop.epoch_loop._batches_that_stepped``). The session's first step is numbered
-  before it runs (``attach(start_step=...)``), so ``every=N`` samples steps ``0, N, 2N...``
-  from the first one on, also when resuming from a checkpoint. The step is ended when the
+  before it runs (``attach(start_step=...)``, the step its first batch logs at), so
+  ``every=N`` samples steps ``0, N, 2N...`` from the first one on, also when resuming from a
+  checkpoint (saved after a batch, or at the end of a mid-epoch validation). The step is ended when the
   next batch starts or training ends, so validation run right after it is recorded with the
   same step and ``phase="eval"`` (Lightning puts the module in eval mode; the core tags it);
 - a ``"tensorboard"`` sink given no ``path``/``writer`` (in ``sink=`` or the ``config=``
@@ -61,25 +62,6 @@ def _batch_step(trainer, pl_module) -> int:
     return step if isinstance(step, int) else trainer.global_step
 
 
-def _first_batch_step(trainer, pl_module) -> int:
-    """At ``on_train_start``: the step the first batch will log at. Under manual optimization
-    Lightning's count of batches that stepped is one short when resuming from a checkpoint
-    saved after a batch ended: the epoch loop adds the one when it starts, after
-    ``on_train_start`` (``TrainingEpochLoop.reset``; manual optimization never accumulates),
-    so the same test is made here (else the first step of a resumed run would be sampled by
-    the number before its own)."""
-    step = _batch_step(trainer, pl_module)
-    if getattr(pl_module, "automatic_optimization", True):
-        return step
-    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-    try:
-        if loop.restarting and (loop.restarted_on_train_batch_end or not loop.restarted_on_last):
-            step += 1
-    except AttributeError:  # another Lightning: the first step is numbered by the count alone
-        pass
-    return step
-
-
 def _tensorboard_writer(trainer) -> Optional[Any]:
     loggers = list(getattr(trainer, "loggers", None) or [])
     for logger in loggers:
@@ -100,23 +82,33 @@ class HookplugCallback(_pl.Callback):
         _guard_hooks_from_now()
         self.session = None
         self._steps = _PendingStep()
+        self._attach_pending = False
         self._seen_global_step = 0
         self._batch_step = 0
 
     # -- lifecycle -----------------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
+        # attached when the first batch starts (see _attach)
+        self._attach_pending = self.session is None or self.session.removed
+
+    def _attach(self, trainer, pl_module) -> None:
+        """Attach, the first step numbered with the step the batch starting now logs at. Not
+        at ``on_train_start``: a resumed run's count is settled after it, by the epoch loop,
+        one more or not depending on where the checkpoint was saved (after a batch, at the end
+        of a mid-epoch validation, ...)."""
         import hookplug
 
-        if self.session is not None and not self.session.removed:
-            return
+        self._attach_pending = False
         kwargs = _attach_kwargs_with_writer(self.attach_kwargs, _tensorboard_writer(trainer))
         self.session = hookplug.attach(pl_module, self.selector, self.plugins,
-                                       start_step=_first_batch_step(trainer, pl_module), **kwargs)
+                                       start_step=_batch_step(trainer, pl_module), **kwargs)
         self._steps = _PendingStep()
         self._steps.session = self.session
         self._seen_global_step = trainer.global_step
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._attach_pending:
+            self._attach(trainer, pl_module)
         self._steps.commit()
         self._batch_step = _batch_step(trainer, pl_module)
 
@@ -133,10 +125,12 @@ class HookplugCallback(_pl.Callback):
         self._remove()
 
     def on_exception(self, trainer, pl_module, exception) -> None:
+        self._attach_pending = False
         self._steps.close(failed=True)  # the exception goes on unchanged
 
     def teardown(self, trainer, pl_module, stage) -> None:
         self._remove()
 
     def _remove(self) -> None:
+        self._attach_pending = False
         self._steps.close()
