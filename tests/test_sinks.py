@@ -234,6 +234,51 @@ def test_jsonl_flush_interrupted_by_ctrl_c_is_rolled_back_and_written_once_when_
     sink.close()
 
 
+def test_jsonl_failed_write_caught_by_the_caller_keeps_hist_edges_in_later_lines(tmp_path, monkeypatch):
+    """A write that fails (a full disk) under on_error="raise", the error caught and the run
+    going on: the lines rolled back took their hist_edges with them, so the next lines
+    carry them and read_jsonl gives every record its edges."""
+    import errno
+
+    from hookplug_plugins.sinks.jsonl import JsonlSink, read_jsonl
+
+    sink = JsonlSink(str(tmp_path))
+    m = MLP()
+    s = hookplug.attach(m, "Linear", plugins="stats", sink=sink, flush_every=1)
+    real_write = os.write
+
+    def full_disk(fd, data):
+        if fd == sink._fd:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", full_disk)
+    m(torch.randn(4, 32))
+    with pytest.raises(OSError, match="cannot write 3 record"):
+        s.step()
+    monkeypatch.setattr(os, "write", real_write)
+    m(torch.randn(4, 32))
+    s.step()
+    s.remove()
+    back = read_jsonl(str(tmp_path))
+    assert len(back) == 3 and all(r["hist"] and len(r["hist_edges"]) == len(r["hist"]) + 1 for r in back)
+
+
+def test_read_jsonl_of_a_file_it_cannot_read_says_what_it_expects(tmp_path):
+    """A compressed (or otherwise named) file, or a path that does not exist: the error names
+    the path and what read_jsonl reads, not '<path>/telemetry.jsonl: Not a directory'."""
+    from hookplug_plugins.sinks.jsonl import read_jsonl
+
+    gz = tmp_path / "telemetry.jsonl.gz"
+    gz.write_bytes(b"\x1f\x8b")
+    with pytest.raises(ValueError, match=r"telemetry.jsonl.gz' is not a telemetry file: expected a folder "
+                                         r"holding telemetry.jsonl or a file ending in .jsonl"):
+        read_jsonl(str(gz))
+    with pytest.raises(FileNotFoundError, match="expected a folder holding telemetry.jsonl") as info:
+        read_jsonl(str(tmp_path / "missing.jsonl.gz"))
+    assert info.value.filename == str(tmp_path / "missing.jsonl.gz")
+
+
 # -- tensorboard ------------------------------------------------------------------------------------
 
 def test_tensorboard_event_files_read_back(tmp_path):

@@ -246,21 +246,25 @@ class JsonlSink(hookplug.Sink):
                     os.ftruncate(fd, start)
                 self.lines, self._edges = lines, edges
 
-            with on_interrupt(undo):
-                chunk: List[bytes] = []
-                size = 0
-                for rec in records:
-                    line = self.encode_line(rec)
-                    if size and size + len(line) > _CHUNK:
+            try:
+                with on_interrupt(undo):
+                    chunk: List[bytes] = []
+                    size = 0
+                    for rec in records:
+                        line = self.encode_line(rec)
+                        if size and size + len(line) > _CHUNK:
+                            self._write(fd, b"".join(chunk), len(chunk))
+                            chunk, size = [], 0
+                        chunk.append(line)
+                        size += len(line)
+                    if chunk:
                         self._write(fd, b"".join(chunk), len(chunk))
-                        chunk, size = [], 0
-                    chunk.append(line)
-                    size += len(line)
-                if chunk:
-                    self._write(fd, b"".join(chunk), len(chunk))
-                if self.fsync:
-                    os.fsync(fd)
-                self._written = records
+                    if self.fsync:
+                        os.fsync(fd)
+                    self._written = records
+            except OSError:  # a failed write's lines are not in the file, nor are their edges:
+                self._edges = edges  # later lines carry them (written again at worst: harmless)
+                raise
 
     def _write(self, fd: int, data: bytes, lines: int) -> None:
         """Append ``data`` (whole lines; the caller holds the lock); on an error part way,
@@ -312,6 +316,12 @@ def read_jsonl(path: str, *, run_id: Optional[str] = None) -> List[Dict[str, Any
     and the line."""
     path = os.fspath(path)
     if not path.endswith(_SUFFIXES):
+        if not os.path.isdir(path):
+            expected = (f"expected a folder holding telemetry.jsonl or a file ending in "
+                        f"{', '.join(_SUFFIXES)} (a compressed file: decompress it first)")
+            if os.path.exists(path):
+                raise ValueError(f"read_jsonl: {path!r} is not a telemetry file: {expected}")
+            raise FileNotFoundError(errno.ENOENT, f"read_jsonl: no such folder or file; {expected}", path)
         path = os.path.join(path, "telemetry.jsonl")
     edges: Dict[Tuple[Any, str, str], Any] = {}
     out = []
