@@ -1508,6 +1508,12 @@ class Session:
                         + "; the hooks are the specs in hookplug.hookspecs")
                 if caller.name in _PER_CALL_HOOKS:
                     entry.adapted[caller.name] = _adapt(impl, caller.name)
+                elif impl.hookwrapper or getattr(impl, "wrapper", False):
+                    # _dispatch calls it as a plain hook: it would only make a generator
+                    raise PluginError(
+                        f"plugin {entry.name!r}: {caller.name} cannot be a hookwrapper/wrapper "
+                        "(hookplug calls each plugin's hook itself, so its body would never run); "
+                        "implement it as a plain hook")
         except PluginError as exc:
             if pm.is_registered(plugin):
                 pm.unregister(plugin)

@@ -361,6 +361,41 @@ def test_unmarked_hook_method_warns_when_the_class_is_defined():
                 pass
 
 
+def test_session_hook_written_as_a_wrapper_raises_instead_of_never_running():
+    """A session-level hook marked hookwrapper=True / wrapper=True (pluggy's wrappers): the
+    session calls each hook itself, so its body never ran and nothing said so; now it is
+    refused at attach as a per-call hook's wrapper is (left out under on_error="warn")."""
+    calls = []
+
+    class StepWrapper(hookplug.Plugin):
+        name = "stepwrap"
+
+        @hookplug.hookimpl(hookwrapper=True)
+        def hookplug_step(self, session, step):
+            calls.append(step)
+            yield
+
+    class FlushWrapper(hookplug.Sink):
+        name = "flushwrap"
+
+        @hookplug.hookimpl(wrapper=True)
+        def hookplug_flush(self, records):
+            calls.append(len(records))
+            return (yield)
+
+    model = MLP()
+    with pytest.raises(PluginError, match="plugin 'stepwrap': hookplug_step cannot be a hookwrapper/wrapper"):
+        hookplug.attach(model, "Linear", plugins=["stats", StepWrapper()])
+    with pytest.raises(PluginError, match="plugin 'flushwrap': hookplug_flush cannot be a hookwrapper/wrapper"):
+        hookplug.attach(model, "Linear", plugins="stats", sink=FlushWrapper(), flush_every=1)
+    assert not any(vars(m).get("_forward_hooks") for m in model.modules())
+    with pytest.warns(RuntimeWarning, match="'stepwrap'.*implement it as a plain hook"):
+        s = hookplug.attach(model, "Linear", plugins=["stats", StepWrapper()], on_error="warn")
+    assert list(s.plugins) == ["stats"]
+    s.remove()
+    assert calls == []
+
+
 def test_ctx_step_in_compiled_code_is_documented():
     """Reading ctx.step in a traceable hook recompiles every step: the ctx docs and the
     README's "Writing a plugin" say so and name the ways out."""
