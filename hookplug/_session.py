@@ -1847,6 +1847,13 @@ def attach(
             warn_never_called(sel, containers, stacklevel=3)
     sink_specs = [(getattr(inst, "name", None) or n, o, inst) for n, o, inst in _normalize_specs(sink, "sink")]
     for key, instance in _build_plugins(sink_specs, on_error):
+        if not is_hookimpl(instance, "hookplug_flush"):  # its records would go nowhere, silently
+            exc = PluginError(f"sink= got {key!r}, which is not a sink: it implements no "
+                              "@hookplug.hookimpl hookplug_flush (a plugin goes in plugins=)")
+            if on_error == "raise":
+                raise exc
+            _skip_plugin(exc, stacklevel=4)  # the caller of attach()
+            continue
         session._add_plugin(key, instance, [], sink=True)
     try:
         repeats = session._bind(model)

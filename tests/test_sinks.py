@@ -702,6 +702,34 @@ def test_missing_optional_dependency_names_the_extra(monkeypatch, name, module, 
     s.remove()
 
 
+def test_sink_option_given_a_plugin_that_is_no_sink_says_so(tmp_path):
+    """sink="flops" (or a Sink subclass whose hookplug_flush lost its @hookimpl) was taken
+    silently and the records went nowhere; it raises naming it (warns under on_error="warn")."""
+    class Forgot:  # a plain third-party object: no class-definition warning to catch it
+        name = "forgot"
+
+        @hookplug.hookimpl
+        def hookplug_session_start(self, session):
+            pass
+
+        def hookplug_flush(self, records):
+            raise AssertionError("never called")
+
+    for sink in ("flops", Forgot()):
+        model = MLP()
+        with pytest.raises(hookplug.PluginError, match=r"sink= got '(flops|forgot)', which is not a sink: "
+                                                       r"it implements no @hookplug.hookimpl hookplug_flush"):
+            hookplug.attach(model, "Linear", plugins="stats", sink=sink, flush_every=1)
+        assert not any(vars(m).get("_forward_hooks") for m in model.modules())
+        with pytest.warns(RuntimeWarning, match="which is not a sink"):
+            s = hookplug.attach(model, "Linear", plugins="stats", sink=[sink, ListSink()], flush_every=1,
+                                on_error="warn")
+        model(torch.randn(2, 32))
+        s.step()
+        assert list(s.sinks) == ["records"] and len(s["records"].records) == 3
+        s.remove()
+
+
 # -- third-party sinks ---------------------------------------------------------------------------------
 
 class FakeDist:
