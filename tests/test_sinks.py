@@ -730,6 +730,33 @@ def test_sink_option_given_a_plugin_that_is_no_sink_says_so(tmp_path):
         s.remove()
 
 
+def test_prometheus_sink_serving_a_second_session_shows_its_steps(tmp_path):
+    """A sink instance reused by the next session (close() says it may serve another): the
+    gauges kept the first session's latest (higher) steps, so the second session's records,
+    at steps from 0 again, never replaced them; the step gauge and histogram sums were stale."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hookplug_plugins.sinks.prometheus import PrometheusSink
+
+    sink = PrometheusSink(port=None)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    seen = []
+    for steps, value in ((3, 10.0), (1, 0.001)):
+        ref = ListSink()
+        with hookplug.attach(m, "Linear", plugins="stats", sink=[sink, ref], flush_every=1) as s:
+            for _ in range(steps):
+                m(torch.full((2, 4), value))
+                s.step()
+        fams = {f.name: f for f in text_string_to_metric_families(sink.exposition())}  # after remove()
+        (absmax,) = fams["hookplug_tensor_absmax"].samples
+        (count,) = [x for x in fams["hookplug_tensor_values"].samples if x.labels.get("le") == "+Inf"]
+        seen.append((absmax.value, fams["hookplug_step"].samples[0].value, count.value))
+        last = ref.records[-1]
+        assert absmax.value == pytest.approx(last["absmax"]) and seen[-1][1] == last["step"]
+        assert count.value == sum(r["numel"] for r in ref.records)
+    assert seen[1][1:] == (0, 8)
+
+
 # -- third-party sinks ---------------------------------------------------------------------------------
 
 class FakeDist:

@@ -9,7 +9,8 @@ Serves ``prometheus_client``'s exposition from its own ``CollectorRegistry`` wit
 ``all_ranks=True`` every rank serves, rank *r* on ``port + r`` (unless ``port=0``).
 ``port=None`` serves nothing; ``path``, when given, also writes the exposition to that file
 after every flush (node_exporter's textfile collector: give it a ``.prom`` file). The server
-stops at the end of the session. A port already taken raises ``OSError`` naming
+stops at the end of the session; one sink instance may serve several sessions one after the
+other, each with series of its own (the last one's stay readable until the next starts). A port already taken raises ``OSError`` naming
 ``addr:port``. A process forked while the sink serves (a DataLoader worker) closes its copy
 of the listening socket at once, so the port is free again once the session ends.
 
@@ -157,11 +158,16 @@ class PrometheusSink(hookplug.Sink):
         self._hists: Dict[Tuple[str, str, str, str], Tuple[list, list, float, int, int]] = {}
         self._nonfinite: Dict[Tuple[str, str, str, str], int] = {}
         self._step: Optional[int] = None
+        self._ended = False  # a session ended: the next one starts its own series
 
     # -- serving -------------------------------------------------------------------------------
 
     @hookplug.hookimpl
     def hookplug_session_start(self, session) -> None:
+        if self._ended:  # served a session before: its latest steps would hide this one's
+            with self._lock:
+                self._latest, self._hists, self._nonfinite, self._step = {}, {}, {}, None
+            self._ended = False
         if self.path_option is not None:
             self.path = self.resolve_path(session)
         if self.requested_port is None or self._server is not None:
@@ -234,7 +240,9 @@ class PrometheusSink(hookplug.Sink):
     def close(self) -> None:
         """Stop serving. In a process that did not start the server (a forked child) only
         the inherited socket is closed: ``shutdown()`` would wait forever for a serving
-        thread that does not run there."""
+        thread that does not run there. The metrics stay readable (``exposition()``) until
+        the next session the sink serves starts."""
+        self._ended = True
         if self._server is not None:
             self._stopper.detach()
             if self._server_pid == os.getpid():
