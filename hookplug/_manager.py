@@ -207,7 +207,7 @@ def create_plugin(name: str, options: Optional[Dict[str, Any]] = None):
     missing or mistyped ones; a TypeError/ValueError from the factory when options were
     given), and :class:`PluginLoadError` (naming the distribution) when the plugin fails to
     import or to construct (any other error, or any error with no options given), or its
-    factory returns None.
+    factory returns no plugin object (None, a class, an object with no hooks).
     """
     options = dict(options or {})
     if not isinstance(name, str):
@@ -237,11 +237,13 @@ def create_plugin(name: str, options: Optional[Dict[str, Any]] = None):
             f"hookplug plugin {name!r} from distribution {src.distribution!r} failed to "
             f"construct: {src.error}"
         ) from exc
-    if plugin is None:
-        src.error = f"its factory {getattr(src.entry_point, 'value', factory)!r} returned None"
+    got = _not_a_plugin(plugin)
+    if got:
+        src.error = f"its factory {getattr(src.entry_point, 'value', factory)!r} returned {got}"
         raise PluginLoadError(
             f"hookplug plugin {name!r} from distribution {src.distribution!r}: {src.error}; "
-            "expected a plugin object"
+            "expected a plugin object (a hookplug.Plugin or hookplug.Sink instance, or any "
+            "object with @hookplug.hookimpl methods)"
         )
     if getattr(plugin, "name", None) is None:
         try:
@@ -249,6 +251,21 @@ def create_plugin(name: str, options: Optional[Dict[str, Any]] = None):
         except AttributeError:
             pass
     return plugin
+
+
+def _not_a_plugin(obj) -> str:
+    """What ``obj`` is in words when a factory returned it but it is no plugin object (None, a
+    class, an object with no hooks), else ''."""
+    from ._plugin import Plugin
+    from ._sink import Sink
+
+    if obj is None:
+        return "None"
+    if isinstance(obj, type):
+        return f"the class {obj.__name__}, not an instance of it"
+    if isinstance(obj, (Plugin, Sink)) or any(is_hookimpl(obj, attr) for attr in dir(obj)):
+        return ""
+    return f"a {type(obj).__name__} with no @hookplug.hookimpl method"
 
 
 _MARKS = pluggy.PluginManager(hookspecs.hookimpl.project_name)  # no specs: reads @hookimpl marks only

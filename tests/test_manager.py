@@ -361,6 +361,27 @@ def test_unmarked_hook_method_warns_when_the_class_is_defined():
                 pass
 
 
+@pytest.mark.parametrize("made, got", [
+    (lambda **options: Quiet, "the class Quiet, not an instance of it"),
+    (lambda **options: {"level": 1}, "a dict with no @hookplug.hookimpl method"),
+])
+def test_entry_point_factory_returning_no_plugin_object_fails_at_attach_naming_it(eps_of, made, got):
+    """A factory returning the plugin class instead of an instance was attached and failed at
+    the first forward ('missing 1 required positional argument'); one returning an object with
+    no hooks was attached and did nothing. Both fail to load, as a factory returning None does."""
+    eps_of(odd=made)
+    model = MLP()
+    message = (r"hookplug plugin 'odd' from distribution 'thirdparty-odd': its factory 'thirdparty_odd:P' "
+               rf"returned {got}; expected a plugin object")
+    with pytest.raises(_manager.PluginLoadError, match=message):
+        hookplug.attach(model, "Linear", plugins=["odd", "stats"])
+    with pytest.warns(RuntimeWarning, match=message):
+        s = hookplug.attach(model, "Linear", plugins=["odd", "stats"], on_error="warn")
+    model(torch.randn(2, 32))
+    s.remove()
+    assert list(s.plugins) == ["stats"] and not s.disabled
+
+
 def test_session_hook_written_as_a_wrapper_raises_instead_of_never_running():
     """A session-level hook marked hookwrapper=True / wrapper=True (pluggy's wrappers): the
     session calls each hook itself, so its body never ran and nothing said so; now it is
