@@ -940,6 +940,15 @@ def _flush_at_exit(session: "Session") -> None:
         atexit.register(_remove_at_exit)
 
 
+def exit_flush_first() -> None:
+    """Have the exit flush run before the atexit handlers registered so far (atexit runs the
+    last registered first): a sink calls it once it uses a service that tears itself down
+    at exit (a ``wandb`` run started after ``attach``), so its last steps still reach it."""
+    if _AT_EXIT:
+        atexit.unregister(_remove_at_exit)
+        atexit.register(_remove_at_exit)
+
+
 def _remove_at_exit() -> None:
     """At interpreter exit, every session of this process that has a sink and was never
     removed is removed as a failing rank's is (a local flush, no collective: the other

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 import threading
 import urllib.error
 import urllib.request
@@ -650,6 +651,44 @@ def test_wandb_sink_starts_and_finishes_a_run_of_its_own(tmp_path, offline_wandb
     s.remove()
     assert sink.run is None and offline_wandb.run is None  # finished with the session
     assert [p.name for p in (tmp_path / "wb" / "wandb").glob("offline-run-*")]
+
+
+def test_wandb_run_started_by_the_sink_gets_the_exit_flush_of_a_session_never_removed(fresh_python):
+    """wandb tears its run down in an atexit handler registered at wandb.init, i.e. after
+    hookplug's (at attach), so it ran first: the exit flush of a session never removed failed
+    ('Connection lost') and its last steps were lost. A fake wandb that does the same."""
+    out = fresh_python(textwrap.dedent("""
+        import atexit, json, sys, types
+        import torch, hookplug
+
+        logged = []
+
+        class Run:
+            finished = False
+            def log(self, row):
+                if self.finished:
+                    raise ConnectionResetError("Connection lost")
+                logged.append(row["hookplug/step"])
+            def define_metric(self, *args, **kwargs):
+                pass
+            def finish(self):
+                self.finished = True
+
+        def init(**kwargs):
+            run = Run()
+            atexit.register(run.finish)  # wandb's own teardown at exit
+            return run
+
+        atexit.register(lambda: print(json.dumps(logged)))  # runs last
+        sys.modules["wandb"] = types.SimpleNamespace(run=None, init=init, Histogram=None)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        s = hookplug.attach(model, "Linear", plugins="stats", sink=("wandb", {"histogram": False}),
+                            flush_every=2)
+        for _ in range(3):
+            model(torch.randn(2, 4))
+            s.step()
+    """))
+    assert out == "[0, 1, 2]"
 
 
 def test_wandb_histogram_bins_trim_widen_and_merge_exactly():

@@ -8,7 +8,8 @@ Logs into ``run=`` (a ``wandb`` Run), else the run active at the first flush
 ``report_to="wandb"`` started), else a run of its own: ``wandb.init(project=project or
 "hookplug", dir=path, name=<run-id>, **init)`` (``path`` unset: ``runs/<run-id>``; ``{rank}`` and
 ``{run_id}`` are filled in), finished when the session ends. A run it did not start is
-never finished by it.
+never finished by it. A session never removed flushes its last steps into the run at
+interpreter exit, before wandb's own exit handler (registered at ``wandb.init``) ends it.
 
 Names are the TensorBoard sink's: ``hookplug/<stat>/<module>/<site>`` (``hookplug_eval/...``
 for eval-phase records; ``stats=`` picks which, by default ``min, max, mean, std, absmax,
@@ -33,6 +34,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import hookplug
 from hookplug._optional import optional_import
+from hookplug._session import exit_flush_first
 from hookplug._stats import hist_outside
 
 from ._tags import DEFAULT_SCALARS, hist_tag, scalar_tag
@@ -126,6 +128,9 @@ class WandbSink(hookplug.Sink):
             self.run = self._wandb.init(**kwargs)
             self._own_run = True
         if self._declared != id(self.run):
+            # a run started after attach tears itself down at exit before a never-removed
+            # session's exit flush would reach it: that flush goes first
+            exit_flush_first()
             self.run.define_metric(STEP_KEY)
             for root in ("hookplug/*", "hookplug_eval/*"):
                 self.run.define_metric(root, step_metric=STEP_KEY)
