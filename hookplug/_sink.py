@@ -49,6 +49,10 @@ class Sink:
     name: str = ""
     file_name: Optional[str] = None  # written inside a folder path (None: the folder itself)
     file_suffixes: Tuple[str, ...] = ()  # a path ending in one of these is the file
+    # what __init__ sets, for a subclass whose __init__ does not call it
+    path_option: Optional[str] = None
+    all_ranks: bool = False
+    path: Optional[str] = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -868,6 +868,32 @@ def test_sink_base_paths_placeholders_and_close(tmp_path, monkeypatch):
     assert repr(file_path) == f"<CsvSink {file_path.path}>"
 
 
+def test_sink_whose_init_skips_the_base_init_writes_to_the_run_dir(tmp_path, monkeypatch):
+    """A subclass ``__init__`` not calling ``super().__init__()`` worked until ``repr()`` or
+    ``resolve_path`` read the attributes the base sets (AttributeError)."""
+    monkeypatch.chdir(tmp_path)
+
+    class OwnInit(hookplug.Sink):
+        name, file_name = "own", "own.txt"
+
+        def __init__(self):
+            self.seen = 0
+
+        @hookplug.hookimpl
+        def hookplug_flush(self, session, records):
+            self.path = self.resolve_path(session)
+            self.seen += len(records)
+
+    sink = OwnInit()
+    assert repr(sink) == f"<OwnInit {os.path.join('runs', '<run-id>')}>"
+    m = MLP()
+    with hookplug.attach(m, "Linear", plugins="stats", sink=sink) as s:
+        m(torch.randn(2, 32))
+        s.step()
+    assert sink.seen == 3 and sink.path == os.path.join(s.run_dir, "own.txt")
+    assert sink.writes_on(0) and not sink.writes_on(1)
+
+
 def test_sink_base_rejects_unknown_placeholders():
     with pytest.raises(ValueError, match=r"csv sink: path 'runs/\{epoch\}' has the placeholder \{epoch\}"):
         CsvSink("runs/{epoch}")
