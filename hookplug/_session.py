@@ -1206,8 +1206,15 @@ class Session:
         """``{plugin name: section}`` from every plugin implementing
         ``hookplug_report_section`` (plain data; see ``hookplug.hookspecs``), in plugin order."""
         out: Dict[str, Any] = {}
-        self._dispatch("hookplug_report_section",
-                       on_result=lambda name, res: None if res is None else out.__setitem__(name, res))
+
+        def keep(name: str, res: Any) -> None:
+            if res is None:
+                return
+            if not isinstance(res, dict):  # a report would drop it silently
+                raise TypeError(f"hookplug_report_section must return a dict or None, got "
+                                f"{type(res).__name__}")
+            out[name] = res
+        self._dispatch("hookplug_report_section", on_result=keep)
         return out
 
     def step(self, step: Optional[int] = None) -> "_StepScope":

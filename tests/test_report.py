@@ -171,6 +171,26 @@ def test_a_plugins_report_section_reaches_the_document():
     assert "noted saw 3 modules" in plain.getvalue()
 
 
+def test_a_report_section_that_is_no_dict_is_a_plugin_error():
+    """A section returned as a string was kept by ``report_sections()`` and silently dropped
+    from the report."""
+
+    class Texty(hookplug.Plugin):
+        name = "texty"
+
+        @hookplug.hookimpl
+        def hookplug_report_section(self, session):
+            return "a line of text"
+
+    model = MLP()
+    with hookplug.attach(model, "Linear", plugins=[Noted(), Texty()]) as s:
+        with pytest.raises(TypeError, match="hookplug_report_section must return a dict or None, got str"):
+            s.report_sections()
+    with pytest.warns(RuntimeWarning, match="texty"):
+        with hookplug.attach(model, "Linear", plugins=[Noted(), Texty()], on_error="warn") as s:
+            assert list(s.report_sections()) == ["noted"]
+
+
 def test_top_level_modules_do_not_count_children_twice():
     assert _report._top_level(["a", "a.b", "a.b.c", "d", "ab"]) == ["a", "d", "ab"]
     assert _report._top_level(["", "a"]) == [""]
