@@ -16,7 +16,7 @@ import warnings
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from types import FunctionType
+from types import FunctionType, ModuleType
 from typing import Any, Dict, List, Optional
 from urllib.parse import unquote, urlparse
 
@@ -72,9 +72,16 @@ class PluginSource:
         ``SystemExit`` at import is a failure like any other: it never escapes."""
         if self.factory is None and self.error is None:
             try:
-                self.factory = self.entry_point.load()
+                factory = self.entry_point.load()
             except (Exception, SystemExit) as exc:  # noqa: BLE001 - never stops the others
                 self.error = f"{type(exc).__name__}: {exc}"
+            else:
+                if callable(factory):
+                    self.factory = factory
+                else:  # 'pkg.mod' with no ':attr' loads the module itself
+                    what = "a module" if isinstance(factory, ModuleType) else f"a {type(factory).__name__}"
+                    self.error = (f"it names {what}, not a plugin class or factory; write the entry "
+                                  "point as 'package.module:PluginClass'")
         return self.factory
 
     def load_error(self) -> "PluginLoadError":

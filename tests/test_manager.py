@@ -382,6 +382,19 @@ def test_entry_point_factory_returning_no_plugin_object_fails_at_attach_naming_i
     assert list(s.plugins) == ["stats"] and not s.disabled
 
 
+def test_entry_point_naming_a_module_fails_to_import_saying_how_to_write_it(eps_of):
+    """An entry point value with no ':attr' loads the module: it failed at attach with
+    "TypeError: 'module' object is not callable", and `hookplug plugins` listed it as ok."""
+    eps_of(modonly=textwrap)
+    message = (r"hookplug plugin 'modonly' from distribution 'thirdparty-modonly' failed to import "
+               r"\(thirdparty_modonly:P\): it names a module, not a plugin class or factory; write "
+               r"the entry point as 'package.module:PluginClass'")
+    with pytest.raises(_manager.PluginLoadError, match=message):
+        hookplug.attach(MLP(), "Linear", plugins=["modonly"])
+    info = {p.name: p for p in hookplug.plugin_info()}
+    assert "names a module" in info["modonly"].error
+
+
 def test_session_hook_written_as_a_wrapper_raises_instead_of_never_running():
     """A session-level hook marked hookwrapper=True / wrapper=True (pluggy's wrappers): the
     session calls each hook itself, so its body never ran and nothing said so; now it is
