@@ -1217,21 +1217,24 @@ class Session:
         self._dispatch("hookplug_report_section", on_result=keep)
         return out
 
-    def step(self, step: Optional[int] = None) -> "_StepScope":
+    def step(self, step: Optional[int] = None, *, next_step: Optional[int] = None) -> "_StepScope":
         """Mark a training-step boundary: the step that ran so far ends (numbered ``step``
         when given, e.g. a trainer's global step, else the session's counter) and the next
-        one is numbered one more; plugins see ``hookplug_step``, sampling (``every=N``, on
+        one is numbered one more (``next_step``: another number, larger, where a trainer's
+        steps are not consecutive); plugins see ``hookplug_step``, sampling (``every=N``, on
         step numbers) and ``flush_every`` take effect. A resumed run passes its global step
         and continues from it (``attach(start_step=...)`` numbers its first step before it
         runs, for sampling). Call it after the step's work: ``with session.step():`` is
         refused (the call ends the step before the body runs, which would belong to the
         next)."""
-        if step is not None:
-            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-                raise ValueError(f"session.step(step=...) expects an int >= 0, got {step!r}")
-            self._step = step
-        ended = self._step
-        self._step += 1
+        for what, value in (("step", step), ("next_step", next_step)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"session.step({what}=...) expects an int >= 0, got {value!r}")
+        ended = self._step if step is None else step
+        if next_step is not None and next_step <= ended:
+            raise ValueError(f"session.step(next_step=...) expects a number after the step ending "
+                             f"({ended}), got {next_step}")
+        self._step = ended + 1 if next_step is None else next_step
         self._steps_done += 1
         sampling = (self._step % self.every) == 0 and not self._removed
         if not self._removed:

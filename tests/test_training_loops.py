@@ -151,6 +151,25 @@ def test_explicit_global_step_and_resume_continue_numbering():
         hookplug.attach(model, "Linear", plugins="stats").step(step=-1)
 
 
+def test_next_step_numbers_the_step_starting_and_samples_by_it():
+    """``step(step=L, next_step=N)``: the step ending is labelled L, the one starting is
+    numbered N (a trainer counting batches while stepping every k of them), and sampled by N."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    sink = Collect()
+    with hookplug.attach(model, "Linear", plugins="stats", sink=sink, flush_every=1, every=4) as s:
+        for first in (0, 2, 4, 6):
+            model(torch.randn(2, 4))
+            s.step(step=first, next_step=first + 2)
+        assert s.step_index == 8
+        with pytest.raises(ValueError, match=r"next_step=\.\.\.\) expects a number after the step ending \(8\), got 8"):
+            s.step(next_step=8)
+        for bad in (-1, True, 2.0):
+            with pytest.raises(ValueError, match="next_step=...\\) expects an int >= 0"):
+                s.step(next_step=bad)
+        assert s.step_index == 8  # refused calls end no step
+    assert [r["step"] for r in sink.records] == [0, 4]
+
+
 # -- activation checkpointing ---------------------------------------------------------------------
 
 class Blocks(nn.Module):
@@ -1114,6 +1133,47 @@ def test_lightning_resumed_from_a_validation_checkpoint_samples_by_the_logged_st
                **common).fit(make(pl), data, val, ckpt_path=str(path))
     assert logger.steps == [4, 5, 6, 7]
     assert sorted({r["step"] for r in sink.records if r["phase"] == "train"}) == [4, 6]
+
+
+def test_lightning_manual_optimization_stepping_every_k_batches_samples_by_its_labels():
+    """Manual optimization stepping every 2 batches: Lightning's logging count advances per
+    batch, so a step was labelled by the batch that stepped (1, 3, 5, 7) while sampled by
+    the label before plus one (0, 2, 4, 6): ``every=4`` recorded steps 1 and 5. Each step is
+    now numbered, sampled and labelled by its first batch's logging step."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from hookplug.integrations.lightning import HookplugCallback
+
+    class Accumulating(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.automatic_optimization = False
+            self.net = nn.Linear(8, 1)
+
+        def training_step(self, batch, idx):
+            (x,) = batch
+            loss = self.net(x).pow(2).mean()
+            self.manual_backward(loss / 2)
+            if idx % 2 == 1:
+                opt = self.optimizers()
+                opt.step()
+                opt.zero_grad()
+            self.log("loss", loss)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    sink = Collect()
+    cb = HookplugCallback("Linear", ["stats"], sink=sink, flush_every=1, every=4)
+    logger = _lightning_step_logger(pl, "loss")
+    data = DataLoader(TensorDataset(torch.randn(32, 8)), batch_size=4)
+    pl.Trainer(max_epochs=1, callbacks=[cb], logger=logger, enable_checkpointing=False,
+               **_LIGHTNING_QUIET).fit(Accumulating(), data)
+    assert logger.steps == list(range(8))
+    assert sorted({r["step"] for r in sink.records}) == [0, 4]
+    assert {r["calls"] for r in sink.records} == {2}  # both batches of the step
 
 
 def test_lightning_compiled_submodule_second_fit_compiles_nothing(fresh_python):

@@ -112,10 +112,12 @@ class _PendingStep:
     def end(self, label: int) -> None:
         self.pending = label
 
-    def commit(self) -> None:
+    def commit(self, next_step: Optional[int] = None) -> None:
+        """End the pending step; ``next_step``: the number of the one starting now, where it
+        is not the ended one's plus one."""
         if self.session is not None and self.pending is not None:
             label, self.pending = self.pending, None
-            self.session.step(step=label)
+            self.session.step(step=label, next_step=next_step if next_step is not None and next_step > label else None)
 
     def close(self, failed: bool = False) -> None:
         """Commit the ended step and remove the session (flushing it). ``failed``: training

@@ -14,8 +14,9 @@
   logs it (the step of ``self.log`` in that batch): under automatic optimization the step
   ending with global step ``g`` is ``g - 1``; under manual optimization, where
   ``global_step`` counts every ``optimizer.step()`` (two per batch for a GAN's two
-  optimizers), the number is Lightning's logging step of the batch, one per batch
-  (``fit_loop.epoch_loop._batches_that_stepped``). The session's first step is numbered
+  optimizers), the number is Lightning's logging step of the step's first batch, one per
+  batch (``fit_loop.epoch_loop._batches_that_stepped``; stepping every k batches, the steps
+  are numbered 0, k, 2k...). The session's first step is numbered
   before it runs (``attach(start_step=...)``, the step its first batch logs at), so
   ``every=N`` samples steps ``0, N, 2N...`` from the first one on, also when resuming from a
   checkpoint (saved after a batch, or at the end of a mid-epoch validation). The step is ended when the
@@ -84,7 +85,7 @@ class HookplugCallback(_pl.Callback):
         self._steps = _PendingStep()
         self._attach_pending = False
         self._seen_global_step = 0
-        self._batch_step = 0
+        self._first_batch_step: Optional[int] = None  # manual optimization: the open step's first batch
 
     # -- lifecycle -----------------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
@@ -105,18 +106,24 @@ class HookplugCallback(_pl.Callback):
         self._steps = _PendingStep()
         self._steps.session = self.session
         self._seen_global_step = trainer.global_step
+        self._first_batch_step = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._attach_pending:
             self._attach(trainer, pl_module)
-        self._steps.commit()
-        self._batch_step = _batch_step(trainer, pl_module)
+        if self._first_batch_step is None:  # a step starts with this batch
+            self._first_batch_step = _batch_step(trainer, pl_module)
+            manual = not getattr(pl_module, "automatic_optimization", True)
+            self._steps.commit(next_step=self._first_batch_step if manual else None)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         g = trainer.global_step
         if g != self._seen_global_step:  # an optimizer step happened in this batch
             self._seen_global_step = g
-            self._steps.end(g - 1 if pl_module.automatic_optimization else self._batch_step)
+            # manual optimization: numbered by its first batch's logging step, the number it
+            # was sampled by (stepping every k batches, that count advances k per step)
+            self._steps.end(g - 1 if pl_module.automatic_optimization else self._first_batch_step)
+            self._first_batch_step = None
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._steps.commit()
