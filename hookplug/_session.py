@@ -725,7 +725,10 @@ class _ModuleBinding:
 
     def grad_hook(self, ctx, module, path, grad):
         s = self.session
-        if s._removed:
+        if s._removed or grad is None:
+            # None: no gradient reached this output (an unused output of a node with
+            # several, e.g. one chunk of ``x.chunk(2)``, or an autograd.Function's):
+            # torch calls tensor hooks with None there; nothing to measure or steer
             return None
         return _fold(s, self.all_grad if _is_compiling() else self.out_grad, "hookplug_output_grad",
                      grad, (ctx, module), (path,), self.where)

@@ -613,3 +613,48 @@ def test_a_gradient_penalty_counts_its_second_order_backward(form):
         with FlopCounterMode(display=False) as fc:
             penalty()
         assert fc.get_total_flops() == ref.total
+
+
+class _Halves(nn.Module):
+    def forward(self, x):
+        return x.chunk(2, dim=-1)  # one node (SplitBackward), two outputs
+
+
+class _HalfUsed(nn.Module):
+    """A module with two outputs of one autograd node, only the first reaching the loss:
+    torch calls the second output's tensor hook with ``None`` (T5 blocks under 🤗 gradient
+    checkpointing: the position bias a later block returns and nothing reads)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.halves = _Halves()
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x):
+        a, _unused = self.halves(self.lin(x))
+        return self.out(a)
+
+
+def test_an_output_no_gradient_reaches_is_skipped_by_grad_hooks():
+    """With stats, capture and flops on every module (as tests/test_real_models.py), backward
+    through a module whose second output got no gradient failed in the stats plugin
+    (``'NoneType' object has no attribute 'dtype'``); capture and gradclamp failed too."""
+    torch.manual_seed(0)
+    model, x = _HalfUsed(), torch.randn(4, 8)
+    ref = copy.deepcopy(model)
+    ref(x).sum().backward()
+    fwd = fcm_counts(model, x)
+    plugins = [("stats", {"sites": ("output", "grad")}), ("capture", {"keep": "all", "grads": True}),
+               ("gradclamp", {"max": 1e9}), ("flops", {"extra_formulas": False})]
+    with hookplug.attach(model, ALL, plugins=plugins) as s:
+        model(x).sum().backward()
+        s.step()
+        stats, grads, flops = s["stats"].results(), s["capture"].grads, s["flops"].results()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert set(stats["halves"]) == {"output[0]", "output[1]", "grad[0]"}  # no grad[1]
+    g0, g1 = grads["halves"][0]
+    assert g1 is None and g0.shape == (4, 4)
+    assert flops["lin"]["flops"] == fwd[fcm_key(model, "lin")] > 0
+    assert flops["lin"]["backward_flops"] == flops["lin"]["flops"]  # (x needs no grad)
