@@ -22,8 +22,13 @@ convolutions, attention kernels: the formulas ``FlopCounterMode`` uses) adds
 ``macs == flops // 2``. A composite op that reaches the mode undecomposed (e.g. ``linear``
 under ``inference_mode``) is counted through its decomposition, but only when its
 decomposition is the kernel torch would run anyway: unlike ``FlopCounterMode``, an op with a
-kernel of its own (``silu_backward``, ``gelu_backward``, ...) runs that kernel, so results
-and gradients are bitwise those of the model without the plugin (in eager code; under
+kernel of its own (``silu_backward``, ``gelu_backward``, ...) runs that kernel. And the
+decomposition gives no result: the op runs as torch runs it outside the mode, then its
+decomposition runs a second time for the counts only (its result dropped, the random state
+it drew restored; so such ops cost twice inside a window), because inside a dispatch mode
+the same decomposition can take other kernels (``matmul`` of a non-contiguous batch and a
+weight: ``bmm`` in place of one folded ``mm``). So results and gradients are bitwise those
+of the model without the plugin (in eager code; under
 ``torch.compile`` the plugin is ``traceable = False``: its hooks run outside the graph, a
 graph break per hooked call, so the compiled graphs are split there and their numerics are
 those of the split graphs; ``fullgraph=True`` refuses it with an error naming the plugin).
@@ -95,6 +100,7 @@ no backward window.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import sys
 import threading
 import warnings
@@ -171,6 +177,7 @@ _PRIM_LAYOUT = getattr(getattr(torch.ops.prim, "layout", None), "default", None)
 if _PRIM_LAYOUT is not None:
     _PASS_THROUGH.add(_PRIM_LAYOUT)
 _PRIM_DEVICE = torch.ops.prim.device.default
+_SEEDED = getattr(torch.Tag, "nondeterministic_seeded", None)
 
 # -- which ops do arithmetic (for uncounted()) ------------------------------------------------------
 
@@ -267,6 +274,36 @@ def _decomposes(func, args, kwargs) -> bool:
         hit = (backend is not None and not has(name, backend) and not any(has(name, k) for k in _EXPLICIT_KEYS))
         _DECOMPOSES[key] = hit
     return hit
+
+
+def _runs_as_torch_does(func) -> bool:
+    """Whether a composite op that reaches the mode runs as torch runs it, then decomposed
+    again for its counts: not one that writes its inputs (twice would change them) or returns
+    a view (no arithmetic; a view made outside the mode cannot be returned from inside)."""
+    schema = func._schema
+    return not schema.is_mutable and not any(r.alias_info is not None for r in schema.returns)
+
+
+def _adinplace_as_outside():
+    """Inside ``__torch_dispatch__`` the ADInplaceOrView key is excluded (the op passed it):
+    views made there have no autograd metadata, so ``weight.t().requires_grad`` is False and
+    ``matmul`` decides otherwise than outside the mode."""
+    return torch._C._SetExcludeDispatchKeyGuard(_DK.ADInplaceOrView, False)
+
+
+_ADINPLACE_AS_OUTSIDE = (_adinplace_as_outside if hasattr(torch._C, "_SetExcludeDispatchKeyGuard")
+                         else contextlib.nullcontext)
+
+
+def _restored_rng(func, args, kwargs):
+    """For an op that draws random numbers (dropout, SDPA's dropout), a context restoring
+    the generators of its devices: its counting run draws what the real run drew already."""
+    if _SEEDED not in getattr(func, "tags", ()):
+        return contextlib.nullcontext()
+    devices = {t.device for a in (*args, *kwargs.values())
+               for t in (a if isinstance(a, (list, tuple)) else (a,)) if isinstance(t, torch.Tensor)}
+    accel = [d for d in devices if d.type == "cuda"]
+    return torch.random.fork_rng(devices=accel, device_type="cuda")
 
 
 def _shift(formula: Callable, n: int = 1) -> Callable:
@@ -371,6 +408,7 @@ class _Dispatcher(TorchDispatchMode):
         self.windows: List[_Window] = []
         self.entered = False
         self.dispatching = 0  # inside __torch_dispatch__ we are off the stack for a moment
+        self.only_counting = 0  # inside a decomposition run for its counts (result dropped)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.dispatching += 1
@@ -392,12 +430,32 @@ class _Dispatcher(TorchDispatchMode):
             packet = func._overloadpacket
             if func is not _PRIM_DEVICE and _decomposes(func, args, kwargs) and not any(
                     packet in p._formulas for p, _ in windows):
-                with self:  # count the matmuls inside, as FlopCounterMode does
-                    return func._op_dk(_DK.CompositeImplicitAutograd, *args, **kwargs)
+                if self.only_counting or not _runs_as_torch_does(func):
+                    with self:  # count the matmuls inside, as FlopCounterMode does
+                        return func._op_dk(_DK.CompositeImplicitAutograd, *args, **kwargs)
+                # The result is the op's as torch runs it outside the mode: run inside, its
+                # decomposition sees views without autograd (ADInplaceOrView is passed here)
+                # and takes other kernels (``matmul`` folded no batch into one ``mm``). Then
+                # the decomposition runs again, for the counts only.
+                with _ADINPLACE_AS_OUTSIDE():
+                    out = func(*args, **kwargs)
+                self._count_decomposition(func, args, kwargs)
+                return out
             out = func(*args, **kwargs)
         for plugin, w in windows:
             plugin._count(w, func, packet, args, kwargs, out)
         return out
+
+    def _count_decomposition(self, func, args, kwargs) -> None:
+        """Run ``func``'s decomposition on the same inputs for its ops' counts (the matmuls
+        inside, as FlopCounterMode counts them); its result is dropped and the random state it
+        drew from is restored."""
+        self.only_counting += 1
+        try:
+            with self, _restored_rng(func, args, kwargs):
+                func._op_dk(_DK.CompositeImplicitAutograd, *args, **kwargs)
+        finally:
+            self.only_counting -= 1
 
     def _live_windows(self) -> List[Tuple["FlopsPlugin", _Window]]:
         """``(plugin, window)``: the innermost open window of each plugin still counting."""

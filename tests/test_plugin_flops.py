@@ -658,3 +658,42 @@ def test_an_output_no_gradient_reaches_is_skipped_by_grad_hooks():
     assert g1 is None and g0.shape == (4, 4)
     assert flops["lin"]["flops"] == fwd[fcm_key(model, "lin")] > 0
     assert flops["lin"]["backward_flops"] == flops["lin"]["flops"]  # (x needs no grad)
+
+
+class _AfterTranspose(nn.Module):
+    """A Linear on a non-contiguous 3-d input (after a transpose, as on an RNN's or a conv's
+    output): ``aten.linear`` and ``aten.matmul`` run composite, and what they run inside
+    depends on whether a dispatch mode is active (folding the batch into one ``mm``, or not)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 4)
+        self.gru = nn.GRU(4, 8, batch_first=True)
+
+    def forward(self, x):
+        y = self.proj(x.transpose(1, 2))
+        return self.gru(y)[0] @ self.proj.weight[:, :8].t()
+
+
+def test_inference_mode_decomposition_leaves_results_bitwise():
+    """Under ``inference_mode`` composite ops reach the dispatch mode undecomposed; running
+    their decomposition inside it took other kernels (``bmm`` where torch folds into ``mm``):
+    outputs differed in their last bits from the model's without the plugin. They run as
+    torch runs them; the decomposition only counts (as FlopCounterMode's)."""
+    torch.manual_seed(0)
+    model, x = _AfterTranspose().eval(), torch.randn(3, 16, 5)
+    with torch.inference_mode():
+        ref = model(x)
+        fcm = fcm_counts(model, x)
+        plugin = run(model, x, extra_formulas=False)
+        out = model(x)  # the plugin's session is over: plain again
+        with hookplug.attach(model, ALL, plugins="flops"):
+            got = model(x)
+    assert torch.equal(out, ref)
+    assert torch.equal(got, ref)
+    res = plugin.results()
+    for name in ("", "proj", "gru"):
+        assert res[name]["flops"] == fcm[fcm_key(model, name)] > 0, name
+    assert plugin.total()["flops"] == fcm["Global"]
+    plain = run(model, x, extra_formulas=False)  # autograd on: decomposed by torch itself
+    assert {n: r["flops"] for n, r in plain.results().items()} == {n: r["flops"] for n, r in res.items()}
