@@ -24,8 +24,9 @@ under ``inference_mode``) is counted through its decomposition, but only when it
 decomposition is the kernel torch would run anyway: unlike ``FlopCounterMode``, an op with a
 kernel of its own (``silu_backward``, ``gelu_backward``, ...) runs that kernel. And the
 decomposition gives no result: the op runs as torch runs it outside the mode, then its
-decomposition runs a second time for the counts only (its result dropped, the random state
-it drew restored; so such ops cost twice inside a window), because inside a dispatch mode
+decomposition runs for the counts only, on ``meta`` copies of the inputs (shapes, no
+arithmetic; an RNN, many small ops, or a tensor subclass: on the inputs again, its result
+dropped, the random state it drew restored), because inside a dispatch mode
 the same decomposition can take other kernels (``matmul`` of a non-contiguous batch and a
 weight: ``bmm`` in place of one folded ``mm``). So results and gradients are bitwise those
 of the model without the plugin (in eager code; under
@@ -295,6 +296,29 @@ _ADINPLACE_AS_OUTSIDE = (_adinplace_as_outside if hasattr(torch._C, "_SetExclude
                          else contextlib.nullcontext)
 
 
+# Composite ops whose decomposition is many small ops (an RNN: a few per time step), counted
+# on the real inputs: on meta each op costs a Python meta kernel (23x the plain GRU, measured
+# on the CPU; 6x running it again).
+_RERUN_FOR_COUNTS = {getattr(torch.ops.aten, n) for n in ("gru", "lstm", "rnn_tanh", "rnn_relu")}
+
+
+def _meta_copies(args, kwargs):
+    """``(args, kwargs)`` with every tensor a ``meta`` tensor of its size, strides and dtype,
+    or None where one is a tensor subclass (a DTensor: its own dispatch)."""
+    def meta(a):
+        if isinstance(a, (list, tuple)):
+            return type(a)(meta(x) for x in a)
+        if not isinstance(a, torch.Tensor):
+            return a
+        if type(a) is not torch.Tensor and type(a) is not torch.nn.Parameter:
+            raise TypeError
+        return torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device="meta")
+    try:
+        return meta(tuple(args)), {k: meta(v) for k, v in kwargs.items()}
+    except TypeError:
+        return None
+
+
 def _restored_rng(func, args, kwargs):
     """For an op that draws random numbers (dropout, SDPA's dropout), a context restoring
     the generators of its devices: its counting run draws what the real run drew already."""
@@ -409,6 +433,7 @@ class _Dispatcher(TorchDispatchMode):
         self.entered = False
         self.dispatching = 0  # inside __torch_dispatch__ we are off the stack for a moment
         self.only_counting = 0  # inside a decomposition run for its counts (result dropped)
+        self.deferred: Optional[list] = None  # a meta run's counts, kept until it ends
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.dispatching += 1
@@ -443,19 +468,42 @@ class _Dispatcher(TorchDispatchMode):
                 return out
             out = func(*args, **kwargs)
         for plugin, w in windows:
-            plugin._count(w, func, packet, args, kwargs, out)
+            self._count_or_defer(plugin, w, func, packet, args, kwargs, out)
         return out
 
     def _count_decomposition(self, func, args, kwargs) -> None:
-        """Run ``func``'s decomposition on the same inputs for its ops' counts (the matmuls
-        inside, as FlopCounterMode counts them); its result is dropped and the random state it
-        drew from is restored."""
+        """Run ``func``'s decomposition for its ops' counts (the matmuls inside, as
+        FlopCounterMode counts them; the formulas read shapes only) and drop its result: on
+        ``meta`` copies of the inputs (no arithmetic, no random draw), else (a tensor
+        subclass, an op inside with no meta kernel) on the inputs themselves, restoring the
+        random state it drew from."""
         self.only_counting += 1
         try:
+            meta = None if func._overloadpacket in _RERUN_FOR_COUNTS else _meta_copies(args, kwargs)
+            if meta is not None:
+                outer, self.deferred = self.deferred, []
+                try:
+                    with self:
+                        func._op_dk(_DK.CompositeImplicitAutograd, *meta[0], **meta[1])
+                    counts = self.deferred
+                except Exception:  # noqa: BLE001 - not on meta: counted on the real inputs
+                    counts = None
+                finally:
+                    self.deferred = outer
+                if counts is not None:
+                    for count in counts:
+                        self._count_or_defer(*count)
+                    return
             with self, _restored_rng(func, args, kwargs):
                 func._op_dk(_DK.CompositeImplicitAutograd, *args, **kwargs)
         finally:
             self.only_counting -= 1
+
+    def _count_or_defer(self, plugin, window, func, packet, args, kwargs, out) -> None:
+        if self.deferred is not None:  # a meta run: counted once it has run to its end
+            self.deferred.append((plugin, window, func, packet, args, kwargs, out))
+        else:
+            plugin._count(window, func, packet, args, kwargs, out)
 
     def _live_windows(self) -> List[Tuple["FlopsPlugin", _Window]]:
         """``(plugin, window)``: the innermost open window of each plugin still counting."""

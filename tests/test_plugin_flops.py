@@ -697,3 +697,39 @@ def test_inference_mode_decomposition_leaves_results_bitwise():
     assert plugin.total()["flops"] == fcm["Global"]
     plain = run(model, x, extra_formulas=False)  # autograd on: decomposed by torch itself
     assert {n: r["flops"] for n, r in plain.results().items()} == {n: r["flops"] for n, r in res.items()}
+
+
+def test_inference_mode_counts_a_composite_on_meta_copies_and_draws_no_random_number(monkeypatch):
+    """The decomposition counted after the op ran is run on ``meta`` copies of its inputs: no
+    second matmul on the data, no random draw (a dropout in train mode under
+    ``inference_mode`` gives the output of the model without the plugin, and so does the
+    next random number); an RNN's, many small ops, runs on the inputs with the random state
+    restored."""
+    import hookplug_plugins.flops as flops_module
+
+    reruns = []
+    real = flops_module._restored_rng
+    monkeypatch.setattr(flops_module, "_restored_rng", lambda func, *a: reruns.append(str(func)) or real(func, *a))
+
+    class Drop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return F.dropout(self.proj(x.transpose(1, 2)), 0.5, training=True)
+
+    model, x = Drop(), torch.randn(3, 16, 16)
+    with torch.inference_mode():
+        torch.manual_seed(1)
+        ref, after = model(x), torch.rand(3)
+        fcm = fcm_counts(model, x)
+        torch.manual_seed(1)
+        with hookplug.attach(model, ALL, plugins="flops") as s:
+            got, got_after = model(x), torch.rand(3)
+        assert s["flops"].total()["flops"] == fcm["Global"] > 0
+    assert torch.equal(got, ref) and torch.equal(got_after, after)
+    assert reruns == []  # linear and dropout counted on meta
+    with torch.inference_mode():
+        run(_AfterTranspose().eval(), torch.randn(3, 16, 5), extra_formulas=False)
+    assert reruns and all("gru" in r for r in reruns)
