@@ -199,11 +199,13 @@ class StatsPlugin(hookplug.Plugin):
     def _local(self, ctx, path: str, t):
         """What this rank measures of a DTensor (tensor/sequence parallel activations and
         their gradients): its local shard, counted once over the ``Replicate()`` mesh
-        dimensions (``hookplug._bank.dtensor_local``, owner: the key's row, the same on
-        every rank), so telemetry's cross-rank merge gives the whole tensor's statistics;
-        None: nothing here (the key still gets its row: every rank keeps the same layout)."""
-        key = (ctx.name, path, ctx.phase)
-        local, partial = dtensor_local(t, self.bank.row_of(key))
+        dimensions (``hookplug._bank.dtensor_local``, owner: from the module's place in the
+        selection, the path and the phase, the same on every rank; not the key's row, which
+        differs between ranks that met other keys first), so telemetry's cross-rank merge
+        gives the whole tensor's statistics; None: nothing here (the key still gets its row)."""
+        self.bank.row_of((ctx.name, path, ctx.phase))
+        owner = self._module_order.get(ctx.name, 0) + len(path) + (ctx.phase == "eval")
+        local, partial = dtensor_local(t, owner)
         if partial and not self._warned_partial:
             self._warned_partial = True
             warnings.warn(

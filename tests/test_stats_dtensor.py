@@ -174,3 +174,40 @@ def test_dtensor_activations_merge_to_the_whole_tensor(tmp_path):
                         (rank, step, mod, site, k, r[k], w[k])
                 assert abs(r["mean"] - w["mean"]) <= 1e-9 * w["std"] + 1e-15, \
                     (rank, step, mod, site, r["mean"], w["mean"])
+
+
+def _replicate_after_a_key_of_one_rank(rank, world, first):
+    """Rank ``first`` runs a plain module in eval mode alone (a key the other rank has not
+    got), then both run ``rep``, whose output is a ``Replicate()`` DTensor, in eval mode."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    m = nn.ModuleDict({"rep": nn.Linear(4, 4), "extra": nn.Linear(4, 4)}).double()
+    parallelize_module(m, init_device_mesh("cpu", (world,)),
+                       {"rep": ColwiseParallel(output_layouts=Replicate(), use_local_output=False)})
+    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    sink = Dump()
+    with hookplug.attach(m, "Linear", plugins="stats", sink=sink) as s:
+        m.eval()
+        with torch.no_grad():
+            if rank == first:
+                m["extra"](x)
+            m["rep"](x)
+        s.step()
+    return {"recs": sorted([r["module"], r["numel"], r["calls"]] for r in sink.records)}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+@pytest.mark.parametrize("first", [0, 1])
+def test_a_replicate_output_is_counted_once_when_the_ranks_met_other_keys_first(tmp_path, first):
+    """A ``Replicate()`` DTensor is counted on one rank, picked per key. The pick was the
+    key's bank row, which differs between ranks once one met a key the other did not (a
+    module run on one rank only): ``rep``'s eval output was counted on both ranks (numel
+    24 for its 12 elements) or on none (no record at all)."""
+    from _gloo import spawn
+
+    for got in spawn(_replicate_after_a_key_of_one_rank, tmp_path, first):
+        assert got["recs"] == [["extra", 12, 1], ["rep", 12, 1]]
