@@ -8,8 +8,8 @@ This base supplies what every sink that writes somewhere repeats:
   sink is built); unset, the session's run directory ``session.run_dir``
   (``runs/<run-id>``). ``file_name``/``file_suffixes`` (class attributes) make a folder
   path name the file inside it, unless the path already ends in one of the suffixes;
-- ``all_ranks``: on a rank other than 0 the session calls a sink only when this is true;
-  ``writes_on(rank)``;
+- ``all_ranks``: on a rank other than 0 the session calls a sink only when this is true
+  (or the session is attached with ``distributed=False``); ``writes_on(rank, session)``;
 - ``close()`` at the end of the session (``hookplug_session_end``).
 
     class CsvSink(hookplug.Sink):
@@ -88,9 +88,11 @@ class Sink:
 
     current_rank = staticmethod(current_rank)
 
-    def writes_on(self, rank: int) -> bool:
-        """Whether this sink writes on ``rank`` (rank 0 always; others with ``all_ranks``)."""
-        return rank == 0 or self.all_ranks
+    def writes_on(self, rank: int, session=None) -> bool:
+        """Whether this sink writes on ``rank`` (rank 0 always; others with ``all_ranks``, or
+        in ``session`` when it is attached with ``distributed=False``: the session then hands
+        every sink its records, whatever the rank)."""
+        return rank == 0 or self.all_ranks or (session is not None and not getattr(session, "distributed", True))
 
     def resolve_path(self, session, rank: Optional[int] = None) -> str:
         """The path this sink writes for ``session`` on ``rank`` (default: this process's)."""

@@ -392,6 +392,41 @@ def test_a_session_on_one_rank_with_distributed_false_never_communicates(tmp_pat
     assert res[1]["records"] == []
 
 
+def session_on_rank1_only(rank, out):
+    """Debugging on rank 1 only (``distributed=False``) into a ``prometheus`` sink and a
+    ``jsonl`` sink without ``all_ranks``: both are handed rank 1's records, so they write."""
+    import urllib.request
+
+    res = {"served": None, "lines": None}
+    if rank == 1:
+        model = Net()
+        path = os.path.join(out, "r1.jsonl")
+        with hookplug.attach(model, "Linear", plugins=("stats", {"sites": "output"}), flush_every=1,
+                             sink=[("prometheus", {"port": 0}), ("jsonl", {"path": path})],
+                             distributed=False) as s:
+            model(torch.randn(3, 6))
+            s.step()
+            url = s["prometheus"].url
+            if url is not None:
+                body = urllib.request.urlopen(url, timeout=10).read().decode()
+                res["served"] = sorted(line.split(" ")[0] for line in body.splitlines()
+                                       if line.startswith("hookplug_tensor_numel{"))
+        res["lines"] = len(open(path).read().splitlines())
+    return res
+
+
+def test_a_debug_session_on_a_rank_other_than_0_serves_its_prometheus_sink(tmp_path):
+    """A ``distributed=False`` session hands every sink its records on any rank, but the
+    prometheus sink decided at attach by the rank alone (``writes_on``: rank 0 or
+    ``all_ranks``): on rank 1 it started no server, so the records went nowhere."""
+    pytest.importorskip("prometheus_client")
+    res = spawn("session_on_rank1_only", tmp_path)
+    assert res[0]["served"] is None
+    assert res[1]["served"] == ['hookplug_tensor_numel{module="%s",phase="train",rank="1",site="output"}' % m
+                                for m in ("fc1", "fc2")]
+    assert res[1]["lines"] == 2
+
+
 def _destroy_before_remove(rank, world, port, out):
     from _gloo import init
 

@@ -197,7 +197,7 @@ class JsonlSink(hookplug.Sink):
         """Check at attach that the file can be written (creates nothing)."""
         self.run_id = getattr(session, "run_id", None)
         rank = self.current_rank()
-        if self.writes_on(rank):
+        if self.writes_on(rank, session):
             _check_writable(self.resolve_path(session, rank))
 
     def _end_torn_line(self, fd: int) -> None:

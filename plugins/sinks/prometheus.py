@@ -173,7 +173,7 @@ class PrometheusSink(hookplug.Sink):
         if self.requested_port is None or self._server is not None:
             return
         rank = self.current_rank()
-        if not self.writes_on(rank):
+        if not self.writes_on(rank, session):
             return
         port = self.requested_port + rank if self.requested_port else 0
         try:
