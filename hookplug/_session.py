@@ -1254,7 +1254,11 @@ class Session:
             self._sampling = sampling
             self._apply_sampling()
         try:
-            self._dispatch("hookplug_step", step=ended)
+            # every plugin ends its step, also after one raised (under on_error="raise" the
+            # first error is raised once all have run): a caller that catches it and goes on
+            # (nonfinite="raise" to skip a bad batch) would get the others' step merged into
+            # the next one
+            self._dispatch("hookplug_step", step=ended, run_all=True)
         except Exception as exc:
             if self._telemetry.collective(self):  # the other ranks flush now: so does this one
                 try:

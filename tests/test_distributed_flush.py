@@ -291,6 +291,43 @@ def test_a_rank_that_raises_flushes_alone_without_waiting(tmp_path):
         assert {rec["rank"] for rec in res[r]["records"]} == {r}
 
 
+def caught_nonfinite(rank, out):
+    """stats(nonfinite="raise") under on_error="raise": a NaN on rank 1 at step 1 raises there
+    at ``step()``; rank 1 catches it and trains on (skipping the bad batch). params, the
+    plugin after stats, measures the weights (no optimizer: at ``step()``) every step."""
+    torch.manual_seed(0)
+    model = Net()
+    caught = []
+    with hookplug.attach(model, "Linear", plugins=[("stats", {"nonfinite": "raise"}),
+                                                   ("params", {"sites": "weight", "bins": 0})],
+                         sink=Dump(), flush_every=1) as s:
+        for step in range(3):
+            x = torch.randn(4, 6)
+            if rank == 1 and step == 1:
+                x[0, 0] = math.nan
+            model(x)
+            try:
+                s.step()
+            except FloatingPointError:
+                caught.append(step)
+        dump = s["dump"]
+    weights = sorted([rec["step"], rec["module"], rec["numel"]] for rec in dump.records
+                     if rec["site"] == "weight")
+    return {"caught": caught, "weights": weights}
+
+
+def test_a_rank_that_catches_nonfinite_raise_keeps_every_plugins_steps(tmp_path):
+    """The FloatingPointError of stats' ``hookplug_step`` stopped the step there: params
+    (after it) did not end its step on rank 1, so that rank's weights of step 1 went into
+    step 2 (numel twice the weight's, no step-1 record of them)."""
+    res = spawn("caught_nonfinite", tmp_path)
+    assert res[0]["caught"] == [] and res[1]["caught"] == [1]
+    numel = {f"{m}.{p}": getattr(getattr(Net(), m), p).numel()
+             for m in ("fc1", "fc2", "extra") for p in ("weight", "bias")}
+    want = sorted([step, name, n] for step in range(3) for name, n in numel.items())
+    assert res[0]["weights"] == res[1]["weights"] == want
+
+
 def peer_dies(rank, world, out):
     """Rank 1 raises at step 2 and its process ends (as under torchrun); rank 0 goes on
     under on_error="warn": its collective flushes fail, and remove() sends its rows alone."""
