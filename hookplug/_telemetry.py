@@ -457,9 +457,12 @@ class Telemetry:
                                      c.hist if c is not None else ucls.key[2]))
                 offset += laid.numel() + laid.shape[0]
             flat = torch.cat([laid.reshape(-1) for laid in lays]) if len(lays) > 1 else lays[0].reshape(-1)
+            via = _gather_device(dist, dev_type)
+            if via is not None:  # CPU rows (FSDP2's CPU offload) under an NCCL-only group
+                flat = flat.to(via)
             gathered = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
             dist.all_gather_into_tensor(gathered, flat)
-            gathered = gathered.view(world, -1)
+            gathered = gathered.view(world, -1).to(home)
             parts, start = [], 0
             for laid in lays:
                 part = gathered[:, start:start + laid.numel()].view(world, *laid.shape)
@@ -512,6 +515,24 @@ def _hashable(kind):
         return kind
     except TypeError:
         return repr(kind)
+
+
+def _gather_device(dist, dev_type: str) -> Optional[torch.device]:
+    """Where rows of ``dev_type`` are gathered when the default group's backend has no
+    collective for that device type (``init_process_group("nccl")`` holds only ``cuda``):
+    the current device of a type it has (the rows go there and back, a copy that waits for
+    the device); None where it has one, or its configuration cannot be read."""
+    try:
+        config = str(dist.get_backend_config())
+    except Exception:  # noqa: BLE001 - an older torch, a backend without a config
+        return None
+    types = [part.split(":", 1)[0].strip() for part in config.split(",") if ":" in part]
+    if not types or dev_type in types:
+        return None
+    for other in types:
+        if other == "cuda" and torch.cuda.is_available():
+            return _default_device("cuda")
+    return None
 
 
 def _default_device(dev_type: str) -> torch.device:

@@ -489,3 +489,29 @@ def test_records_flushed_after_destroy_process_group_keep_their_rank(tmp_path):
     lines = [json.loads(x) for f in sorted(out.rglob("*.jsonl")) for x in f.read_text().splitlines()]
     recs = [r for r in lines if "module" in r]
     assert [(r["step"], r["rank"], r["numel"]) for r in recs] == [(0, 0, 24), (1, 0, 24), (2, 0, 12)]
+
+
+def test_rows_of_a_device_type_the_backend_lacks_are_gathered_through_one_it_has(monkeypatch):
+    """``init_process_group("nccl")`` holds only ``cuda``: CPU rows (params under FSDP2's CPU
+    offload) went to ``all_gather_into_tensor`` as they were, which NCCL refuses; they are
+    gathered through the current CUDA device. Where the backend has the type (gloo, "cpu:gloo,
+    cuda:nccl"), or its config cannot be read, they are gathered where they are."""
+    from hookplug._telemetry import _gather_device
+
+    class FakeDist:
+        def __init__(self, config):
+            self.config = config
+
+        def get_backend_config(self, group=None):
+            if isinstance(self.config, Exception):
+                raise self.config
+            return self.config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert _gather_device(FakeDist("cuda:nccl"), "cpu") == torch.device("cuda", 3)
+    assert _gather_device(FakeDist("cuda:nccl"), "cuda") is None
+    assert _gather_device(FakeDist("cpu:gloo,cuda:nccl"), "cpu") is None
+    assert _gather_device(FakeDist("cpu:gloo,cuda:gloo"), "cpu") is None
+    assert _gather_device(FakeDist("xpu:xccl"), "cpu") is None  # no CUDA to go through: as before
+    assert _gather_device(FakeDist(RuntimeError("no config")), "cpu") is None
