@@ -463,6 +463,11 @@ def test_plot_features_from_a_tensor_and_a_capture(tmp_path):
         hookplug.plot_features({"a": torch.randn(3, 4, 4)}, tmp_path / "x.png", module="b")
     with pytest.raises(TypeError, match="capture"):
         hookplug.plot_features(object(), tmp_path / "x.png")
+    for bad in (dict(ncols=-2), dict(ncols=0), dict(dpi=0), dict(max_channels=True), dict(ncols=2.5)):
+        (what,) = bad
+        with pytest.raises(ValueError, match=rf"plot_features: {what} must be an int >= 1"):
+            hookplug.plot_features(torch.randn(6, 8, 8), tmp_path / "x.png", **bad)
+    assert hookplug.plot_features(torch.randn(6, 8, 8), tmp_path / "n.png", ncols=3).exists()
 
 
 def test_plot_features_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):

@@ -158,8 +158,11 @@ def plot_features(
     """
     if normalize not in ("channel", "global"):
         raise ValueError(f"plot_features: normalize must be 'channel' or 'global', got {normalize!r}")
-    if not isinstance(max_channels, int) or max_channels < 1:
-        raise ValueError(f"plot_features: max_channels must be an int >= 1, got {max_channels!r}")
+    for what, value in (("max_channels", max_channels), ("ncols", ncols), ("dpi", dpi)):
+        if (value is not None or what != "ncols") and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"plot_features: {what} must be an int >= 1{' or None' if what == 'ncols' else ''}, "
+                             f"got {value!r}")
     if module is not None:  # a name (a str is a Sequence[str]) or names, checked as options are
         module = materialise(module, Sequence[str])
         if not type_ok(module, Sequence[str]):
