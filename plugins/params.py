@@ -70,7 +70,8 @@ local, not yet reduced gradient, and FSDP2's sharded parameters get none.
 
 **Memory.** ``"update"`` keeps one copy of the (local shard of the) selected parameters
 between the two optimizer hooks; leave it out of ``sites`` to save that memory. Under
-replication the copy is kept only on the rank that counts the parameter.
+replication the copy is kept only on the rank that counts the parameter; a parameter no
+optimizer holds (a frozen backbone) drops it at the first step an optimizer ran.
 
 **Sharding-exact.** Every rank measures what it holds and telemetry merges the rows across
 ranks (one packed collective per flush, with every other producer's rows): counts add,
@@ -537,7 +538,20 @@ class ParamsPlugin(hookplug.Plugin):
         if todo:
             if not self._opt_seen and "update" in self.sites:
                 self._update(todo)  # no optimizer: the change since the last step()
+            elif self._opt_seen:
+                self._release_copies(todo)
             self._measure(todo, snapshot=False)
+
+    def _release_copies(self, prs) -> None:
+        """Drop the update copy (the attach-time baseline) of each of ``prs`` that no optimizer
+        seen so far holds (a frozen backbone left out of the optimizer): with an optimizer
+        the update is taken around its steps only, so that copy would be held, unused, for
+        the whole run. Parameters of a known optimizer (a step ``GradScaler`` skipped) keep
+        theirs for reuse."""
+        held = {pr.index for ref, _, ps in self._opt_cache.values() if ref() is not None for pr in ps}
+        for pr in prs:
+            if pr.index not in held:
+                pr.prev = None
 
     @hookimpl
     def hookplug_step(self, session, step):

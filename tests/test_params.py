@@ -920,3 +920,29 @@ def test_a_model_split_over_two_devices_reads_every_parameter_in_results(monkeyp
         assert "2.weight" in s["params"].report()
         n = len(bank.keys)
         assert bool(bank._devices[other].fold()[1:n + 1, 0].any())  # the split took place
+
+
+def test_a_frozen_parameter_no_optimizer_holds_keeps_no_update_copy():
+    """A frozen backbone left out of the optimizer (fine-tuning a head, LoRA) kept its
+    attach-time update copy for the whole run, never used once an optimizer stepped: a
+    second copy of the frozen weights. It goes at the first step; unfrozen and added to the
+    optimizer later, it is copied again and its update measured."""
+    m, x = model_and_data()
+    m[0].requires_grad_(False)
+    opt = torch.optim.SGD(m[2].parameters(), lr=0.1, momentum=0.9)
+    with hookplug.attach(m, "Linear", plugins="params") as s:
+        copies = lambda: {pr.name for pr in s["params"]._params if pr.prev is not None}  # noqa: E731
+        for step in range(4):
+            if step == 2:
+                m[0].requires_grad_(True)
+                opt.add_param_group({"params": m[0].parameters()})
+            opt.zero_grad()
+            m(x * (step + 1)).square().mean().backward()
+            before = {n: p.detach().clone() for n, p in m.named_parameters()}
+            opt.step()
+            res = s["params"].results()
+            for n in ("2.weight", "2.bias") if step < 2 else ("0.weight", "0.bias", "2.weight", "2.bias"):
+                check(res[n]["update"], ref(dict(m.named_parameters())[n].detach() - before[n]))
+            s.step()
+            assert copies() == ({"2.weight", "2.bias"} if step < 2 else {"0.weight", "0.bias", "2.weight", "2.bias"})
+            assert "update" not in s["params"].results()["0.weight"] or step >= 2
