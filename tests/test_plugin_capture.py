@@ -699,3 +699,22 @@ def test_compiled_after_attach_in_a_fresh_process_counts_calls(fresh_python):
         "    run(torch.randn(2, 8))\n"
         "print(s['capture']._calls['features'])\n")
     assert last == "{'fc1': [0, 1, 2], 'fc2': [0, 1, 2, 3, 4, 5], 'fc3': [0, 1, 2]}"
+
+
+def test_save_keeps_tensors_whose_paths_read_alike(tmp_path):
+    # {"a.b": x, "a": {"b": y}}: both tensors' paths read "output.a.b"; the file held one
+    # tensor under that key and both loaded back as y
+    pytest.importorskip("safetensors")
+
+    class Dotted(nn.Module):
+        def forward(self, x):
+            return {"a.b": x, "a": {"b": x + 1}}
+
+    m = nn.Sequential(Dotted())
+    x = torch.zeros(3)
+    with hookplug.attach(m, "*:0", plugins=("capture", {"keep": "all"})) as s:
+        m(x)
+    path = tmp_path / "dotted.safetensors"
+    s["capture"].save(path)
+    back = hookplug.load_capture(path)["0"][0]
+    assert torch.equal(back["a.b"], x) and torch.equal(back["a"]["b"], x + 1)
