@@ -201,8 +201,25 @@ def _forward_raised(module: torch.nn.Module) -> bool:
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
 
 
+def _tensor_bytes(t: torch.Tensor) -> int:
+    """The bytes ``t`` holds: a sparse tensor its indices and values (not its dense size), a
+    meta tensor none."""
+    if t.is_meta:
+        return 0
+    layout = t.layout
+    if layout is torch.sparse_coo:
+        parts = (t._indices(), t._values())
+    elif layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = (t.crow_indices(), t.col_indices(), t.values())
+    elif layout in (torch.sparse_csc, torch.sparse_bsc):
+        parts = (t.ccol_indices(), t.row_indices(), t.values())
+    else:
+        return t.numel() * t.element_size()
+    return sum(u.numel() * u.element_size() for u in parts)
+
+
 def _nbytes(obj: Any) -> int:
-    return sum(t.numel() * t.element_size() for _, t in iter_tensors(obj))
+    return sum(_tensor_bytes(t) for _, t in iter_tensors(obj))
 
 
 def _unsavable(t: torch.Tensor) -> Optional[str]:
@@ -451,7 +468,7 @@ class CapturePlugin(hookplug.Plugin):
         if any(_is_batched(t) for _, t in tensors):
             self._warn_batched(prefix, name)
             return False
-        if not self._room(kind, name, call, sum(t.numel() * t.element_size() for _, t in tensors)):
+        if not self._room(kind, name, call, sum(_tensor_bytes(t) for _, t in tensors)):
             return False
         value = map_tensors(lambda _p, t: self._copy(t), obj, prefix)
         if tensors:
@@ -558,13 +575,13 @@ class CapturePlugin(hookplug.Plugin):
                 return
             skel = self._add_skeleton(name, call, feature)
         if skel is None:
-            if not self._room("grads", name, call, grad.numel() * grad.element_size()):
+            if not self._room("grads", name, call, _tensor_bytes(grad)):
                 return
             value = self._copy(grad)
             self._after_copy(grad.device)
             self._put("grads", name, call, value)
             return
-        g = grad.numel() * grad.element_size()
+        g = _tensor_bytes(grad)
         # the structure so far (earlier parts) is freed by _put and counted again, so only g is new
         if not self._room("grads", name, call, g + self._parts_bytes(key)):
             return
@@ -579,7 +596,7 @@ class CapturePlugin(hookplug.Plugin):
 
     def _parts_bytes(self, key) -> int:
         parts = self._grad_parts.get(key)
-        return sum(t.numel() * t.element_size() for t in parts.values()) if parts else 0
+        return sum(_tensor_bytes(t) for t in parts.values()) if parts else 0
 
     # -- results ---------------------------------------------------------------------------------
 

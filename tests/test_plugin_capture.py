@@ -718,3 +718,27 @@ def test_save_keeps_tensors_whose_paths_read_alike(tmp_path):
     s["capture"].save(path)
     back = hookplug.load_capture(path)["0"][0]
     assert torch.equal(back["a.b"], x) and torch.equal(back["a"]["b"], x + 1)
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_nbytes_of_a_sparse_capture_is_what_it_holds(layout):
+    # a sparse tensor was counted at its dense size (numel * element_size): a (10^5, 10^5)
+    # tensor of two values was 40 GB in nbytes, and max_bytes=1 MiB skipped it
+    class Sp(nn.Module):
+        def forward(self, x):
+            return x
+
+    idx, vals = torch.tensor([[0, 5], [1, 7]]), torch.tensor([1.0, 2.0])
+    sp = torch.sparse_coo_tensor(idx, vals, (100_000, 100_000)).coalesce()
+    if layout == "csr":
+        sp = sp.to_sparse_csr()
+        parts = (sp.crow_indices(), sp.col_indices(), sp.values())
+    else:
+        parts = (sp.indices(), sp.values())
+    held = sum(p.numel() * p.element_size() for p in parts)
+    m = nn.Sequential(Sp())
+    with hookplug.attach(m, "*:0", plugins=("capture", {"max_bytes": 2**20})) as s:
+        m(sp)
+    cap = s["capture"]
+    assert cap.skipped == 0 and cap.features["0"].layout == sp.layout
+    assert cap.nbytes == held
