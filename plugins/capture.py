@@ -28,7 +28,8 @@ Options (keyword-only):
 ``hookplug.load_capture(path)`` rebuilds the same dicts (dataclasses come back as dicts).
 safetensors holds dense strided tensors only: nested tensors (``torch.nested``, e.g. inside
 ``nn.TransformerEncoder``'s fast path) and sparse ones are captured like any other, but
-``save`` leaves them out with one warning naming them (they load back as ``None``).
+``save`` leaves them out with one warning naming them (they load back as ``None``), as it
+does tensors on the meta device and of dtypes safetensors lacks (complex128, quantized).
 
 Under ``torch.compile`` the capture hooks run outside the graph, as in eager code (the
 plugin sets ``traceable = False``: a graph break per hooked call, call indices counted).
@@ -228,6 +229,12 @@ def _unsavable(t: torch.Tensor) -> Optional[str]:
         return "nested"
     if t.layout is not torch.strided:
         return str(t.layout).replace("torch.", "")
+    if t.is_meta:  # no data to write
+        return "meta"
+    if t.is_quantized:
+        return "quantized"
+    if t.is_complex() and t.dtype is not torch.complex64:  # safetensors: C64 only
+        return str(t.dtype).replace("torch.", "")
     return None
 
 
@@ -337,7 +344,7 @@ class CapturePlugin(hookplug.Plugin):
             with _outside_transforms():  # outside the transform (else a wrapper again)
                 return self._copy(plain)
         t = t.detach()
-        if self.to == "cpu" and t.device.type != "cpu":
+        if self.to == "cpu" and t.device.type != "cpu" and not t.is_meta:  # meta: no data to copy
             if t.is_nested or t.layout is not torch.strided:
                 return t.to("cpu")
             pin = t.device.type == "cuda"

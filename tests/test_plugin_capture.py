@@ -742,3 +742,34 @@ def test_nbytes_of_a_sparse_capture_is_what_it_holds(layout):
     cap = s["capture"]
     assert cap.skipped == 0 and cap.features["0"].layout == sp.layout
     assert cap.nbytes == held
+
+
+def test_meta_and_complex128_captures_run_and_save(tmp_path):
+    # a model run on the meta device (shapes only) raised in its forward with to="cpu"
+    # ("Cannot copy out of meta tensor"), and save() raised on a meta tensor
+    # (NotImplementedError) or a complex128 one (KeyError from safetensors): both are left
+    # out with the warning nested and sparse tensors get
+    pytest.importorskip("safetensors")
+
+    class Id(nn.Module):
+        def forward(self, x):
+            return x * 1
+
+    m = nn.Sequential(Id())
+    with hookplug.attach(m, "*:0", plugins=("capture", {"to": "cpu"})) as s:
+        y = m(torch.randn(2, 3, device="meta"))
+    cap = s["capture"]
+    assert y.is_meta and cap.features["0"].is_meta and cap.features["0"].shape == (2, 3)
+    assert cap.nbytes == 0
+    with pytest.warns(RuntimeWarning, match=r"0/output \(meta\)"):
+        cap.save(tmp_path / "meta.safetensors")
+    assert hookplug.load_capture(tmp_path / "meta.safetensors") == {"0": None}
+
+    z = torch.randn(4, dtype=torch.complex128)
+    with hookplug.attach(m, "*:0", plugins=("capture", {"keep": "all"})) as s:
+        m(z)
+        m(z.to(torch.complex64))
+    with pytest.warns(RuntimeWarning, match=r"0/output \(complex128\)"):
+        s["capture"].save(tmp_path / "c128.safetensors")
+    back = hookplug.load_capture(tmp_path / "c128.safetensors")["0"]
+    assert back[0] is None and torch.equal(back[1], z.to(torch.complex64))
