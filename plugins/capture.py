@@ -288,6 +288,7 @@ class CapturePlugin(hookplug.Plugin):
         self._events: List[Any] = []
         self.nbytes = 0  # bytes held (what max_bytes bounds)
         self.skipped = 0
+        self._last_skip: Optional[tuple] = None
         self._warned = False
         self._warned_objects = False
         self._warned_batched = False
@@ -383,11 +384,13 @@ class CapturePlugin(hookplug.Plugin):
             i = bisect.bisect_left(cl, call)
             if i < len(cl) and cl[i] == call:
                 freed = _nbytes(store[name][i])
-            elif isinstance(self.keep, int) and len(cl) >= self.keep and i > 0:
+            elif isinstance(self.keep, int) and len(cl) >= self.keep and i > 0 and kind != "inputs":
                 freed = _nbytes(store[name][0])
         if self.nbytes - freed + new_bytes <= self.max_bytes:
             return True
-        self.skipped += 1
+        if self._last_skip != (name, call):  # a call is skipped once (its inputs, then output)
+            self._last_skip = (name, call)
+            self.skipped += 1
         if not self._warned:
             self._warned = True
             warnings.warn(
@@ -442,11 +445,14 @@ class CapturePlugin(hookplug.Plugin):
                 self.nbytes -= _nbytes(lst[i])
                 lst[i] = value
             else:
-                if isinstance(self.keep, int) and len(cl) >= self.keep and i == 0:
+                # inputs come before their call's output: the oldest go once that output is
+                # kept (_trim), so a call not captured (max_bytes) drops no kept call's inputs
+                evict = isinstance(self.keep, int) and kind != "inputs"
+                if evict and len(cl) >= self.keep and i == 0:
                     return  # older than every kept call
                 lst.insert(i, value)
                 cl.insert(i, call)
-                if isinstance(self.keep, int) and len(cl) > self.keep:
+                if evict and len(cl) > self.keep:
                     self.nbytes -= _nbytes(lst.pop(0))
                     cl.pop(0)
         self.nbytes += _nbytes(value)
@@ -527,11 +533,15 @@ class CapturePlugin(hookplug.Plugin):
             if self.keep_inputs:
                 self._discard("inputs", ctx.name, ctx.call_index)
             return
-        ok = self._capture("features", ctx.name, ctx.call_index, output, "output")
+        # a call is captured whole or not at all: not its output when its inputs did not fit
+        ok = (not (self.keep_inputs and self._last_skip == (ctx.name, ctx.call_index))
+              and self._capture("features", ctx.name, ctx.call_index, output, "output"))
         if not ok:
             if self.keep_inputs:  # a call is captured whole or not at all
                 self._discard("inputs", ctx.name, ctx.call_index)
             return
+        if self.keep_inputs and isinstance(self.keep, int):  # inputs of calls no longer kept go
+            self._trim("inputs", ctx.name)
         if self.keep_grads and self.keep != "all":  # gradients of calls no longer kept go
             self._trim("grads", ctx.name)
             self._drop_grad_calls(ctx.name, self._floor("features", ctx.name))

@@ -773,3 +773,27 @@ def test_meta_and_complex128_captures_run_and_save(tmp_path):
         s["capture"].save(tmp_path / "c128.safetensors")
     back = hookplug.load_capture(tmp_path / "c128.safetensors")["0"]
     assert back[0] is None and torch.equal(back[1], z.to(torch.complex64))
+
+
+@pytest.mark.parametrize("keep", [2, "all"])
+def test_a_call_over_max_bytes_drops_no_kept_inputs_and_counts_once(keep):
+    # keep=2: the inputs of the call that did not fit had already evicted those of the
+    # oldest call features still held (inputs[m][0] became None); and a call whose inputs
+    # and output both did not fit was counted twice in skipped
+    class Double(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    m = nn.Sequential(Double())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with hookplug.attach(m, "*:0", plugins=("capture", {"keep": keep, "inputs": True,
+                                                            "max_bytes": 88})) as s:
+            m(torch.ones(4))
+            m(torch.full((4,), 2.0))
+            m(torch.full((8,), 3.0))  # 64 bytes more: does not fit
+    cap = s["capture"]
+    assert cap.skipped == 1
+    assert [f[0].item() for f in cap.features["0"]] == [2.0, 4.0]
+    assert [i[0][0].item() for i in cap.inputs["0"]] == [1.0, 2.0]
+    assert cap.nbytes == 64
