@@ -524,6 +524,10 @@ class CapturePlugin(hookplug.Plugin):
     # -- hooks (hot path) ------------------------------------------------------------------------
 
     @hookimpl
+    def hookplug_session_start(self, session):
+        self._last_skip = None  # call indices start again: an old skip is no other call's
+
+    @hookimpl
     def hookplug_forward_input(self, ctx, args):
         self._capture("inputs", ctx.name, ctx.call_index, tuple(args), "input")
 

@@ -14,6 +14,7 @@ import hookplug
 from hookplug import PluginError
 from hookplug.models import MLP, resnet34_like
 from hookplug.structures import iter_tensors
+from hookplug_plugins.capture import CapturePlugin
 
 
 def conv_inputs_by_hand(model, x):
@@ -797,3 +798,21 @@ def test_a_call_over_max_bytes_drops_no_kept_inputs_and_counts_once(keep):
     assert [f[0].item() for f in cap.features["0"]] == [2.0, 4.0]
     assert [i[0][0].item() for i in cap.inputs["0"]] == [1.0, 2.0]
     assert cap.nbytes == 64
+
+
+def test_a_plugin_attached_again_captures_the_call_its_last_session_skipped_at_that_index():
+    """The call skipped last (max_bytes) is remembered by module and call index, so that its
+    output is not kept once its inputs were not; a second session counts calls from 0 again
+    and its call 0 was left out too, though it fit."""
+    m = nn.Sequential(nn.Linear(4, 4))
+    plugin = CapturePlugin(inputs=True, max_bytes=100, keep="all")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with hookplug.attach(m, "*:0", plugins=plugin):
+            m(torch.randn(100, 4))  # call 0: too big
+        assert plugin.skipped == 1 and not plugin.features
+        x = torch.randn(1, 4)
+        with hookplug.attach(m, "*:0", plugins=plugin):
+            y = m(x)  # call 0 again: fits
+    assert plugin.skipped == 1
+    assert torch.equal(plugin.features["0"][0], y.detach()) and torch.equal(plugin.inputs["0"][0][0], x)
