@@ -9,6 +9,7 @@ import datetime
 import json
 import math
 import os
+import textwrap
 import traceback
 import warnings
 
@@ -515,3 +516,36 @@ def test_rows_of_a_device_type_the_backend_lacks_are_gathered_through_one_it_has
     assert _gather_device(FakeDist("cpu:gloo,cuda:gloo"), "cpu") is None
     assert _gather_device(FakeDist("xpu:xccl"), "cpu") is None  # no CUDA to go through: as before
     assert _gather_device(FakeDist(RuntimeError("no config")), "cpu") is None
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and dist.is_nccl_available()), reason="needs a CUDA GPU and NCCL")
+def test_cpu_rows_flush_through_an_nccl_only_group(fresh_python):
+    """A 1-rank NCCL group (no CPU collective) and a model on the CPU (params' rows as under
+    FSDP2's CPU offload): the flush gathers the rows through the GPU and gives the records a
+    group-less session gives."""
+    out = fresh_python(textwrap.dedent("""
+        import json, os, socket, torch, torch.nn as nn, torch.distributed as dist, hookplug
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        def run(distributed):
+            torch.manual_seed(0)
+            model, x = nn.Linear(8, 4), torch.randn(16, 8)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            got = []
+            class Keep:
+                name = "keep"
+                @hookplug.hookimpl
+                def hookplug_flush(self, records):
+                    got.extend((r["module"], r["site"], r["numel"], round(r["mean"], 6)) for r in records)
+            with hookplug.attach(model, "*:", plugins=["stats", ("params", {"sites": ("weight", "grad")})],
+                                 sink=Keep(), distributed=distributed) as s:
+                model(x).sum().backward(); opt.step(); s.step(); opt.zero_grad()
+            return sorted(got)
+        merged, alone = run(True), run(False)
+        dist.destroy_process_group()
+        print(json.dumps({"same": merged == alone, "n": len(merged)}))
+    """))
+    got = json.loads(out)
+    assert got["same"] and got["n"] >= 5
