@@ -158,7 +158,10 @@ class GradClampPlugin(hookplug.Plugin):
             scale = torch.where(
                 torch.isfinite(norm) & (norm > self.max_norm), scale, torch.ones_like(scale)
             )
-            g = g * scale.to(g.dtype)
+            # a low-precision gradient is scaled in float32: the scale itself, cast to
+            # float16, is subnormal for a large norm (max_norm / norm < 6e-5) and lost its
+            # precision there (a norm 19% over max_norm, or all zero)
+            g = (g.float() * scale).to(g.dtype) if low else g * scale.to(g.dtype)
         if g is grad:
             return None
         if is_batched(grad):  # under vmap: a count would be a BatchedTensor escaping it

@@ -399,3 +399,22 @@ def test_params_glob_names_a_submodule_compiled_in_place_as_the_plain_model():
     assert torch.count_nonzero(fc.weight.grad) == 0
     assert torch.count_nonzero(fc.bias.grad) == 4
     assert s["gradclamp"].results() == {"net.0.weight": {"changed": 32}}
+
+
+@pytest.mark.parametrize("value, n", [(10000.0, 10**6), (60000.0, 4096)])
+def test_max_norm_float16_large_norm_is_clipped_to_max_norm(value, n):
+    # max_norm / norm is a float16 subnormal here: the scale must not be rounded to float16
+    class Id(nn.Module):
+        def forward(self, x):
+            return x * 1
+
+    model = nn.Sequential(Id())
+    x = torch.zeros(n, dtype=torch.float16, requires_grad=True)
+    seen = []
+    with hookplug.attach(model, "Id", plugins=("gradclamp", {"max_norm": 1.0})):
+        out = model(x)
+        out.register_hook(lambda g: seen.append(g.clone()))
+        out.backward(torch.full((n,), value, dtype=torch.float16))
+    want = torch.full((n,), value) * (1.0 / (value * n**0.5 + 1e-6))
+    torch.testing.assert_close(seen[0], want.half())
+    assert float(torch.linalg.vector_norm(seen[0].float())) <= 1.0 + 1e-3
