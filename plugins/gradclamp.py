@@ -23,6 +23,9 @@ Options (keyword-only):
   ``{"min": 0, "max": 0, "params": "fc*.bias"}`` touches only those parameters (the seeds'
   "zero every fc bias gradient"); pass ``outputs=True`` to do both.
 
+The hooks run inside backward, so under AMP's ``GradScaler`` they see the *scaled*
+gradients: ``min``/``max``/``max_norm`` apply to the values times the current scale.
+
 Order: NaN handling, then ``min``/``max``, then ``max_norm``. The plugin counts how many
 elements it changed in an int64 device counter per module output (keyed by module name)
 and per parameter (keyed by parameter name), without a host sync; ``results()`` reads them:
