@@ -263,16 +263,22 @@ def create_plugin(name: str, options: Optional[Dict[str, Any]] = None):
 def _not_a_plugin(obj) -> str:
     """What ``obj`` is in words when a factory returned it but it is no plugin object (None, a
     class, an object with no hooks), else ''."""
-    from ._plugin import Plugin
-    from ._sink import Sink
-
     if obj is None:
         return "None"
     if isinstance(obj, type):
         return f"the class {obj.__name__}, not an instance of it"
-    if isinstance(obj, (Plugin, Sink)) or any(is_hookimpl(obj, attr) for attr in dir(obj)):
+    if is_plugin_object(obj):
         return ""
     return f"a {type(obj).__name__} with no @hookplug.hookimpl method"
+
+
+def is_plugin_object(obj) -> bool:
+    """Whether ``obj`` can be attached as a plugin: a ``Plugin`` or ``Sink``, or any object
+    with a method marked ``@hookplug.hookimpl``."""
+    from ._plugin import Plugin
+    from ._sink import Sink
+
+    return isinstance(obj, (Plugin, Sink)) or any(is_hookimpl(obj, attr) for attr in dir(obj))
 
 
 _MARKS = pluggy.PluginManager(hookspecs.hookimpl.project_name)  # no specs: reads @hookimpl marks only

@@ -38,6 +38,11 @@ class OptionError(PluginError):
         self.plugin, self.option, self.problem = plugin, option, problem
 
 
+def is_int_at_least(value: Any, least: int) -> bool:
+    """Whether ``value`` is an int (not a bool) ``>= least``: a count, a step number."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
 def type_ok(value: Any, hint: Any) -> bool:
     """Whether ``value`` fits the type hint ``hint``."""
     if hint is Any or hint is inspect.Parameter.empty:

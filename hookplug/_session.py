@@ -35,11 +35,11 @@ from ._checkpoint import RecomputeMatcher
 # it runs, see skip_recompute in hookplug.ops)
 from ._checkpoint import _graph_task_id
 from ._config import _records_given, attach_options
-from ._manager import PluginError, PluginLoadError, create_plugin, is_hookimpl, new_plugin_manager
-from ._plugin import Plugin
+from ._manager import (PluginError, PluginLoadError, create_plugin, is_hookimpl, is_plugin_object,
+                       new_plugin_manager)
+from ._options import is_int_at_least
 from ._selectors import (check_strict, named_modules, named_parameters, replica_group, select_terms,
                          unwrap_model, warn_never_called)
-from ._sink import Sink
 from .structures import children, iter_tensors, map_tensors
 
 __all__ = ["attach", "Session", "HookContext"]
@@ -290,7 +290,7 @@ def _normalize_specs(spec: PluginSpec, what: str = "plugins") -> List[Tuple[str,
         return [item for sub in spec for item in _normalize_specs(sub, what)]
     if isinstance(spec, type):
         raise PluginError(f"{what}= got the class {spec.__name__}; pass an instance or a registered name")
-    if not _is_plugin_object(spec):
+    if not is_plugin_object(spec):
         hint = (f"; pass a list ({'sinks' if what == 'sink' else 'plugins'} run in list order)"
                 if isinstance(spec, (set, frozenset)) else "")
         raise PluginError(
@@ -299,12 +299,6 @@ def _normalize_specs(spec: PluginSpec, what: str = "plugins") -> List[Tuple[str,
             f"@hookplug.hookimpl methods); got {type(spec).__name__} {_short(spec)}{hint}")
     name = getattr(spec, "name", None) or type(spec).__name__
     return [(name, {}, spec)]
-
-
-def _is_plugin_object(obj) -> bool:
-    """Whether ``obj`` can be attached as a plugin: a ``Plugin`` or ``Sink``, or any object
-    with a method marked ``@hookplug.hookimpl``."""
-    return isinstance(obj, (Plugin, Sink)) or any(is_hookimpl(obj, attr) for attr in dir(obj))
 
 
 def _short(value, limit: int = 80) -> str:
@@ -1001,12 +995,11 @@ class Session:
             raise TypeError(f"attach() expects a torch.nn.Module, got {type(model).__name__}")
         if on_error not in _ON_ERROR:
             raise ValueError(f"on_error must be one of {_ON_ERROR}, got {on_error!r}")
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        if not is_int_at_least(every, 1):
             raise ValueError(f"every must be an int >= 1, got {every!r}")
-        if flush_every is not None and (not isinstance(flush_every, int) or isinstance(flush_every, bool)
-                                        or flush_every < 1):
+        if flush_every is not None and not is_int_at_least(flush_every, 1):
             raise ValueError(f"flush_every must be None or an int >= 1, got {flush_every!r}")
-        if not isinstance(start_step, int) or isinstance(start_step, bool) or start_step < 0:
+        if not is_int_at_least(start_step, 0):
             raise ValueError(f"start_step must be an int >= 0, got {start_step!r}")
         if not isinstance(distributed, bool):
             raise TypeError(f"distributed must be True or False, got {distributed!r}")
@@ -1231,7 +1224,7 @@ class Session:
         refused (the call ends the step before the body runs, which would belong to the
         next)."""
         for what, value in (("step", step), ("next_step", next_step)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            if value is not None and not is_int_at_least(value, 0):
                 raise ValueError(f"session.step({what}=...) expects an int >= 0, got {value!r}")
         ended = self._step if step is None else step
         if next_step is not None and next_step <= ended:

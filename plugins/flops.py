@@ -467,8 +467,12 @@ class _Dispatcher(TorchDispatchMode):
                 self._count_decomposition(func, args, kwargs)
                 return out
             out = func(*args, **kwargs)
+        deferred = self.deferred
         for plugin, w in windows:
-            self._count_or_defer(plugin, w, func, packet, args, kwargs, out)
+            if deferred is None:
+                plugin._count(w, func, packet, args, kwargs, out)
+            else:  # a meta run: counted once it has run to its end
+                deferred.append((plugin, w, func, packet, args, kwargs, out))
         return out
 
     def _count_decomposition(self, func, args, kwargs) -> None:
@@ -480,8 +484,8 @@ class _Dispatcher(TorchDispatchMode):
         self.only_counting += 1
         try:
             meta = None if func._overloadpacket in _RERUN_FOR_COUNTS else _meta_copies(args, kwargs)
-            if meta is not None:
-                outer, self.deferred = self.deferred, []
+            if meta is not None:  # never nested: inside this run composite ops decompose inline
+                self.deferred = []
                 try:
                     with self:
                         func._op_dk(_DK.CompositeImplicitAutograd, *meta[0], **meta[1])
@@ -489,21 +493,15 @@ class _Dispatcher(TorchDispatchMode):
                 except Exception:  # noqa: BLE001 - not on meta: counted on the real inputs
                     counts = None
                 finally:
-                    self.deferred = outer
+                    self.deferred = None
                 if counts is not None:
-                    for count in counts:
-                        self._count_or_defer(*count)
+                    for plugin, *count in counts:
+                        plugin._count(*count)
                     return
             with self, _restored_rng(func, args, kwargs):
                 func._op_dk(_DK.CompositeImplicitAutograd, *args, **kwargs)
         finally:
             self.only_counting -= 1
-
-    def _count_or_defer(self, plugin, window, func, packet, args, kwargs, out) -> None:
-        if self.deferred is not None:  # a meta run: counted once it has run to its end
-            self.deferred.append((plugin, window, func, packet, args, kwargs, out))
-        else:
-            plugin._count(window, func, packet, args, kwargs, out)
 
     def _live_windows(self) -> List[Tuple["FlopsPlugin", _Window]]:
         """``(plugin, window)``: the innermost open window of each plugin still counting."""

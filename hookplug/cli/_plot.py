@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from .._optional import optional_import
-from .._options import materialise, type_ok
+from .._options import is_int_at_least, materialise, type_ok
 from ..structures import iter_tensors
 
 __all__ = ["plot_features"]
@@ -158,10 +158,10 @@ def plot_features(
     """
     if normalize not in ("channel", "global"):
         raise ValueError(f"plot_features: normalize must be 'channel' or 'global', got {normalize!r}")
-    for what, value in (("max_channels", max_channels), ("ncols", ncols), ("dpi", dpi)):
-        if (value is not None or what != "ncols") and (
-                not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"plot_features: {what} must be an int >= 1{' or None' if what == 'ncols' else ''}, "
+    for what, value, optional in (("max_channels", max_channels, False), ("ncols", ncols, True),
+                                  ("dpi", dpi, False)):
+        if not (is_int_at_least(value, 1) or (optional and value is None)):
+            raise ValueError(f"plot_features: {what} must be an int >= 1{' or None' if optional else ''}, "
                              f"got {value!r}")
     if module is not None:  # a name (a str is a Sequence[str]) or names, checked as options are
         module = materialise(module, Sequence[str])
