@@ -70,6 +70,11 @@ _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 # accumulating into the session after remove())
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 _get_ident = threading.get_ident
+
+
+def _NO_SESSION() -> None:
+    """A context's session reference when it has none (benchmarks, tests)."""
+    return None
 _inference_mode = torch.is_inference_mode_enabled
 
 
@@ -137,21 +142,31 @@ class HookContext:
     time: a traceable plugin that reads it specialises the graph on it, so dynamo recompiles
     every step (see ``hookplug.hookspecs``)."""
 
-    __slots__ = ("name", "call_index", "_step", "session", "phase", "_thread")
+    __slots__ = ("name", "call_index", "_step", "_session_ref", "phase", "_thread")
 
-    def __init__(self, name: str, call_index: int, step: Optional[int], session: "Session",
+    def __init__(self, name: str, call_index: int, step: Optional[int], session: Optional["Session"],
                  phase: str = "train", thread: Optional[int] = None):
         self.name = name
         self.call_index = call_index
         self._step = step
-        self.session = session
+        # held weakly: a context lives on in the tensor hooks of the outputs a user keeps,
+        # and those must not keep a removed session (its plugins, their data) alive
+        self._session_ref = _NO_SESSION if session is None else session._self_ref
         self.phase = phase
         self._thread = thread  # the calling thread, for contexts the pre hook leaves in _pending (else None)
 
     @property
+    def session(self) -> Optional["Session"]:
+        """The session (None once it is gone)."""
+        return self._session_ref()
+
+    @property
     def step(self) -> int:
         """The session's step when the call happened (read lazily inside compiled code)."""
-        return self._step if self._step is not None else self.session._step
+        if self._step is not None:
+            return self._step
+        s = self.session
+        return -1 if s is None else s._step
 
     # compiled code's per-module tensors (see _TracedContext); None in eager code
     _module_tensors: Optional[Dict[Any, torch.Tensor]] = None
@@ -177,13 +192,16 @@ class _TracedContext(HookContext):
         self.tensors = tensors  # a backward's: the ones its _GradSite saved
         self.call_index = -1
         self._step = None
-        self.session = binding.session
         self.phase = phase
         self._thread = None
 
     @property
     def name(self) -> str:
         return self.binding.name
+
+    @property
+    def session(self) -> "Session":  # no weak reference to call in a traced graph
+        return self.binding.session
 
     @property
     def _module_tensors(self) -> Dict[Any, torch.Tensor]:
@@ -455,7 +473,7 @@ class _ModuleBinding:
 
     __slots__ = ("name", "where", "session", "fwd_in", "fwd_out", "out_grad", "all_in", "all_out",
                  "all_grad", "grad_in_graph", "eager_only", "eager_reason", "calls", "has_pre",
-                 "has_post", "variants", "recompute", "_pending", "module_tensors", "__weakref__")
+                 "has_post", "variants", "recompute", "_pending", "module_tensors", "_ref", "__weakref__")
 
     def __init__(self, name: str, session: "Session"):
         self.name = name
@@ -480,6 +498,7 @@ class _ModuleBinding:
         # per phase (see _TracedContext): a graph guards on the table it reads, so the eval
         # rows made after the first eval pass must not change the training graph's table
         self.module_tensors: Dict[str, Dict[Any, torch.Tensor]] = {"train": {}, "eval": {}}
+        self._ref = weakref.ref(self)  # what an output's tensor hook holds (see _output_grad_hook)
 
     def _new_ctx(self, module, compiling: bool) -> HookContext:
         """A call's context. Inside compiled code nothing Python-side that changes per call
@@ -647,10 +666,10 @@ class _ModuleBinding:
                 else:
                     found.append((t, [path]))
         for t, paths in found:
-            if len(paths) == 1:
-                t.register_hook(functools.partial(self.grad_hook, ctx, module, paths[0]))
-            else:  # every path's hooks with the whole gradient, as compiled code runs them
-                t.register_hook(functools.partial(self._grad_hooks, ctx, module, paths, ()))
+            # every path's hooks with the whole gradient where the tensor has several, as
+            # compiled code runs them
+            t.register_hook(functools.partial(_output_grad_hook, self._ref, ctx, module,
+                                              paths[0] if len(paths) == 1 else paths))
         return new
 
     def _own_pending(self) -> Optional[HookContext]:
@@ -726,6 +745,17 @@ class _ModuleBinding:
             return None
         return _fold(s, self.all_grad if _is_compiling() else self.out_grad, "hookplug_output_grad",
                      grad, (ctx, module), (path,), self.where)
+
+
+def _output_grad_hook(binding_ref, ctx, module, paths, grad):
+    """The tensor hook on a module's output: it reaches the binding weakly, so an output a
+    user keeps after ``remove()`` keeps neither the binding nor its session alive."""
+    binding = binding_ref()
+    if binding is None:
+        return None
+    if isinstance(paths, str):
+        return binding.grad_hook(ctx, module, paths, grad)
+    return binding._grad_hooks(ctx, module, paths, (), grad)
 
 
 class _ParamBinding:
@@ -1007,6 +1037,7 @@ class Session:
         # records hold this rank's statistics, and every sink it has gets them
         self.distributed = distributed
         self._model_ref = weakref.ref(model)
+        self._self_ref = weakref.ref(self)  # what hook contexts hold (see HookContext)
         # the process group of a DistributedDataParallel the model was attached through: the
         # ranks holding replicas of its plain parameters (None: the world)
         self._replica_group = None

@@ -447,6 +447,47 @@ def test_model_freed_by_refcount_even_while_attached():
     s.remove()
 
 
+class Twice(nn.Module):
+    """Returns one tensor at two paths (its tensor hook runs both paths' plugins)."""
+
+    def forward(self, x):
+        return x, x
+
+
+@pytest.mark.parametrize("plugins", [
+    ("stats", {"sites": ("output", "grad")}),
+    [("stats", {"sites": ("output", "grad")}), ("capture", {"grads": True}), "flops"],
+], ids=["stats", "stats+capture+flops"])
+def test_an_output_kept_after_remove_does_not_keep_the_session(plugins):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2), Twice())
+    s = hookplug.attach(model, "Linear|Twice", plugins=plugins)
+    a, b = model(torch.randn(3, 4))
+    s.remove()
+    gone = weakref.ref(s)
+    del s
+    gc.collect()
+    assert gone() is None, "the output's tensor hooks keep the removed session alive"
+    (a + b).sum().backward()  # the hooks left on the graph do nothing
+    assert model[0].weight.grad is not None
+
+
+def test_grads_of_an_output_reach_a_session_the_user_dropped():
+    """A session held only by the model's hooks still records the gradients of outputs."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    seen = []
+
+    class Grads(hookplug.Plugin):
+        @hookimpl
+        def hookplug_output_grad(self, ctx, grad):
+            seen.append((ctx.name, ctx.session is not None))
+
+    hookplug.attach(model, "Linear", plugins=Grads())
+    out = model(torch.randn(3, 4))
+    gc.collect()
+    out.sum().backward()
+    assert seen == [("2", True), ("0", True)]
+
+
 class Failing(hookplug.Plugin):
     name = "failing"
 
