@@ -22,7 +22,10 @@ from .structures import children
 __all__ = ["load_capture", "save_capture"]
 
 META_KEY = "hookplug.capture"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: complex dtypes safetensors lacks, stored as real views (see _AS_REAL)
+# safetensors has no complex32/complex128: those are written as their ``view_as_real``
+# (float16/float64, a trailing dimension of 2) and the entry says ``"complex": true``
+_AS_REAL = (torch.complex32, torch.complex128)
 _WHAT = ("features", "grads", "inputs")
 _PREFIX = {"features": "output", "grads": "grad", "inputs": "input"}
 
@@ -48,7 +51,7 @@ def _encode(obj: Any, key: str, tensors: Dict[str, torch.Tensor], dropped: Optio
         while unique in tensors:
             unique, n = f"{key}#{n}", n + 1
         tensors[unique] = obj
-        return {"t": unique}
+        return {"t": unique, "complex": True} if obj.dtype in _AS_REAL else {"t": unique}
     if obj is None:
         return None
     kids = children(obj, key)
@@ -83,7 +86,15 @@ def _decode(desc: Any, tensors: Dict[str, torch.Tensor], where: str, depth: int 
         key = desc["t"]
         if not isinstance(key, str) or key not in tensors:
             raise _BadFile(f"{where}: names tensor {_short(key)}, which the file does not hold")
-        return tensors[key]
+        if len(desc) == 1:
+            return tensors[key]
+        t = tensors[key]
+        if desc.get("complex") is not True or t.dtype not in (torch.float16, torch.float64) \
+                or t.dim() == 0 or t.shape[-1] != 2:
+            raise _BadFile(f"{where}: expected {{\"t\": key}} or {{\"t\": key, \"complex\": true}} naming "
+                           f"a float16/float64 tensor whose last dimension is 2, got {_short(desc)} "
+                           f"({t.dtype}, shape {tuple(t.shape)})")
+        return torch.view_as_complex(t.contiguous())
     if "dict" in desc:
         items = desc["dict"]
         if not isinstance(items, list):
@@ -151,6 +162,8 @@ def save_capture(
     seen_storage = set()
     for k, t in tensors.items():
         t = t.detach().to("cpu")
+        if t.dtype in _AS_REAL:
+            t = torch.view_as_real(t.resolve_conj())
         if not t.is_contiguous():
             t = t.contiguous()
         ptr = (t.untyped_storage().data_ptr(), t.device.type)
@@ -161,7 +174,8 @@ def save_capture(
         out[k] = t
     meta = {
         "format": "hookplug.capture",
-        "version": FORMAT_VERSION,
+        # version 1 where no entry needs 2: older hookplugs still read such files
+        "version": FORMAT_VERSION if any(t.dtype in _AS_REAL for t in tensors.values()) else 1,
         "keep": keep if isinstance(keep, (str, int)) else str(keep),
         "layout": layout,
     }

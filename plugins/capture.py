@@ -29,7 +29,8 @@ Options (keyword-only):
 safetensors holds dense strided tensors only: nested tensors (``torch.nested``, e.g. inside
 ``nn.TransformerEncoder``'s fast path) and sparse ones are captured like any other, but
 ``save`` leaves them out with one warning naming them (they load back as ``None``), as it
-does tensors on the meta device and of dtypes safetensors lacks (complex128, quantized).
+does tensors on the meta device and quantized ones. complex32/complex128 tensors (dtypes
+safetensors lacks) are written as their ``view_as_real`` and load back complex.
 
 Under ``torch.compile`` the capture hooks run outside the graph, as in eager code (the
 plugin sets ``traceable = False``: a graph break per hooked call, call indices counted).
@@ -233,8 +234,6 @@ def _unsavable(t: torch.Tensor) -> Optional[str]:
         return "meta"
     if t.is_quantized:
         return "quantized"
-    if t.is_complex() and t.dtype is not torch.complex64:  # safetensors: C64 only
-        return str(t.dtype).replace("torch.", "")
     return None
 
 

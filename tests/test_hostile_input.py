@@ -515,6 +515,10 @@ def _deep(n):
     ({"version": 1, "layout": {"features": {"m": {"list": {"a": 1}}}}}, '"list" must be a list'),
     ({"version": 1, "layout": {"features": {"m": {"one": {"value": [1]}}}}}, '"value" must be'),
     ({"version": 1, "layout": {"features": {"m": {"one": {"frob": 1}}}}}, "unknown structure"),
+    ({"version": 2, "layout": {"features": {"m": {"one": {"t": "m/output", "complex": True}}}}},
+     "float16/float64 tensor whose last dimension is 2"),
+    ({"version": 2, "layout": {"features": {"m": {"one": {"t": "m/output", "frob": True}}}}},
+     '{"t": key, "complex": true}'),
     ({"version": 1, "layout": {"features": {"m": {"one": _deep(300)}}}}, "nested more than 200"),
     ('{"version": 1, "layout": ' + "[" * 100000 + "]" * 100000 + "}", "not JSON"),
 ])

@@ -745,11 +745,12 @@ def test_nbytes_of_a_sparse_capture_is_what_it_holds(layout):
     assert cap.nbytes == held
 
 
-def test_meta_and_complex128_captures_run_and_save(tmp_path):
+def test_meta_and_complex_captures_run_and_save(tmp_path):
     # a model run on the meta device (shapes only) raised in its forward with to="cpu"
     # ("Cannot copy out of meta tensor"), and save() raised on a meta tensor
-    # (NotImplementedError) or a complex128 one (KeyError from safetensors): both are left
-    # out with the warning nested and sparse tensors get
+    # (NotImplementedError): it is left out with the warning nested and sparse tensors get;
+    # complex dtypes safetensors lacks (complex32/complex128, a KeyError there) are written
+    # as real views and load back as they were, conjugated and strided ones too
     pytest.importorskip("safetensors")
 
     class Id(nn.Module):
@@ -766,14 +767,29 @@ def test_meta_and_complex128_captures_run_and_save(tmp_path):
         cap.save(tmp_path / "meta.safetensors")
     assert hookplug.load_capture(tmp_path / "meta.safetensors") == {"0": None}
 
-    z = torch.randn(4, dtype=torch.complex128)
-    with hookplug.attach(m, "*:0", plugins=("capture", {"keep": "all"})) as s:
-        m(z)
+    z = torch.randn(4, 6, dtype=torch.complex128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: "ComplexHalf support is experimental"
+        sent = [z, z.to(torch.complex64), z.conj(), z.t()[::2], z.to(torch.complex32)]
+    ident = nn.Sequential(nn.Identity())
+    with hookplug.attach(ident, "*:0", plugins=("capture", {"keep": "all"})) as s:
+        for x in sent:
+            ident(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s["capture"].save(tmp_path / "complex.safetensors")
+    back = hookplug.load_capture(tmp_path / "complex.safetensors")["0"]
+    assert [b.dtype for b in back] == [x.dtype for x in sent]
+    for b, x in zip(back, sent):
+        assert b.shape == x.shape
+        assert torch.equal(torch.view_as_real(b), torch.view_as_real(x.resolve_conj()))
+    # a file with no complex128 stays readable by hookplugs that read format 1
+    with hookplug.attach(m, "*:0", plugins="capture") as s:
         m(z.to(torch.complex64))
-    with pytest.warns(RuntimeWarning, match=r"0/output \(complex128\)"):
-        s["capture"].save(tmp_path / "c128.safetensors")
-    back = hookplug.load_capture(tmp_path / "c128.safetensors")["0"]
-    assert back[0] is None and torch.equal(back[1], z.to(torch.complex64))
+    s["capture"].save(tmp_path / "c64.safetensors")
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "c64.safetensors"), framework="pt") as f:
+        assert '"version": 1' in f.metadata()["hookplug.capture"]
 
 
 @pytest.mark.parametrize("keep", [2, "all"])
