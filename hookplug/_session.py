@@ -1284,13 +1284,14 @@ class Session:
             # the next one
             self._dispatch("hookplug_step", step=ended, run_all=True)
         except Exception as exc:
-            if self._telemetry.collective(self):  # the other ranks flush now: so does this one
-                try:
-                    self._telemetry.on_step(self, ended)
-                except Exception as other:  # noqa: BLE001 - the plugin's error is the one raised
-                    if hasattr(exc, "add_note"):
-                        exc.add_note(f"(the telemetry flush of this step also failed: "
-                                     f"{type(other).__name__}: {other})")
+            # the step ended all the same (the other ranks flush now; a caller that goes on
+            # would get this step's records only at the next flush, a step late)
+            try:
+                self._telemetry.on_step(self, ended)
+            except Exception as other:  # noqa: BLE001 - the plugin's error is the one raised
+                if hasattr(exc, "add_note"):
+                    exc.add_note(f"(the telemetry flush of this step also failed: "
+                                 f"{type(other).__name__}: {other})")
             raise
         self._telemetry.on_step(self, ended)  # polls flushes in flight; never waits
         return _StepScope(self)

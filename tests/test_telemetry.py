@@ -386,6 +386,29 @@ def test_a_producer_disabled_under_warn_still_hands_over_the_steps_it_ended(fail
         assert [k for k, r in recs.items() if r["first_nonfinite"]] == [(3, "fc1", "output")]
 
 
+def test_a_caught_nonfinite_raise_in_step_still_flushes_that_step():
+    """stats(nonfinite="raise") raising in ``session.step()`` of a one-process session, the
+    error caught and training going on (skip a bad batch): the step's records, NaN counted,
+    reach the sink at that step's flush, not one step late."""
+    from hookplug_plugins.stats import StatsPlugin
+
+    m, sink = MLP(), ListSink()
+    with hookplug.attach(m, "Linear", plugins=StatsPlugin(nonfinite="raise"), sink=sink, flush_every=1) as s:
+        flushed = []
+        for step in range(3):
+            x = torch.randn(2, 32)
+            if step == 1:
+                x[0, 0] = math.nan
+            m(x)
+            try:
+                s.step()
+            except FloatingPointError:
+                assert step == 1
+            flushed.append(sorted({r["step"] for r in sink.records}))
+    assert flushed == [[0], [0, 1], [0, 1, 2]]
+    assert by_key(sink.records)[(1, "fc1", "output")]["nan_count"] == 64
+
+
 def test_a_third_party_producer_disabled_under_warn_is_not_asked_again():
     """A producer without ``collect_when_disabled`` that fails is not collected from again:
     its records stop at the last flush before the error (none later, none twice)."""
