@@ -776,7 +776,7 @@ class FlopsPlugin(hookplug.Plugin):
     @hookimpl
     def hookplug_session_start(self, session):
         if import_off_stack("torch._dynamo"):  # (else first imported by the dispatch mode, in
-            from hookplug._session import _PENDING_RECOMPILE_LIMIT, _guard_module_hooks  # forward)
+            from hookplug._compile_guards import _PENDING_RECOMPILE_LIMIT, _guard_module_hooks  # forward)
             # its config is per thread: the guards and the recompile limit the sessions attached
             # before the import asked for, set again on this one
             _guard_module_hooks(_PENDING_RECOMPILE_LIMIT[0])

@@ -69,7 +69,7 @@ def _guard_hooks_from_now() -> None:
     training start: the switch drops the code compiled before it (it has no hook guards),
     and a trainer compiles before training starts (Lightning's sanity check), so each later
     hook-free pass (validation after fit, a second fit's sanity check) would compile again."""
-    from hookplug._session import _guard_module_hooks
+    from hookplug._compile_guards import _guard_module_hooks
 
     _guard_module_hooks()
 

@@ -1,0 +1,746 @@
+"""The torch hooks of a session: a call's :class:`HookContext`, the checks on what plugins
+return, and the bindings that run the plugins' per-call hooks, one per hooked module
+(:class:`_ModuleBinding`: forward pre/post hooks and the output-gradient sites; the hot path)
+and one per hooked parameter (:class:`_ParamBinding`: the gradient's tensor hook).
+
+A binding holds tuples of ``(plugin, bound method)`` that ``Session`` resolves once through
+pluggy; the torch hooks loop over those plain tuples (see docs/architecture.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import threading
+import warnings
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from . import _bank
+from ._bank import is_dtensor
+# != -1 in eager code: a forward running inside backward, i.e. activation checkpointing
+# recomputing it (compiled code cannot ask at trace time: the stats op's kernel asks when
+# it runs, see skip_recompute in hookplug.ops)
+from ._checkpoint import _graph_task_id
+from ._manager import PluginError
+from .structures import children, iter_tensors, map_tensors
+
+if TYPE_CHECKING:
+    from ._session import Session
+
+__all__ = ["HookContext"]
+
+
+_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+# torch.export (also compiling): hooks run no plugin, so the exported program holds no
+# hookplug op and no bank of the session (it would need hookplug to load, and keep
+# accumulating into the session after remove())
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+_get_ident = threading.get_ident
+
+
+def _NO_SESSION() -> None:
+    """A context's session reference when it has none (benchmarks, tests)."""
+    return None
+
+
+_inference_mode = torch.is_inference_mode_enabled
+
+
+def _own_outputs(output, args, kwargs):
+    """``output`` with each tensor that needs a gradient and is one of the call's inputs or
+    a leaf (``nn.Identity``, an empty ``nn.Sequential`` shortcut, Dropout in eval, a
+    Parameter returned as is) replaced by ``t.view_as(t)``: same values and memory, its own
+    autograd node, so a gradient hook on it sees the gradient through this module only (as
+    ``register_full_backward_hook``'s ``grad_output``), not every use of the shared tensor.
+    None when no tensor needs it."""
+    if isinstance(output, torch.Tensor):  # the common case, without walking anything
+        if not output.requires_grad or (output.grad_fn is not None
+                                        and id(output) not in _input_ids(args, kwargs)):
+            return None
+        return output.view_as(output)
+    inputs = None
+    shared = set()
+    for _, t in iter_tensors(output):
+        if not t.requires_grad:
+            continue
+        if t.grad_fn is not None:
+            if inputs is None:
+                inputs = _input_ids(args, kwargs)
+            if id(t) not in inputs:
+                continue
+        shared.add(id(t))
+    if not shared:
+        return None
+    return map_tensors(lambda _, t: t.view_as(t) if id(t) in shared else t, output)
+
+
+_SCALARS = (int, float, bool, str, type(None))
+
+
+def _input_ids(args, kwargs) -> set:
+    """``id`` of every tensor among a call's arguments (walked into containers only when
+    an argument is one)."""
+    ids = set()
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            ids.add(id(a))
+        elif not isinstance(a, _SCALARS):
+            return {id(x) for _, x in iter_tensors((args, kwargs))}
+    return ids
+
+
+def _phase_of(module: nn.Module) -> str:
+    """``"eval"`` for a model (the session's root module: a frozen submodule kept in eval
+    mode inside a training model, a distillation teacher, runs in the training step) in
+    eval mode or under inference_mode, else ``"train"`` (inside compiled code: inference
+    mode where dynamo started compiling the frame, see
+    ``hookplug._bank.trace_inference_mode``)."""
+    if not module.training:
+        return "eval"
+    inference = _bank.trace_inference_mode() if _is_compiling() else torch.is_inference_mode_enabled()
+    return "eval" if inference else "train"
+
+
+class HookContext:
+    """What a per-call hook knows about the call: module ``name``, ``phase`` (``"train"``,
+    or ``"eval"`` when the model is in eval mode or under ``torch.inference_mode``),
+    ``call_index`` (how many times this module ran before in this session; -1 inside
+    torch.compile'd code, where Python counters would make dynamo recompile), the session's
+    ``step`` and ``session``. Inside compiled code ``step`` is a Python int read at trace
+    time: a traceable plugin that reads it specialises the graph on it, so dynamo recompiles
+    every step (see ``hookplug.hookspecs``)."""
+
+    __slots__ = ("name", "call_index", "_step", "_session_ref", "phase", "_thread")
+
+    def __init__(self, name: str, call_index: int, step: Optional[int], session: Optional["Session"],
+                 phase: str = "train", thread: Optional[int] = None):
+        self.name = name
+        self.call_index = call_index
+        self._step = step
+        # held weakly: a context lives on in the tensor hooks of the outputs a user keeps,
+        # and those must not keep a removed session (its plugins, their data) alive
+        self._session_ref = _NO_SESSION if session is None else session._self_ref
+        self.phase = phase
+        self._thread = thread  # the calling thread, for contexts the pre hook leaves in _pending (else None)
+
+    @property
+    def session(self) -> Optional["Session"]:
+        """The session (None once it is gone)."""
+        return self._session_ref()
+
+    @property
+    def step(self) -> int:
+        """The session's step when the call happened (read lazily inside compiled code)."""
+        if self._step is not None:
+            return self._step
+        s = self.session
+        return -1 if s is None else s._step
+
+    # compiled code's per-module tensors (see _TracedContext); None in eager code
+    _module_tensors: Optional[Dict[Any, torch.Tensor]] = None
+
+    def __repr__(self) -> str:
+        return (f"HookContext(name={self.name!r}, phase={self.phase!r}, "
+                f"call_index={self.call_index}, step={self.step})")
+
+
+class _TracedContext(HookContext):
+    """A call's context inside compiled code. Nothing per module is read unless a plugin
+    asks: ``name`` comes from the module's binding when read (a traced read makes the graph
+    that module's own), and ``_module_tensors`` is the binding's dict of per-module tensors
+    of the call's phase (e.g. ``stats``' row index): dynamo passes those as graph inputs
+    guarded by shape and dtype only, so identical hooked blocks share one graph
+    (``block.compile()``)."""
+
+    __slots__ = ("binding", "tensors")
+
+    def __init__(self, binding: "_ModuleBinding", phase: str,
+                 tensors: Optional[Dict[Any, torch.Tensor]] = None):
+        self.binding = binding
+        self.tensors = tensors  # a backward's: the ones its _GradSite saved
+        self.call_index = -1
+        self._step = None
+        self.phase = phase
+        self._thread = None
+
+    @property
+    def name(self) -> str:
+        return self.binding.name
+
+    @property
+    def session(self) -> "Session":  # no weak reference to call in a traced graph
+        return self.binding.session
+
+    @property
+    def _module_tensors(self) -> Dict[Any, torch.Tensor]:
+        return self.binding.module_tensors[self.phase] if self.tensors is None else self.tensors
+
+
+# -- what plugins return ----------------------------------------------------------------------
+
+def _kind(value) -> Optional[str]:
+    """The structure a forward output has, as far as a returned replacement must keep it."""
+    if isinstance(value, torch.Tensor):
+        return "a tensor"
+    if isinstance(value, dict):  # also HF ModelOutput
+        return "a dict"
+    if isinstance(value, (list, tuple)):
+        return "a list or tuple"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return "a dataclass"
+    return None
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
+    return type(value).__name__
+
+
+def _fold(session: "Session", impls, hook_name: str, value, before: tuple, after: tuple, where: str):
+    """pluggy's call loop for the per-call hooks that may replace a value: each ``(plugin,
+    fn)`` in order is called with ``(*before, value, *after)``; a non-None result that
+    passes :func:`_returned_ok` replaces ``value`` for the next plugin (failures go through
+    ``on_error``). Returns the final value, or None when no plugin changed it. Errors name
+    the call site as ``where`` followed by ``after`` (a gradient's path)."""
+    changed = False
+    for plugin, fn in impls:
+        try:
+            res = fn(*before, value, *after)
+        except Exception as exc:  # noqa: BLE001 - on_error decides
+            session._plugin_failed(plugin, hook_name, exc)
+            continue
+        if res is not None and _returned_ok(session, plugin, hook_name, " ".join((where, *after)), value, res):
+            value = res
+            changed = True
+    return value if changed else None
+
+
+def _returned_ok(session: "Session", plugin, hook_name: str, where: str, before, result) -> bool:
+    """Check a non-None value a plugin returned from ``hook_name``; report a bad one through
+    ``session._plugin_failed`` (raise, or warn and disable) and return False.
+
+    A forward output keeps its kind (a tensor stays a tensor; values and shapes may change);
+    a gradient keeps the incoming gradient's shape, dtype and device."""
+    if hook_name == "hookplug_forward_output":
+        kind = _kind(before)
+        if kind is None or _kind(result) == kind:
+            return True
+        expected = f"None or {kind} like the module's output ({_describe(before)})"
+    else:
+        if (isinstance(result, torch.Tensor) and result.shape == before.shape
+                and result.dtype == before.dtype and result.device == before.device):
+            return True
+        expected = f"None or a tensor like the incoming grad ({_describe(before)})"
+    entry = session._entry_of.get(id(plugin))
+    name = entry.name if entry is not None else type(plugin).__name__
+    session._plugin_failed(plugin, hook_name, PluginError(
+        f"plugin {name!r}: {hook_name} for {where} must return {expected}, got {_describe(result)}"))
+    return False
+
+
+def _base_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory ``t`` views (``_base``, which dynamo traces), else ``t``: two
+    tensors share memory when they are one, one views the other, or both view one base."""
+    return t if t._base is None else t._base
+
+
+def _aliases_input(t: torch.Tensor, args) -> bool:
+    """Whether ``t`` shares memory with one of the module's input tensors."""
+    base = _base_of(t)
+    for _, a in iter_tensors(args, "input"):
+        if base is _base_of(a):
+            return True
+    return False
+
+
+def _plain_container(obj) -> bool:
+    """Whether ``obj`` is a tensor, or nested tuples, lists, dicts, namedtuples and HF
+    ModelOutputs (whatever else), which :func:`map_tensors` rebuilds as they were."""
+    kids = children(obj)
+    if kids is None:
+        return True
+    t = type(obj)
+    plain = (t in (tuple, list, dict) or (t.__bases__ == (tuple,) and hasattr(obj, "_fields"))
+             or (isinstance(obj, dict) and dataclasses.is_dataclass(obj)))  # HF ModelOutput
+    return plain and all(_plain_container(v) for _, _, v in kids)
+
+
+def _compiled_autograd_may_run() -> bool:
+    """Whether compiled autograd is on, or will be for a backward dynamo traces now (its
+    config flag, or ``compiled_autograd._enable``), read at trace time (dynamo guards on
+    it). Not while compiled autograd runs a backward (``in_compiled_autograd_region``): a
+    forward traced there is a checkpoint's recompute, which must take the path its forward
+    took (``_enable`` around ``backward()`` only: the grad-site op), else it saves other
+    tensors and torch's checkpoint check fails. Compiled autograd copies the AOT backward graph into its own, and the effect token
+    of :class:`_GradSite`'s op fails there under inductor (dynamo cannot trace it), while it
+    traces tensor hooks as eager code does: grad sites take those then."""
+    config = sys.modules.get("torch._dynamo.config")
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(getattr(config, "compiled_autograd", False)
+                or getattr(ca, "compiled_autograd_enabled", False))
+
+
+class _GradSite(torch.autograd.Function):
+    """A module output's grad site in compiled code: ``hook(grad)`` in backward, identity
+    otherwise. dynamo traces it, backward included, with no graph break (it breaks on
+    ``grad_fn``, and on ``register_hook`` of an intermediate where torch does not trace
+    those; in 2.13, which does, the traced hook makes transformers' DynamicCache frames
+    fall back to eager).
+    Forward clones: a view returned by a Function refuses later in-place ops
+    (``ReLU(inplace=True)``); inductor fuses the clone away. ``tensors`` (the module's
+    per-module tensors, see ``_TracedContext``) are saved for backward and handed to the
+    hook: a tensor the backward only closed over would be a free variable of the compiled
+    backward, which compiled autograd switched on around ``backward()`` fails on."""
+
+    @staticmethod
+    def forward(ctx, t, hook, *tensors):
+        ctx.hook = hook
+        ctx.save_for_backward(*tensors)
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors
+        res = ctx.hook(grad, saved)
+        return (grad if res is None else res, None, *(None for _ in saved))
+
+
+def _call(hook, *args):
+    return hook(*args)
+
+
+# {reason: torch.compiler.disable(_call, reason=reason)}, made once dynamo is imported
+_EAGER_RUNNERS: Dict[str, Callable] = {}
+
+
+def _eager_reason(plugins: List[str]) -> str:
+    """What dynamo says when it refuses the graph break of an eager runner (fullgraph=True)."""
+    names = ", ".join(repr(n) for n in plugins)
+    who = f"plugins {names} set" if len(plugins) > 1 else f"plugin {names} sets"
+    return (f"hookplug {who} traceable = False: hooks run outside the graph, a graph break per "
+            "hooked module call, which torch.compile(fullgraph=True) forbids; compile without "
+            "fullgraph=True, or attach such plugins to modules outside the fullgraph region")
+
+
+def _make_eager_runner(reason: str) -> Callable:
+    runner = _EAGER_RUNNERS.get(reason)
+    if runner is None:
+        try:
+            runner = torch.compiler.disable(_call, reason=reason)
+        except TypeError:  # a torch whose disable() takes no reason
+            runner = torch.compiler.disable(_call)
+        _EAGER_RUNNERS[reason] = runner
+    return runner
+
+
+def _outside_graph(reason: str, hook, *args):
+    """Run a hook from compiled code as eager code: dynamo does not trace it (a graph break,
+    named by ``reason`` where fullgraph=True refuses it), so ``is_compiling()`` is False
+    inside and the eager path runs. The runner is made at attach where dynamo is imported
+    already (importing it for a session that may never compile would cost seconds), else by
+    the first compiled call, outside the graph."""
+    return _make_eager_runner(reason)(hook, *args)
+
+
+class _ModuleBinding:
+    """The torch hooks of one module: tuples of ``(plugin, fn)`` per hook kind.
+
+    ``variants[sampling]`` holds the tuples for sampled and unsampled steps (plugins with
+    ``sampled = False`` run on both); ``Session._apply_sampling`` swaps them in for eager
+    code. Compiled code always uses the sampled tuples (``all_*``: swapping would make
+    dynamo recompile); plugins that sample there gate themselves on the device (stats).
+    """
+
+    __slots__ = ("name", "where", "session", "fwd_in", "fwd_out", "out_grad", "all_in", "all_out",
+                 "all_grad", "grad_in_graph", "eager_only", "eager_reason", "calls", "has_pre",
+                 "has_post", "variants", "recompute", "_pending", "module_tensors", "_ref", "__weakref__")
+
+    def __init__(self, name: str, session: "Session"):
+        self.name = name
+        self.where = f"module {name!r}"  # the call site, in plugin errors
+        self.session = session
+        self.fwd_in: Tuple = ()
+        self.fwd_out: Tuple = ()
+        self.out_grad: Tuple = ()
+        self.all_in: Tuple = ()
+        self.all_out: Tuple = ()
+        self.all_grad: Tuple = ()
+        self.grad_in_graph = False  # every all_grad plugin can be traced into a compiled backward
+        self.eager_only = False  # a plugin here is not traceable: compiled code runs the eager path
+        self.eager_reason = ""  # why, naming those plugins (dynamo's fullgraph=True error)
+        self.calls = 0  # every call, sampled or not
+        self.has_pre = False
+        self.has_post = False
+        self.variants: Dict[bool, Tuple[Tuple, Tuple, Tuple]] = {}
+        # plugins told of a forward re-run inside backward (see Plugin._recompute_started)
+        self.recompute: Tuple = ()
+        self._pending: List[HookContext] = []  # pushed by pre_hook, popped by post_hook
+        # per phase (see _TracedContext): a graph guards on the table it reads, so the eval
+        # rows made after the first eval pass must not change the training graph's table
+        self.module_tensors: Dict[str, Dict[Any, torch.Tensor]] = {"train": {}, "eval": {}}
+        self._ref = weakref.ref(self)  # what an output's tensor hook holds (see _output_grad_hook)
+
+    def _new_ctx(self, module, compiling: bool) -> HookContext:
+        """A call's context. Inside compiled code nothing Python-side that changes per call
+        or per step is read (no recompiles): call_index is -1, step is read lazily."""
+        root = self.session._model_ref()  # the phase is the model's (see _phase_of)
+        if root is None:
+            root = module
+        if compiling:
+            return _TracedContext(self, _phase_of(root))
+        index = self.calls
+        self.calls = index + 1
+        phase = "train" if root.training and not _inference_mode() else "eval"
+        return HookContext(self.name, index, self.session._step, self.session, phase, _get_ident())
+
+    def pre_hook(self, module, args, kwargs):
+        compiling = _is_compiling()
+        if compiling and _is_exporting():
+            return None
+        if compiling and self.eager_only:
+            return _outside_graph(self.eager_reason, self.pre_hook, module, args, kwargs)
+        if not compiling and _graph_task_id() != -1:  # a recompute (activation checkpointing)
+            if self.has_post:
+                self._pending.append(None)
+            for plugin in self.recompute:
+                plugin._recompute_started(self.name)
+            return None
+        impls = self.all_in if compiling else self.fwd_in
+        if not impls and not self.has_post:
+            if not compiling:
+                self.calls += 1
+            return None
+        s = self.session
+        ctx = self._new_ctx(module, compiling)
+        if self.has_post and not compiling:  # the same ctx reaches forward_output for this call
+            # (compiled code makes an equal one there: a traced list mutation graph-breaks
+            # inside a checkpoint's region and is lost when its early stop raises)
+            self._pending.append(ctx)
+        if not impls:
+            return None
+        changed = False
+        for plugin, fn in impls:
+            try:
+                res = fn(ctx, module, args, kwargs)
+            except Exception as exc:  # noqa: BLE001
+                s._plugin_failed(plugin, "hookplug_forward_input", exc)
+                continue
+            if res is not None:
+                if not (isinstance(res, tuple) and len(res) == 2 and isinstance(res[0], (tuple, list))
+                        and isinstance(res[1], dict)):
+                    got = (f"({', '.join(type(r).__name__ for r in res)})"
+                           if isinstance(res, tuple) else type(res).__name__)
+                    s._plugin_failed(plugin, "hookplug_forward_input", PluginError(
+                        f"plugin {s._entry_of[id(plugin)].name!r}: hookplug_forward_input must return None or "
+                        f"(args: tuple, kwargs: dict), got {got}"))
+                    continue
+                args, kwargs = res
+                args = tuple(args)
+                changed = True
+        return (args, kwargs) if changed else None
+
+    def post_hook(self, module, args, kwargs, output):
+        """Also runs (``always_call``) when ``forward`` raised; ``output`` is None then.
+        Eager code runs inline (the hot path): one plugin and no pre hook or gradient
+        plugin cost a context and one call."""
+        if _is_compiling():
+            if _is_exporting():
+                return None
+            if self.eager_only:
+                return _outside_graph(self.eager_reason, self.post_hook, module, args, kwargs,
+                                      output)
+            return self._post_hook_compiled(module, args, kwargs, output)
+        fwd_out, out_grad = self.fwd_out, self.out_grad
+        pending = self._pending
+        if self.has_pre and pending:
+            # one pending call is this thread's own (each thread takes only its own); with
+            # more, calls of this module are nested or overlap on two threads
+            ctx = pending.pop() if len(pending) == 1 else self._own_pending()
+            if ctx is None and self.recompute:
+                for plugin in self.recompute:
+                    plugin._recompute_ended(self.name, output)
+            if not fwd_out and not out_grad:
+                return None
+            if ctx is None:
+                return self._post_hook_recompute(module, args, kwargs, output)
+        elif not fwd_out and not out_grad:  # e.g. an unsampled step: count the call, no more
+            self.calls += 1
+            return None
+        elif _graph_task_id() != -1:
+            return self._post_hook_recompute(module, args, kwargs, output)
+        else:  # no thread: only pre_hook's contexts wait in _pending
+            index = self.calls
+            self.calls = index + 1
+            s = self.session
+            root = s._model_ref()  # the phase is the model's (see _phase_of)
+            ctx = HookContext(self.name, index, s._step, s,
+                              "train" if (module if root is None else root).training and not _inference_mode()
+                              else "eval")
+        new = None
+        for plugin, fn in fwd_out:  # _fold's loop, inlined: the call costs as much as the rest
+            try:
+                res = fn(ctx, module, args, kwargs, output if new is None else new)
+            except Exception as exc:  # noqa: BLE001 - on_error decides
+                self.session._plugin_failed(plugin, "hookplug_forward_output", exc)
+                continue
+            if res is not None and _returned_ok(self.session, plugin, "hookplug_forward_output", self.where,
+                                                output if new is None else new, res):
+                new = res
+        if not out_grad:
+            return new
+        return self._watch_grads(ctx, module, args, kwargs, output if new is None else new, new)
+
+    def _post_hook_compiled(self, module, args, kwargs, output):
+        """``post_hook`` inside compiled code: the sampled tuples always, nothing Python-side
+        that changes per call (no recompiles), gradient sites traced into the graph."""
+        fwd_out, out_grad = self.all_out, self.all_grad
+        if not fwd_out and not out_grad:
+            return None
+        ctx = self._new_ctx(module, True)  # equal to pre_hook's (see there)
+        new = _fold(self.session, fwd_out, "hookplug_forward_output", output, (ctx, module, args, kwargs), (),
+                    self.where) if fwd_out else None
+        if new is not None:
+            output = new
+        if out_grad and torch.is_grad_enabled():
+            # no tensor hook: traced into the backward graph (not compiled autograd's)
+            if self.grad_in_graph and not _compiled_autograd_may_run():
+                wrapped = self._grad_sites(ctx, module, args, output)
+                if wrapped is not None:
+                    return wrapped
+            return self._hook_grads(ctx, module, args, kwargs, output, new)
+        return new
+
+    def _post_hook_recompute(self, module, args, kwargs, output):
+        """A recompute (activation checkpointing): forward is not observed again, grads
+        still are, with the context of the call it repeats."""
+        if not self.out_grad:
+            return None
+        ctx = self.session._recompute.recompute_ctx(self)
+        if ctx is None:
+            ctx = HookContext(self.name, -1, None, self.session, _phase_of(self.session._phase_module(module)))
+        return self._watch_grads(ctx, module, args, kwargs, output, None)
+
+    def _watch_grads(self, ctx, module, args, kwargs, output, new):
+        """Eager code: :meth:`_hook_grads` with autograd on; with it off, remember a call
+        that may be a reentrant checkpoint's first forward and return ``new``."""
+        if not torch.is_grad_enabled():
+            if self.session._training():
+                self.session._recompute.forward_call(self, ctx)
+            return new
+        return self._hook_grads(ctx, module, args, kwargs, output, new)
+
+    def _hook_grads(self, ctx, module, args, kwargs, output, new):
+        """A tensor hook on each output tensor that needs a gradient (a module's own view of
+        one it shares, see :func:`_own_outputs`); returns the output to use, or ``new``."""
+        own = _own_outputs(output, args, kwargs)
+        if own is not None:
+            output = new = own
+        found: List[Tuple[torch.Tensor, List[str]]] = []
+        for path, t in iter_tensors(output):
+            # a leaf (a Parameter returned as is) would keep a tensor hook for good
+            if t.requires_grad and t.grad_fn is not None:
+                for u, paths in found:
+                    if u is t:  # one tensor at two paths, (y, y): one hook, or a plugin
+                        paths.append(path)  # steering its gradient would do so twice
+                        break
+                else:
+                    found.append((t, [path]))
+        for t, paths in found:
+            # every path's hooks with the whole gradient where the tensor has several, as
+            # compiled code runs them
+            t.register_hook(functools.partial(_output_grad_hook, self._ref, ctx, module,
+                                              paths[0] if len(paths) == 1 else paths))
+        return new
+
+    def _own_pending(self) -> Optional[HookContext]:
+        """Take the latest pending context of this thread's call (None: a recompute's)."""
+        me, pending = _get_ident(), self._pending
+        for i in range(len(pending) - 1, -1, -1):
+            c = pending[i]
+            if c is None or c._thread == me:
+                del pending[i]
+                return c
+        return pending.pop()
+
+    def _grad_sites(self, ctx, module, args, output):
+        """Compiled code: ``output`` with each tensor that needs a grad site passed through
+        :class:`_GradSite` once (a tensor at several paths runs every path's hooks with the
+        whole gradient, as tensor hooks do); ``output`` itself when none needs one. None
+        where the clone could change what the model computes or returns: a view or an
+        input returned as output, or two outputs that share memory (``h, h[:, 0]``; the
+        clones would not alias it, or each other) or a container other than a tuple, list,
+        dict, namedtuple or HF ModelOutput; those take the tensor hooks."""
+        found: List[Tuple[torch.Tensor, List[str]]] = []
+        for path, t in iter_tensors(output):
+            if not t.requires_grad or t.is_leaf:  # a leaf would keep a tensor hook for good
+                continue
+            if _aliases_input(t, args):
+                return None
+            for u, paths in found:
+                if u is t:
+                    paths.append(path)
+                    break
+                if _base_of(u) is _base_of(t):
+                    return None
+            else:
+                found.append((t, [path]))
+        if not found:
+            return output
+        if not _plain_container(output):
+            return None
+        table = self.module_tensors[ctx.phase]
+        keys, tensors = tuple(table), tuple(table.values())
+        wrapped = [(t, _GradSite.apply(t, functools.partial(self._grad_hooks, ctx, module, paths, keys),
+                                       *tensors))
+                   for t, paths in found]
+
+        def swap(path, t):
+            for u, w in wrapped:
+                if u is t:
+                    return w
+            return t
+
+        return map_tensors(swap, output)
+
+    def _grad_hooks(self, ctx, module, paths, keys, grad, saved=()):
+        """The grad hooks of every path of one tensor: the first replacement is the
+        gradient, and the paths after it see it (they steer nothing more), with a context
+        whose per-module tensors are those ``_GradSite`` saved (under ``keys``; none in
+        eager code)."""
+        if keys:
+            ctx = _TracedContext(self, ctx.phase, dict(zip(keys, saved)))
+        out = None
+        for path in paths:  # a later path sees the gradient as steered (a clamp counts once)
+            res = self.grad_hook(ctx, module, path, grad if out is None else out)
+            if res is not None and out is None:
+                out = res
+        return out
+
+    def grad_hook(self, ctx, module, path, grad):
+        s = self.session
+        if s._removed or grad is None:
+            # None: no gradient reached this output (an unused output of a node with
+            # several, e.g. one chunk of ``x.chunk(2)``, or an autograd.Function's):
+            # torch calls tensor hooks with None there; nothing to measure or steer
+            return None
+        return _fold(s, self.all_grad if _is_compiling() else self.out_grad, "hookplug_output_grad",
+                     grad, (ctx, module), (path,), self.where)
+
+
+def _output_grad_hook(binding_ref, ctx, module, paths, grad):
+    """The tensor hook on a module's output: it reaches the binding weakly, so an output a
+    user keeps after ``remove()`` keeps neither the binding nor its session alive."""
+    binding = binding_ref()
+    if binding is None:
+        return None
+    if isinstance(paths, str):
+        return binding.grad_hook(ctx, module, paths, grad)
+    return binding._grad_hooks(ctx, module, paths, (), grad)
+
+
+class _ParamBinding:
+    """The tensor hook on one parameter's gradient. The parameter is reached through its
+    module (held weakly) and attribute name: a weak reference to the tensor itself would
+    stop ``torch.utils.swap_tensors`` (``module.double()`` under
+    ``torch.__future__.set_swap_module_params_on_conversion(True)``)."""
+
+    __slots__ = ("name", "owner_ref", "attr", "session", "impls", "calls", "variants", "handle")
+
+    def __init__(self, name: str, owner: nn.Module, attr: str, session: "Session"):
+        self.name = name
+        self.owner_ref = weakref.ref(owner)
+        self.attr = attr
+        self.session = session
+        self.handle = None  # of the tensor hook
+        self.impls: Tuple = ()
+        self.variants: Dict[bool, Tuple] = {}
+        self.calls = 0
+
+    def param(self) -> Optional[torch.Tensor]:
+        owner = self.owner_ref()
+        return None if owner is None else owner._parameters.get(self.attr)
+
+    def hook(self) -> None:
+        """Put the tensor hook on the parameter (the session keeps the handle), and on
+        every later call install its hook dict again: ``swap_tensors`` (``module.double()``
+        under ``swap_module_params_on_conversion``) gives the parameter a new at::Tensor,
+        and the dict moves with the Python object but the autograd hook that runs it does
+        not. Assigning the dict back installs it on the current one (0.2 us; every hook in
+        it runs again, not only ours; an address check would miss a reused address). A
+        frozen parameter gets its hook too (``requires_grad`` is on for the registration
+        only; torch keeps a leaf's hooks through freezing): it runs once the parameter is
+        unfrozen, also in the backward right after ``requires_grad_(True)``."""
+        param = self.param()
+        if param is None:
+            return
+        hooks = param._backward_hooks
+        if self.handle is None or hooks is None or self.handle.id not in hooks:
+            # first time, or a new Parameter object
+            if param.requires_grad:
+                self.handle = param.register_hook(self)
+            elif (param.is_leaf and (param.is_floating_point() or param.is_complex())
+                  and not param.is_inference()):  # (an inference tensor cannot require grad)
+                param.requires_grad_(True)
+                try:
+                    self.handle = param.register_hook(self)
+                finally:
+                    param.requires_grad_(False)
+            else:
+                return
+            self.session._handles.append(self.handle)
+            if not self.session._fsdp2_warned and _sharded_by_fsdp2(param, self.session.model):
+                self.session._fsdp2_warned = True  # once a session: it names the first one
+                _warn_fsdp2_param(self.name)
+        else:
+            param._backward_hooks = hooks
+
+    def __call__(self, grad):
+        s = self.session
+        if s._removed or not self.impls:
+            return None
+        if _is_compiling():
+            ctx = HookContext(self.name, -1, None, s)
+        else:
+            ctx = HookContext(self.name, self.calls, s._step, s)
+            self.calls += 1
+        return _fold(s, self.impls, "hookplug_param_grad", grad, (ctx, self.name, self.param()), (),
+                     f"parameter {self.name!r}")
+
+
+class _Rehook:
+    """A module's ``load_state_dict`` post-hook: its parameters (new objects under
+    ``assign=True``) get their gradient hooks before the next backward."""
+
+    __slots__ = ("bindings",)
+
+    def __init__(self, bindings: List[_ParamBinding]):
+        self.bindings = bindings
+
+    def __call__(self, module, incompatible_keys) -> None:
+        for pb in self.bindings:
+            if not pb.session._removed:
+                pb.hook()
+
+
+def _sharded_by_fsdp2(param: torch.Tensor, model: Optional[nn.Module]) -> bool:
+    """``param`` is a DTensor of a model that ``fully_shard`` (FSDP2) manages."""
+    if model is None or not is_dtensor(param):
+        return False
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    cls = getattr(fsdp, "FSDPModule", None)
+    return cls is not None and any(isinstance(m, cls) for m in model.modules())
+
+
+def _warn_fsdp2_param(name: str) -> None:
+    warnings.warn(
+        f"hookplug: parameter {name!r} (and every other one sharded by FSDP2's fully_shard) "
+        "gets no gradient hook: FSDP2 computes its gradient "
+        "on an unsharded copy and reduce-scatters it into .grad directly, so a "
+        "parameter-gradient hook (hookplug_param_grad: gradclamp params=, ...) never runs for "
+        "it. Steer module-output gradients instead, or clip after backward (the params "
+        "plugin measures FSDP2 gradients from .grad)", RuntimeWarning, stacklevel=4)
