@@ -7,7 +7,10 @@
 
 Options (keyword-only):
 
-- ``min``, ``max``: clamp every element of the gradient to ``[min, max]``.
+- ``min``, ``max``: clamp every element of the gradient to ``[min, max]``. A bound past the
+  largest finite value of the gradient's dtype is what that dtype rounds it to: on a
+  float16 gradient ``max=65510`` clamps to 65504 (an inf gradient becomes 65504), while
+  ``max=65520`` or more is +inf, no bound (as ``torch.clamp`` in float64 then cast gives).
 - ``max_norm``: scale each gradient tensor down so its L2 norm is at most ``max_norm``
   (per tensor, like ``clip_grad_norm_`` on that tensor alone; a tensor whose norm is not
   finite is left as it is).
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import struct
 import warnings
 from typing import Any, Dict, Literal, Optional, Sequence, Union
 
@@ -49,6 +53,24 @@ from hookplug._selectors import parameter_names
 
 __all__ = ["GradClampPlugin"]
 
+
+
+def _saturate(v: Optional[float], dtype: torch.dtype) -> Optional[float]:
+    """A bound ``v`` on a ``dtype`` gradient as that dtype rounds it. Inside its range torch
+    rounds the number itself; past its largest finite value ``v`` is that value while it
+    rounds to it (float16: 65504 < |v| < 65520), else +-inf, as ``torch.clamp`` with a
+    tensor bound, in float64 then cast, or compiled gives (eager ``torch.clamp`` with such a
+    Python number raises). A number reaches a tensor of any dtype through float32, so it is
+    rounded to float32 first, as torch does (65519.999999 is 65520.0 there: inf in float16)."""
+    fi = torch.finfo(dtype)
+    if v is None or abs(v) <= fi.max:
+        return v
+    try:
+        w = struct.unpack("f", struct.pack("f", abs(v)))[0]
+    except OverflowError:  # past float32's range once rounded
+        w = math.inf
+    half_ulp = fi.max * fi.eps / (2 - fi.eps) / 2  # the tie rounds to inf (max's mantissa is odd)
+    return math.copysign(fi.max if w < fi.max + half_ulp else math.inf, v)
 
 
 def _number(name: str, v):
@@ -121,16 +143,11 @@ class GradClampPlugin(hookplug.Plugin):
     # -- the transform ---------------------------------------------------------------------------
 
     def _bounds(self, dtype: torch.dtype):
-        """``min``/``max`` as ``dtype`` can hold them: a bound past its largest finite value
-        is +-inf (as a float16 gradient compares with 1e5), None where unset or without
-        effect (no tensor is made: this runs inside backward)."""
+        """``min``/``max`` as ``dtype`` holds them (see `_saturate`), None where unset or
+        without effect (no tensor is made: this runs inside backward)."""
         got = self._dtype_bounds.get(dtype)
         if got is None:
-            big = torch.finfo(dtype).max
-
-            def fit(v):
-                return None if v is None else (math.copysign(math.inf, v) if abs(v) > big else v)
-            lo, hi = fit(self.min), fit(self.max)
+            lo, hi = _saturate(self.min, dtype), _saturate(self.max, dtype)
             got = self._dtype_bounds[dtype] = (None if lo == -math.inf else lo,
                                                None if hi == math.inf else hi)
         return got

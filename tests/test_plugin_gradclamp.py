@@ -418,3 +418,54 @@ def test_max_norm_float16_large_norm_is_clipped_to_max_norm(value, n):
     want = torch.full((n,), value) * (1.0 / (value * n**0.5 + 1e-6))
     torch.testing.assert_close(seen[0], want.half())
     assert float(torch.linalg.vector_norm(seen[0].float())) <= 1.0 + 1e-3
+
+
+def _near_max_bounds(dtype):
+    """Bounds around ``dtype``'s largest finite value: the value itself, one a quarter of
+    its last ulp past it (rounds to it), one half an ulp past it (rounds to inf: the tie
+    goes to the even mantissa), and twice it."""
+    fi = torch.finfo(dtype)
+    ulp = fi.max * fi.eps / (2 - fi.eps)
+    bounds = [fi.max, fi.max + ulp / 4, fi.max + ulp / 2, 2 * fi.max]
+    if dtype == torch.float16:
+        bounds += [65510.0, 65519.0, 65520.0, 1e5]
+    return bounds
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("which", ["max", "min", "both"])
+def test_bounds_near_the_dtype_max_agree_with_torch_clamp(dtype, which):
+    """A bound just past the largest finite value of the gradient's dtype is the value that
+    dtype rounds it to (float16: 65504 for 65504 < b < 65520, inf from 65520 on), as
+    ``torch.clamp`` with a tensor bound, in float64 then cast, or compiled gives (eager
+    ``torch.clamp`` with such a Python number raises "cannot be converted ... without
+    overflow"). Before, any bound past the max counted as no bound: with ``max=65510`` an
+    inf float16 gradient stayed inf."""
+    big = torch.finfo(dtype).max
+
+    class Id(nn.Module):
+        def forward(self, x):
+            return x * 1
+
+    g_out = torch.tensor([float("inf"), float("-inf"), big, -big, 1.0, -1.0, float("nan")],
+                         dtype=dtype)
+    for b in _near_max_bounds(dtype):
+        opts = {"max": {"max": b}, "min": {"min": -b}, "both": {"min": -b, "max": b}}[which]
+        ref64 = torch.clamp(g_out.double(), **opts)
+        want = ref64.to(dtype)
+        # torch.clamp with tensor bounds on the gradient itself gives the same
+        t_opts = {k: torch.tensor(v, dtype=torch.float64) for k, v in opts.items()}
+        torch.testing.assert_close(torch.clamp(g_out, **t_opts), want, equal_nan=True,
+                                   rtol=0, atol=0)
+        model = nn.Sequential(Id())
+        x = torch.zeros(len(g_out), dtype=dtype, requires_grad=True)
+        seen = []
+        with hookplug.attach(model, "Id", plugins=("gradclamp", opts)) as s:
+            out = model(x)
+            out.register_hook(lambda g: seen.append(g.clone()))
+            out.backward(g_out)
+            changed = s["gradclamp"].results().get("0", {"changed": 0})["changed"]
+        torch.testing.assert_close(seen[0], want, equal_nan=True, rtol=0, atol=0,
+                                   msg=f"{dtype} {opts}")
+        moved = int(((want != g_out) & ~torch.isnan(g_out)).sum())
+        assert changed == moved, (dtype, opts, changed, moved)
