@@ -9,7 +9,9 @@ Grammar (see DESIGN.md)::
                                                  or empty: the root module only
 
 A regex runs to the next comma outside character classes, braces and parentheses (write
-``\\,`` for a literal comma at the top level). Wrappers (``torch.compile``, DataParallel,
+``\\,`` for a literal comma at the top level). Whitespace around any part is not part of
+it (``Conv2d | Linear : re: fc\\d , -*:head``), after ``re:`` included; write ``\\ `` for
+a space the regex begins or ends with. Wrappers (``torch.compile``, DataParallel,
 DDP) are looked through: names are those of the wrapped model.
 
 Selectors may come from config files, so they are treated as untrusted text:
@@ -311,16 +313,26 @@ def _check_regex(selector: str, column: int, pattern: str) -> _RegexCost:
     return cost
 
 
+def _strip(text: str) -> Tuple[int, str]:
+    """``text`` without the whitespace around it, and how much led it; a trailing
+    whitespace character escaped with a backslash (a regex's ``\\ ``) is kept."""
+    body = text.lstrip()
+    lead = len(text) - len(body)
+    end = len(body.rstrip())
+    if end < len(body) and (end - len(body[:end].rstrip("\\"))) % 2:
+        end += 1
+    return lead, body[:end]
+
+
 def _parse_term(selector: str, offset: int, text: str) -> _Term:
-    lead = len(text) - len(text.lstrip())
-    body = text.strip()
+    lead, body = _strip(text)
     col = offset + lead
     if not body:
         raise SelectorError(selector, col, "empty term in selector (two commas, or a trailing comma?)")
     exclude = body.startswith("-")
     if exclude:
-        body = body[1:].lstrip()
-        col = offset + lead + (len(text.strip()) - len(body))
+        whole, body = body, body[1:].lstrip()
+        col = offset + lead + (len(whole) - len(body))
         if not body:
             raise SelectorError(selector, col, "'-' must be followed by a term to remove")
     class_part, sep, name_part = body.partition(":")
@@ -350,8 +362,9 @@ def _parse_term(selector: str, offset: int, text: str) -> _Term:
         kind, pattern = "root", ""
     elif name_part.lstrip().startswith("re:"):
         lead_spaces = len(name_part) - len(name_part.lstrip())
-        kind, pattern = "regex", name_part.lstrip()[3:].rstrip()
-        _check_regex(selector, name_col + lead_spaces + 3, pattern)
+        inner, pattern = _strip(name_part.lstrip()[3:])  # "re: x" is "x", as "A | B" is A, B
+        kind = "regex"
+        _check_regex(selector, name_col + lead_spaces + 3 + inner, pattern)
     else:
         kind, pattern = "glob", name_part.strip()
         if any(c.isspace() for c in pattern):

@@ -266,3 +266,24 @@ def test_a_module_reachable_by_two_names_is_selected_by_either():
         assert names(m, "*:dec") == ["enc"]
         assert names(m, "Linear:dec.*") == ["enc.0"]
         assert names(m, "*, -*:dec*") == ["head"]
+
+
+def test_regex_ignores_spaces_around_it_as_every_other_part_does():
+    """``re: fc1`` is the regex ``fc1``: spaces around a selector's parts (``A | B``,
+    ``A , B``, ``Linear: re:...``, a trailing one) are never part of them, so the spaces
+    after ``re:`` are not either (a leading space was kept: ``" fc1"`` matched nothing). An
+    escaped space (``\\ ``) at either end is the regex's own."""
+    m = nn.ModuleDict({"fc1": nn.Linear(1, 1), "fc(1": nn.Linear(1, 1), "head": nn.Linear(1, 1),
+                       " x": nn.Linear(1, 1), "x ": nn.Linear(1, 1)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing "matched no module"
+        assert names(m, "Linear:re: fc1") == ["fc1"]
+        assert names(m, "Linear : re:  fc[(,]1  , *:head") == ["fc(1", "head"]
+        assert names(m, "Linear:re:\tfc.*\t") == ["fc1", "fc(1"]
+        assert names(m, r"*:re:\ x") == [" x"]
+        assert names(m, r"*:re:x\ ") == ["x "]
+        assert names(m, r"*:re: x\  ") == ["x "]
+    # an error in the regex points at its own column, past the spaces
+    with pytest.raises(SelectorError) as e:
+        select(m, "*:re:   fc(1")
+    assert e.value.column == len("*:re:   fc")  # re's "missing )" is reported at the "("
