@@ -18,7 +18,11 @@ Selectors may come from config files, so they are treated as untrusted text:
 
 - A dotted class path (``torch.nn.Linear``, ``mypkg.models.Block``) is looked up only in
   modules that are already imported (``sys.modules``); a selector never imports anything.
-  Import the module first to use its classes.
+  Import the module first to use its classes. A name a package exports lazily and has not
+  yet (``transformers.GPT2Model`` on a model ``AutoModel`` made: transformers' module
+  ``__getattr__`` would import it) is the model's class of that name from a module inside
+  the package, else the one class of that name an imported module inside it defines; the
+  ``__getattr__`` is never called.
 - Python's ``re`` has no timeout, so a regex is checked before it runs (see
   :func:`_check_regex`): groups nest at most ``_MAX_REGEX_DEPTH`` deep, a quantified part
   may not hold another variable-width quantifier or alternatives that can start with the
@@ -401,6 +405,8 @@ def _imported_class(selector: str, pat: _ClassPattern, known: Sequence[type]) ->
             obj = getattr(obj, attr, None) if isinstance(obj, type) else None
         if isinstance(obj, type):
             return obj
+        if parts[cut] not in vars(module) and _exports_lazily(module):
+            return _lazy_export(selector, pat, ".".join(parts[:cut]), parts[cut:], known)
         raise SelectorError(
             selector, pat.column,
             f"{pat.text!r} is not a class: module {'.'.join(parts[:cut])!r} has no class "
@@ -411,6 +417,57 @@ def _imported_class(selector: str, pat: _ClassPattern, known: Sequence[type]) ->
         f"cannot find class {pat.text!r}: module {'.'.join(parts[:-1])!r} is not imported, and a "
         "selector never imports modules; import it before selecting (or name the class "
         f"without its module: {parts[-1]!r})",
+    )
+
+
+def _exports_lazily(module) -> bool:
+    """Whether ``module`` may export names it does not hold yet: a module ``__getattr__``
+    (PEP 562) or a module class with one (transformers' and diffusers' ``_LazyModule``)."""
+    return "__getattr__" in vars(module) or hasattr(type(module), "__getattr__")
+
+
+def _lazy_export(selector: str, pat: _ClassPattern, modname: str, rest: Sequence[str],
+                 known: Sequence[type]) -> type:
+    """The class ``modname.rest`` names where ``modname`` may export it lazily and has not
+    yet (``transformers.GPT2Model`` on a model ``AutoModel`` made), found without running
+    the ``__getattr__`` (which imports): the model's class of that name from a module
+    inside ``modname``, else the one class of that name defined in an imported module
+    inside it. None: an error naming what was tried and the fix."""
+    qualname, prefix = ".".join(rest), modname + "."
+
+    def unique(found):
+        return sorted(set(found), key=lambda k: (k.__module__, id(k)))
+
+    hits = unique(k for k in known if k.__qualname__ == qualname and k.__module__.startswith(prefix))
+    if len(hits) != 1:
+        found = []
+        for name, module in list(sys.modules.items()):
+            if not name.startswith(prefix) or module is None:
+                continue
+            obj = vars(module).get(rest[0]) if hasattr(module, "__dict__") else None
+            for attr in rest[1:]:
+                obj = getattr(obj, attr, None) if isinstance(obj, type) else None
+            if isinstance(obj, type) and obj.__qualname__ == qualname and obj.__module__ == name:
+                found.append(obj)
+        hits = hits or unique(found)
+    if len(hits) == 1:
+        return hits[0]
+    if hits:
+        raise SelectorError(
+            selector, pat.column,
+            f"{pat.text!r} is ambiguous: module {modname!r} has no class {qualname!r} yet (it "
+            "exports names lazily, and a selector never imports) and its modules define several: "
+            + ", ".join(repr(f"{k.__module__}.{k.__qualname__}") for k in hits)
+            + "; name one by its full path",
+        )
+    raise SelectorError(
+        selector, pat.column,
+        f"cannot find class {pat.text!r}: module {modname!r} has no class {qualname!r} among "
+        "its attributes yet, and it exports names lazily (a module __getattr__, which imports "
+        "code on first access; a selector never imports); neither the model nor a module "
+        f"inside {modname!r} already imported has a class {qualname!r}. Import it before "
+        f"selecting (`from {modname} import {rest[0]}`), or name the class without its module "
+        f"({rest[-1]!r})",
     )
 
 

@@ -1,4 +1,5 @@
 import re
+import sys
 import warnings
 
 import pytest
@@ -287,3 +288,91 @@ def test_regex_ignores_spaces_around_it_as_every_other_part_does():
     with pytest.raises(SelectorError) as e:
         select(m, "*:re:   fc(1")
     assert e.value.column == len("*:re:   fc")  # re's "missing )" is reported at the "("
+
+
+@pytest.fixture
+def lazy_package(tmp_path, monkeypatch):
+    """``hp_lazy_pkg``, a package exporting ``Block`` (from ``_impl``) and ``Other`` (from
+    ``_other``) lazily through a module ``__getattr__``, as transformers' ``_LazyModule``
+    does; the ``__getattr__`` leaves a marker file when it runs."""
+    import textwrap
+
+    marker = tmp_path / "getattr_ran.txt"
+    pkg = tmp_path / "hp_lazy_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(textwrap.dedent(f"""
+        import importlib, pathlib
+        _EXPORTS = {{"Block": "._impl", "Other": "._other"}}
+
+        def __getattr__(name):
+            if name not in _EXPORTS:
+                raise AttributeError(name)
+            pathlib.Path({str(marker)!r}).write_text(name)
+            return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    """))
+    for sub, cls in (("_impl", "Block"), ("_other", "Other"), ("_dup", "Block")):
+        (pkg / f"{sub}.py").write_text(f"import torch.nn as nn\n\nclass {cls}(nn.Linear):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("hp_lazy_pkg", "hp_lazy_pkg._impl", "hp_lazy_pkg._other", "hp_lazy_pkg._dup"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    yield marker
+    for name in ("hp_lazy_pkg", "hp_lazy_pkg._impl", "hp_lazy_pkg._other", "hp_lazy_pkg._dup"):
+        sys.modules.pop(name, None)
+
+
+def test_dotted_class_exported_lazily_resolves_to_the_models_class(lazy_package):
+    """``pkg.Block`` where ``pkg`` exports ``Block`` lazily (not yet accessed, so not among
+    the package's attributes) and the model holds ``pkg._impl.Block`` (made through its
+    submodule, as ``AutoModel`` makes a ``transformers.GPT2Model``): the model's class, found
+    without running the package's ``__getattr__`` (a selector never imports). Before:
+    "module 'hp_lazy_pkg' has no class 'Block'"."""
+    from hp_lazy_pkg._impl import Block
+
+    model = nn.Sequential(Block(1, 1), nn.Linear(1, 1))
+    assert names(model, "hp_lazy_pkg.Block") == ["0"]
+    assert names(model, "hp_lazy_pkg._impl.Block") == ["0"]
+    assert not lazy_package.exists(), "the selector ran the package's __getattr__"
+
+
+def test_dotted_class_exported_lazily_and_not_in_the_model_says_what_was_tried(lazy_package):
+    from hp_lazy_pkg._impl import Block
+
+    model = nn.Sequential(Block(1, 1))
+    with pytest.raises(SelectorError) as info:
+        select(model, "hp_lazy_pkg.Other")
+    msg = str(info.value)
+    assert "lazily" in msg and "never imports" in msg, msg
+    assert "from hp_lazy_pkg import Other" in msg, msg  # the fix
+    assert "neither the model nor a module inside 'hp_lazy_pkg' already imported" in msg, msg
+    assert not lazy_package.exists() and "hp_lazy_pkg._other" not in sys.modules
+    # once imported as the message says, it resolves (and matches nothing here: a warning)
+    from hp_lazy_pkg import Other  # noqa: F401
+    with pytest.warns(UserWarning, match="matched no module"):
+        assert names(model, "hp_lazy_pkg.Other") == []
+
+
+def test_transformers_class_by_its_top_level_name():
+    """``transformers.GPT2Model`` on a GPT-2 made from a config (``_LazyModule``)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt2 import modeling_gpt2
+
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8,
+                                  bos_token_id=0, eos_token_id=0)
+    model = modeling_gpt2.GPT2LMHeadModel(cfg)
+    assert names(model, "transformers.GPT2Model:*") == ["transformer"]
+    assert names(model, "transformers.models.gpt2.GPT2Block") == ["transformer.h.0"]
+
+
+def test_dotted_class_exported_lazily_with_two_candidates_is_ambiguous(lazy_package):
+    """Two modules of the package define a ``Block`` and the model holds both: which one
+    the package exports cannot be told without running its ``__getattr__``."""
+    from hp_lazy_pkg import _dup, _impl
+
+    model = nn.Sequential(_impl.Block(1, 1), _dup.Block(1, 1))
+    with pytest.raises(SelectorError, match="ambiguous") as info:
+        select(model, "hp_lazy_pkg.Block")
+    assert "'hp_lazy_pkg._dup.Block', 'hp_lazy_pkg._impl.Block'" in str(info.value)
+    assert names(model, "hp_lazy_pkg._dup.Block") == ["1"]  # the full path names one
+    # a model holding one of them: that one
+    assert names(nn.Sequential(nn.ReLU(), _dup.Block(1, 1)), "hp_lazy_pkg.Block") == ["1"]
+    assert not lazy_package.exists()
