@@ -18,7 +18,7 @@
     [plugins.capture]             # a plugin without options: an empty table
 
     [sinks.jsonl]                 # one table per sink; its keys are the sink's options
-    path = "runs/exp1"
+    path = "runs/exp1"            # relative to this file's folder (see below)
     [sinks.prometheus]
     port = 9100
 
@@ -34,6 +34,13 @@ wins over the file, key by key (``every``, ``flush_every``, ``sink``, ``on_error
 supplies the selector for the ``plugins=`` given to ``attach``, unless ``attach`` is given
 a selector of its own (passed explicitly, even ``"*"``), which wins; ``load_config`` then
 returns that ``select`` as the string ``selector``.
+
+A sink's ``path`` read from a file is relative to the file's folder, not to the working
+directory (as ruff and pytest read paths in their config files): ``load_config`` returns it
+as an absolute path, fixed when the file is read. A sink given no ``path`` writes under
+``runs/<run-id>`` in the working directory as always, and a dict config
+(``attach(config={...})``, :func:`parse_config`) or ``sink=`` keeps its paths as given,
+relative to the working directory as Python code's paths are.
 
 Checks happen here, before anything is attached: unknown top-level keys, wrong types,
 unknown plugin or sink names, and plugin options (``hookplug._options``: unknown names,
@@ -244,7 +251,8 @@ def load_config(path: "str | os.PathLike[str]") -> Dict[str, Any]:
     ``hookplug.attach`` keyword arguments it describes: some of ``selector`` (a
     ``{selector: {plugin: options}}`` dict, or the top-level ``select`` string when the file
     names no plugins), ``sink`` (``{sink: options}``), ``every``, ``flush_every``,
-    ``on_error``, ``strict``. Raises :class:`ConfigError`."""
+    ``on_error``, ``strict``; a sink's relative ``path`` made absolute against the file's
+    folder. Raises :class:`ConfigError`."""
     path = os.fspath(path)
     try:
         with open(path, "rb") as f:
@@ -266,7 +274,20 @@ def load_config(path: "str | os.PathLike[str]") -> Dict[str, Any]:
         raise ConfigError(f"{name}: invalid TOML: {exc}") from None
     except RecursionError:
         raise ConfigError(f"{name}: tables/arrays nested too deep") from None
-    return parse_config(data, path)
+    out = parse_config(data, path)
+    _paths_relative_to(os.path.dirname(os.path.abspath(path)), out.get("sink", {}))
+    return out
+
+
+def _paths_relative_to(folder: str, sinks: Dict[str, Dict[str, Any]]) -> None:
+    """Make each sink's relative ``path`` (read from a file: the tables are this module's
+    own) relative to ``folder``, the file's, as an absolute path; the folder's braces are
+    doubled so they are not taken for the path's ``{rank}``/``{run_id}`` placeholders."""
+    template = folder.replace("{", "{{").replace("}", "}}")
+    for opts in sinks.values():
+        value = opts.get("path")
+        if isinstance(value, str) and not os.path.isabs(value):
+            opts["path"] = os.path.join(template, value)
 
 
 def _records_given(fn):

@@ -205,3 +205,68 @@ def test_none_means_not_given_and_callbacks_take_config_files(tmp_path):
         cb.on_train_begin(None, None, None, model=m)
         assert list(cb.session.modules) == ["0"] and "stats" in cb.session
         cb.session.remove()
+
+
+def _one_step(m, s):
+    m(torch.randn(2, 32))
+    s.step()
+
+
+def test_a_relative_sink_path_in_a_file_is_relative_to_the_file(tmp_path, monkeypatch):
+    """``path = "runs/x"`` written in ``cfg/telemetry.toml`` is ``cfg/runs/x`` whatever the
+    working directory (as ruff and pytest read paths in their config files); it used to
+    land under the process's working directory."""
+    cfg_dir, elsewhere = tmp_path / "cfg", tmp_path / "elsewhere"
+    cfg_dir.mkdir()
+    elsewhere.mkdir()
+    path = write(cfg_dir, """
+        flush_every = 1
+        plugins = ["stats"]
+        [sinks.jsonl]
+        path = "runs/x"
+    """)
+    monkeypatch.chdir(elsewhere)
+    assert hookplug.load_config(path)["sink"] == {"jsonl": {"path": str(cfg_dir / "runs" / "x")}}
+    m = MLP()
+    for given in (path, "../cfg/telemetry.toml"):  # the file named by a relative path too
+        with hookplug.attach(m, config=given) as s:
+            _one_step(m, s)
+    assert len((cfg_dir / "runs" / "x" / "telemetry.jsonl").read_text().splitlines()) == 6
+    assert not (elsewhere / "runs").exists()
+    # the file's folder is fixed when it is read: a later chdir does not move the output
+    with hookplug.attach(m, config=path) as s:
+        monkeypatch.chdir(tmp_path)
+        _one_step(m, s)
+    assert len((cfg_dir / "runs" / "x" / "telemetry.jsonl").read_text().splitlines()) == 9
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_relative_sink_path_keeps_its_placeholders_and_the_folder_its_braces(tmp_path, monkeypatch):
+    cfg_dir = tmp_path / "exp{1}"  # a folder name with braces is not a placeholder
+    cfg_dir.mkdir()
+    path = write(cfg_dir, """
+        flush_every = 1
+        plugins = ["stats"]
+        [sinks.jsonl]
+        path = "out/r{rank}"
+    """)
+    monkeypatch.chdir(tmp_path)
+    m = MLP()
+    with hookplug.attach(m, config=path) as s:
+        _one_step(m, s)
+    assert (cfg_dir / "out" / "r0" / "telemetry.jsonl").is_file()
+
+
+def test_relative_sink_paths_given_in_python_stay_relative_to_the_working_directory(tmp_path, monkeypatch):
+    """A dict config and ``sink=`` hold paths as Python code gives them: relative to the
+    working directory, as ``open()`` takes them; the dict is left as it was."""
+    monkeypatch.chdir(tmp_path)
+    config = {"flush_every": 1, "plugins": ["stats"], "sinks": {"jsonl": {"path": "runs/d"}}}
+    m = MLP()
+    with hookplug.attach(m, config=config) as s:
+        _one_step(m, s)
+    with hookplug.attach(m, plugins="stats", flush_every=1, sink=("jsonl", {"path": "runs/p"})) as s:
+        _one_step(m, s)
+    assert (tmp_path / "runs" / "d" / "telemetry.jsonl").is_file()
+    assert (tmp_path / "runs" / "p" / "telemetry.jsonl").is_file()
+    assert config["sinks"] == {"jsonl": {"path": "runs/d"}}

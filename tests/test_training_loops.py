@@ -705,7 +705,7 @@ def test_trainer_writer_reaches_a_tensorboard_sink_named_in_the_config_file(tmp_
                    '[sinks.tensorboard]\nstats = ["max"]\n[sinks.jsonl]\npath = "runs/x"\n')
     got = _attach_kwargs_with_writer({"config": str(cfg)}, writer)
     assert got["sink"] == {"tensorboard": {"stats": ["max"], "writer": writer},
-                           "jsonl": {"path": "runs/x"}}
+                           "jsonl": {"path": str(tmp_path / "runs" / "x")}}  # next to the file
     as_dict = {"select": "Linear", "sinks": {"tensorboard": {}}}
     assert _attach_kwargs_with_writer({"config": as_dict}, writer)["sink"] == {"tensorboard": {"writer": writer}}
     own = {"config": {"sinks": {"tensorboard": {"path": str(tmp_path)}}}}
