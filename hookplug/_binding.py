@@ -39,6 +39,10 @@ _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 # hookplug op and no bank of the session (it would need hookplug to load, and keep
 # accumulating into the session after remove())
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+# torch.jit.trace (and the TorchScript ONNX exporter): likewise, or the traced graph would
+# call the session's ops on its bank (still accumulating after remove(), needing hookplug
+# wherever it runs); capture's per-call state made trace's check fail
+_is_tracing = getattr(torch._C, "_is_tracing", torch.jit.is_tracing)
 _get_ident = threading.get_ident
 
 
@@ -404,6 +408,8 @@ class _ModuleBinding:
             return None
         if compiling and self.eager_only:
             return _outside_graph(self.eager_reason, self.pre_hook, module, args, kwargs)
+        if not compiling and _is_tracing():
+            return None
         if not compiling and _graph_task_id() != -1:  # a recompute (activation checkpointing)
             if self.has_post:
                 self._pending.append(None)
@@ -455,6 +461,8 @@ class _ModuleBinding:
                 return _outside_graph(self.eager_reason, self.post_hook, module, args, kwargs,
                                       output)
             return self._post_hook_compiled(module, args, kwargs, output)
+        if _is_tracing():
+            return None
         fwd_out, out_grad = self.fwd_out, self.out_grad
         pending = self._pending
         if self.has_pre and pending:

@@ -755,6 +755,28 @@ def test_export_of_an_attached_model_runs_no_plugin(strict):
     torch._dynamo.reset()
 
 
+def test_jit_trace_of_an_attached_model_runs_no_plugin():
+    """torch.jit.trace (also what the TorchScript ONNX exporter runs): as under torch.export
+    the hooks run no plugin. Before, stats' op was traced into the graph (the traced module
+    went on accumulating into the removed session's bank) and capture's per-call state made
+    trace's own check fail ("Graphs differed across invocations")."""
+    model, x = MLP(8, 16, 4), torch.randn(3, 8)
+    expected = model(x)
+    log = []
+    plugins = [("stats", {"sites": ("input", "output", "grad")}), "capture", "flops",
+               ("gradclamp", {"min": -1}), AddOutput("add", 1.0, log)]
+    with hookplug.attach(model, "Linear", plugins=plugins) as s:
+        traced = torch.jit.trace(model, x, check_trace=False)
+        assert "hookplug::" not in str(traced.inlined_graph)
+        assert s["stats"].results() == {} and not s["capture"].features and not log
+        torch.testing.assert_close(traced(x), expected)
+        assert s["stats"].results() == {} and not log
+        traced = torch.jit.trace(model, x)  # trace's check: an eager run besides (observed)
+        torch.testing.assert_close(traced(x), expected)
+        model(x)  # eager calls are still observed
+        assert set(s["stats"].results()) == {"fc1", "fc2", "fc3"} and log
+
+
 def test_only_plugin_objects_are_taken_as_instances():
     m = MLP()
     for spec, got in [({"stats", "flops"}, "got set "), (3, "got int 3"), (b"stats", "got bytes b'stats'"),
