@@ -267,6 +267,35 @@ def test_blocks_with_shifting_means(dtype):
 
 
 @needs_ext
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_block_path_counts_its_histogram_once(dtype, isa):
+    """The log2 histogram is counted in the one-pass loop of a block (float32, float64,
+    bfloat16) and the block's fallbacks (two passes for a far shift, the exact scalar path
+    for NaN/Inf, overflow or tiny values) must not count it again: one tensor whose 2048-
+    element blocks take each path in turn, with tails of every length, against the reference."""
+    g = gen(29)
+    kb = 2048
+    tiny = 2.0 ** -60 if dtype in (torch.float32, torch.float64) else 2.0 ** -10
+    blocks = [torch.randn(kb, generator=g, dtype=torch.float64),  # one pass
+              torch.randn(kb, generator=g, dtype=torch.float64) + 5000.0,  # far from the shift
+              torch.randn(kb, generator=g, dtype=torch.float64),
+              torch.randn(kb, generator=g, dtype=torch.float64) * tiny]  # tiny magnitudes
+    specials = torch.randn(kb, generator=g, dtype=torch.float64)
+    specials[5], specials[77], specials[1000] = math.nan, math.inf, -math.inf  # NaN/Inf block
+    specials[6], specials[7] = 0.0, -0.0
+    blocks.insert(2, specials)
+    x = torch.cat(blocks).to(dtype)
+    with cpu_isa(isa):
+        for n in (x.numel(), x.numel() - 1, kb + 17, kb - 3, 15, 1):
+            v = x[:n]
+            st = ops.tensor_stats(v)
+            assert_matches(st, v, msg=f"isa={isa} n={n}")
+            d = st.to_dict()
+            assert sum(d["hist_counts"]) == d["numel"] - d["nan_count"], (isa, n)
+
+
+@needs_ext
 @pytest.mark.parametrize("lead", [3.9, -3.5, 2.0])
 def test_first_value_far_from_the_mean_keeps_std_to_float32_rounding(lead):
     """A block whose first value lies ``lead`` std from its mean (a heavy-tailed gradient):
