@@ -14,8 +14,9 @@
 //   exponent field), keys taken straight from the bits, spread over interleaved sub-tables.
 //   float32, float64 and bfloat16 count the histogram in the same loop as the moments (the
 //   scalar increments, about one element a cycle, hide the SIMD work: 0.09 ns an element of
-//   float32 on the CI kind, a fifth of the op); float16, whose keys need a conversion,
-//   counts it in a second pass from L1. Counts are integers: the same in either order.
+//   float32 on the CI machine in session 20, a fifth of the op); float16, whose keys need a
+//   conversion, counts it in a second pass from L1. Counts are integers: the same in either
+//   order.
 //   If d^2 is not finite (an Inf/NaN in the block, or a float overflow), the block is redone
 //   by the exact scalar path (block_slow); if K is far from the block mean (> 4 std, where
 //   the float sums would cancel) by two passes from L1 (block_two_pass: min/max/sum, then
