@@ -43,6 +43,16 @@ _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 # call the session's ops on its bank (still accumulating after remove(), needing hookplug
 # wherever it runs); capture's per-call state made trace's check fail
 _is_tracing = getattr(torch._C, "_is_tracing", torch.jit.is_tracing)
+# torch.fx tracing (``symbolic_trace``, torchvision's ``create_feature_extractor`` and
+# ``get_graph_node_names``, ``make_fx``): likewise. symbolic_trace ran the hooks of the
+# modules it traces through on Proxies (capture kept them), make_fx traced stats' op into its
+# graph. Its flag, read inline as ``_FX_FLAG_IN.__dict__.get(_FX_FLAG)`` (a helper call on the
+# hot path costs 0.1 us; a missing attribute of a ``threading.local`` 0.3 us): per thread
+# from torch 2.14 on, a module global before
+_fx = torch.fx._symbolic_trace
+_FX_FLAG_IN, _FX_FLAG = ((_fx._is_fx_tracing_tls, "flag") if hasattr(_fx, "_is_fx_tracing_tls")
+                         else (_fx, "_is_fx_tracing_flag"))
+del _fx
 _get_ident = threading.get_ident
 
 
@@ -408,7 +418,7 @@ class _ModuleBinding:
             return None
         if compiling and self.eager_only:
             return _outside_graph(self.eager_reason, self.pre_hook, module, args, kwargs)
-        if not compiling and _is_tracing():
+        if not compiling and (_is_tracing() or _FX_FLAG_IN.__dict__.get(_FX_FLAG)):
             return None
         if not compiling and _graph_task_id() != -1:  # a recompute (activation checkpointing)
             if self.has_post:
@@ -461,7 +471,7 @@ class _ModuleBinding:
                 return _outside_graph(self.eager_reason, self.post_hook, module, args, kwargs,
                                       output)
             return self._post_hook_compiled(module, args, kwargs, output)
-        if _is_tracing():
+        if _is_tracing() or _FX_FLAG_IN.__dict__.get(_FX_FLAG):
             return None
         fwd_out, out_grad = self.fwd_out, self.out_grad
         pending = self._pending

@@ -777,6 +777,33 @@ def test_jit_trace_of_an_attached_model_runs_no_plugin():
         assert set(s["stats"].results()) == {"fc1", "fc2", "fc3"} and log
 
 
+def test_fx_tracing_of_an_attached_model_runs_no_plugin():
+    """torch.fx tracing (symbolic_trace, torchvision's get_graph_node_names and
+    create_feature_extractor, make_fx), as jit.trace: the hooks run no plugin. Before,
+    symbolic_trace ran the hooks of the modules it traces through (not leaves) on Proxies:
+    capture kept Proxy objects (and put dead get_attr nodes in the graph); make_fx traced
+    stats' op into its graph and flops counted its ops."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    model, x = nn.Sequential(MLP(8, 16, 4)), torch.randn(3, 8)  # "0": traced through, not a leaf
+    expected = model(x)
+    log = []
+    plugins = [("stats", {"sites": ("input", "output", "grad")}), ("capture", {"grads": True}), "flops",
+               ("gradclamp", {"min": -1, "params": "*"}), AddOutput("add", 1.0, log)]
+    with hookplug.attach(model, "*, *:", plugins=plugins) as s:
+        gm = torch.fx.symbolic_trace(model)
+        assert [n.op for n in gm.graph.nodes].count("get_attr") == 0
+        graph = make_fx(model)(x)
+        assert "hookplug" not in graph.code
+        assert s["stats"].results() == {} and not s["capture"].features and not log
+        assert s["flops"].total()["flops"] == 0
+        model(x)  # eager calls are still observed, the GraphModule's too (it calls the leaves)
+        gm(x)
+        assert set(s["stats"].results()) == {"", "0", "0.fc1", "0.fc2", "0.fc3"} and len(log) == 6 + 4
+    torch.testing.assert_close(gm(x), expected)
+    torch.testing.assert_close(graph(x), expected)
+
+
 def test_only_plugin_objects_are_taken_as_instances():
     m = MLP()
     for spec, got in [({"stats", "flops"}, "got set "), (3, "got int 3"), (b"stats", "got bytes b'stats'"),
