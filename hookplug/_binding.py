@@ -56,6 +56,11 @@ del _fx
 _get_ident = threading.get_ident
 
 
+# a hook's argument torch leaves out where it calls a copy of it registered without
+# with_kwargs (see _ModuleBinding.foreign)
+_FOREIGN = object()
+
+
 def _NO_SESSION() -> None:
     """A context's session reference when it has none (benchmarks, tests)."""
     return None
@@ -412,7 +417,31 @@ class _ModuleBinding:
         phase = "train" if root.training and not _inference_mode() else "eval"
         return HookContext(self.name, index, self.session._step, self.session, phase, _get_ident())
 
-    def pre_hook(self, module, args, kwargs):
+    def foreign(self, module) -> None:
+        """A hook of ours that torch registered again on another module, without
+        ``with_kwargs``: torch.ao.quantization's in-place swaps (``fuse_modules``,
+        ``prepare``/``convert``, ``prepare_qat``, ``quantize_dynamic`` with ``inplace=True``)
+        copy the swapped module's forward hooks onto the new one. It does nothing there (the
+        new module computes something else than the one selected); ``remove()`` takes it off."""
+        s = self.session
+        if s is not None and not s._foreign_warned and not s._removed:
+            s._foreign_warned = True  # once a session: it names the first one
+            warnings.warn(
+                f"hookplug: the hooks of module {self.name!r} were copied by torch onto another "
+                f"module, {type(module).__name__} (torch.ao.quantization's fuse_modules, prepare, "
+                "convert, quantize_dynamic with inplace=True copy a swapped module's forward "
+                "hooks): they do nothing there, and those modules are not observed; attach after "
+                "the transformation", RuntimeWarning, stacklevel=3)
+
+    def __reduce__(self):
+        """A copy or pickle of a model holding such a copy (copies of the model leave the
+        hooks of its selected modules out, see ``_HookFreeState``) gets an inert binding,
+        not the session."""
+        return _inert_binding, (self.name,)
+
+    def pre_hook(self, module, args, kwargs=_FOREIGN):
+        if kwargs is _FOREIGN:
+            return self.foreign(module)
         compiling = _is_compiling()
         if compiling and _is_exporting():
             return None
@@ -460,10 +489,12 @@ class _ModuleBinding:
                 changed = True
         return (args, kwargs) if changed else None
 
-    def post_hook(self, module, args, kwargs, output):
+    def post_hook(self, module, args, kwargs, output=_FOREIGN):
         """Also runs (``always_call``) when ``forward`` raised; ``output`` is None then.
         Eager code runs inline (the hot path): one plugin and no pre hook or gradient
         plugin cost a context and one call."""
+        if output is _FOREIGN:
+            return self.foreign(module)
         if _is_compiling():
             if _is_exporting():
                 return None
@@ -648,6 +679,11 @@ class _ModuleBinding:
             return None
         return _fold(s, self.all_grad if _is_compiling() else self.out_grad, "hookplug_output_grad",
                      grad, (ctx, module), (path,), self.where)
+
+
+def _inert_binding(name: str) -> _ModuleBinding:
+    """What a copy of a :class:`_ModuleBinding` is: no session, no plugin."""
+    return _ModuleBinding(name, None)
 
 
 def _output_grad_hook(binding_ref, ctx, module, paths, grad):

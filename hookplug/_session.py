@@ -334,6 +334,7 @@ class Session:
         self._nonfinite: Deque[dict] = collections.deque(maxlen=_NONFINITE_KEPT)
         self._removed = False
         self._fsdp2_warned = False
+        self._foreign_warned = False  # a hook copied onto another module ran (_ModuleBinding.foreign)
         self._attached = False  # attach() finished (a failed attach has no final flush to share)
         self._entries: Dict[str, _Entry] = {}  # plugins, then sinks, in attach order
         self._entry_of: Dict[int, _Entry] = {}  # id(plugin) -> its entry
@@ -609,6 +610,7 @@ class Session:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._remove_foreign_copies()
         if self._hook_ids is not None:  # no module holds a hook under them now
             self._hook_ids_of_model[self._hook_ids] = True
             self._hook_ids = None
@@ -643,6 +645,22 @@ class Session:
             # the parent's
             self._dispatch("hookplug_session_end", include_disabled=True, run_all=True,
                            skip=(lambda p: self._entry_of[id(p)].is_sink) if child else None)
+
+    def _remove_foreign_copies(self) -> None:
+        """Take off the model's modules the copies of this session's hooks that torch
+        registered on modules it swapped in (see ``_ModuleBinding.foreign``): no handle of
+        ours has them, and they would keep the session alive."""
+        model = self._model_ref()
+        ours = {id(b) for b in self._bindings.values()}
+        if model is None or not ours:
+            return
+        for mod in model.modules():
+            for hooks in (mod._forward_pre_hooks, mod._forward_hooks):
+                for hook_id in [k for k, fn in hooks.items() if id(getattr(fn, "__self__", None)) in ours]:
+                    del hooks[hook_id]
+                    mod._forward_pre_hooks_with_kwargs.pop(hook_id, None)
+                    mod._forward_hooks_with_kwargs.pop(hook_id, None)
+                    mod._forward_hooks_always_called.pop(hook_id, None)
 
     def __enter__(self) -> "Session":
         return self

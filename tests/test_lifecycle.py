@@ -278,6 +278,66 @@ def test_torch_save_load_of_attached_model():
     check_copy(copied, before, plugin, session, model)
 
 
+class QNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.quant, self.dequant = torch.ao.quantization.QuantStub(), torch.ao.quantization.DeQuantStub()
+        self.conv, self.bn, self.relu = nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = self.relu(self.bn(self.conv(self.quant(x))))
+        return self.dequant(self.fc(x.mean((2, 3))))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning", "ignore::FutureWarning")
+@pytest.mark.parametrize("how", ["fuse_modules", "prepare_convert", "prepare_qat", "quantize_dynamic"])
+def test_hooks_torch_copies_onto_swapped_modules_do_nothing_and_come_off(how):
+    """torch.ao.quantization's in-place module swaps (fuse_modules, prepare/convert,
+    prepare_qat, quantize_dynamic with inplace=True) register the forward hooks of a module
+    on the one they swap in, without with_kwargs: the copies of hookplug's hooks raised
+    TypeError at the next forward, and remove() left them there, keeping the session alive
+    (and a copy or pickle of the model failed on it). Now they do nothing (one warning:
+    attach after the swap) and remove() takes them off."""
+    import gc
+    import weakref
+
+    import torch.ao.quantization as tq
+
+    torch.manual_seed(0)
+    model, x = QNet().eval(), torch.randn(2, 3, 8, 8)
+    s = hookplug.attach(model, "*", plugins=[("stats", {"sites": ("input", "output")}), "capture", "flops"])
+    if how == "fuse_modules":
+        tq.fuse_modules(model, [["conv", "bn", "relu"]], inplace=True)
+    elif how == "prepare_convert":
+        model.qconfig = tq.get_default_qconfig("fbgemm")
+        tq.prepare(model, inplace=True)
+        model(x)
+        tq.convert(model, inplace=True)
+    elif how == "prepare_qat":
+        model.train().qconfig = tq.get_default_qat_qconfig("fbgemm")
+        tq.prepare_qat(model, inplace=True)
+    else:
+        tq.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
+    with pytest.warns(RuntimeWarning, match=r"hookplug: the hooks of module '\w+' were copied by torch onto "
+                                            r"another module, \w+ .*attach after"):
+        y = model(x)
+    model(x)
+    assert torch.equal(copy.deepcopy(model)(x), y)  # copies of those copies hold no session
+    if how in ("fuse_modules", "quantize_dynamic"):  # torch pickles the others' modules badly
+        assert torch.equal(pickle.loads(pickle.dumps(model))(x), y)
+    s.remove()
+    ours = [(k, fn) for k, d in hook_dicts(model).items() for fn in d.values()
+            if type(getattr(fn, "__self__", None)).__module__.startswith("hookplug")]
+    assert not ours  # torch's observer hooks stay (prepare_qat)
+    assert not any("__getstate__" in vars(m) for m in model.modules())
+    ref = weakref.ref(s)
+    del s
+    gc.collect()
+    assert ref() is None
+    assert torch.equal(model(x), y)
+
+
 def test_copy_keeps_hooks_of_others_and_two_sessions_share_one_guard():
     model = MLP()
     seen = []
