@@ -138,8 +138,11 @@ class _Param:
         self.keys = {s: (name, s) for s in _SITES}
 
     def tensor(self) -> Optional[torch.Tensor]:
+        """The registered parameter, never a tensor computed on access: after pruning or a
+        parametrization registered since attach, ``module.weight`` runs code (spectral_norm's
+        power iteration updates its buffers) and is no parameter; that one is left out."""
         mod = self.module_ref()
-        return None if mod is None else getattr(mod, self.attr, None)
+        return None if mod is None else mod._parameters.get(self.attr)
 
 
 class _Frame:

@@ -946,3 +946,55 @@ def test_a_frozen_parameter_no_optimizer_holds_keeps_no_update_copy():
             s.step()
             assert copies() == ({"2.weight", "2.bias"} if step < 2 else {"0.weight", "0.bias", "2.weight", "2.bias"})
             assert "update" not in s["params"].results()["0.weight"] or step >= 2
+
+
+@pytest.mark.parametrize("how", ["spectral_norm", "prune"])
+def test_a_parameter_replaced_by_a_computed_weight_after_attach_is_not_read(how):
+    """A parametrization or pruning applied after attach makes ``module.weight`` a tensor
+    computed on access (the parameter moves to ``parametrizations.weight.original`` /
+    ``weight_orig``). params read the attribute: each read ran spectral_norm's power
+    iteration, which updates its buffers, so the model computed otherwise from the second
+    step on; it measured that computed tensor as the weight and read a non-leaf's ``.grad``
+    (torch's warning). Now only a registered parameter is read: that one is left out."""
+    import warnings
+
+    from torch.nn.utils import prune
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+
+    def transform(m):
+        if how == "spectral_norm":
+            spectral_norm(m[0])
+        else:
+            prune.l1_unstructured(m[0], "weight", 0.5)
+
+    def train(m, s=None):
+        opt, outs = torch.optim.SGD(m.parameters(), lr=0.1), []
+        for _ in range(3):
+            y = m(x)
+            y.sum().backward()
+            opt.step()
+            if s is not None:
+                s.step()
+            opt.zero_grad()
+            outs.append(y.detach())
+        return outs
+
+    m = make()
+    transform(m)
+    want = train(m)
+    m = make()
+    s = hookplug.attach(m, "Linear", plugins="params")
+    transform(m)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "The .grad attribute of a Tensor that is not a leaf"
+        got = train(m, s)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    res = s["params"].results()
+    assert "0.weight" not in res and set(res) == {"0.bias", "2.weight", "2.bias"}
+    s.remove()
