@@ -43,7 +43,8 @@ check in eager code: no recompiles.
 Every floating tensor of the structure is measured and keyed by its path: ``"output"``,
 ``"output[1]"``, ``"output.logits"``; ``"input[0]"``, ``"input.mask"`` (keyword argument
 ``mask``); ``"grad"``, ``"grad[1]"`` (the gradient of ``output``, ``output[1]``). Integer,
-bool and complex tensors are skipped. A row counts its calls too (``calls``): a site whose
+bool, complex and quantized tensors (``torch.ao.quantization``'s quint8 outputs: select the
+model before ``convert``, or its ``DeQuantStub``s after) are skipped. A row counts its calls too (``calls``): a site whose
 tensors were empty in every call (an expert no token reached) has an entry with ``calls > 0``,
 ``numel`` 0 and NaN statistics. Phases: forwards of the model in eval mode (the attached
 model's mode, not a submodule's) or under ``torch.inference_mode`` are kept apart (``phase="eval"`` in records); activation
