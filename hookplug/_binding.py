@@ -422,9 +422,11 @@ class _ModuleBinding:
         ``with_kwargs``: torch.ao.quantization's in-place swaps (``fuse_modules``,
         ``prepare``/``convert``, ``prepare_qat``, ``quantize_dynamic`` with ``inplace=True``)
         copy the swapped module's forward hooks onto the new one. It does nothing there (the
-        new module computes something else than the one selected); ``remove()`` takes it off."""
+        new module computes something else than the one selected); ``remove()`` takes it off.
+        Inside compiled code it does not warn either: dynamo cannot trace ``warnings.warn``
+        (a graph break, an error under ``fullgraph=True``)."""
         s = self.session
-        if s is not None and not s._foreign_warned and not s._removed:
+        if s is not None and not s._foreign_warned and not s._removed and not _is_compiling():
             s._foreign_warned = True  # once a session: it names the first one
             warnings.warn(
                 f"hookplug: the hooks of module {self.name!r} were copied by torch onto another "

@@ -338,6 +338,25 @@ def test_hooks_torch_copies_onto_swapped_modules_do_nothing_and_come_off(how):
     assert torch.equal(model(x), y)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_hooks_copied_onto_swapped_modules_compile_with_fullgraph():
+    """The copies torch.ao.quantization's fuse_modules leaves do nothing in compiled code
+    too: their once-a-session warning (a builtin dynamo cannot trace) broke the graph there,
+    so torch.compile(fullgraph=True) of the fused model failed."""
+    torch.manual_seed(0)
+    model, x = QNet().eval(), torch.randn(2, 3, 8, 8)
+    with hookplug.attach(model, "*", plugins=[("stats", {"sites": ("input", "output")})]) as s:
+        expected = model(x)
+        torch.ao.quantization.fuse_modules(model, [["conv", "bn", "relu"]], inplace=True)
+        torch._dynamo.reset()
+        try:
+            got = torch.compile(model, fullgraph=True, backend="eager")(x)
+        finally:
+            torch._dynamo.reset()
+        torch.testing.assert_close(got, expected)
+        assert "fc" in s["stats"].results()
+
+
 def test_copy_keeps_hooks_of_others_and_two_sessions_share_one_guard():
     model = MLP()
     seen = []
