@@ -417,14 +417,22 @@ class _ModuleBinding:
         phase = "train" if root.training and not _inference_mode() else "eval"
         return HookContext(self.name, index, self.session._step, self.session, phase, _get_ident())
 
-    def foreign(self, module) -> None:
+    def foreign(self, module, post: bool) -> None:
         """A hook of ours that torch registered again on another module, without
         ``with_kwargs``: torch.ao.quantization's in-place swaps (``fuse_modules``,
         ``prepare``/``convert``, ``prepare_qat``, ``quantize_dynamic`` with ``inplace=True``)
         copy the swapped module's forward hooks onto the new one. It does nothing there (the
         new module computes something else than the one selected); ``remove()`` takes it off.
         Inside compiled code it does not warn either: dynamo cannot trace ``warnings.warn``
-        (a graph break, an error under ``fullgraph=True``)."""
+        (a graph break, an error under ``fullgraph=True``). The post hook's copy takes this
+        thread's pending call of the module off (``fuse_modules`` keeps the selected ReLU,
+        pre hook and all, inside the fused module that runs the copy of its post hook)."""
+        if post and self._pending and not _is_compiling():
+            me, pending = _get_ident(), self._pending
+            for i in range(len(pending) - 1, -1, -1):
+                if pending[i] is not None and pending[i]._thread == me:
+                    del pending[i]
+                    break
         s = self.session
         if s is not None and not s._foreign_warned and not s._removed and not _is_compiling():
             s._foreign_warned = True  # once a session: it names the first one
@@ -443,7 +451,7 @@ class _ModuleBinding:
 
     def pre_hook(self, module, args, kwargs=_FOREIGN):
         if kwargs is _FOREIGN:
-            return self.foreign(module)
+            return self.foreign(module, False)
         compiling = _is_compiling()
         if compiling and _is_exporting():
             return None
@@ -496,7 +504,7 @@ class _ModuleBinding:
         Eager code runs inline (the hot path): one plugin and no pre hook or gradient
         plugin cost a context and one call."""
         if output is _FOREIGN:
-            return self.foreign(module)
+            return self.foreign(module, True)
         if _is_compiling():
             if _is_exporting():
                 return None
@@ -674,7 +682,7 @@ class _ModuleBinding:
 
     def grad_hook(self, ctx, module, path, grad):
         s = self.session
-        if s._removed or grad is None:
+        if s is None or s._removed or grad is None:  # None: removed (see Session._remove)
             # None: no gradient reached this output (an unused output of a node with
             # several, e.g. one chunk of ``x.chunk(2)``, or an autograd.Function's):
             # torch calls tensor hooks with None there; nothing to measure or steer

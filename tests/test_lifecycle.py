@@ -338,6 +338,44 @@ def test_hooks_torch_copies_onto_swapped_modules_do_nothing_and_come_off(how):
     assert torch.equal(model(x), y)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_a_fused_module_half_left_hooked_keeps_no_pending_calls():
+    """fuse_modules keeps the selected ReLU inside the fused module, with its pre hook, but
+    moves its post hook onto the fused module: each forward left a context in the ReLU's
+    pending list (growing without bound where no step() clears it)."""
+    import torch.ao.quantization as tq
+
+    model, x = QNet().eval(), torch.randn(2, 3, 8, 8)
+    s = hookplug.attach(model, "*", plugins=[("stats", {"sites": ("input", "output")})])
+    tq.fuse_modules(model, [["conv", "bn", "relu"]], inplace=True)
+    for _ in range(5):
+        model(x)
+    assert [n for n, b in s._bindings.items() if b._pending] == []
+    s.remove()
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_copies_remove_cannot_reach_do_not_keep_the_session():
+    """The attached module itself swapped by its parent's in-place quantization: remove()
+    cannot reach the copy on the module swapped in (it is not inside the attached one); the
+    copy stays (torch's), but it no longer keeps the session alive."""
+    import gc
+    import weakref
+
+    import torch.ao.quantization as tq
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    s = hookplug.attach(model[0], "*:", plugins=[("stats", {"sites": ("output",)})])
+    tq.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
+    model(torch.randn(2, 4))
+    s.remove()
+    ref = weakref.ref(s)
+    del s
+    gc.collect()
+    assert ref() is None
+    model(torch.randn(2, 4))  # the copy left behind does nothing
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_hooks_copied_onto_swapped_modules_compile_with_fullgraph():
     """The copies torch.ao.quantization's fuse_modules leaves do nothing in compiled code
