@@ -791,6 +791,35 @@ class _Rehook:
                 pb.hook()
 
 
+class _Materialize:
+    """A forward pre-hook on the attached model while some hooked parameter is on ``meta``
+    (attached before deferred init): materializing makes new Parameter objects without
+    ``load_state_dict`` (``to_empty()``, accelerate's ``load_checkpoint_and_dispatch``), and
+    they get their gradient hooks before the first forward instead of at the next
+    ``session.step()``. It takes itself off once none is on ``meta``."""
+
+    __slots__ = ("bindings", "handle")
+
+    def __init__(self, bindings: List[_ParamBinding]):
+        self.bindings = bindings
+        self.handle = None
+
+    def __call__(self, module, args) -> None:
+        if _is_compiling():  # (no hook is registered in a trace: session.step() does it)
+            return
+        on_meta = False
+        for pb in self.bindings:
+            if pb.session._removed:
+                return
+            param = pb.param()
+            if param is not None and param.is_meta:
+                on_meta = True
+            elif param is not None:
+                pb.hook()
+        if not on_meta:
+            self.handle.remove()
+
+
 def _sharded_by_fsdp2(param: torch.Tensor, model: Optional[nn.Module]) -> bool:
     """``param`` is a DTensor of a model that ``fully_shard`` (FSDP2) manages."""
     if model is None or not is_dtensor(param):

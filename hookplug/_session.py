@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from . import hookspecs
-from ._binding import (HookContext, _ModuleBinding, _ParamBinding, _Rehook, _eager_reason, _get_ident,
+from ._binding import (HookContext, _Materialize, _ModuleBinding, _ParamBinding, _Rehook, _eager_reason, _get_ident,
                        _make_eager_runner)
 from ._checkpoint import RecomputeMatcher
 from ._compile_guards import _RECOMPILE_LIMIT, _guard_module_hooks
@@ -801,6 +801,11 @@ class Session:
                 replaced_in.setdefault(id(owner), (owner, []))[1].append(pb)
         for owner, pbs in replaced_in.values():  # load_state_dict(assign=True) makes new Parameters
             self._keep_handle(owner, owner.register_load_state_dict_post_hook(_Rehook(pbs)))
+        on_meta = [pb for _, pbs in replaced_in.values() for pb in pbs if pb.param().is_meta]
+        if on_meta:  # materialized later: new Parameters, hooked at the next forward
+            materialize = _Materialize(on_meta)
+            materialize.handle = model.register_forward_pre_hook(materialize)
+            self._keep_handle(model, materialize.handle)
         return max(forwards.values(), default=0)
 
     def _module_tensors_of(self, name: str, phase: str) -> Optional[Dict[Any, torch.Tensor]]:

@@ -338,6 +338,37 @@ def test_params_loaded_with_assign_are_steered_in_the_next_backward():
     assert not model.fc1._load_state_dict_post_hooks  # removed with the session
 
 
+@pytest.mark.parametrize("how", ["to_empty", "accelerate"])
+def test_params_attached_on_meta_are_steered_in_the_first_backward_after_materializing(how):
+    """Deferred init: a model attached on ``meta`` and materialized afterwards gets new
+    Parameter objects without ``load_state_dict`` (``to_empty()`` then an init of its own,
+    FSDP2's recipe; accelerate's ``init_empty_weights`` + ``load_checkpoint_and_dispatch``
+    sets each one with ``set_module_tensor_to_device``): they are steered from the first
+    backward (they waited for the first ``session.step()``, so step 1 went unsteered)."""
+    torch.manual_seed(0)
+    real = MLP(8, 16, 4)
+    x = torch.randn(5, 8)
+    with torch.device("meta"):
+        model = MLP(8, 16, 4)
+    with hookplug.attach(model, "*", plugins=("gradclamp", {"min": 0, "max": 0, "params": "*"})) as s:
+        if how == "to_empty":
+            model.to_empty(device="cpu")
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    p.copy_(real.get_parameter(name))
+        else:
+            accelerate_modeling = pytest.importorskip("accelerate.utils.modeling")
+            for name, p in real.named_parameters():
+                accelerate_modeling.set_module_tensor_to_device(model, name, "cpu", value=p.detach())
+        assert not any(p.is_meta for p in model.parameters())
+        grads = run(model, x)
+        assert grads.keys() == {n for n, _ in model.named_parameters()}
+        assert all(torch.count_nonzero(g) == 0 for g in grads.values())
+        assert s["gradclamp"].results()["fc1.weight"]["changed"] > 0
+        assert not model._forward_pre_hooks  # the check comes off once nothing is on meta
+    assert all(p._backward_hooks in (None, {}) for p in model.parameters())
+
+
 def test_params_glob_matching_nothing_warns():
     with pytest.warns(RuntimeWarning, match="matches no parameter"):
         hookplug.attach(
