@@ -745,6 +745,9 @@ class _ParamBinding:
         hooks = param._backward_hooks
         if self.handle is None or hooks is None or self.handle.id not in hooks:
             # first time, or a new Parameter object
+            if hooks and any(type(h) is _ParamBinding and h.session is self.session
+                             for h in hooks.values()):
+                return  # tied since attach to one another name's binding hooks: steered once
             if param.requires_grad:
                 self.handle = param.register_hook(self)
             elif (param.is_leaf and (param.is_floating_point() or param.is_complex())

@@ -369,6 +369,42 @@ def test_params_attached_on_meta_are_steered_in_the_first_backward_after_materia
     assert all(p._backward_hooks in (None, {}) for p in model.parameters())
 
 
+def test_a_parameter_tied_after_attach_is_steered_once():
+    """Weights tied after attach (🤗 ``tie_weights()`` once ``tie_word_embeddings`` is set,
+    ``dec.weight = enc.weight``): the shared Parameter is steered once, under its first
+    name, as when tied before attach (both names' bindings hooked it: doubled twice)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 4, bias=False))
+    x = torch.randn(3, 4)
+    seen = []
+
+    class Double(hookplug.Plugin):
+        name = "double"
+
+        @hookplug.hookimpl
+        def hookplug_param_grad(self, ctx, name, grad):
+            seen.append(name)
+            return grad * 2
+
+    with hookplug.attach(model, "Linear", plugins=[Double()]) as s:
+        model[2].weight = model[0].weight
+        s.step()
+        for _ in range(2):  # the next step puts the hooks back again: still once
+            seen.clear()
+            got = run(model, x)["0.weight"]
+            s.step()
+            assert seen == ["0.weight"]
+        model[2].weight = nn.Parameter(model[0].weight.detach().clone())  # untied again
+        s.step()
+        seen.clear()
+        run(model, x)
+        assert sorted(seen) == ["0.weight", "2.weight"]
+        model[2].weight = model[0].weight
+    want = run(model, x)["0.weight"] * 2
+    assert torch.equal(got, want)
+    assert model[0].weight._backward_hooks in (None, {})
+
+
 def test_params_glob_matching_nothing_warns():
     with pytest.warns(RuntimeWarning, match="matches no parameter"):
         hookplug.attach(
