@@ -20,7 +20,8 @@ Selectors may come from config files, so they are treated as untrusted text:
   modules that are already imported (``sys.modules``); a selector never imports anything.
   Import the module first to use its classes. A name a package exports lazily and has not
   yet (``transformers.GPT2Model`` on a model ``AutoModel`` made: transformers' module
-  ``__getattr__`` would import it) is the model's class of that name from a module inside
+  ``__getattr__`` would import it; the name must be in the package's ``__all__``) is the
+  model's class of that name from a module inside
   the package, else the one class of that name an imported module inside it defines; the
   ``__getattr__`` is never called.
 - Python's ``re`` has no timeout, so a regex is checked before it runs (see
@@ -405,7 +406,7 @@ def _imported_class(selector: str, pat: _ClassPattern, known: Sequence[type]) ->
             obj = getattr(obj, attr, None) if isinstance(obj, type) else None
         if isinstance(obj, type):
             return obj
-        if parts[cut] not in vars(module) and _exports_lazily(module):
+        if parts[cut] not in vars(module) and _exports_lazily(module, parts[cut]):
             return _lazy_export(selector, pat, ".".join(parts[:cut]), parts[cut:], known)
         raise SelectorError(
             selector, pat.column,
@@ -420,10 +421,15 @@ def _imported_class(selector: str, pat: _ClassPattern, known: Sequence[type]) ->
     )
 
 
-def _exports_lazily(module) -> bool:
-    """Whether ``module`` may export names it does not hold yet: a module ``__getattr__``
-    (PEP 562) or a module class with one (transformers' and diffusers' ``_LazyModule``)."""
-    return "__getattr__" in vars(module) or hasattr(type(module), "__getattr__")
+def _exports_lazily(module, name: str) -> bool:
+    """Whether ``module`` exports ``name`` lazily: it has a module ``__getattr__`` (PEP 562)
+    or a module class with one (transformers' and diffusers' ``_LazyModule``), and lists
+    ``name`` in its ``__all__`` (``torch.Dropout`` is no such name: torch has a
+    ``__getattr__``, but ``getattr(torch, "Dropout")`` raises)."""
+    if "__getattr__" not in vars(module) and not hasattr(type(module), "__getattr__"):
+        return False
+    exported = vars(module).get("__all__")
+    return isinstance(exported, (list, tuple, set, frozenset)) and name in exported
 
 
 def _lazy_export(selector: str, pat: _ClassPattern, modname: str, rest: Sequence[str],

@@ -303,6 +303,7 @@ def lazy_package(tmp_path, monkeypatch):
     (pkg / "__init__.py").write_text(textwrap.dedent(f"""
         import importlib, pathlib
         _EXPORTS = {{"Block": "._impl", "Other": "._other"}}
+        __all__ = list(_EXPORTS)
 
         def __getattr__(name):
             if name not in _EXPORTS:
@@ -360,7 +361,19 @@ def test_transformers_class_by_its_top_level_name():
                                   bos_token_id=0, eos_token_id=0)
     model = modeling_gpt2.GPT2LMHeadModel(cfg)
     assert names(model, "transformers.GPT2Model:*") == ["transformer"]
-    assert names(model, "transformers.models.gpt2.GPT2Block") == ["transformer.h.0"]
+    assert names(model, "transformers.models.gpt2.modeling_gpt2.GPT2Block") == ["transformer.h.0"]
+    # not a name the package exports (getattr raises): no class, as for any module
+    with pytest.raises(SelectorError, match=r"module 'transformers.models.gpt2' has no class 'GPT2Block'"):
+        select(model, "transformers.models.gpt2.GPT2Block")
+
+
+def test_a_name_a_lazy_package_does_not_export_is_no_class():
+    """torch has a module ``__getattr__`` but exports no ``Dropout``: ``torch.Dropout`` is an
+    error, as before lazily exported names were looked up (it selected ``nn.Dropout``)."""
+    model = nn.Sequential(nn.Dropout(), nn.Linear(2, 2))
+    for text in ("torch.Dropout", "torch.Linear"):
+        with pytest.raises(SelectorError, match=rf"module 'torch' has no class '{text[6:]}'"):
+            select(model, text)
 
 
 def test_dotted_class_exported_lazily_with_two_candidates_is_ambiguous(lazy_package):
