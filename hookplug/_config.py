@@ -282,11 +282,12 @@ def load_config(path: "str | os.PathLike[str]") -> Dict[str, Any]:
 def _paths_relative_to(folder: str, sinks: Dict[str, Dict[str, Any]]) -> None:
     """Make each sink's relative ``path`` (read from a file: the tables are this module's
     own) relative to ``folder``, the file's, as an absolute path; the folder's braces are
-    doubled so they are not taken for the path's ``{rank}``/``{run_id}`` placeholders."""
+    doubled so they are not taken for the path's ``{rank}``/``{run_id}`` placeholders. A
+    URL (``s3://bucket/x``, a third-party sink's) is left as it is."""
     template = folder.replace("{", "{{").replace("}", "}}")
     for opts in sinks.values():
         value = opts.get("path")
-        if isinstance(value, str) and not os.path.isabs(value):
+        if isinstance(value, str) and not os.path.isabs(value) and "://" not in value:
             opts["path"] = os.path.join(template, value)
 
 

@@ -257,6 +257,17 @@ def test_a_relative_sink_path_keeps_its_placeholders_and_the_folder_its_braces(t
     assert (cfg_dir / "out" / "r0" / "telemetry.jsonl").is_file()
 
 
+def test_a_url_sink_path_in_a_config_file_is_left_as_written(tmp_path):
+    """Only file paths are made relative to the config file: a URL (a third-party sink's
+    ``s3://...``) is kept as written, not joined to the file's folder."""
+    path = write(tmp_path, """
+        plugins = ["stats"]
+        [sinks.jsonl]
+        path = "s3://bucket/run{rank}"
+    """)
+    assert hookplug.load_config(path)["sink"]["jsonl"]["path"] == "s3://bucket/run{rank}"
+
+
 def test_relative_sink_paths_given_in_python_stay_relative_to_the_working_directory(tmp_path, monkeypatch):
     """A dict config and ``sink=`` hold paths as Python code gives them: relative to the
     working directory, as ``open()`` takes them; the dict is left as it was."""
