@@ -212,6 +212,16 @@ def _one_step(m, s):
     s.step()
 
 
+def _jsonl_config(folder, sink_path):
+    """A ``telemetry.toml`` in ``folder``: stats, a flush every step, a jsonl sink at ``sink_path``."""
+    return write(folder, f"""
+        flush_every = 1
+        plugins = ["stats"]
+        [sinks.jsonl]
+        path = "{sink_path}"
+    """)
+
+
 def test_a_relative_sink_path_in_a_file_is_relative_to_the_file(tmp_path, monkeypatch):
     """``path = "runs/x"`` written in ``cfg/telemetry.toml`` is ``cfg/runs/x`` whatever the
     working directory (as ruff and pytest read paths in their config files); it used to
@@ -219,12 +229,7 @@ def test_a_relative_sink_path_in_a_file_is_relative_to_the_file(tmp_path, monkey
     cfg_dir, elsewhere = tmp_path / "cfg", tmp_path / "elsewhere"
     cfg_dir.mkdir()
     elsewhere.mkdir()
-    path = write(cfg_dir, """
-        flush_every = 1
-        plugins = ["stats"]
-        [sinks.jsonl]
-        path = "runs/x"
-    """)
+    path = _jsonl_config(cfg_dir, "runs/x")
     monkeypatch.chdir(elsewhere)
     assert hookplug.load_config(path)["sink"] == {"jsonl": {"path": str(cfg_dir / "runs" / "x")}}
     m = MLP()
@@ -244,12 +249,7 @@ def test_a_relative_sink_path_in_a_file_is_relative_to_the_file(tmp_path, monkey
 def test_a_relative_sink_path_keeps_its_placeholders_and_the_folder_its_braces(tmp_path, monkeypatch):
     cfg_dir = tmp_path / "exp{1}"  # a folder name with braces is not a placeholder
     cfg_dir.mkdir()
-    path = write(cfg_dir, """
-        flush_every = 1
-        plugins = ["stats"]
-        [sinks.jsonl]
-        path = "out/r{rank}"
-    """)
+    path = _jsonl_config(cfg_dir, "out/r{rank}")
     monkeypatch.chdir(tmp_path)
     m = MLP()
     with hookplug.attach(m, config=path) as s:
@@ -260,11 +260,7 @@ def test_a_relative_sink_path_keeps_its_placeholders_and_the_folder_its_braces(t
 def test_a_url_sink_path_in_a_config_file_is_left_as_written(tmp_path):
     """Only file paths are made relative to the config file: a URL (a third-party sink's
     ``s3://...``) is kept as written, not joined to the file's folder."""
-    path = write(tmp_path, """
-        plugins = ["stats"]
-        [sinks.jsonl]
-        path = "s3://bucket/run{rank}"
-    """)
+    path = _jsonl_config(tmp_path, "s3://bucket/run{rank}")
     assert hookplug.load_config(path)["sink"]["jsonl"]["path"] == "s3://bucket/run{rank}"
 
 
