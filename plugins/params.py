@@ -62,6 +62,9 @@ local, not yet reduced gradient, and FSDP2's sharded parameters get none.
   hooks fire for both; a parameter is measured by the outermost step that holds it, its
   update when that step returns (after, e.g., ZeRO's broadcast), once. A step that raised
   is forgotten at ``session.step()`` (or when its closure raised).
+- The step with zero gradients and ``lr=0`` that ``get_state_dict``/``set_state_dict``
+  (``torch.distributed.checkpoint.state_dict``) give an optimizer with no state, to create
+  it, is not measured.
 - A model built on the ``meta`` device and materialized after ``attach`` (``to_empty()``,
   FSDP2's deferred init): nothing is measured while it is on ``meta``; the parameters are
   found through their modules, so the materialized ones are measured, as if attached
@@ -172,6 +175,14 @@ def _live_frames(depth: int = 2) -> set:
         ids.add(id(f))
         f = f.f_back
     return ids
+
+
+def _state_init_step(caller) -> bool:
+    """Whether the optimizer step called from ``caller`` is the one
+    ``torch.distributed.checkpoint.state_dict`` (``get_state_dict``, ``set_state_dict``) gives
+    an optimizer with no state to create it: zero gradients, ``lr=0``, no training step's."""
+    return (caller is not None and caller.f_code.co_name == "_init_optim_state"
+            and caller.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict")
 
 
 def _remove_handles(handles) -> None:
@@ -400,7 +411,7 @@ class ParamsPlugin(hookplug.Plugin):
         if frames:  # a step that raised never ran its post-hook: not an enclosing step
             live, me = _live_frames(), threading.get_ident()
             frames[:] = [f for f in frames if f.running(live, me)]
-        prs = self._of_optimizer(opt)
+        prs = [] if _state_init_step(sys._getframe(2)) else self._of_optimizer(opt)
         if frames and prs:  # nested (a wrapper's inner optimizer, a subclass's super().step()):
             # what an enclosing step measures is its own
             outer = {pr.index for f in frames for pr in f.prs}

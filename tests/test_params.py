@@ -998,3 +998,62 @@ def test_a_parameter_replaced_by_a_computed_weight_after_attach_is_not_read(how)
     res = s["params"].results()
     assert "0.weight" not in res and set(res) == {"0.bias", "2.weight", "2.bias"}
     s.remove()
+
+
+@pytest.mark.parametrize("opt_kind", ["sgd", "adamw"])
+def test_distributed_checkpoint_state_dict_init_step_is_not_measured(opt_kind):
+    """``torch.distributed.checkpoint.state_dict.get_state_dict``/``set_state_dict`` give an
+    optimizer with no state (a fresh one before loading a checkpoint, or a stateless SGD at
+    every checkpoint) one step with zero gradients and ``lr=0`` to create its state. That
+    step was measured as a training step's: its zero gradients and zero updates merged into
+    the real step's rows (calls 3, a third of the gradient zeros)."""
+    import copy
+
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from conftest import RecordSink
+
+    def make():
+        m, x = model_and_data()
+        opt = (torch.optim.SGD(m.parameters(), lr=0.1) if opt_kind == "sgd"
+               else torch.optim.AdamW(m.parameters(), lr=1e-2))
+        return m, x, opt
+
+    def train(m, x, opt, s, steps):
+        for _ in range(steps):
+            m(x).square().mean().backward()
+            opt.step()
+            s.step()
+            opt.zero_grad(set_to_none=True)
+
+    m, x, opt = make()
+    sink = RecordSink()
+    with hookplug.attach(m, "Linear", plugins=("params", {"bins": 0}), sink=sink) as s:
+        train(m, x, opt, s, 1)
+        # a checkpoint between steps (copied at each load, as a save and load would: a
+        # load keeps the tensors it is given, AdamW's step counts among them)
+        model_sd, optim_sd = copy.deepcopy(get_state_dict(m, opt))
+        # resuming: a new model and optimizer, attached, then loaded
+        m2, x2, opt2 = make()
+        with hookplug.attach(m2, "Linear", plugins=("params", {"bins": 0}), sink=sink,
+                             start_step=1) as s2:
+            get_state_dict(m2, opt2)
+            set_state_dict(m2, opt2, model_state_dict=copy.deepcopy(model_sd),
+                           optim_state_dict=copy.deepcopy(optim_sd))
+            train(m2, x2, opt2, s2, 1)
+        set_state_dict(m, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        train(m, x, opt, s, 1)
+    for step in (0, 1):
+        mine = [r for r in sink.records if r["step"] == step]
+        assert len(mine) == 4 * 3 * (2 if step == 1 else 1)
+        for r in mine:
+            assert r["calls"] == 1, (r["step"], r["module"], r["site"], r["calls"])
+            if r["site"] == "grad":
+                assert r["zero_count"] == 0, (r["step"], r["module"])
+    # the resumed run's step 1 is the original's
+    by = {}
+    for r in (r for r in sink.records if r["step"] == 1):
+        by.setdefault((r["module"], r["site"]), []).append(r)
+    for (name, site), (a, b) in by.items():
+        assert {k: a[k] for k in ("numel", "min", "max", "mean", "std")} == \
+            {k: b[k] for k in ("numel", "min", "max", "mean", "std")}, (name, site)
