@@ -173,12 +173,59 @@ class _HookFreeState:
         state = type(module).__getstate__(module)
         if state is module.__dict__:
             state = dict(state)
-        state.pop("__getstate__", None)
+        return self.without_hooks(state)
+
+    def without_hooks(self, state: dict) -> dict:
+        """``state`` (a module's ``__dict__`` or a copy, changed in place) without the guards
+        and the entries under ``hook_ids``."""
+        for name in _GUARDS:
+            state.pop(name, None)
         ids = self.hook_ids
         for key, value in list(state.items()):
             if isinstance(value, dict) and "hook" in key and not ids.isdisjoint(value):
                 state[key] = type(value)((k, v) for k, v in value.items() if k not in ids)
         return state
+
+
+class _HookFreeCall:
+    """Set as ``module.__deepcopy__`` or ``module.__reduce_ex__`` (instance attributes, which
+    ``copy`` and ``pickle`` look up first) beside :class:`_HookFreeState` where the module's
+    class has that method of its own, one that copies ``__dict__`` whole and never reads
+    ``__getstate__``: ``torch.nn.utils.parametrize``'s ``__deepcopy__`` (``weight_norm``,
+    ``spectral_norm``, ``orthogonal``), ``torch.fx.GraphModule``'s ``__deepcopy__`` and
+    ``__reduce__``. The class's method runs with the module's ``__dict__`` swapped, for the
+    call, for one without hookplug's hooks and guards (a forward on another thread during
+    that call runs unobserved)."""
+
+    __slots__ = ("guard", "method")
+
+    def __init__(self, guard: _HookFreeState, method: str):
+        self.guard = guard
+        self.method = method
+
+    def __call__(self, *args):
+        module = self.guard.module_ref()
+        saved = module.__dict__
+        object.__setattr__(module, "__dict__", self.guard.without_hooks(dict(saved)))
+        try:
+            return getattr(type(module), self.method)(module, *args)
+        finally:
+            object.__setattr__(module, "__dict__", saved)
+
+
+# the instance attributes that keep hookplug's hooks out of copies and pickles of a module
+_GUARDS = ("__getstate__", "__deepcopy__", "__reduce_ex__")
+
+
+def _own_copy_methods(cls) -> List[str]:
+    """The methods of ``cls`` through which ``copy``/``pickle`` would bypass
+    ``__getstate__`` (see :class:`_HookFreeCall`)."""
+    out = []
+    if getattr(cls, "__deepcopy__", None) is not None:
+        out.append("__deepcopy__")
+    if cls.__reduce__ is not object.__reduce__ or cls.__reduce_ex__ is not object.__reduce_ex__:
+        out.append("__reduce_ex__")
+    return out
 
 
 # The (pre, post) hook ids of a model's sessions, in attach order, each True while free (its
@@ -222,6 +269,9 @@ def _guard_copies(module: nn.Module, handle) -> None:
     guard = module.__dict__.get("__getstate__")
     if guard is None:
         guard = module.__dict__["__getstate__"] = _HookFreeState(module)
+        for method in _own_copy_methods(type(module)):
+            if method not in module.__dict__:  # (a user's own is left alone)
+                module.__dict__[method] = _HookFreeCall(guard, method)
     if isinstance(guard, _HookFreeState):  # a user's own instance __getstate__ is left alone
         guard.hook_ids.add(handle.id)
 
@@ -232,6 +282,10 @@ def _unguard_copies(module: nn.Module, hook_id: int) -> None:
         guard.hook_ids.discard(hook_id)
         if not guard.hook_ids:
             del module.__dict__["__getstate__"]
+            for method in _GUARDS[1:]:
+                call = module.__dict__.get(method)
+                if isinstance(call, _HookFreeCall) and call.guard is guard:
+                    del module.__dict__[method]
 
 
 # -- interpreter exit ----------------------------------------------------------------------------

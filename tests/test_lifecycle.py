@@ -278,6 +278,87 @@ def test_torch_save_load_of_attached_model():
     check_copy(copied, before, plugin, session, model)
 
 
+ALL_PLUGINS = ["stats", "capture", "flops", ("gradclamp", {"max": 1e30, "params": "*"}), "params"]
+
+
+def _no_hookplug_state(copied):
+    """``copied`` holds no hook, guard or session of hookplug's (on no module)."""
+    from hookplug._binding import _ModuleBinding, _ParamBinding, _Rehook
+    from hookplug._session import Session, _HookFreeState
+
+    ours = (_ModuleBinding, _ParamBinding, _Rehook, _HookFreeState, Session)
+    for n, m in copied.named_modules():
+        assert not any(k in vars(m) for k in ("__getstate__", "__deepcopy__", "__reduce_ex__")), n
+        for attr, value in vars(m).items():
+            if isinstance(value, dict) and "hook" in attr:
+                for hook in value.values():
+                    assert not isinstance(getattr(hook, "__self__", hook), ours), (n, attr, hook)
+
+
+def test_ema_copy_of_an_attached_model_with_a_parametrized_layer():
+    """``torch.nn.utils.parametrize`` (``parametrizations.weight_norm``, ``spectral_norm``,
+    ``orthogonal``) gives the module's class a ``__deepcopy__`` that deep-copies its
+    ``__dict__`` whole, without ``__getstate__``: an EMA copy (``AveragedModel``, timm's
+    ``ModelEmaV3``, ``copy.deepcopy``) of an attached model failed ("cannot pickle
+    '_thread.RLock'", the session reached through a parameter hook's load_state_dict
+    post-hook), or with stats alone carried copies of the hooks and a guard pointing at the
+    original module."""
+    from torch.nn.utils import parametrizations
+    from torch.optim import swa_utils
+
+    torch.manual_seed(0)
+    model = MLP()
+    parametrizations.weight_norm(model.fc1)
+    before = hook_dicts(model)
+    ids = {k: list(v) for k, v in before.items()}  # (weight_norm's own hooks are copied)
+    session = hookplug.attach(model, "Linear", plugins=ALL_PLUGINS)
+    ema = swa_utils.AveragedModel(model, multi_avg_fn=swa_utils.get_ema_multi_avg_fn(0.9))
+    copied = copy.deepcopy(model)
+    for c in (ema.module, copied):
+        assert {k: list(v) for k, v in hook_dicts(c).items()} == ids
+        _no_hookplug_state(c)
+    x = torch.randn(4, 32)
+    want = model(x)
+    want.sum().backward()
+    ema.update_parameters(model)
+    for c in (ema.module, copied):
+        c(x).sum().backward()  # records nothing
+    assert session["stats"].results()["fc1"]["output"].calls == 1
+    torch.testing.assert_close(copied(x), want)
+    session.step()
+    session.remove()
+    assert hook_dicts(model) == before
+    assert not any(k in vars(m) for m in model.modules() for k in ("__getstate__", "__deepcopy__"))
+    assert {k: list(v) for k, v in hook_dicts(copy.deepcopy(model)).items()} == ids
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_copies_of_an_attached_fx_graph_module(how):
+    """``torch.fx.GraphModule`` has a ``__reduce__`` (and a ``__deepcopy__``) of its own that
+    copies its ``__dict__``: a pickle or ``torch.save`` of an attached one (selected itself,
+    ``*:``) failed on hookplug's guard (a weak reference)."""
+    torch.manual_seed(0)
+    gm = torch.fx.symbolic_trace(MLP())
+    before = hook_dicts(gm)
+    x = torch.randn(4, 32)
+    with hookplug.attach(gm, "Linear, *:", plugins=ALL_PLUGINS) as s:
+        if how == "deepcopy":
+            copied = copy.deepcopy(gm)
+        elif how == "pickle":
+            copied = pickle.loads(pickle.dumps(gm))
+        else:
+            buf = io.BytesIO()
+            torch.save(gm, buf)
+            buf.seek(0)
+            copied = torch.load(buf, weights_only=False)
+        assert hook_dicts(copied) == before
+        _no_hookplug_state(copied)
+        torch.testing.assert_close(copied(x), gm(x))
+        assert s["stats"].results()[""]["output"].calls == 1
+    assert hook_dicts(gm) == before
+    assert not any(k in vars(m) for m in gm.modules() for k in ("__getstate__", "__deepcopy__", "__reduce_ex__"))
+
+
 class QNet(nn.Module):
     def __init__(self):
         super().__init__()
