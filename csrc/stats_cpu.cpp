@@ -209,9 +209,8 @@ void raw_to_log2(const int64_t* raw, int exp_bits, int bias, const Partial& t, i
   out[kLog2ZeroBin] += t.zeros;
 }
 
-// Serializes the final fold into a row, so threads that share a bank never lose an update
-// (the heavy part, reading the tensor, runs outside the lock).
-std::mutex g_fold_mutex;
+// The final fold into a row runs under fold_mutex(), so threads that share a bank never
+// lose an update (the heavy part, reading the tensor, runs outside the lock).
 
 // Folds a tensor's totals and histogram counts into `row` (width kHead + nbins); fresh: the
 // row is uninitialized and gets them alone, else *clock (the bank's call counter) advances.
@@ -227,7 +226,7 @@ void fold_into_row(const Partial& total, int64_t N, const int64_t* hist, int64_t
   S.m2 = std::max(total.m.m2, 0.0);
   S.mn = total.mn;  // +inf / -inf when there is no finite value
   S.mx = total.mx;
-  std::lock_guard<std::mutex> lock(g_fold_mutex);
+  std::lock_guard<std::mutex> lock(fold_mutex());
   if (fresh) init_row(row, nbins, col_lo, col_hi);
   const double now = clock ? *clock : 0.0;
   if (clock) *clock = now + 1.0;
@@ -446,6 +445,11 @@ void set_cpu_isa(const std::string& isa) {
                     "hookplug: expected a CPU kernel ISA 'auto', 'generic' or 'avx2', got '",
                     isa, "'");
   g_table.store(pick_table(isa), std::memory_order_release);
+}
+
+std::mutex& fold_mutex() {
+  static std::mutex mu;
+  return mu;
 }
 
 }  // namespace cpu

@@ -4,6 +4,8 @@
 
 #include <stdint.h>
 
+#include <mutex>
+
 namespace hookplug {
 namespace cpu {
 
@@ -52,6 +54,11 @@ struct KernelTable {
 
 const KernelTable* kernels_generic();
 const KernelTable* kernels_avx2();  // nullptr when not built for this target
+
+// Held while a tensor's statistics are folded into a bank row (stats_cpu.cpp), and by
+// snapshot_rows (stats_snapshot.cpp) while it copies and resets a CPU bank: a merge from
+// a thread running without the GIL lands wholly before or wholly after a step boundary.
+std::mutex& fold_mutex();
 
 }  // namespace cpu
 }  // namespace hookplug

@@ -8,6 +8,9 @@
 
 #include <cstdint>
 #include <cstring>
+#include <mutex>
+
+#include "stats_cpu_iface.h"
 
 namespace hookplug {
 
@@ -42,6 +45,9 @@ void snapshot_rows(const at::Tensor& acc, const at::Tensor& empty, const at::Ten
   TORCH_CHECK_VALUE(!overlap(snap, acc, bytes) && !overlap(snap, empty, bytes),
                     "snapshot_rows: snap must not share memory with acc or empty");
   if (bytes == 0) return;
+  // a CPU fold of another thread (a large tensor's op runs without the GIL) must land
+  // before the copy or after the reset, never between them (it would be lost)
+  std::lock_guard<std::mutex> lock(cpu::fold_mutex());
   std::memcpy(snap.mutable_data_ptr(), acc.const_data_ptr(), bytes);
   std::memmove(acc.mutable_data_ptr(), empty.const_data_ptr(), bytes);
   for (const at::Tensor* t : {&acc, &snap}) {

@@ -383,8 +383,12 @@ class _DeviceRows:
             acc, empty = self.acc[:used], self.empty[:used]
             self._views = (used, acc, empty)
             self._block = None
-            snap = acc.clone()
-            acc.copy_(empty)
+            if self._snapshot is not None:  # one call: no other thread's merge between the copies
+                snap = acc.new_empty(acc.shape)
+                self._snapshot(acc, empty, snap)
+            else:
+                snap = acc.clone()
+                acc.copy_(empty)
         else:
             slots, i = self._block, self._next
             if slots is None or i == len(slots):  # slots up to the next fold

@@ -328,6 +328,43 @@ def test_a_merge_into_the_rows_a_growing_bank_replaced_is_kept():
     assert int(got[CALLS]) == 3
 
 
+def test_a_merge_running_without_the_gil_lands_in_exactly_one_step():
+    """A CPU op on a large tensor (2**16 elements or more) reads it without the GIL and then
+    folds it into its row; ``session.step()`` on another thread (a server's timer) copies
+    and resets the rows meanwhile. The fold must land before the copy or after the reset,
+    never between them (a bug hunt's request threads lost 1 to 2 of 900 calls). Wide rows
+    (linear histogram) keep the step's copies long, so each call falls inside one."""
+    import threading
+
+    if ops.snapshot_rows() is None:
+        pytest.skip("needs the compiled extension")
+    bank = StatsBank(bins=32768, hist="linear", range=(-4.0, 4.0))
+    bank.prepare(torch.device("cpu"))
+    keys = [(f"m{i}", "output", "eval") for i in range(16)]
+    for key in keys:
+        bank.row_of(key)
+    x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(0))
+    calls, done, started = 300, threading.Event(), threading.Event()
+
+    def run():
+        started.set()
+        for _ in range(calls):
+            bank.accumulate(x, keys[-1])
+        done.set()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    started.wait(10)
+    step = 0
+    while not done.is_set() and step < 100_000:
+        bank.end_step(step)
+        step += 1
+    t.join(10)
+    bank.end_step(step)
+    st = bank.merged(lambda k: k)[keys[-1]]
+    assert (st.calls.item(), st.numel.item()) == (calls, calls * x.numel())
+
+
 def test_snapshots_keep_no_more_memory_than_they_hold():
     """A key set that grows every step (a snapshot of its own each time) and then stays put
     (slots of one block per fold batch): the ended steps waiting for telemetry keep at most
