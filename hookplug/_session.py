@@ -13,6 +13,7 @@ import difflib
 import inspect
 import os
 import sys
+import threading
 import warnings
 import weakref
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
@@ -387,6 +388,11 @@ class Session:
         self._sampling = start_step % every == 0
         self._nonfinite: Deque[dict] = collections.deque(maxlen=_NONFINITE_KEPT)
         self._removed = False
+        # step(), flush() and remove() take turns: a server's timer thread ending steps while
+        # another thread flushes or removes the session would otherwise end one bank step
+        # twice at once, or hand a flush another thread is delivering to a sink again.
+        # Reentrant: a signal handler's remove() inside a flush on the same thread goes on
+        self._boundary = threading.RLock()
         self._fsdp2_warned = False
         self._foreign_warned = False  # a hook copied onto another module ran (_ModuleBinding.foreign)
         self._attached = False  # attach() finished (a failed attach has no final flush to share)
@@ -591,6 +597,10 @@ class Session:
         runs, for sampling). Call it after the step's work: ``with session.step():`` is
         refused (the call ends the step before the body runs, which would belong to the
         next)."""
+        with self._boundary:  # another thread's step(), flush() or remove() waits (see __init__)
+            return self._end_step(step, next_step)
+
+    def _end_step(self, step: Optional[int], next_step: Optional[int]) -> "_StepScope":
         for what, value in (("step", step), ("next_step", next_step)):
             if value is not None and not is_int_at_least(value, 0):
                 raise ValueError(f"session.step({what}=...) expects an int >= 0, got {value!r}")
@@ -639,7 +649,8 @@ class Session:
         ``wait=False`` starts one and emits only what is already done. Returns the records
         emitted by this call. Under torch.distributed a session with a telemetry producer
         flushes collectively: call it on every rank."""
-        return self._telemetry.flush(self, wait=wait)
+        with self._boundary:
+            return self._telemetry.flush(self, wait=wait)
 
     def remove(self) -> None:
         """Take every hook off (idempotent) and end the session for its plugins, after a
@@ -655,6 +666,10 @@ class Session:
 
     def _remove(self, failed: bool) -> None:
         """``remove()``; ``failed``: this rank is leaving with an exception."""
+        with self._boundary:
+            self._remove_locked(failed)
+
+    def _remove_locked(self, failed: bool) -> None:
         if self._removed:
             return
         self._removed = True

@@ -2231,3 +2231,52 @@ def test_a_thread_that_compiles_gets_the_module_hook_guards():
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert ast.literal_eval(out.stdout.strip().splitlines()[-1]) == [(False, 20), (False, 20)]
+
+
+def test_remove_while_a_timer_threads_step_is_delivering_sends_each_step_once(tmp_path):
+    """A server's timer thread calls ``step()``; the main thread calls ``remove()`` while that
+    step hands its flush to a (slow) sink. remove() waits for it, and no sink gets a step
+    twice (its final flush handed the flush in delivery to the slow sink again)."""
+    import json
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+
+    class Slow(hookplug.Sink):
+        def __init__(self):
+            super().__init__()
+            self.got = []
+
+        @hookplug.hookimpl
+        def hookplug_flush(self, session, records):
+            self.got.extend((r["step"], r["module"]) for r in records)
+            if threading.current_thread() is not threading.main_thread() and not entered.is_set():
+                entered.set()
+                release.wait(10)
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    slow, path = Slow(), str(tmp_path / "t.jsonl")
+    s = hookplug.attach(model, "Linear", plugins="stats", sink=[slow, ("jsonl", {"path": path})],
+                        flush_every=1)
+    model(torch.randn(2, 4))
+    errors = []
+
+    def timer():
+        try:
+            s.step()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    t = threading.Thread(target=timer, daemon=True)
+    t.start()
+    assert entered.wait(10)
+    model(torch.randn(2, 4))
+    threading.Timer(0.2, release.set).start()  # remove() waits for the timer's delivery
+    s.remove()
+    release.set()
+    t.join(10)
+    assert not t.is_alive() and not errors
+    want = collections.Counter({(0, "0"): 1, (0, "1"): 1, (1, "0"): 1, (1, "1"): 1})
+    assert collections.Counter(slow.got) == want
+    with open(path) as f:
+        assert collections.Counter((r["step"], r["module"]) for r in map(json.loads, f)) == want
