@@ -443,6 +443,17 @@ class _ModuleBinding:
                 "hooks): they do nothing there, and those modules are not observed; attach after "
                 "the transformation", RuntimeWarning, stacklevel=3)
 
+    def retire(self) -> None:
+        """At ``remove()``: no plugin, no session. A call torch still makes (a hook list it
+        took before ``remove()``, on another thread; a copy torch made where ``remove()``
+        cannot reach) does nothing, and the binding keeps neither the plugins nor the
+        session alive."""
+        self.fwd_in = self.fwd_out = self.out_grad = ()
+        self.all_in = self.all_out = self.all_grad = ()
+        self.variants, self.recompute = {}, ()
+        self.has_pre = self.has_post = False
+        self.session = None
+
     def __reduce__(self):
         """A copy or pickle of a model holding such a copy (copies of the model leave the
         hooks of its selected modules out, see ``_HookFreeState``) gets an inert binding,
@@ -471,6 +482,8 @@ class _ModuleBinding:
                 self.calls += 1
             return None
         s = self.session
+        if s is None:  # retired while this call was on its way (see retire)
+            return None
         ctx = self._new_ctx(module, compiling)
         if self.has_post and not compiling:  # the same ctx reaches forward_output for this call
             # (compiled code makes an equal one there: a traced list mutation graph-breaks
@@ -536,6 +549,8 @@ class _ModuleBinding:
             index = self.calls
             self.calls = index + 1
             s = self.session
+            if s is None:  # retired while this call was on its way (see retire)
+                return None
             root = s._model_ref()  # the phase is the model's (see _phase_of)
             ctx = HookContext(self.name, index, s._step, s,
                               "train" if (module if root is None else root).training and not _inference_mode()

@@ -689,11 +689,12 @@ class Session:
                 _unguard_copies(module, hook_id)
         self._guarded.clear()
         # the bindings point back at the session: drop them so `del session` frees plugins'
-        # data without waiting for the cycle collector, and cut that link, so a binding
+        # data without waiting for the cycle collector, and retire them, so a binding
         # something else still holds (a hook copy torch made where remove() cannot reach it,
-        # a compiled backward in flight) keeps no session alive
+        # a compiled backward in flight, a hook list another thread took) does nothing and
+        # keeps no plugin or session alive
         for binding in self._bindings.values():
-            binding.session = None
+            binding.retire()
         self._bindings.clear()
         self._param_bindings.clear()
         _guard_module_hooks()  # compiled code that ran with the hooks recompiles without

@@ -457,6 +457,30 @@ def test_copies_remove_cannot_reach_do_not_keep_the_session():
     model(torch.randn(2, 4))  # the copy left behind does nothing
 
 
+def test_a_hook_call_torch_makes_after_remove_does_nothing():
+    """A request thread's forward may run a hook from the list torch took before another
+    thread's ``remove()``: the retired binding does nothing there (no plugin, no error)."""
+    class AddOne(hookplug.Plugin):
+        name = "add"
+
+        @hookimpl
+        def hookplug_forward_output(self, output):
+            log.append("add")
+            return output + 1
+
+    model, log = MLP(), []
+    s = hookplug.attach(model, "Linear", plugins=[("stats", {"sites": ("input", "output", "grad")}), AddOne()])
+    late = [(m, list(m._forward_pre_hooks.values()), list(m._forward_hooks.values()))
+            for m in model.modules() if isinstance(m, nn.Linear)]
+    s.remove()
+    for m, pres, posts in late:
+        args = (torch.randn(2, m.in_features, requires_grad=True),)
+        out = m(*args)
+        assert all(pre(m, args, {}) is None for pre in pres)
+        assert all(post(m, args, {}, out) is None for post in posts)
+    assert not log and s["stats"].results() == {}
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_hooks_copied_onto_swapped_modules_compile_with_fullgraph():
     """The copies torch.ao.quantization's fuse_modules leaves do nothing in compiled code
