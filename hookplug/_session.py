@@ -393,6 +393,7 @@ class Session:
         # twice at once, or hand a flush another thread is delivering to a sink again.
         # Reentrant: a signal handler's remove() inside a flush on the same thread goes on
         self._boundary = threading.RLock()
+        self._boundary_pid = os.getpid()  # a forked child makes its own (see _turns)
         self._fsdp2_warned = False
         self._foreign_warned = False  # a hook copied onto another module ran (_ModuleBinding.foreign)
         self._attached = False  # attach() finished (a failed attach has no final flush to share)
@@ -597,7 +598,7 @@ class Session:
         runs, for sampling). Call it after the step's work: ``with session.step():`` is
         refused (the call ends the step before the body runs, which would belong to the
         next)."""
-        with self._boundary:  # another thread's step(), flush() or remove() waits (see __init__)
+        with self._turns():  # another thread's step(), flush() or remove() waits (see __init__)
             return self._end_step(step, next_step)
 
     def _end_step(self, step: Optional[int], next_step: Optional[int]) -> "_StepScope":
@@ -649,7 +650,7 @@ class Session:
         ``wait=False`` starts one and emits only what is already done. Returns the records
         emitted by this call. Under torch.distributed a session with a telemetry producer
         flushes collectively: call it on every rank."""
-        with self._boundary:
+        with self._turns():
             return self._telemetry.flush(self, wait=wait)
 
     def remove(self) -> None:
@@ -666,8 +667,17 @@ class Session:
 
     def _remove(self, failed: bool) -> None:
         """``remove()``; ``failed``: this rank is leaving with an exception."""
-        with self._boundary:
+        with self._turns():
             self._remove_locked(failed)
+
+    def _turns(self) -> "threading.RLock":
+        """The lock ``step()``, ``flush()`` and ``remove()`` take turns on. A process forked
+        while another thread held it (a timer thread's ``step()``) gets a new one: the copy
+        it inherits stays held by a thread it does not have, and its ``remove()`` would hang."""
+        pid = os.getpid()
+        if self._boundary_pid != pid:
+            self._boundary, self._boundary_pid = threading.RLock(), pid
+        return self._boundary
 
     def _remove_locked(self, failed: bool) -> None:
         if self._removed:

@@ -637,6 +637,41 @@ def test_a_forked_child_leaving_the_session_emits_nothing(tmp_path):
     assert count == {(step, mod): 1 for step in range(4) for mod in ("fc1", "fc2", "fc3")}
 
 
+def test_a_child_forked_while_another_thread_ends_a_step_can_remove_its_copy():
+    """A server's timer thread inside ``step()`` when a worker is forked: the child's copy of
+    the session's step lock stays held by a thread the child does not have, so the child's
+    ``remove()`` (leaving a with block) hung; the child takes a lock of its own."""
+    import threading
+
+    from conftest import fork_child, join_child
+
+    m = MLP()
+    s = hookplug.attach(m, "Linear", plugins="stats")
+    held, release = threading.Event(), threading.Event()
+
+    def timer():
+        with s._boundary:  # held where step() is while it ends a step
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=timer)
+    t.start()
+    assert held.wait(10)
+    try:
+        def child():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                s.remove()
+            return s.removed
+
+        pid, fd = fork_child(child)
+    finally:
+        release.set()
+        t.join()
+    assert join_child(pid, fd) == {"result": True}
+    s.remove()
+
+
 def test_a_session_never_removed_is_flushed_at_exit(tmp_path):
     """At interpreter exit a session with a sink that was never removed is removed (its own
     rows, no collective), with one warning naming it, so its last steps are not lost; a
