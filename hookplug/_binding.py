@@ -468,8 +468,6 @@ class _ModuleBinding:
             return None
         if compiling and self.eager_only:
             return _outside_graph(self.eager_reason, self.pre_hook, module, args, kwargs)
-        if not compiling and (_is_tracing() or _FX_FLAG_IN.__dict__.get(_FX_FLAG)):
-            return None
         if not compiling and _graph_task_id() != -1:  # a recompute (activation checkpointing)
             if self.has_post:
                 self._pending.append(None)
@@ -481,6 +479,8 @@ class _ModuleBinding:
             if not compiling:
                 self.calls += 1
             return None
+        if not compiling and (_is_tracing() or _FX_FLAG_IN.__dict__.get(_FX_FLAG)):
+            return None  # (checked where there is work: an unsampled call does not pay it)
         s = self.session
         if s is None:  # retired while this call was on its way (see retire)
             return None
@@ -525,8 +525,6 @@ class _ModuleBinding:
                 return _outside_graph(self.eager_reason, self.post_hook, module, args, kwargs,
                                       output)
             return self._post_hook_compiled(module, args, kwargs, output)
-        if _is_tracing() or _FX_FLAG_IN.__dict__.get(_FX_FLAG):
-            return None
         fwd_out, out_grad = self.fwd_out, self.out_grad
         pending = self._pending
         if self.has_pre and pending:
@@ -542,6 +540,8 @@ class _ModuleBinding:
                 return self._post_hook_recompute(module, args, kwargs, output)
         elif not fwd_out and not out_grad:  # e.g. an unsampled step: count the call, no more
             self.calls += 1
+            return None
+        elif _is_tracing() or _FX_FLAG_IN.__dict__.get(_FX_FLAG):  # (pre_hook left no ctx)
             return None
         elif _graph_task_id() != -1:
             return self._post_hook_recompute(module, args, kwargs, output)
