@@ -427,14 +427,11 @@ class _ModuleBinding:
         (a graph break, an error under ``fullgraph=True``). The post hook's copy takes this
         thread's pending call of the module off (``fuse_modules`` keeps the selected ReLU,
         pre hook and all, inside the fused module that runs the copy of its post hook)."""
-        if post and self._pending and not _is_compiling():
-            me, pending = _get_ident(), self._pending
-            for i in range(len(pending) - 1, -1, -1):
-                if pending[i] is not None and pending[i]._thread == me:
-                    del pending[i]
-                    break
+        compiling = _is_compiling()
+        if post and self.has_pre and self._pending and not compiling:
+            self._own_pending()  # as post_hook takes it
         s = self.session
-        if s is not None and not s._foreign_warned and not s._removed and not _is_compiling():
+        if s is not None and not s._foreign_warned and not s._removed and not compiling:
             s._foreign_warned = True  # once a session: it names the first one
             warnings.warn(
                 f"hookplug: the hooks of module {self.name!r} were copied by torch onto another "
