@@ -385,6 +385,7 @@ class Session:
         # step on: the same rule on every rank, no communication
         self._step = start_step
         self._steps_done = 0  # step() calls (flush_every counts these)
+        self._replaced_warned: set = set()  # selected modules warned of as gone from the model
         self._sampling = start_step % every == 0
         self._nonfinite: Deque[dict] = collections.deque(maxlen=_NONFINITE_KEPT)
         self._removed = False
@@ -501,7 +502,7 @@ class Session:
                 f"hookplug: session {self.run_id} belongs to process {self._pid}, which attached "
                 f"it; in this forked process ({os.getpid()}) it emits no telemetry (the steps and "
                 "sinks are the parent's). Attach a session in the child to record there",
-                RuntimeWarning, stacklevel=4)
+                RuntimeWarning, stacklevel=stacklevel + 1)
         return True
 
     def _note_nonfinite(self, info: dict) -> None:
@@ -611,6 +612,8 @@ class Session:
                              f"({ended}), got {next_step}")
         self._step = ended + 1 if next_step is None else next_step
         self._steps_done += 1
+        if self._steps_done == 1 and not self._removed:
+            self._warn_replaced(stacklevel=3)  # the caller of step()
         sampling = (self._step % self.every) == 0 and not self._removed
         if not self._removed:
             for pb in self._param_bindings.values():
@@ -682,6 +685,8 @@ class Session:
     def _remove_locked(self, failed: bool) -> None:
         if self._removed:
             return
+        if self._attached and not failed and os.getpid() == self._pid:
+            self._warn_replaced(stacklevel=4)  # the caller of remove() (or of the with block)
         self._removed = True
         _UNREMOVED.discard(self)
         self._sampling = False
@@ -729,6 +734,27 @@ class Session:
             # the parent's
             self._dispatch("hookplug_session_end", include_disabled=True, run_all=True,
                            skip=(lambda p: self._entry_of[id(p)].is_sink) if child else None)
+
+    def _warn_replaced(self, stacklevel: int) -> None:
+        """Warn (once per name) about selected modules the model no longer holds: replaced
+        after attach (``resize_token_embeddings``' new ``lm_head``, timm's
+        ``reset_classifier``), their hooks stay on modules the model does not call, so
+        nothing would be recorded for them, silently. Checked at the first ``step()`` and at
+        ``remove()`` (one walk of the model's modules each)."""
+        model = self._model_ref()
+        if model is None or not self._module_refs:
+            return
+        present = {id(m) for m in model.modules()}
+        gone = [name for name, ref in self._module_refs.items()
+                if name not in self._replaced_warned and id(ref()) not in present]
+        if not gone:
+            return
+        self._replaced_warned.update(gone)
+        shown = ", ".join(repr(n) for n in gone[:5]) + (f" and {len(gone) - 5} more" if len(gone) > 5 else "")
+        warnings.warn(f"hookplug: {len(gone)} selected module(s) are no longer in the model (replaced "
+                      f"after attach?): {shown}; their hooks stay on the old module objects, which "
+                      f"the model does not call, so nothing is recorded for them. Attach after "
+                      f"replacing modules, or remove() and attach again.", RuntimeWarning, stacklevel=stacklevel + 1)
 
     def _remove_foreign_copies(self) -> None:
         """Take off the model's modules the copies of this session's hooks that torch
@@ -778,7 +804,7 @@ class Session:
         if self.on_error == "raise":
             raise exc
         warnings.warn(f"hookplug telemetry: a flush failed (on_error='warn'): {type(exc).__name__}: {exc}",
-                      RuntimeWarning, stacklevel=4)
+                      RuntimeWarning, stacklevel=stacklevel + 1)
 
     def _dispatch(self, hook_name: str, *, on_result=None, skip=None, include_disabled: bool = False,
                   run_all: bool = False, returned=None, **kwargs) -> None:

@@ -945,3 +945,48 @@ def test_a_tensor_returned_at_two_paths_is_steered_once():
             (m2(x)[0] * torch.arange(8.0).view(2, 4)).sum().backward()
         counts.append(int(s2["gradclamp"].results()["0"]["changed"]))
     assert counts == [7, 7, 7]
+
+
+def test_a_module_replaced_after_attach_is_named_in_a_warning_at_the_first_step():
+    """A selected module replaced after attach keeps its hooks on the old object, which the
+    model no longer calls: the first step() says so (once), rather than record nothing."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    s = hookplug.attach(model, "Linear", plugins="stats")
+    model[2] = nn.Linear(4, 2)  # as timm's reset_classifier does
+    model(torch.randn(3, 4))
+    with pytest.warns(RuntimeWarning, match=r"no longer in the model.*'2'") as rec:
+        s.step()
+    assert all("'0'" not in str(w.message) for w in rec)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        model(torch.randn(3, 4))
+        s.step()
+        s.remove()
+    assert set(s["stats"].results()) == {"0"}  # the replaced module's old object was never called
+
+
+def test_a_module_replaced_after_the_first_step_is_named_at_remove():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = hookplug.attach(model, "Linear", plugins="stats")
+        model(torch.randn(3, 4))
+        s.step()
+    model[0] = nn.Linear(4, 4)
+    with pytest.warns(RuntimeWarning, match=r"no longer in the model.*'0'"):
+        s.remove()
+
+
+def test_hf_resize_token_embeddings_after_attach_is_warned_of():
+    tr = pytest.importorskip("transformers")
+    config = tr.GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=1, n_head=2,
+                           tie_word_embeddings=False)
+    model = tr.GPT2LMHeadModel(config)
+    s = hookplug.attach(model, "Linear|Embedding", plugins="stats")
+    model.resize_token_embeddings(120)  # new wte and, untied, a new lm_head
+    model(input_ids=torch.randint(0, 120, (2, 8)))
+    with pytest.warns(RuntimeWarning, match=r"no longer in the model") as rec:
+        s.step()
+    msg = " ".join(str(w.message) for w in rec)
+    assert "'lm_head'" in msg and "wte" not in msg  # wte is resized in place: still observed
+    s.remove()
