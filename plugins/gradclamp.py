@@ -26,8 +26,15 @@ Options (keyword-only):
   ``{"min": 0, "max": 0, "params": "fc*.bias"}`` touches only those parameters (the seeds'
   "zero every fc bias gradient"); pass ``outputs=True`` to do both.
 
-The hooks run inside backward, so under AMP's ``GradScaler`` they see the *scaled*
-gradients: ``min``/``max``/``max_norm`` apply to the values times the current scale.
+- ``scaler=None|GradScaler``: the ``torch.amp.GradScaler`` of the training loop. The hooks
+  run inside backward, where its gradients are *scaled* (times its current scale), before
+  its ``unscale_``/``step`` look for inf/NaN. Without ``scaler`` the bounds apply to those
+  scaled values, and a bound clamps an overflowed (inf) gradient to a finite value, which
+  hides the overflow from the scaler: it steps and keeps its scale. With ``scaler``,
+  ``min``/``max``/``max_norm`` are in the unscaled units the optimizer sees (the bounds
+  times the scale, read on the device: no sync), and inf elements are left as they are so
+  the scaler still skips that step and lowers its scale (torch's own clipping comes after
+  ``unscale_`` for that reason). ``nan="zero"`` is refused with it (it would hide them too).
 
 Order: NaN handling, then ``min``/``max``, then ``max_norm``. The plugin counts how many
 elements it changed in an int64 device counter per module output (keyed by module name)
@@ -95,6 +102,7 @@ class GradClampPlugin(hookplug.Plugin):
         nan: Literal["keep", "zero", "raise"] = "keep",
         params: Union[None, str, Sequence[str]] = None,
         outputs: Optional[bool] = None,
+        scaler: Optional[torch.amp.GradScaler] = None,
     ):
         self.min = _number("min", min)
         self.max = _number("max", max)
@@ -104,6 +112,12 @@ class GradClampPlugin(hookplug.Plugin):
         if self.max_norm is not None and not (self.max_norm > 0 and math.isfinite(self.max_norm)):
             raise ValueError(f"gradclamp: max_norm must be a finite number > 0, got {max_norm!r}")
         self.nan = nan
+        if scaler is not None and nan == "zero":
+            raise ValueError(
+                "gradclamp: nan='zero' with scaler= would hide an overflow from the GradScaler "
+                "(it skips the steps whose gradients have inf/NaN and lowers its scale); "
+                "use nan='keep' or 'raise'")
+        self.scaler = scaler
         globs = () if params is None else (params,) if isinstance(params, str) else tuple(params)
         if params is not None and not globs:
             raise ValueError("gradclamp: params must be None, a glob string or a non-empty list")
@@ -152,6 +166,14 @@ class GradClampPlugin(hookplug.Plugin):
                                                None if hi == math.inf else hi)
         return got
 
+    def _scale(self, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        """The scaler's current scale (0-d float32 on ``grad``'s device), None where the
+        gradients are not scaled (no scaler, one switched off, or before its first ``scale``)."""
+        s = self.scaler
+        if s is None or not s.is_enabled() or s._scale is None:
+            return None
+        return s._scale.reshape(()).to(grad.device)
+
     def _apply(self, key: str, what, grad: torch.Tensor) -> torch.Tensor:
         """Steer ``grad``; ``what()`` names it in an error (built only then: reading
         ctx.step per call would make compiled code recompile every step)."""
@@ -162,7 +184,12 @@ class GradClampPlugin(hookplug.Plugin):
                 f"gradclamp: the gradient of {what()} is a {grad.layout} tensor; only strided "
                 "(dense) gradients are steered, this one is left as it is"))
             return None
-        lo, hi = self._bounds(grad.dtype)
+        amp = self._scale(grad) if self.scaler is not None else None
+        if amp is None:
+            lo, hi = self._bounds(grad.dtype)
+        else:  # unscaled bounds: times the scale, as tensors (torch.clamp rounds them to the dtype)
+            lo = None if self.min is None or self.min == -math.inf else amp * self.min
+            hi = None if self.max is None or self.max == math.inf else amp * self.max
         g = grad
         if self.nan == "raise":
             if bool(torch.isnan(g).any()):  # the one deliberate sync
@@ -170,10 +197,13 @@ class GradClampPlugin(hookplug.Plugin):
         elif self.nan == "zero":
             g = torch.nan_to_num(g, nan=0.0, posinf=float("inf"), neginf=float("-inf"))
         if lo is not None or hi is not None:
-            g = torch.clamp(g, min=lo, max=hi)
+            c = torch.clamp(g, min=lo, max=hi)
+            g = c if amp is None else torch.where(torch.isinf(g), g, c)  # the scaler's to see
         if self.max_norm is not None:
             low = g.dtype in (torch.float16, torch.bfloat16)
             norm = torch.linalg.vector_norm(g, dtype=torch.float32 if low else None)
+            if amp is not None:
+                norm = norm / amp.to(norm.dtype)
             scale = self.max_norm / (norm + 1e-6)
             scale = torch.where(
                 torch.isfinite(norm) & (norm > self.max_norm), scale, torch.ones_like(scale)
@@ -186,7 +216,7 @@ class GradClampPlugin(hookplug.Plugin):
             return None
         if is_batched(grad):  # under vmap: a count would be a BatchedTensor escaping it
             return g
-        if self.max_norm is None and self.nan != "zero":
+        if self.max_norm is None and self.nan != "zero" and amp is None:
             # only the clamp changed anything: count what it moved (NaN compares false, stays NaN)
             if lo is not None and hi is not None:
                 n = torch.logical_or(grad < lo, grad > hi).sum()

@@ -1,6 +1,7 @@
 """The ``gradclamp`` plugin against hand-written ``register_hook`` versions."""
 
 import contextlib
+import copy
 import warnings
 
 import pytest
@@ -536,3 +537,101 @@ def test_bounds_near_the_dtype_max_agree_with_torch_clamp(dtype, which):
                                    msg=f"{dtype} {opts}")
         moved = int(((want != g_out) & ~torch.isnan(g_out)).sum())
         assert changed == moved, (dtype, opts, changed, moved)
+
+
+# -- under AMP's GradScaler ---------------------------------------------------------------------
+
+def _amp_step(model, x, init_scale, plugins=None, hand=None):
+    """One float16 autocast step with a ``GradScaler``: ``(param grads unscaled, weights
+    after the step, the scale after update(), the gradclamp results)``. ``hand(scale)``:
+    a function clamping an output gradient with plain torch hooks on every Linear."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if plugins is not None:
+        name, opts = plugins
+        session = hookplug.attach(model, "Linear", plugins=(name, {**opts, "scaler": scaler}))
+    else:
+        session = contextlib.nullcontext()
+    hooks = (hand_output_hooks(model, ["fc1", "fc2", "fc3"], hand(init_scale)) if hand
+             else contextlib.nullcontext())
+    with session as s, hooks:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().square().mean()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        grads = grads_of(model)
+        scaler.step(opt)
+        scaler.update()
+        res = s["gradclamp"].results() if s is not None else None
+    return grads, [p.detach().clone() for p in model.parameters()], scaler.get_scale(), res
+
+
+@pytest.mark.parametrize("opts", [{"min": -1.0, "max": 1.0}, {"max": 0.0},
+                                  {"max": 1.0, "params": "*", "outputs": True}, {"max_norm": 1.0}])
+def test_grad_scaler_still_sees_an_overflow(opts):
+    """The hooks run inside backward, where ``GradScaler``'s gradients are scaled. An
+    overflow there (inf in a float16 gradient) that a bound clamps to a finite value is
+    hidden from the scaler, whose ``unscale_``/``step`` look for inf/NaN only afterwards:
+    it stepped with the clamped garbage and never lowered its scale. With ``scaler=`` the
+    non-finite elements are left for the scaler: the step is skipped and the scale backs
+    off, as without hooks (torch's own clipping comes after ``unscale_``, for that reason)."""
+    torch.manual_seed(0)
+    base = MLP()
+    x = torch.randn(6, 32)
+    w0 = [p.detach().clone() for p in base.parameters()]
+    _, plain_w, plain_scale, _ = _amp_step(copy.deepcopy(base), x, 2.0**40)
+    assert plain_scale == 2.0**39 and all(torch.equal(a, b) for a, b in zip(plain_w, w0))
+    grads, w, scale, _ = _amp_step(copy.deepcopy(base), x, 2.0**40, ("gradclamp", opts))
+    assert scale == plain_scale
+    assert all(torch.equal(a, b) for a, b in zip(w, w0))  # the step was skipped
+    assert any(not torch.isfinite(g).all() for g in grads.values())
+
+
+def test_grad_scaler_bounds_and_max_norm_are_in_unscaled_units():
+    """With ``scaler=``, ``min``/``max``/``max_norm`` bound the gradient the optimizer will
+    use (unscaled): a hand-written hook clamping to the bounds times the scale gives the
+    same gradients, and ``changed`` counts the elements moved."""
+    torch.manual_seed(0)
+    base = MLP()
+    x = torch.randn(6, 32)
+    b, scale = 2.0**-9, 2.0**12  # exact in float16, times the scale too
+    want, want_w, _, _ = _amp_step(copy.deepcopy(base), x, scale,
+                                   hand=lambda s: lambda g: torch.clamp(g, -b * s, b * s))
+    got, got_w, _, res = _amp_step(copy.deepcopy(base), x, scale,
+                                   ("gradclamp", {"min": -b, "max": b}))
+    assert_grads_equal(got, want)
+    assert all(torch.equal(p, q) for p, q in zip(got_w, want_w))
+    assert sum(r["changed"] for r in res.values()) > 0
+    # the same bound on the scaled values (the rule without scaler=) is another clamp
+    loose, _, _, _ = _amp_step(copy.deepcopy(base), x, scale,
+                               hand=lambda s: lambda g: torch.clamp(g, -b, b))
+    assert any(not torch.equal(loose[k], want[k]) for k in want)
+
+    def clip(s, max_norm=0.01):
+        def fn(g):
+            norm = torch.linalg.vector_norm(g, dtype=torch.float32) / s
+            return (g.float() * (max_norm / (norm + 1e-6))).half() if norm > max_norm else g
+        return fn
+
+    want, _, _, _ = _amp_step(copy.deepcopy(base), x, scale, hand=clip)
+    got, _, _, res = _amp_step(copy.deepcopy(base), x, scale, ("gradclamp", {"max_norm": 0.01}))
+    assert res and sum(r["changed"] for r in res.values()) > 0
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=2e-3, atol=1e-6)
+
+
+def test_grad_scaler_option_checks():
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(ValueError, match="scaler"):
+        hookplug.attach(MLP(), "Linear", plugins=("gradclamp", {"nan": "zero", "scaler": scaler}))
+    with pytest.raises(PluginError, match="scaler"):
+        hookplug.attach(MLP(), "Linear", plugins=("gradclamp", {"max": 1.0, "scaler": "amp"}))
+    # a scaler switched off (enabled=False) scales nothing: the bounds are the plain ones
+    off = torch.amp.GradScaler("cpu", enabled=False)
+    model = MLP()
+    x = torch.randn(6, 32)
+    with hand_output_hooks(model, ["fc1", "fc2", "fc3"], lambda g: g.clamp(max=0.0)):
+        want = run(model, x)
+    with hookplug.attach(model, "Linear", plugins=("gradclamp", {"max": 0.0, "scaler": off})):
+        got = run(model, x)
+    assert_grads_equal(got, want)
