@@ -14,6 +14,7 @@ torchvision and timm models run where torchvision imports (the torch 2.14.1 stag
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import warnings
@@ -159,16 +160,21 @@ def _loss(out):
     return sum(t.float().square().mean() for _, t in _floats(out) if t.requires_grad)
 
 
-def _step(model, args, kwargs):
+def _autocast(amp):
+    return torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext()
+
+
+def _step(model, args, kwargs, amp=None):
     torch.manual_seed(0)  # dropout, stochastic depth: the same draws in every run
-    out = model(*args, **kwargs)
-    loss = _loss(out)
+    with _autocast(amp):
+        out = model(*args, **kwargs)
+        loss = _loss(out)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return loss.detach(), grads
 
 
-def _reference(model, args, kwargs):
+def _reference(model, args, kwargs, amp=None):
     """One step with plain torch hooks on every submodule: per module and call, the float64
     copy of each output tensor (read when the module returns, as hookplug's hooks read it)
     and of the gradient that reaches it."""
@@ -185,11 +191,11 @@ def _reference(model, args, kwargs):
             if shared:
                 output = map_tensors(lambda _, t: t.view_as(t) if id(t) in shared else t, output)
             call = len(outs.setdefault(name, []))
-            outs[name].append({p: t.detach().to(torch.float64, copy=True) for p, t in _floats(output)})
+            outs[name].append({p: _f64(t) for p, t in _floats(output)})
             for p, t in _floats(output):
                 if t.requires_grad and t.grad_fn is not None:
                     t.register_hook(lambda g, c=call, gp="grad" + p[len("output"):]: grads.setdefault(
-                        name, {}).setdefault(c, {}).__setitem__(gp, g.detach().to(torch.float64, copy=True)))
+                        name, {}).setdefault(c, {}).__setitem__(gp, _f64(g)))
             return output if shared else None
         return fwd
 
@@ -197,7 +203,7 @@ def _reference(model, args, kwargs):
         if name:  # the selector "*": every submodule, not the root
             handles.append(module.register_forward_hook(hook(name), with_kwargs=True))
     try:
-        loss, param_grads = _step(model, args, kwargs)
+        loss, param_grads = _step(model, args, kwargs, amp)
     finally:
         for h in handles:
             h.remove()
@@ -210,7 +216,15 @@ def _hook_dicts(module):
                         getattr(module, "_forward_pre_hooks_with_kwargs", {})) if d]
 
 
+def _f64(t):
+    """A float64 copy of ``t`` that remembers ``t``'s dtype (``src_dtype``)."""
+    c = t.detach().to(torch.float64, copy=True)
+    c.src_dtype = t.dtype
+    return c
+
+
 def _exact(got, want, what):
+    assert got.dtype == want.src_dtype, f"{what}: dtype {got.dtype} != {want.src_dtype}"
     got = got.detach().to(torch.float64)
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     assert torch.equal(got.isnan(), want.isnan()), what
@@ -239,9 +253,9 @@ def _check_stats(st, values, what):
     assert d["std"] == pytest.approx(std, rel=5e-6, abs=1e-300), what
 
 
-def _flops_by_module(model, args, kwargs):
+def _flops_by_module(model, args, kwargs, amp=None):
     torch.manual_seed(0)
-    with FlopCounterMode(display=False) as fcm:
+    with FlopCounterMode(display=False) as fcm, _autocast(amp):
         model(*args, **kwargs)
     root = type(model).__name__
     return {k[len(root) + 1:]: sum(v.values()) for k, v in fcm.get_flop_counts().items()
@@ -252,11 +266,25 @@ def _flops_by_module(model, args, kwargs):
 
 @pytest.mark.parametrize("model_id", list(MODELS))
 def test_real_model_all_modules_exact_against_plain_torch(model_id):
+    _check_model(model_id)
+
+
+@pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("model_id", ["torchvision.mobilenet_v3_small", "transformers.gpt2",
+                                      "transformers.llama"])
+def test_real_model_under_autocast_exact_against_plain_torch(model_id, amp):
+    """The same step under ``torch.autocast("cpu", dtype=amp)``: stats of the 16-bit
+    outputs and gradients equal the float64 reference, captures equal (dtype kept), FLOPs
+    equal ``FlopCounterMode`` under autocast, the step is bitwise the plain one."""
+    _check_model(model_id, amp)
+
+
+def _check_model(model_id, amp=None):
     torch.manual_seed(0)
     base, args, kwargs = MODELS[model_id]()
     base.train()
-    ref_loss, ref_param_grads, ref_outs, ref_grads = _reference(copy.deepcopy(base), args, kwargs)
-    fcm = _flops_by_module(copy.deepcopy(base), args, kwargs)
+    ref_loss, ref_param_grads, ref_outs, ref_grads = _reference(copy.deepcopy(base), args, kwargs, amp)
+    fcm = _flops_by_module(copy.deepcopy(base), args, kwargs, amp)
 
     model = copy.deepcopy(base)
     plugins = [("stats", {"sites": ("output", "grad")}),
@@ -265,7 +293,7 @@ def test_real_model_all_modules_exact_against_plain_torch(model_id):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. capture naming HF cache objects
         with hookplug.attach(model, "*", plugins=plugins) as s:
-            loss, param_grads = _step(model, args, kwargs)
+            loss, param_grads = _step(model, args, kwargs, amp)
             s.step()
             stats = s["stats"].results()
             features, captured_grads = s["capture"].features, s["capture"].grads
@@ -319,5 +347,5 @@ def test_real_model_all_modules_exact_against_plain_torch(model_id):
     # nothing left behind
     left = {n: len(_hook_dicts(m)) for n, m in model.named_modules() if _hook_dicts(m)}
     assert not left, left
-    again, again_grads = _step(model.zero_grad(set_to_none=True) or model, args, kwargs)
+    again, again_grads = _step(model.zero_grad(set_to_none=True) or model, args, kwargs, amp)
     assert torch.equal(again, ref_loss)

@@ -4,6 +4,7 @@ Lightning and 🤗 Trainer runs on CPU with tiny models."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 
@@ -1254,3 +1255,89 @@ def test_transformers_callback_measures_a_skipped_steps_gradients_before_the_tra
     assert set(grads) == {1, 2}
     assert grads[1]["nan_count"] + grads[1]["inf_count"] == 0
     assert grads[2]["nan_count"] + grads[2]["inf_count"] == grads[2]["numel"] > 0
+
+
+# -- mixed precision: autocast and GradScaler ----------------------------------------------------
+
+def _amp_loop(model, x, steps, overflow, plugins=None):
+    """float16 autocast steps with a ``GradScaler`` (the loss times 1e9 at step ``overflow``:
+    an inf gradient, the step skipped). Without ``plugins``: plain torch hooks on every Linear
+    give, per step, float64 copies of its outputs and output gradients, and the gradient the
+    optimizer was given (or left, on the skipped step). Returns that, the session's records
+    and the weights after the loop."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sink = Collect()
+    ref = {"output": [], "grad": [], "param": [], "scale": []}
+    handles = []
+    if plugins is None:
+        def fwd(name):
+            def hook(_m, _a, out):
+                ref["output"][-1].setdefault(name, []).append(out.detach().double())
+                out.register_hook(lambda g: ref["grad"][-1].setdefault(name, []).append(g.double()))
+            return hook
+        handles = [m.register_forward_hook(fwd(n)) for n, m in model.named_modules()
+                   if isinstance(m, nn.Linear)]
+        handles.append(opt.register_step_pre_hook(lambda *_: ref["param"].__setitem__(
+            -1, {n: p.grad.double() for n, p in model.named_parameters()})))
+    session = (hookplug.attach(model, "Linear", plugins=plugins, sink=sink, flush_every=1)
+               if plugins is not None else contextlib.nullcontext())
+    with session as s:
+        for step in range(steps):
+            for k in ref:
+                ref[k].append({})
+            ref["scale"][-1] = scaler.get_scale()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().square().mean() * (1e9 if step == overflow else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            if not ref["param"][-1]:  # skipped: what the step left (unscaled by scaler.step)
+                ref["param"][-1] = {n: p.grad.double() for n, p in model.named_parameters()}
+            if s is not None:
+                s.step()
+            opt.zero_grad()
+    for h in handles:
+        h.remove()
+    return ref, sink.records, [p.detach().clone() for p in model.parameters()]
+
+
+def _assert_stats_of(r, values, what):
+    x = torch.cat([v.reshape(-1) for v in values])
+    finite = x[x.isfinite()]
+    assert r["numel"] == x.numel(), what
+    assert r["nan_count"] == int(x.isnan().sum()) and r["inf_count"] == int(x.isinf().sum()), what
+    if finite.numel():
+        assert r["min"] == float(finite.min()) and r["max"] == float(finite.max()), what
+        assert r["l2"] == pytest.approx(float(finite.norm()), rel=1e-5), what
+
+
+def test_grad_scaler_loop_stats_and_params_against_plain_torch():
+    """float16 autocast with a GradScaler, one step overflowing (skipped, its scale halved):
+    the steps are those without hooks; ``stats`` measures the float16 outputs and the
+    *scaled* output gradients as backward computed them (the skipped step's inf/NaN counted);
+    ``params``' grad site is the *unscaled* gradient the optimizer used, and on the skipped
+    step the unscaled gradient ``scaler.step`` left (its inf/NaN counted)."""
+    from hookplug.models import MLP
+
+    torch.manual_seed(0)
+    base = MLP()
+    x = torch.randn(6, 32)
+    ref, _, want_w = _amp_loop(copy.deepcopy(base), x, 3, overflow=1)
+    plugins = [("stats", {"sites": ("output", "grad")}), ("params", {"sites": ("grad",)})]
+    _, records, got_w = _amp_loop(copy.deepcopy(base), x, 3, overflow=1, plugins=plugins)
+    assert all(torch.equal(a, b) for a, b in zip(got_w, want_w))
+    assert ref["scale"] == [2.0**12, 2.0**13, 2.0**12]  # step 1 skipped, the scale backed off
+    rec = {(r["step"], r["module"], r["site"]): r for r in records}
+    bad = 0
+    for step in range(3):
+        for site in ("output", "grad"):
+            for name, values in ref[site][step].items():
+                assert values[0].dtype == torch.float64
+                _assert_stats_of(rec[(step, name, site)], values, (step, name, site))
+                bad += sum(int((~v.isfinite()).sum()) for v in values) if site == "grad" else 0
+        for name, g in ref["param"][step].items():
+            _assert_stats_of(rec[(step, name, "grad")], [g], (step, name, "param grad"))
+    assert bad > 0  # the overflow reached the grad site
+    assert any(rec[(1, n, "grad")]["inf_count"] + rec[(1, n, "grad")]["nan_count"] > 0
+               for n in ref["param"][1])
