@@ -1057,3 +1057,43 @@ def test_distributed_checkpoint_state_dict_init_step_is_not_measured(opt_kind):
     for (name, site), (a, b) in by.items():
         assert {k: a[k] for k in ("numel", "min", "max", "mean", "std")} == \
             {k: b[k] for k in ("numel", "min", "max", "mean", "std")}, (name, site)
+
+
+def test_grad_scaler_skipped_steps_measure_the_unscaled_gradient_and_update_as_documented():
+    """float16 autocast with a GradScaler, steps 0 and 2 overflowing (skipped): the grad site
+    is the unscaled gradient (the optimizer's, or the one ``scaler.step`` left when it
+    skipped); a step skipped before any optimizer step is taken as one without an
+    optimizer (update recorded, 0), a later skipped step has no update record."""
+    from conftest import RecordSink
+
+    m, x = model_and_data()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    sink = RecordSink()
+    want = {}
+    with hookplug.attach(m, "Linear", plugins=("params", {"params": "0.weight"}), sink=sink,
+                         flush_every=1) as s:
+        for step in range(4):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = m(x).float().square().mean() * (1e9 if step in (0, 2) else 1.0)
+            scaler.scale(loss).backward()
+            w0 = m[0].weight.detach().clone()
+            scaler.step(opt)
+            scaler.update()
+            want[step] = (m[0].weight.grad.detach().clone(), m[0].weight.detach() - w0)
+            s.step()
+            opt.zero_grad()
+    rec = {(r["step"], r["site"]): r for r in sink.records}
+    assert {k[0] for k in rec if k[1] == "update"} == {0, 1, 3}
+    for step, (g, upd) in want.items():
+        skipped = step in (0, 2)
+        assert torch.equal(upd, torch.zeros_like(upd)) == skipped
+        r = rec[(step, "grad")]
+        assert r["nan_count"] + r["inf_count"] == int((~g.isfinite()).sum())
+        assert (r["nan_count"] + r["inf_count"] > 0) == skipped
+        if not skipped:
+            for site, t in (("grad", g), ("update", upd)):
+                got, w = rec[(step, site)], ref(t)
+                assert got["numel"] == w["numel"] and (got["min"], got["max"]) == (w["min"], w["max"])
+                assert math.isclose(got["l2"], w["l2"], rel_tol=1e-6), (step, site)
+    assert rec[(0, "update")]["l2"] == 0.0
