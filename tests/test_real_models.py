@@ -283,7 +283,8 @@ def _check_model(model_id, amp=None):
     torch.manual_seed(0)
     base, args, kwargs = MODELS[model_id]()
     base.train()
-    ref_loss, ref_param_grads, ref_outs, ref_grads = _reference(copy.deepcopy(base), args, kwargs, amp)
+    ref_loss, ref_param_grads, ref_outs, ref_grads = _reference(copy.deepcopy(base), args, kwargs,
+                                                                amp)
     fcm = _flops_by_module(copy.deepcopy(base), args, kwargs, amp)
 
     model = copy.deepcopy(base)
