@@ -270,3 +270,167 @@ def test_a_block_that_cannot_be_laid_out_is_left_out_and_reported(monkeypatch):
     with pytest.warns(RuntimeWarning, match="a flush failed.*KeyError"):
         s.remove()  # its final flush: the same
     assert [(r["module"], r["numel"]) for r in sink.records] == [("m", 10)]
+
+
+# -- DDP variants: static_graph, find_unused_parameters, comm hooks, no_sync accumulation ----------
+
+class Branchy(torch.nn.Module):
+    """Two Linears, and a third one (``extra``) that some steps leave out (find_unused)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 8)
+        self.fc2 = torch.nn.Linear(8, 3)
+        self.extra = torch.nn.Linear(8, 3)
+
+    def forward(self, x, use_extra=True):
+        h = torch.relu(self.fc1(x))
+        y = self.fc2(h)
+        return y + self.extra(h) if use_extra else y
+
+
+def _ddp_train(rank, cfg, hooks=None, manual=None, state=None, steps=4, micro=2):
+    """A few SGD steps of ``Branchy`` under DDP as ``cfg`` asks; hookplug attached before or
+    after wrapping (``hooks``: selector and plugins) or plain torch hooks (``manual``). The
+    final parameters, the gradient each step applied, the session's results and records
+    (``state["step"]``: the step running)."""
+    import contextlib
+
+    from _gloo import Dump
+
+    torch.manual_seed(0)
+    model = Branchy()
+    g = torch.Generator().manual_seed(100 + rank)
+    data = [[torch.randn(4, 6, generator=g) for _ in range(micro)] for _ in range(steps)]
+    sink, s = Dump(), None
+    if hooks is not None and cfg["attach"] == "before":
+        s = hookplug.attach(model, hooks[0], plugins=hooks[1], sink=sink)
+    if manual is not None:
+        manual(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model, static_graph=cfg.get("static", False), find_unused_parameters=bool(cfg.get("unused")))
+    if cfg.get("comm"):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, getattr(default_hooks, cfg["comm"]))
+    if hooks is not None and cfg["attach"] == "after":
+        s = hookplug.attach(ddp, hooks[0], plugins=hooks[1], sink=sink)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    grads = []
+    for step, xs in enumerate(data):
+        if state is not None:
+            state["step"] = step
+        # the branch is unused on alternate steps, on each rank in turn ("rank") or on both
+        use_extra = (step + (rank if cfg.get("unused") == "rank" else 0)) % 2 == 0 if cfg.get("unused") else True
+        # static_graph records its graph in a first iteration that must sync (a torch limit)
+        n = micro if cfg.get("accum") and not (cfg.get("static") and step == 0) else 1
+        for i in range(n):
+            with ddp.no_sync() if i < n - 1 else contextlib.nullcontext():
+                ddp(xs[i], use_extra=use_extra).square().mean().backward()
+        grads.append({k: None if p.grad is None else p.grad.clone() for k, p in model.named_parameters()})
+        opt.step()
+        if s is not None:
+            s.step()
+        opt.zero_grad()
+    results = None
+    if s is not None:
+        s.remove()
+        results = s.results()
+    return {k: p.detach().clone() for k, p in model.named_parameters()}, grads, results, sink.records
+
+
+def _ddp_variant(rank, world, cfg):
+    lo, hi = -0.02, 0.02
+    out = {}
+    # the plain run, watched by plain torch hooks: each Linear output and its gradient
+    seen, state = {}, {}
+
+    def watch(model):
+        for name in ("fc1", "fc2", "extra"):
+            def fwd(m, a, o, name=name):
+                step = state["step"]
+                seen.setdefault(f"{step}|output|{name}", []).append(o.detach().double().reshape(-1))
+                o.register_hook(lambda gr: seen.setdefault(f"{step}|grad|{name}", []).append(gr.double().reshape(-1)))
+            getattr(model, name).register_forward_hook(fwd)
+
+    ref_params, ref_grads, _, _ = _ddp_train(rank, cfg, manual=watch, state=state)
+    # stats (outputs and grads) and params observe only: training is bitwise the same
+    params, grads, _, records = _ddp_train(
+        rank, cfg, ("Linear", [("stats", {"sites": ("output", "grad")}), "params"]))
+    out["same_params"] = [k for k in params if not torch.equal(params[k], ref_params[k])]
+    out["same_grads"] = [(i, k) for i, (a, b) in enumerate(zip(ref_grads, grads)) for k in a
+                         if (a[k] is None) != (b[k] is None) or (a[k] is not None and not torch.equal(a[k], b[k]))]
+    # params: one grad record per optimizer step and parameter that had a gradient, its l2
+    # the norm of the averaged gradient the optimizer applied
+    out["grad_recs"] = sorted([r["step"], r["module"], r["l2"]] for r in records
+                              if r["site"] == "grad" and r["module"].endswith((".weight", ".bias")))
+    out["want_grad_recs"] = sorted([i, k, float(torch.linalg.vector_norm(g[k].double()))]
+                                   for i, g in enumerate(ref_grads) for k in g if g[k] is not None)
+    # stats: the merged records over both ranks; this rank's values to merge them in the test
+    out["stats_recs"] = sorted([r["step"], r["site"], r["module"], r["numel"], r["min"], r["max"], r["mean"], r["std"]]
+                               for r in records if r["module"] in ("fc1", "fc2", "extra"))
+    out["seen"] = {key: torch.cat(v).tolist() for key, v in seen.items()}
+    # gradclamp on outputs and parameters == the same clamp as plain torch hooks
+    counts = {}
+
+    def clamp(key):
+        def fn(gr):
+            counts[key] = counts.get(key, 0) + int(((gr < lo) | (gr > hi)).sum())
+            return gr.clamp(lo, hi)
+        return fn
+
+    def manual(model):
+        for k, p in model.named_parameters():
+            p.register_hook(clamp(k))
+        for name in ("fc1", "fc2", "extra"):
+            getattr(model, name).register_forward_hook(
+                lambda m, a, o, name=name: o.register_hook(clamp(name)) and None)
+
+    want, _, _, _ = _ddp_train(rank, cfg, manual=manual)
+    got, _, res, _ = _ddp_train(rank, cfg, ("Linear", [("gradclamp", {"min": lo, "max": hi, "params": "*",
+                                                                       "outputs": True})]))
+    out["clamped_same"] = [k for k in got if not torch.equal(got[k], want[k])]
+    out["clamp_moved"] = any(not torch.equal(got[k], ref_params[k]) for k in got)
+    out["changed"] = {k: v["changed"] for k, v in res["gradclamp"].items()}
+    out["want_changed"] = {k: v for k, v in counts.items() if v or k in out["changed"]}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+@pytest.mark.parametrize("cfg", [
+    {"attach": "before", "static": True},
+    {"attach": "after", "static": True, "accum": True, "comm": "fp16_compress_hook"},
+    {"attach": "before", "unused": "rank", "accum": True},
+    {"attach": "after", "unused": "both"},
+    {"attach": "after", "comm": "bf16_compress_hook", "accum": True},
+], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_ddp_variants_train_as_without_hooks_and_clamp_as_plain_hooks(tmp_path, cfg):
+    """DDP with ``static_graph``, ``find_unused_parameters`` (a branch left out on some
+    steps, on one rank or both), a compression comm hook and ``no_sync`` accumulation,
+    hookplug attached before or after wrapping: stats (outputs, grads) and params leave
+    training bitwise as it is; params records one grad per optimizer step with the l2 of
+    the averaged gradient; stats records are the merged statistics of both ranks' tensors;
+    gradclamp gives the parameters (and counts) of the same clamp done by plain torch hooks."""
+    from _gloo import spawn
+
+    res = spawn(_ddp_variant, tmp_path, cfg)
+    for r, got in enumerate(res):
+        assert got["same_params"] == [] and got["same_grads"] == [], (r, got)
+        assert [x[:2] for x in got["grad_recs"]] == [x[:2] for x in got["want_grad_recs"]]
+        for (_, name, l2), (_, _, want) in zip(got["grad_recs"], got["want_grad_recs"]):
+            assert math.isclose(l2, want, rel_tol=1e-6), (r, name, l2, want)
+        assert got["clamped_same"] == [] and got["clamp_moved"], (r, got)
+        assert got["changed"] == got["want_changed"], r
+    assert res[0]["stats_recs"] == res[1]["stats_recs"]
+    merged = {}
+    for got in res:
+        for key, values in got["seen"].items():
+            merged.setdefault(key, []).extend(values)
+    recs = {f"{step}|{site}|{name}": rest for step, site, name, *rest in res[0]["stats_recs"]}
+    assert len(recs) == len(res[0]["stats_recs"]) and set(recs) == set(merged)  # one record a step, module and site
+    for key, (numel, mn, mx, mean, std) in recs.items():
+        x = torch.tensor(merged[key], dtype=torch.float64)
+        assert numel == x.numel() and mn == float(x.min()) and mx == float(x.max()), key
+        assert math.isclose(mean, float(x.mean()), rel_tol=1e-5, abs_tol=1e-6 * float(x.std())), key
+        assert math.isclose(std, float(x.std(correction=0)), rel_tol=1e-5), key

@@ -350,3 +350,131 @@ def _check_model(model_id, amp=None):
     assert not left, left
     again, again_grads = _step(model.zero_grad(set_to_none=True) or model, args, kwargs, amp)
     assert torch.equal(again, ref_loss)
+
+
+# -- 🤗 generate(): KV cache, greedy and beam search ---------------------------------------------------
+
+def _tiny_lm(kind):
+    tr = _transformers()
+    torch.manual_seed(0)
+    if kind == "gpt2":  # GPT-2's projections are transformers' Conv1D
+        config = tr.GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=2, n_head=2,
+                               attn_implementation="eager")
+        return tr.GPT2LMHeadModel(config).eval(), "Conv1D|Linear"
+    config = tr.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                            attn_implementation="eager")
+    return tr.LlamaForCausalLM(config).eval(), "Linear"
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("beams", [1, 3])
+def test_generate_with_kv_cache_is_observed_call_by_call(kind, beams):
+    """``model.generate`` (KV cache, several new tokens, greedy or beam search) with stats,
+    capture and flops on the projections, the attention modules, or every module and the
+    root: the same tokens; capture holds every call (one per decoding step) as plain hooks
+    see it; stats equal a float64 reference over those calls; flops per module equal
+    FlopCounterMode over the same generate; ``session.step()`` between two generate calls
+    adds the second; ``remove()`` leaves the hook dicts as they were and holds nothing."""
+    import gc
+    import weakref
+
+    model, projections = _tiny_lm(kind)
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(3))
+    kw = {"max_new_tokens": 4, "use_cache": True, "do_sample": False, "num_beams": beams, "pad_token_id": 0}
+    want = model.generate(ids, **kw)
+    before = {n: [dict(d) for d in _hook_dicts(m)] for n, m in model.named_modules()}
+    with FlopCounterMode(display=False) as fcm:
+        model.generate(ids, **kw)
+    root = type(model).__name__
+    want_flops = {k[len(root) + 1:]: sum(v.values()) for k, v in fcm.get_flop_counts().items()
+                  if k.startswith(root + ".")}
+    want_flops[""] = fcm.get_total_flops()
+    modules = dict(model.named_modules())
+    for selector in (projections, "*:re:.*attn.*", "*, *:"):
+        names = [n for n, _ in hookplug.select(model, selector)]
+        seen, handles = {}, []
+        for n in names:
+            handles.append(modules[n].register_forward_hook(lambda m, a, o, n=n: seen.setdefault(n, []).append(
+                {p: t.detach().to(torch.float64, copy=True) for p, t in _floats(o)})))
+        assert torch.equal(model.generate(ids, **kw), want)
+        for h in handles:
+            h.remove()
+        assert all(len(seen[n]) == len(seen[names[0]]) > 1 for n in seen)  # prefill + decoding steps
+
+        plugins = ["stats", ("capture", {"keep": "all"}), ("flops", {"extra_formulas": False})]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # capture naming the HF cache in the model's output
+            s = hookplug.attach(model, selector, plugins=plugins)
+            assert torch.equal(model.generate(ids, **kw), want), selector
+        stats, features, flops = s["stats"].results(), s["capture"].features, s["flops"].results()
+        assert set(features) == set(seen), selector
+        for n, calls in seen.items():
+            assert len(features[n]) == len(calls), (selector, n)
+            for i, (value, call) in enumerate(zip(features[n], calls)):
+                got = dict(_floats(value))
+                for path, v in call.items():
+                    _exact(got[path], v, f"{kind}: features {n} call {i} {path}")
+            by_path = {}
+            for call in calls:
+                for path, v in call.items():
+                    by_path.setdefault(path, []).append(v)
+            assert set(stats[n]) == set(by_path), (selector, n)
+            for path, values in by_path.items():
+                _check_stats(stats[n][path], values, f"{kind}: {n} {path}")
+                assert int(stats[n][path].calls) == len(values)
+        for n in names:
+            assert flops.get(n, {"flops": 0})["flops"] == want_flops.get(n, 0), (selector, n)
+
+        s.step()  # a second request in the next step
+        assert torch.equal(model.generate(ids, **kw), want)
+        n = next(iter(seen))
+        assert len(s["capture"].features[n]) == 2 * len(seen[n])
+        assert int(s["stats"].results()[n]["output"].calls) == 2 * len(seen[n])
+        ref = weakref.ref(s["capture"])
+        s.remove()
+        del s
+        gc.collect()
+        assert ref() is None  # the captures are freed with the session
+        assert {n: [dict(d) for d in _hook_dicts(m)] for n, m in model.named_modules()} == before
+    assert torch.equal(model.generate(ids, **kw), want)
+
+
+def test_generate_serving_loop_under_inference_mode_samples_every_nth_request():
+    """A serving loop: stats with ``every=2`` on a Llama's Linears, ``generate`` per request
+    under ``torch.inference_mode()``, ``session.step()`` after each: the same tokens; the
+    sampled requests' records (phase ``"eval"``) equal a float64 reference over their
+    decoding calls, the others give none."""
+    from _gloo import Dump
+
+    model, _ = _tiny_lm("llama")
+    g = torch.Generator().manual_seed(4)
+    requests = [torch.randint(0, 64, (1 + i % 2, 3 + i), generator=g) for i in range(5)]
+    kw = {"max_new_tokens": 3, "use_cache": True, "do_sample": False, "pad_token_id": 0}
+    modules = dict(hookplug.select(model, "Linear"))
+    plain = []
+    for ids in requests:
+        seen = {}
+        handles = [m.register_forward_hook(lambda m, a, o, n=n: seen.setdefault(n, []).append(
+            o.detach().to(torch.float64, copy=True))) for n, m in modules.items()]
+        with torch.inference_mode():
+            plain.append((model.generate(ids, **kw), seen))
+        for h in handles:
+            h.remove()
+    sink = Dump()
+    with hookplug.attach(model, "Linear", plugins="stats", every=2, sink=sink, flush_every=2) as s:
+        for ids, (tokens, _) in zip(requests, plain):
+            with torch.inference_mode():
+                assert torch.equal(model.generate(ids, **kw), tokens)
+            s.step()
+    records = {(r["step"], r["module"]): r for r in sink.records}
+    assert {r["phase"] for r in sink.records} == {"eval"}
+    assert {step for step, _ in records} == {0, 2, 4}
+    for step in (0, 2, 4):
+        for n, calls in plain[step][1].items():
+            r = records[(step, n)]
+            x = torch.cat([c.reshape(-1) for c in calls])
+            assert (r["numel"], r["calls"], r["min"], r["max"]) == (x.numel(), len(calls), float(x.min()), float(x.max()))
+            std = float(x.std(correction=0))
+            assert r["mean"] == pytest.approx(float(x.mean()), rel=5e-6, abs=5e-6 * std)
+            assert r["std"] == pytest.approx(std, rel=5e-6)
