@@ -308,8 +308,10 @@ class CapturePlugin(hookplug.Plugin):
     def grads(self) -> Dict[str, Any]:
         """``{module: gradient of the output}`` in the output's structure (``grads=True``), of
         the calls ``features`` holds: with a list, ``grads[m][i]`` is the gradient of the call
-        of ``features[m][i]`` (None: no gradient reached it, e.g. an evaluation call); with
-        ``keep="last"``, a module whose last call got none has no entry."""
+        of ``features[m][i]`` (None: no gradient reached it, e.g. an evaluation call); a module
+        none of whose kept calls got one (inference only: ``generate`` under ``no_grad``; a
+        no-grad output such as a rotary embedding's) has no entry, also with
+        ``keep="last"`` where its last call got none: read ``grads.get(m)``."""
         if self._events:
             self._wait()
         return self._aligned("grads")

@@ -441,6 +441,24 @@ def test_grads_and_inputs_go_call_by_call_with_features_when_some_calls_get_no_g
             assert "0" not in s["capture"].grads and s["capture"].nbytes == 2 * 4 + 3 * 4
 
 
+
+def test_grads_has_no_entry_for_a_module_whose_kept_calls_got_no_gradient():
+    """Inference only (``generate`` under ``no_grad``) with ``grads=True`` and a list
+    ``keep``: ``features`` holds every call, ``grads`` has no entry for those modules (as
+    documented; a module with one call that got a gradient gets its aligned list)."""
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
+    with hookplug.attach(model, "Linear", plugins=("capture", {"keep": "all", "grads": True})) as s:
+        with torch.no_grad():
+            for _ in range(2):
+                model(torch.ones(1, 3))
+        cap = s["capture"]
+        assert {m: len(v) for m, v in cap.features.items()} == {"0": 2, "1": 2}
+        assert cap.grads == {}
+        model(torch.ones(1, 3))[0, 0].backward()
+        assert {m: [g is None for g in v] for m, v in cap.grads.items()} == {"0": [True, True, False],
+                                                                             "1": [True, True, False]}
+
+
 def _held_part_bytes(cap):
     return sum(t.numel() * t.element_size() for parts in cap._grad_parts.values() for t in parts.values())
 
