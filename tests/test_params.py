@@ -1098,3 +1098,39 @@ def test_grad_scaler_skipped_steps_measure_the_unscaled_gradient_and_update_as_d
                 assert (got["min"], got["max"]) == (w["min"], w["max"]), (step, site)
                 assert math.isclose(got["l2"], w["l2"], rel_tol=1e-6), (step, site)
     assert rec[(0, "update")]["l2"] == 0.0
+
+
+def test_an_optimizer_stepped_k_times_in_a_step_gives_one_record_over_its_k_measurements():
+    """A WGAN-style loop: the critic's optimizer steps 3 times per training step, the
+    generator's once: each parameter's record merges what its optimizer's steps measured."""
+    torch.manual_seed(0)
+    gen, critic = nn.Linear(4, 4), nn.Linear(4, 1)
+    model = nn.ModuleDict({"G": gen, "D": critic})
+    og = torch.optim.SGD(gen.parameters(), lr=0.1)
+    od = torch.optim.SGD(critic.parameters(), lr=0.1)
+    s = hookplug.attach(model, "Linear", plugins=("params", {"params": "*.weight"}))
+    seen = {"D.weight": {"weight": [], "grad": [], "update": []},
+            "G.weight": {"weight": [], "grad": [], "update": []}}
+
+    def stepped(opt, name, p):
+        before = p.detach().clone()
+        seen[name]["weight"].append(before)
+        seen[name]["grad"].append(p.grad.detach().clone())
+        opt.step()
+        seen[name]["update"].append(p.detach() - before)
+
+    for _ in range(3):
+        od.zero_grad()
+        critic(gen(torch.randn(8, 4)).detach()).mean().backward()
+        stepped(od, "D.weight", critic.weight)
+    og.zero_grad()
+    critic(gen(torch.randn(8, 4))).mean().backward()
+    stepped(og, "G.weight", gen.weight)
+    s.step()
+    records = {(r["module"], r["site"]): r for r in s.flush()}
+    res = s["params"].results()
+    for name, sites in seen.items():
+        for site, tensors in sites.items():
+            assert records[(name, site)]["calls"] == len(tensors)
+            check(res[name][site], ref(torch.cat([t.reshape(-1) for t in tensors])))
+    s.remove()
