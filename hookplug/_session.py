@@ -502,7 +502,7 @@ class Session:
                 f"hookplug: session {self.run_id} belongs to process {self._pid}, which attached "
                 f"it; in this forked process ({os.getpid()}) it emits no telemetry (the steps and "
                 "sinks are the parent's). Attach a session in the child to record there",
-                RuntimeWarning, stacklevel=stacklevel + 1)
+                RuntimeWarning, stacklevel=4)
         return True
 
     def _note_nonfinite(self, info: dict) -> None:
@@ -804,7 +804,7 @@ class Session:
         if self.on_error == "raise":
             raise exc
         warnings.warn(f"hookplug telemetry: a flush failed (on_error='warn'): {type(exc).__name__}: {exc}",
-                      RuntimeWarning, stacklevel=stacklevel + 1)
+                      RuntimeWarning, stacklevel=4)
 
     def _dispatch(self, hook_name: str, *, on_result=None, skip=None, include_disabled: bool = False,
                   run_all: bool = False, returned=None, **kwargs) -> None:
