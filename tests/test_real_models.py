@@ -396,7 +396,7 @@ def test_generate_with_kv_cache_is_observed_call_by_call(kind, beams):
         seen, handles = {}, []
         for n in names:
             handles.append(modules[n].register_forward_hook(lambda m, a, o, n=n: seen.setdefault(n, []).append(
-                {p: t.detach().to(torch.float64, copy=True) for p, t in _floats(o)})))
+                {p: _f64(t) for p, t in _floats(o)})))
         assert torch.equal(model.generate(ids, **kw), want)
         for h in handles:
             h.remove()
