@@ -12,14 +12,17 @@ __all__ = ["is_batched", "unwrapped", "outside_transforms"]
 
 _functorch = getattr(torch._C, "_functorch", None)
 _is_legacy_batched = getattr(_functorch, "is_legacy_batchedtensor", None)
+_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
 
 def is_batched(t: torch.Tensor) -> bool:
     """A tensor of ``torch.func.vmap``, at any depth of functorch wrapping (``grad`` inside
     ``vmap`` wraps the BatchedTensor once more), or of the older batching of
     ``torch.autograd.grad(is_grads_batched=True)`` and ``autograd.functional.jacobian(...,
-    vectorize=True)``."""
-    if _functorch is None:
+    vectorize=True)``. False in code dynamo traces (a hook compiled autograd traces into its
+    backward graph): it cannot trace functorch's checks (a graph break per call, with a
+    warning), and the tensors it traces are plain."""
+    if _functorch is None or _is_compiling():
         return False
     if _is_legacy_batched is not None and _is_legacy_batched(t):
         return True
@@ -36,6 +39,8 @@ def unwrapped(t: torch.Tensor) -> Optional[torch.Tensor]:
     """``t`` as a plain tensor: itself, or the tensor a ``grad``/``vjp`` transform wraps (its
     value; kept, it is an ordinary tensor after the transform returns); None for a batched
     one (:func:`is_batched`), which has no one value."""
+    if _is_compiling():  # (see is_batched)
+        return t
     if is_batched(t):
         return None
     while _functorch is not None and _functorch.is_functorch_wrapped_tensor(t):
