@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 import hookplug
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not dist.is_available(),
+                                                   reason="torch.distributed is not available")]
 
 LO, HI = -2e-4, 2e-4
 
@@ -111,7 +111,8 @@ def _train(rank, cfg, plugins=None, manual=None, compiled=True, steps=3, extra=0
     if s is not None:
         s.remove()
     return {"params": {k: p.detach().clone() for k, p in model.named_parameters()}, "grads": grads,
-            "counts": dict(counts, breaks=sum(counters["graph_break"].values())), "at_remove": at_remove,
+            "counts": dict(counts, breaks=sum(counters["graph_break"].values())),
+            "at_remove": at_remove,
             "reasons": [str(k) for k in counters["graph_break"]], "records": sink.records,
             "results": s.results() if s is not None else None}
 
@@ -122,7 +123,8 @@ def _clamp_by_hand(model):
         p.register_hook(lambda gr: gr.clamp(LO, HI))
     for m in model.modules():
         if isinstance(m, torch.nn.Linear):
-            m.register_forward_hook(lambda m, a, o: o.register_hook(lambda gr: gr.clamp(LO, HI)) and None)
+            m.register_forward_hook(
+                lambda m, a, o: o.register_hook(lambda gr: gr.clamp(LO, HI)) and None)
 
 
 CLAMP = ("gradclamp", {"min": LO, "max": HI, "params": "*", "outputs": True})
@@ -146,8 +148,10 @@ def _observe(rank, world, cfg):
         torch.equal if exact else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-7))(
             ref["params"][k], got["params"][k])]}
     rc, gc = ref["counts"], got["at_remove"]
-    out["graphs"] = [rc["graphs"], gc["graphs"], rc["breaks"], gc["breaks"], gc["ops"], gc["op_runs"]]
-    out["after_remove"] = {k: got["counts"][k] - gc[k] for k in ("graphs", "ops", "op_runs", "breaks")}
+    out["graphs"] = [rc["graphs"], gc["graphs"], rc["breaks"], gc["breaks"], gc["ops"],
+                     gc["op_runs"]]
+    out["after_remove"] = {k: got["counts"][k] - gc[k]
+                           for k in ("graphs", "ops", "op_runs", "breaks")}
     e = {_key(r): r for r in eager["records"]}
     c = {_key(r): r for r in got["records"]}
     out["keys"] = [sorted(e), sorted(c)]
@@ -168,7 +172,8 @@ def _steer(rank, world, cfg):
 
     want = _train(rank, cfg, manual=_clamp_by_hand)
     got = _train(rank, cfg, [CLAMP])
-    out = {"clamped": [k for k in got["params"] if not torch.equal(got["params"][k], want["params"][k])],
+    out = {"clamped": [k for k in got["params"]
+                       if not torch.equal(got["params"][k], want["params"][k])],
            "changed": sum(v["changed"] for v in got["results"]["gradclamp"].values())}
     flops = _train(rank, cfg, ["flops"], steps=2)["results"]["flops"]
     torch.manual_seed(0)
@@ -210,7 +215,8 @@ def test_compiled_ddp_clamps_as_plain_hooks_and_counts_flops_as_flop_counter_mod
 
     for r, got in enumerate(spawn(_steer, tmp_path, cfg)):
         assert got["clamped"] == [] and got["changed"] > 0, (r, got)
-        assert all(a == b for a, b in got["flops"].values()) and len(got["flops"]) == 4, (r, got["flops"])
+        assert len(got["flops"]) == 4, (r, got["flops"])
+        assert all(a == b for a, b in got["flops"].values()), (r, got["flops"])
 
 
 def _compiled_autograd(rank, world, cfg):
@@ -222,7 +228,8 @@ def _compiled_autograd(rank, world, cfg):
         got = _train(rank, cfg, [CLAMP], steps=2)
     return {"reasons": [x[:200] for x in got["reasons"]],
             "warned": [str(w.message)[:160] for w in caught if "Dynamo" in str(w.message)],
-            "clamped": [k for k in got["params"] if not torch.equal(got["params"][k], want["params"][k])]}
+            "clamped": [k for k in got["params"]
+                        if not torch.equal(got["params"][k], want["params"][k])]}
 
 
 def test_gradclamp_under_compiled_autograd_breaks_no_backward_graph(tmp_path):
