@@ -233,15 +233,18 @@ def _fold(session: "Session", impls, hook_name: str, value, before: tuple, after
         except Exception as exc:  # noqa: BLE001 - on_error decides
             session._plugin_failed(plugin, hook_name, exc)
             continue
-        if res is not None and _returned_ok(session, plugin, hook_name, " ".join((where, *after)), value, res):
+        if res is not None and _returned_ok(session, plugin, hook_name, where, value, res, after):
             value = res
             changed = True
     return value if changed else None
 
 
-def _returned_ok(session: "Session", plugin, hook_name: str, where: str, before, result) -> bool:
+def _returned_ok(session: "Session", plugin, hook_name: str, where: str, before, result,
+                 after: tuple = ()) -> bool:
     """Check a non-None value a plugin returned from ``hook_name``; report a bad one through
-    ``session._plugin_failed`` (raise, or warn and disable) and return False.
+    ``session._plugin_failed`` (raise, or warn and disable) and return False. ``where``
+    followed by ``after`` names the call site, joined only for the error: compiled code
+    that read the module's ``where`` on success would be that module's own graph.
 
     A forward output keeps its kind (a tensor stays a tensor; values and shapes may change);
     a gradient keeps the incoming gradient's shape, dtype and device."""
@@ -257,6 +260,7 @@ def _returned_ok(session: "Session", plugin, hook_name: str, where: str, before,
         expected = f"None or a tensor like the incoming grad ({_describe(before)})"
     entry = session._entry_of.get(id(plugin))
     name = entry.name if entry is not None else type(plugin).__name__
+    where = " ".join((where, *after))
     session._plugin_failed(plugin, hook_name, PluginError(
         f"plugin {name!r}: {hook_name} for {where} must return {expected}, got {_describe(result)}"))
     return False
