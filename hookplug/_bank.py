@@ -104,7 +104,7 @@ def dtensor_local(t, owner: int) -> Tuple[Optional[torch.Tensor], bool]:
     return t.to_local(), False
 
 
-def _bank_effect_op(fn):
+def bank_effect_op(fn):
     """``fn`` (annotated, returning None) as the op ``hookplug::<its name>``: a fake kernel
     that returns nothing and an ordered effect, so compiled graphs keep it."""
     torch.library.custom_op(f"hookplug::{fn.__name__}", mutates_args=())(fn).register_fake(
@@ -130,7 +130,7 @@ def accumulate_by_key_op():
                 owner.accumulate(x, (module, site, phase), gated=True)
 
         try:
-            _by_key_op = _bank_effect_op(stats_accumulate_by_key)
+            _by_key_op = bank_effect_op(stats_accumulate_by_key)
         except (AttributeError, ImportError, TypeError, RuntimeError, AssertionError):
             _by_key_op = False  # a torch without these (private) APIs
     return _by_key_op or None
@@ -152,7 +152,7 @@ def accumulate_by_row_op():
             if owner is not None:
                 owner.accumulate_at(x, row)
 
-        _by_row_op = (accumulate_by_key_op() is not None) and _bank_effect_op(stats_accumulate_by_row)
+        _by_row_op = (accumulate_by_key_op() is not None) and bank_effect_op(stats_accumulate_by_row)
     return _by_row_op or None
 
 

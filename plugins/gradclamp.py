@@ -40,26 +40,96 @@ Order: NaN handling, then ``min``/``max``, then ``max_norm``. The plugin counts 
 elements it changed in an int64 device counter per module output (keyed by module name)
 and per parameter (keyed by parameter name), without a host sync; ``results()`` reads them:
 ``{name: {"changed": int}}``.
+
+**Under torch.compile** output gradients are steered inside the compiled backward
+(``grad_in_graph``: the core passes each hooked output through ``hookplug._binding._GradSite``,
+whose backward dynamo traces), with no graph break: a model compiles the graphs it compiles
+without hooks, and identical blocks share theirs. The steering is the eager code, traced
+(bitwise the same under ``aot_eager``; inductor fuses it). The count goes to
+``hookplug::gradclamp_count(n, token)``, an op registered as an ordered effect that adds it
+to the module's counter when it runs: the token is a per-module CPU tensor in the module's
+table (a graph input saved for backward, so the graph is the same for every module); the
+counter itself is no graph input (saved for backward, the in-place add of one module's
+backward would fail autograd's version check in another's). With ``scaler=`` the traced
+backward reads the scaler's scale tensor from the module tables; a scaler that has none
+yet gets it when dynamo starts compiling (what its first ``scale()`` makes, on the model's
+device), since the first forward is traced before the first ``scaler.scale(loss)``.
+``nan="raise"`` is not traced (deciding to raise reads the device, a sync): its modules
+keep the tensor hooks and their graph break per module call, as does every module under
+compiled autograd (it traces those hooks; with ``compiled_autograd._enable`` around
+``backward()`` alone a forward compiled with inductor fails, as for stats' grad site, see
+the README). A compiled backward that runs after
+``remove()`` (of a forward before it) still steers, counting nothing; eager hooks do
+nothing then.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import math
 import struct
 import warnings
-from typing import Any, Dict, Literal, Optional, Sequence, Union
+import weakref
+from typing import Any, Dict, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 
 import hookplug
 from hookplug import hookimpl
+from hookplug._bank import ON_COMPILE_START, bank_effect_op
 from hookplug._func import is_batched, outside_transforms, unwrapped
 from hookplug._plugin import warn_once
 from hookplug._selectors import parameter_names
 
 __all__ = ["GradClampPlugin"]
 
+_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# A counter's token (a one-element CPU int64 tensor in its module's per-module table) ->
+# (the plugin, weakly, and the counter's key); the count op finds the counter through it
+# when it runs. Entries go at session end: a compiled backward left from a removed session's
+# forward counts nothing.
+_COUNTERS: Dict[int, Tuple["weakref.ref[GradClampPlugin]", str]] = {}
+_token_ids = itertools.count(1)
+_count_op_: Any = None  # the op, or False where this torch cannot keep it in a graph
+# the live gradclamp plugins with a scaler= (their scale tensor is made at compile start)
+_SCALED: "weakref.WeakSet[GradClampPlugin]" = weakref.WeakSet()
+
+
+def _count_op():
+    """``hookplug::gradclamp_count(n, token) -> ()``: add ``n`` (a 0-d int64 count, on the
+    gradient's device) to the counter ``token`` names, when it runs. What a compiled backward
+    calls: the counter, a plugin-held tensor mutated in place, is no graph input (AOT
+    autograd would save it for backward, and an update between a forward and its backward,
+    e.g. another module's backward first, would fail autograd's version check), and the op
+    is an ordered effect (see ``hookplug._bank.bank_effect_op``), so the graph keeps it and
+    runs it in order. None where this torch cannot keep such an op in a graph."""
+    global _count_op_
+    if _count_op_ is None:
+        def gradclamp_count(n: torch.Tensor, token: torch.Tensor) -> None:
+            entry = _COUNTERS.get(int(token))
+            plugin = entry[0]() if entry is not None else None
+            if plugin is not None:
+                # a copy: n is the compiled graph's buffer (inductor reuses its memory)
+                plugin._count(entry[1], n, copy=True)
+
+        try:
+            _count_op_ = bank_effect_op(gradclamp_count)
+        except (AttributeError, ImportError, TypeError, RuntimeError, AssertionError):
+            _count_op_ = False  # a torch without these (private) APIs
+    return _count_op_ or None
+
+
+def _make_scales() -> None:
+    """At each compile start (outside the trace): the ``GradScaler`` of each live plugin
+    gets its scale tensor if it has none yet, and it goes in the plugin's module tables
+    (see ``GradClampPlugin._put_scale``)."""
+    for plugin in list(_SCALED):
+        plugin._put_scale(init=True)
+
+
+ON_COMPILE_START.append(_make_scales)
 
 
 def _saturate(v: Optional[float], dtype: torch.dtype) -> Optional[float]:
@@ -134,7 +204,20 @@ class GradClampPlugin(hookplug.Plugin):
             self.hookplug_output_grad = None
         if not globs:
             self.hookplug_param_grad = None
+        # Output gradients are steered inside a compiled backward (no graph break per module
+        # call, see hookplug._binding._GradSite), all but nan="raise": it must read the device
+        # to decide whether to raise, a sync a graph cannot hold (its tensor hooks remain).
+        self.grad_in_graph = self.outputs and nan != "raise" and _count_op() is not None
         self._match: Dict[str, bool] = {}
+        self._tag = self.name  # the plugin's name in its session (keys of the module tables)
+        self._model_ref = lambda: None  # the session's model (weakly)
+        self._tokens: Dict[str, torch.Tensor] = {}  # module name -> its counter's token
+        self._tables: list = []  # the module tables the tokens (and scale) are in
+        # min/max as each floating dtype holds them, made here: compiled code reads the
+        # dict and must find it unchanged (a traced insert would recompile the next call)
+        self._dtype_bounds: Dict[torch.dtype, tuple] = {}
+        for dtype in _FLOATS:
+            self._bounds(dtype)
         self.reset()
 
     # -- state ---------------------------------------------------------------------------------
@@ -142,7 +225,6 @@ class GradClampPlugin(hookplug.Plugin):
     def reset(self) -> None:
         """Zero the changed-element counters."""
         self._changed: Dict[str, torch.Tensor] = {}
-        self._dtype_bounds: Dict[torch.dtype, tuple] = {}
         self._layouts_warned: set = set()
 
     def _glob_matches(self, pname: str) -> bool:
@@ -184,17 +266,34 @@ class GradClampPlugin(hookplug.Plugin):
                 f"gradclamp: the gradient of {what()} is a {grad.layout} tensor; only strided "
                 "(dense) gradients are steered, this one is left as it is"))
             return None
+        if self.nan == "raise":
+            if bool(torch.isnan(grad).any()):  # the one deliberate sync
+                raise FloatingPointError(f"gradclamp: NaN in the gradient of {what()}")
         amp = self._scale(grad) if self.scaler is not None else None
+        batched = is_batched(grad)  # under vmap: a count would be a BatchedTensor escaping it
+        g, n = self._steer(grad, amp, count=not batched)
+        if g is None or batched:
+            return g
+        plain = unwrapped(n)
+        if plain is not n:  # inside torch.func.grad: n wraps the count; a counter kept as such
+            with outside_transforms():  # escaped, and an in-place add to one made outside raised
+                self._count(key, plain)
+        else:
+            self._count(key, n)
+        return g
+
+    def _steer(self, grad: torch.Tensor, amp: Optional[torch.Tensor], count: bool = True):
+        """``(steered gradient, elements changed)`` of a floating strided ``grad`` (``amp``:
+        the scaler's scale, see :meth:`_scale`); ``(None, None)`` where nothing was done, the
+        count None where not ``count``. Plain tensor code, run as it is in eager code and
+        traced into a compiled backward (:meth:`_apply_traced`)."""
         if amp is None:
             lo, hi = self._bounds(grad.dtype)
         else:  # unscaled bounds: times the scale, as tensors (torch.clamp rounds them to the dtype)
             lo = None if self.min is None or self.min == -math.inf else amp * self.min
             hi = None if self.max is None or self.max == math.inf else amp * self.max
         g = grad
-        if self.nan == "raise":
-            if bool(torch.isnan(g).any()):  # the one deliberate sync
-                raise FloatingPointError(f"gradclamp: NaN in the gradient of {what()}")
-        elif self.nan == "zero":
+        if self.nan == "zero":
             g = torch.nan_to_num(g, nan=0.0, posinf=float("inf"), neginf=float("-inf"))
         if lo is not None or hi is not None:
             c = torch.clamp(g, min=lo, max=hi)
@@ -213,9 +312,9 @@ class GradClampPlugin(hookplug.Plugin):
             # precision there (a norm 19% over max_norm, or all zero)
             g = (g.float() * scale).to(g.dtype) if low else g * scale.to(g.dtype)
         if g is grad:
-            return None
-        if is_batched(grad):  # under vmap: a count would be a BatchedTensor escaping it
-            return g
+            return None, None
+        if not count:
+            return g, None
         if self.max_norm is None and self.nan != "zero" and amp is None:
             # only the clamp changed anything: count what it moved (NaN compares false, stays NaN)
             if lo is not None and hi is not None:
@@ -227,25 +326,101 @@ class GradClampPlugin(hookplug.Plugin):
             if self.nan == "keep":  # NaN stays NaN: not a change
                 diff &= g == g  # noqa: PLR0124 - False exactly at NaN
             n = diff.sum()
-        plain = unwrapped(n)
-        if plain is not n:  # inside torch.func.grad: n wraps the count; a counter kept as such
-            with outside_transforms():  # escaped, and an in-place add to one made outside raised
-                self._count(key, plain)
-        else:
-            self._count(key, n)
+        return g, n
+
+    def _apply_traced(self, ctx, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        """:meth:`_apply` traced into a compiled backward (``grad_in_graph``): the same
+        steering, the count handed to the count op with the module's token (a per-module
+        tensor, so identical blocks share one graph; see :func:`_count_op`), the scaler's
+        scale read from the module's table too (saved for backward, not closed over)."""
+        if not grad.is_floating_point():  # (a traced backward cannot read .layout: strict mode)
+            return None
+        tensors = ctx._module_tensors
+        amp = None
+        s = self.scaler
+        if s is not None and s._enabled:  # (attributes: dynamo skips GradScaler's methods)
+            amp = tensors.get((self._tag, "scale")) if tensors is not None else None
+            if amp is None:  # none made at compile start (another compile was in flight)
+                amp = s._scale
+            if amp is not None:
+                amp = amp.reshape(()).to(grad.device)
+        token = tensors.get((self._tag, "changed")) if tensors is not None else None
+        g, n = self._steer(grad, amp)
+        if n is not None:
+            if token is not None:
+                _count_op()(n, token)
+            else:  # eager code's context (its forward ran eagerly) under compiled autograd:
+                self._count(ctx.name, n)  # the counter's update traced, as before
         return g
 
-    def _count(self, key: str, n: torch.Tensor) -> None:
+    def _count(self, key: str, n: torch.Tensor, copy: bool = False) -> None:
         counter = self._changed.get(key)
         if counter is None or counter.device != n.device:
-            self._changed[key] = n if counter is None else counter.to(n.device) + n
+            if counter is None:
+                self._changed[key] = n.clone() if copy else n
+            else:
+                self._changed[key] = counter.to(n.device) + n
         else:
             counter.add_(n)
+
+    # -- compiled code's per-module tensors --------------------------------------------------------
+
+    def _put_tokens(self, session) -> None:
+        """Each selected module's counter token, in the module's tables (both phases) under
+        ``(tag, "changed")``, and the scaler's scale where it exists (see :meth:`_put_scale`)."""
+        self._tag = next(n for n, p in session.plugins.items() if p is self)
+        self._tables = []
+        with torch.inference_mode(False):  # saved for backward: never an inference tensor
+            for name in session.modules_of(self):
+                token = self._tokens.get(name)
+                if token is None or int(token) not in _COUNTERS:
+                    tid = next(_token_ids)
+                    _COUNTERS[tid] = (weakref.ref(self), name)
+                    token = self._tokens[name] = torch.tensor([tid], dtype=torch.int64)
+                for phase in ("train", "eval"):
+                    table = session._module_tensors_of(name, phase)
+                    if table is not None:
+                        table[(self._tag, "changed")] = token
+                        self._tables.append(table)
+        model = session.model
+        self._model_ref = (lambda: None) if model is None else weakref.ref(model)
+        if self.scaler is not None:
+            _SCALED.add(self)
+            self._put_scale(init=False)
+
+    def _put_scale(self, init: bool) -> None:
+        """The scaler's scale tensor in the module tables under ``(tag, "scale")``, what the
+        compiled backward reads (read at trace time, a scaler with no scale yet would be
+        traced as unscaled: the first forward runs before the first ``scaler.scale(loss)``).
+        ``init`` (at compile start): a scaler with no scale yet gets it as its first
+        ``scale()`` makes it (``init_scale``, on the model's device; ``scale()`` then uses
+        it)."""
+        s = self.scaler
+        if s is None or not s.is_enabled():
+            return
+        if s._scale is None:
+            device = _param_device(self._model_ref()) if init else None
+            if device is None:  # (a model still on meta: at the next compile start)
+                return
+            with torch.inference_mode(False):
+                s._lazy_init_scale_growth_tracker(device)
+        for table in self._tables:
+            if table.get((self._tag, "scale")) is not s._scale:
+                table[(self._tag, "scale")] = s._scale
+
+    def _drop_tokens(self) -> None:
+        for token in self._tokens.values():
+            _COUNTERS.pop(int(token), None)
+        self._tokens = {}
+        self._tables = []
+        _SCALED.discard(self)
 
     # -- hooks -----------------------------------------------------------------------------------
 
     @hookimpl
     def hookplug_session_start(self, session):
+        if self.grad_in_graph:
+            self._put_tokens(session)
         if not self.params:
             return
         self._match = {}  # names of another model (a plugin attached again)
@@ -268,7 +443,13 @@ class GradClampPlugin(hookplug.Plugin):
             )
 
     @hookimpl
+    def hookplug_session_end(self, session):
+        self._drop_tokens()
+
+    @hookimpl
     def hookplug_output_grad(self, ctx, grad, path):
+        if self.grad_in_graph and _is_compiling():  # traced into a compiled backward
+            return self._apply_traced(ctx, grad)
         return self._apply(
             ctx.name,
             lambda: f"module {ctx.name!r} ({path}, call {ctx.call_index}, step {ctx.step})",
@@ -313,3 +494,11 @@ class GradClampPlugin(hookplug.Plugin):
         ]
         lines += [f"{(k or '<root>').ljust(width)}  {v['changed']:>7}" for k, v in res.items()]
         return "\n".join(lines)
+
+
+def _param_device(model) -> Optional[torch.device]:
+    """The device of the model's first parameter (None: none, or on ``meta``)."""
+    param = next(iter(model.parameters()), None) if model is not None else None
+    if param is None or param.is_meta:
+        return None
+    return param.to_local().device if hasattr(param, "to_local") else param.device

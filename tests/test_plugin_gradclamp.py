@@ -2,6 +2,7 @@
 
 import contextlib
 import copy
+import math
 import warnings
 
 import pytest
@@ -541,10 +542,12 @@ def test_bounds_near_the_dtype_max_agree_with_torch_clamp(dtype, which):
 
 # -- under AMP's GradScaler ---------------------------------------------------------------------
 
-def _amp_step(model, x, init_scale, plugins=None, hand=None):
+def _amp_step(model, x, init_scale, plugins=None, hand=None, backend=None):
     """One float16 autocast step with a ``GradScaler``: ``(param grads unscaled, weights
     after the step, the scale after update(), the gradclamp results)``. ``hand(scale)``:
-    a function clamping an output gradient with plain torch hooks on every Linear."""
+    a function clamping an output gradient with plain torch hooks on every Linear.
+    ``backend``: the model compiled with it (the scaler gets no scale before the forward)."""
+    run = model if backend is None else torch.compile(model, backend=backend, fullgraph=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if plugins is not None:
@@ -556,7 +559,7 @@ def _amp_step(model, x, init_scale, plugins=None, hand=None):
              else contextlib.nullcontext())
     with session as s, hooks:
         with torch.autocast("cpu", dtype=torch.float16):
-            loss = model(x).float().square().mean()
+            loss = run(x).float().square().mean()
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
         grads = grads_of(model)
@@ -620,6 +623,35 @@ def test_grad_scaler_bounds_and_max_norm_are_in_unscaled_units():
         torch.testing.assert_close(got[k], want[k], rtol=2e-3, atol=1e-6)
 
 
+@pytest.mark.parametrize("opts", [{"min": -1.0, "max": 1.0}, {"max_norm": 1.0},
+                                  {"min": -2.0**-9, "max": 2.0**-9}, {"max_norm": 0.01}])
+@pytest.mark.parametrize("init_scale", [2.0**40, 2.0**12])
+def test_grad_scaler_compiled_equals_eager(opts, init_scale):
+    """Compiled (fullgraph, the steering traced into the backward), the ``scaler=`` rules
+    hold as in eager code: an overflow is left for the scaler (the step is skipped, the scale
+    backs off) and the bounds are in unscaled units. The scale the traced backward reads is
+    the scaler's own tensor, which compile start makes where the scaler has none yet (the
+    first forward runs before the first ``scaler.scale(loss)``)."""
+    torch.manual_seed(0)
+    base = MLP()
+    x = torch.randn(6, 32)
+    want = _amp_step(copy.deepcopy(base), x, init_scale, ("gradclamp", opts))
+    torch._dynamo.reset()
+    try:
+        got = _amp_step(copy.deepcopy(base), x, init_scale, ("gradclamp", opts),
+                        backend="aot_eager")
+    finally:
+        torch._dynamo.reset()
+    # (compiled float16 code sums fc2's two calls' weight gradients in another order, also
+    # without hooks: not bitwise)
+    for k in want[0]:
+        torch.testing.assert_close(got[0][k], want[0][k], rtol=1e-3, atol=1e-5, equal_nan=True)
+    for p, q in zip(got[1], want[1]):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-5)
+    assert got[2] == want[2] and got[3] == want[3]
+    assert (got[2] < init_scale) == (init_scale == 2.0**40)
+
+
 def test_grad_scaler_option_checks():
     scaler = torch.amp.GradScaler("cpu")
     with pytest.raises(ValueError, match="scaler"):
@@ -635,3 +667,251 @@ def test_grad_scaler_option_checks():
     with hookplug.attach(model, "Linear", plugins=("gradclamp", {"max": 0.0, "scaler": off})):
         got = run(model, x)
     assert_grads_equal(got, want)
+
+
+# -- under torch.compile ------------------------------------------------------------------------
+
+def _counting(backend, frames):
+    """``backend`` that counts the graphs it compiles (``frames[0]``)."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    inner = lookup_backend(backend)
+
+    def counting(gm, example_inputs):
+        frames[0] += 1
+        return inner(gm, example_inputs)
+    return counting
+
+
+_W = torch.linspace(-3, 3, 10)
+_W_NAN = _W.clone()
+_W_NAN[[1, 6]] = float("nan")  # NaN in two columns of fc3's output gradient
+
+
+def _sgd(base, x, *, plugins=None, backend=None, steps=3, loss=lambda out: (out * _W).sum(),
+         scaler=False, read=None, fullgraph=True):
+    """``steps`` SGD steps of a copy of ``base``, compiled with a counting ``backend`` (or
+    eager), gradclamp/stats attached to every Linear by ``plugins(scaler)`` (``scaler``: a
+    ``GradScaler`` on the CPU scales the loss, steps and updates). Returns the parameter
+    gradients of every step (unscaled), the parameters after the last, the graphs compiled,
+    the graph breaks and ``read(session)``."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = copy.deepcopy(base)
+    frames = [0]
+    run = (torch.compile(model, backend=_counting(backend, frames), fullgraph=fullgraph)
+           if backend else model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp = torch.amp.GradScaler("cpu", init_scale=2.0**10) if scaler else None
+    session = hookplug.attach(model, "Linear", plugins=plugins(amp)) if plugins else None
+    grads = []
+    try:
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            value = loss(run(x))
+            if amp is not None:
+                amp.scale(value).backward()
+                amp.unscale_(opt)
+                grads.append(grads_of(model))
+                amp.step(opt)
+                amp.update()
+            else:
+                value.backward()
+                grads.append(grads_of(model))
+                opt.step()
+            if session is not None:
+                session.step()
+        got = read(session) if read is not None and session is not None else None
+    finally:
+        if session is not None:
+            session.remove()
+        torch._dynamo.reset()
+    return {"grads": grads, "params": [p.detach().clone() for p in model.parameters()],
+            "frames": frames[0], "breaks": dict(counters["graph_break"]), "read": got}
+
+
+def _changed(session):
+    return {k: v["changed"] for k, v in session["gradclamp"].results().items()}
+
+
+_COMPILED_CASES = {
+    "min_max": ({"min": -0.02, "max": 0.02}, {}),
+    "max": ({"max": 0.01}, {}),
+    "max_norm": ({"max_norm": 0.05}, {}),
+    "nan_zero": ({"nan": "zero", "min": -0.05}, {"loss": lambda out: (out * _W_NAN).sum()}),
+    "scaler": ({"min": -0.02, "max": 0.02}, {"scaler": True}),
+    "scaler_max_norm": ({"max_norm": 0.05}, {"scaler": True}),
+    # a scaler switched off: the plain bounds
+    "scaler_off": ({"max": 0.01, "scaler": torch.amp.GradScaler("cpu", enabled=False)}, {}),
+}
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("case", list(_COMPILED_CASES))
+def test_compiled_output_steering_has_no_graph_break_and_equals_eager(case, backend):
+    """gradclamp on the outputs of every Linear of a compiled MLP (fc2 called twice) is
+    traced into the compiled backward: as many graphs as the model without hooks, no graph
+    break (fullgraph=True), and the steered gradients, the parameters after three SGD steps
+    and the ``changed`` counts equal eager (bitwise under aot_eager)."""
+    opts, kw = _COMPILED_CASES[case]
+    torch.manual_seed(0)
+    base = MLP()
+    x = torch.randn(8, 32)
+    kw = dict(kw)
+    scaler = kw.pop("scaler", False)
+
+    def plugins(amp):
+        return ("gradclamp", {**opts, "scaler": amp} if amp is not None else opts)
+
+    plain = _sgd(base, x, backend=backend, scaler=scaler, **kw)
+    eager = _sgd(base, x, plugins=plugins, scaler=scaler, read=_changed, **kw)
+    compiled = _sgd(base, x, plugins=plugins, backend=backend, scaler=scaler, read=_changed, **kw)
+    assert compiled["breaks"] == {}
+    assert compiled["frames"] == plain["frames"] == 1
+    assert eager["read"] == compiled["read"]
+    assert set(eager["read"]) == {"fc1", "fc2", "fc3"} and sum(eager["read"].values()) > 0
+    # steering changed the training
+    assert any(not torch.equal(a, b) for a, b in zip(plain["params"], eager["params"]))
+    close = (assert_grads_equal if backend == "aot_eager" else
+             lambda a, b: [torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6) for k in a])
+    for a, b in zip(eager["grads"], compiled["grads"]):
+        close(a, b)
+    close(dict(enumerate(eager["params"])), dict(enumerate(compiled["params"])))
+
+
+@pytest.mark.parametrize("first", ["gradclamp", "stats"])
+def test_compiled_steering_and_measuring_one_output_keep_the_eager_order(first):
+    """gradclamp and stats' grad site on the same modules, both traced into the compiled
+    backward (no graph break): in plugin order, as eager runs them, stats measures the
+    steered gradient when gradclamp comes first and the incoming one when it comes after."""
+    torch.manual_seed(0)
+    base = MLP()
+    x = torch.randn(8, 32)
+    pair = [("gradclamp", {"min": -0.02, "max": 0.02}), ("stats", {"sites": ("grad",)})]
+    if first == "stats":
+        pair.reverse()
+
+    def read(session):
+        st = session["stats"].results()
+        return _changed(session), {m: {f: getattr(st[m]["grad"], f).item()
+                                       for f in ("numel", "min", "max", "mean", "zero_count")}
+                                   for m in st}
+
+    eager = _sgd(base, x, plugins=lambda _: pair, read=read)
+    compiled = _sgd(base, x, plugins=lambda _: pair, backend="aot_eager", read=read)
+    plain = _sgd(base, x, backend="aot_eager")
+    assert compiled["breaks"] == {} and compiled["frames"] == plain["frames"]
+    assert eager["read"][0] == compiled["read"][0] and sum(eager["read"][0].values()) > 0
+    assert set(eager["read"][1]) == {"fc1", "fc2", "fc3"}
+    for m, e in eager["read"][1].items():
+        c = compiled["read"][1][m]
+        assert e["numel"] == c["numel"] and e["min"] == c["min"] and e["max"] == c["max"], m
+        assert math.isclose(e["mean"], c["mean"], rel_tol=1e-6, abs_tol=1e-12), m
+    steered = max(e["max"] for e in eager["read"][1].values()) <= 0.02
+    assert steered == (first == "gradclamp")
+    for a, b in zip(eager["grads"], compiled["grads"]):
+        assert_grads_equal(a, b)
+
+
+def test_compiled_output_steering_under_compiled_autograd_equals_eager():
+    """Compiled autograd (its config flag, a compiled training step): the grad hooks go
+    through tensor hooks it traces; gradients, parameters and counts equal eager."""
+    torch.manual_seed(0)
+    base = MLP()
+    x = torch.randn(8, 32)
+    opts = {"min": -0.02, "max": 0.02, "max_norm": 0.5}
+    runs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step():
+            (model(x) * _W).sum().backward()
+
+        grads = []
+        try:
+            with hookplug.attach(model, "Linear", plugins=("gradclamp", opts)) as s:
+                if compiled:
+                    torch._dynamo.config.compiled_autograd = True
+                    fn = torch.compile(step, backend="aot_eager")
+                else:
+                    fn = step
+                for _ in range(3):
+                    opt.zero_grad(set_to_none=True)
+                    fn()
+                    grads.append(grads_of(model))
+                    opt.step()
+                    s.step()
+                res = _changed(s)
+        finally:
+            torch._dynamo.config.compiled_autograd = False
+            torch._dynamo.reset()
+        runs.append((grads, [p.detach().clone() for p in model.parameters()], res))
+    (ge, pe, re), (gc, pc, rc) = runs
+    assert re == rc and sum(re.values()) > 0
+    for a, b in zip(ge, gc):
+        assert_grads_equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(pe, pc))
+
+
+def test_compiled_nan_raise_keeps_the_tensor_hooks_and_raises():
+    """``nan="raise"`` must read the device (a sync) to decide: it is not traced into the
+    compiled backward, its tensor hooks graph-break per module call, and a NaN raises."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    net = NanNet()
+    with hookplug.attach(net, "*:lin", plugins=("gradclamp", {"nan": "raise"})) as s:
+        assert not s["gradclamp"].grad_in_graph
+        with pytest.raises(FloatingPointError, match="'lin'"):
+            torch.compile(net, backend="aot_eager")(torch.randn(3, 4)).sum().backward()
+    assert counters["graph_break"]
+    torch._dynamo.reset()
+
+
+def test_compiled_steering_shares_one_graph_between_identical_blocks():
+    """Blocks compiled one by one (``block.compile()``) share their graphs with gradclamp on
+    their Linears, as without hooks: the traced steering reads nothing of its module (a
+    module's name read on the way made each block's graph its own), and each module's
+    counter is reached through its own per-module tensor."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return x + torch.tanh(self.fc(x))
+
+    torch.manual_seed(0)
+    base = nn.Sequential(*(Block() for _ in range(3)))
+    x = torch.randn(4, 8)
+    out = {}
+    for mode in ("eager", "plain", "compiled"):
+        torch._dynamo.reset()
+        m = copy.deepcopy(base)
+        frames = [0]
+        plugins = ("gradclamp", {"min": -0.1, "max": 0.1})
+        session = contextlib.nullcontext() if mode == "plain" else hookplug.attach(m, "Linear",
+                                                                                  plugins=plugins)
+        with session as s:
+            if mode != "eager":
+                backend = _counting("aot_eager", frames)  # one backend: graphs can be shared
+                for block in m:
+                    block.compile(backend=backend)
+            for _ in range(2):
+                (m(x) * 3).sum().backward()
+                if s is not None:
+                    s.step()
+            out[mode] = (_changed(s) if s is not None else None, grads_of(m), frames[0])
+        for block in m:
+            block._compiled_call_impl = None
+    torch._dynamo.reset()
+    # the first block's input needs no grad, the others' do: two graphs without hooks too
+    assert out["compiled"][2] == out["plain"][2] == 2
+    assert out["eager"][0] == out["compiled"][0] and len(out["eager"][0]) == 3
+    assert sum(out["eager"][0].values()) > 0
+    assert_grads_equal(out["eager"][1], out["compiled"][1])
