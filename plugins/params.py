@@ -82,7 +82,11 @@ min/max combine, mean and M2 by the parallel formula — exactly the statistics 
 parameter, with no gather. A DTensor contributes its local shard (``to_local()``) on the
 ranks whose coordinate on each ``Replicate()`` mesh dimension is the parameter's owner
 (parameters are spread round-robin over replicas); a plain tensor under DDP is counted on
-its owner rank only, so a replicated tensor is never counted once per rank. A rank whose
+its owner rank only, so a replicated tensor is never counted once per rank. The replicas of a
+plain parameter are the ranks of the replica group (DDP's process group, else the world)
+holding a parameter of its name, exchanged once at attach: pipeline stages holding different
+layers are each counted whole (a session attached before ``init_process_group`` takes every
+rank of the group as a replica). A rank whose
 shard is empty keeps its (empty) rows, so every rank flushes the same layout.
 ``results()`` is this rank's part only (unmerged under torch.distributed): the exact
 numbers are in the telemetry records (``session.flush()`` returns them; records have
@@ -129,13 +133,14 @@ class _Param:
     """One selected parameter: where to find it (the module and attribute, so wrappers
     that swap parameter objects, like FSDP2, are followed), its row keys and its owner."""
 
-    __slots__ = ("name", "module_ref", "attr", "index", "prev", "done", "keys")
+    __slots__ = ("name", "module_ref", "attr", "index", "owner", "prev", "done", "keys")
 
     def __init__(self, name: str, module, attr: str, index: int):
         self.name = name
         self.module_ref = weakref.ref(module)
         self.attr = attr
         self.index = index
+        self.owner: Optional[int] = None  # the replica-group rank counting it, once known (_find_holders)
         self.prev: Optional[torch.Tensor] = None  # the weight before the update (local part)
         self.done = False  # measured in the current step
         self.keys = {s: (name, s) for s in _SITES}
@@ -316,7 +321,7 @@ class ParamsPlugin(hookplug.Plugin):
             if t is None:
                 return None
         elif self._world > 1 and self.plain_tensors == "replicated":
-            if self._rank != pr.index % self._world:
+            if self._rank != (pr.index % self._world if pr.owner is None else pr.owner):
                 return None
         if t.is_meta:
             return None  # not materialized yet: no values
@@ -492,6 +497,27 @@ class ParamsPlugin(hookplug.Plugin):
             group = session._replica_group
             self._rank, self._world = d.get_rank(group), d.get_world_size(group)
 
+    def _find_holders(self, session) -> None:
+        """Which ranks of the replica group hold each parameter, from one ``all_gather_object``
+        of the names at attach (every rank attaches): a replicated parameter is counted by one
+        of the ranks holding a parameter of its name, round-robin over them, so the stages of a
+        pipeline (each rank holding other parameters) are each counted whole. Attached before
+        ``init_process_group``: every rank of the group is taken as holding every parameter."""
+        if self.plain_tensors != "replicated" or self._world < 2:
+            return
+        d = initialized_dist()
+        names = [pr.name for pr in self._params]
+        held: List[Any] = [None] * self._world
+        d.all_gather_object(held, names, group=session._replica_group)
+        holders: Dict[str, List[int]] = {}
+        for r, ns in enumerate(held):
+            for n in ns:
+                holders.setdefault(n, []).append(r)
+        index = {n: i for i, n in enumerate(sorted(holders))}  # the same on every rank
+        for pr in self._params:
+            ranks = holders[pr.name]
+            pr.owner = ranks[index[pr.name] % len(ranks)]
+
     def _removed(self) -> bool:
         s = self._session_ref() if self._session_ref is not None else None
         return s is None or s.removed
@@ -504,6 +530,7 @@ class ParamsPlugin(hookplug.Plugin):
         self._rank, self._world = 0, 1
         self._refresh_replicas()
         self._select(session)
+        self._find_holders(session)
         # every row now, in name order: the same layout on every rank, whatever each holds
         for pr in self._params:
             for s in self.sites:
