@@ -32,6 +32,7 @@ from ._config import _records_given, attach_options
 from ._manager import (PluginError, PluginLoadError, create_plugin, is_hookimpl, is_plugin_object,
                        new_plugin_manager)
 from ._options import is_int_at_least
+from ._pipelining import patch_pipelining
 from ._selectors import (check_strict, named_modules, named_parameters, replica_group, select_terms,
                          unwrap_model, warn_never_called)
 
@@ -1131,6 +1132,7 @@ def attach(
     selector, plugins, every, sink, on_error, strict, flush_every = attach_options(
         config, _given, selector, plugins, every=every, sink=sink, on_error=on_error,
         strict=strict, flush_every=flush_every)
+    patch_pipelining()  # a PipelineStage's metadata inference runs no hook (see _pipelining)
     group = None
     if isinstance(model, nn.Module):
         group = replica_group(model)

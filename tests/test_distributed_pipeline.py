@@ -203,7 +203,8 @@ def _assert_records_equal(got, want):
             assert math.isclose(g[f], w[f], rel_tol=1e-5, abs_tol=1e-7), (key, f, g[f], w[f])
 
 
-@pytest.mark.parametrize("schedule, static", [("gpipe", True)], ids=["gpipe-static"])
+@pytest.mark.parametrize("schedule, static", [("gpipe", False), ("1f1b", False), ("gpipe", True)],
+                         ids=["gpipe", "1f1b", "gpipe-static"])
 def test_pipeline_stages_give_the_full_models_records(tmp_path, schedule, static):
     """stats (output and grad sites), params, flops and capture on each rank's stage: training
     unchanged; the merged records of both stages (full-model names) equal the full model's
@@ -231,6 +232,18 @@ def test_pipeline_stages_give_the_full_models_records(tmp_path, schedule, static
             assert v == flops[k], (r, k)
         for k, v in g["capture"].items():
             assert v == capture[k], (r, k)  # one entry per micro-batch call, in order
+
+
+def test_gradclamp_steers_the_schedule_backward_as_a_torch_clamp(tmp_path):
+    """gradclamp on the Linears' outputs under Schedule1F1B (stage backward per micro-batch,
+    a stage given no shapes: metadata inference first) trains as a plain torch clamp hook."""
+    from _gloo import spawn
+
+    got = spawn(_pp, tmp_path, {"schedule": "1f1b", "manual": True,
+                                "plugins": [("gradclamp", {"min": LO})]})
+    for r, g in enumerate(got):
+        assert g["hooked"] == g["plain"], r
+        assert g["changed"] > 0 and g["plain"] != g["bare"], r  # the clamp did bite
 
 
 def test_two_stages_by_two_data_parallel_replicas(tmp_path):
