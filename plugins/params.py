@@ -140,7 +140,7 @@ class _Param:
         self.module_ref = weakref.ref(module)
         self.attr = attr
         self.index = index
-        self.owner: Optional[int] = None  # the replica-group rank counting it, once known (_find_holders)
+        self.owner: Optional[int] = None  # the replica-group rank counting it (_find_holders)
         self.prev: Optional[torch.Tensor] = None  # the weight before the update (local part)
         self.done = False  # measured in the current step
         self.keys = {s: (name, s) for s in _SITES}
