@@ -289,9 +289,11 @@ class GradClampPlugin(hookplug.Plugin):
         traced into a compiled backward (:meth:`_apply_traced`)."""
         if amp is None:
             lo, hi = self._bounds(grad.dtype)
-        else:  # unscaled bounds: times the scale, as tensors (torch.clamp rounds them to the dtype)
+        else:  # unscaled bounds: times the scale, as tensors in the gradient's dtype (a float32
+            # bound would promote a 0-d float16 gradient to float32)
             lo = None if self.min is None or self.min == -math.inf else amp * self.min
             hi = None if self.max is None or self.max == math.inf else amp * self.max
+            lo, hi = (None if b is None else b.to(grad.dtype) for b in (lo, hi))
         g = grad
         if self.nan == "zero":
             g = torch.nan_to_num(g, nan=0.0, posinf=float("inf"), neginf=float("-inf"))

@@ -669,6 +669,29 @@ def test_grad_scaler_option_checks():
     assert_grads_equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_grad_scaler_bounds_keep_a_scalar_gradients_dtype(dtype):
+    """With ``scaler=`` the bounds are float32 tensors (times the scale): on a 0-d float16 or
+    bfloat16 gradient (a module whose output is a scalar, e.g. a loss module) ``torch.clamp``
+    promoted the result to float32, a gradient of another dtype (a PluginError)."""
+    class Sq(nn.Module):
+        def forward(self, x):
+            return x.square().sum()
+
+    model = nn.Sequential(nn.Linear(4, 4), Sq()).to(dtype)
+    x = torch.randn(3, 4, dtype=dtype)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    g = {}
+    model[0].weight.register_hook(lambda t: g.setdefault("w", t))
+    with hookplug.attach(model, "Sq", plugins=("gradclamp", {"max": 0.25, "scaler": scaler})) as s:
+        scaler.scale(model(x).float()).backward()
+        assert s["gradclamp"].results() == {"1": {"changed": 1}}
+    ref = nn.Sequential(nn.Linear(4, 4)).to(dtype)
+    ref[0].load_state_dict(model[0].state_dict())
+    ref(x).square().sum().backward()  # the scalar's gradient, 4 (scaled), clamped to 0.25 * 4
+    torch.testing.assert_close(g["w"], ref[0].weight.grad)
+
+
 # -- under torch.compile ------------------------------------------------------------------------
 
 def _counting(backend, frames):
