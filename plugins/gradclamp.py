@@ -377,7 +377,9 @@ class GradClampPlugin(hookplug.Plugin):
                 token = self._tokens.get(name)
                 if token is None or int(token) not in _COUNTERS:
                     tid = next(_token_ids)
-                    _COUNTERS[tid] = (weakref.ref(self), name)
+                    # (the entry goes with the plugin too: a session never removed never ends)
+                    gone = lambda _, t=tid: _COUNTERS.pop(t, None)  # noqa: E731
+                    _COUNTERS[tid] = (weakref.ref(self, gone), name)
                     token = self._tokens[name] = torch.tensor([tid], dtype=torch.int64)
                 for phase in ("train", "eval"):
                     table = session._module_tensors_of(name, phase)

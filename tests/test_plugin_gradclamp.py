@@ -896,6 +896,23 @@ def test_compiled_nan_raise_keeps_the_tensor_hooks_and_raises():
     torch._dynamo.reset()
 
 
+def test_counter_tokens_of_a_session_never_removed_go_with_its_plugin():
+    """A session dropped without ``remove()`` (its model gone) never ends: the count op's
+    token entries of its plugin stayed in the module-global table, two per session here."""
+    import gc
+
+    import hookplug_plugins.gradclamp as gcm
+
+    before = set(gcm._COUNTERS)
+    for _ in range(3):
+        model = MLP()
+        s = hookplug.attach(model, "Linear", plugins=("gradclamp", {"max": 0.01}))
+        assert s["gradclamp"].grad_in_graph and set(gcm._COUNTERS) - before
+        del model, s
+    gc.collect()
+    assert set(gcm._COUNTERS) == before
+
+
 def test_compiled_steering_shares_one_graph_between_identical_blocks():
     """Blocks compiled one by one (``block.compile()``) share their graphs with gradclamp on
     their Linears, as without hooks: the traced steering reads nothing of its module (a
