@@ -178,19 +178,30 @@ def _register_ordered_effect(op) -> None:
         pass
 
 
+_START: Optional[Callable] = None  # _on_compile_start / _on_compile_end as registered (see below)
+_END: Optional[Callable] = None
+
+
 def hook_compile_start() -> None:
     """Have dynamo call ``_on_compile_start`` when it starts compiling a frame (torch's
     compile-start callbacks; imports dynamo; registered again after a
     ``torch._dynamo.reset()``, which clears them). Where this torch has none, a deferred
     bank is made by its first call, as any bank (traced: graph breaks at warm-up), and row
     tensors are made at steps only."""
+    global _START, _END
     try:
         from torch._dynamo.callback import callback_handler
 
-        if _on_compile_start not in callback_handler.start_callbacks:
-            callback_handler.register_start_callback(_on_compile_start)
-        if _on_compile_end not in callback_handler.end_callbacks:
-            callback_handler.register_end_callback(_on_compile_end)
+        if _START is None:
+            # run outside dynamo: a compile that starts inside code dynamo is running (the
+            # lazy backward compile of a compiled step that calls backward() after a graph
+            # break, under compiled autograd) calls the callbacks with dynamo's frame hook on,
+            # and dynamo converting a callback's frame takes the callbacks' lock it holds
+            _START, _END = torch._dynamo.disable(_on_compile_start), torch._dynamo.disable(_on_compile_end)
+        if _START not in callback_handler.start_callbacks:
+            callback_handler.register_start_callback(_START)
+        if _END not in callback_handler.end_callbacks:
+            callback_handler.register_end_callback(_END)
         _mark_trace_constants()
     except Exception:  # noqa: BLE001 - a torch without them (private API)
         pass

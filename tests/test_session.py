@@ -990,3 +990,28 @@ def test_hf_resize_token_embeddings_after_attach_is_warned_of():
     msg = " ".join(str(w.message) for w in rec)
     assert "'lm_head'" in msg and "wte" not in msg  # wte is resized in place: still observed
     s.remove()
+
+
+@pytest.mark.parametrize("plugin", ["'stats'", "('gradclamp', {'max': 0.05})"])
+def test_a_compiled_step_calling_backward_after_a_graph_break_under_compiled_autograd_does_not_hang(
+        fresh_python, plugin):
+    """The backward's lazy compile starts inside code dynamo runs, so dynamo's compile-start
+    callbacks run with its frame hook on: hookplug's, converted by dynamo, took the callbacks'
+    lock dynamo holds there (a deadlock, with stats or gradclamp attached; none without)."""
+    out = fresh_python(f"""
+import faulthandler, torch, hookplug
+faulthandler.dump_traceback_later(150, exit=True)
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+x = torch.randn(5, 8)
+s = hookplug.attach(m, "Linear", plugins={plugin})
+scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+def step():
+    scaler.scale((m(x) * 3).sum()).backward()  # GradScaler.scale: a graph break before backward
+fn = torch.compile(step, backend="aot_eager")
+torch._dynamo.config.compiled_autograd = True
+fn(); fn()
+s.step()
+print("done", sorted(s.results()[s.plugins and list(s.plugins)[0]]))
+""")
+    assert out == "done ['0', '2']"
