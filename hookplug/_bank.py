@@ -188,23 +188,35 @@ def hook_compile_start() -> None:
     ``torch._dynamo.reset()``, which clears them). Where this torch has none, a deferred
     bank is made by its first call, as any bank (traced: graph breaks at warm-up), and row
     tensors are made at steps only."""
-    global _START, _END
     try:
         from torch._dynamo.callback import callback_handler
 
-        if _START is None:
-            # run outside dynamo: a compile that starts inside code dynamo is running (the
-            # lazy backward compile of a compiled step that calls backward() after a graph
-            # break, under compiled autograd) calls the callbacks with dynamo's frame hook on,
-            # and dynamo converting a callback's frame takes the callbacks' lock it holds
-            _START, _END = torch._dynamo.disable(_on_compile_start), torch._dynamo.disable(_on_compile_end)
-        if _START not in callback_handler.start_callbacks:
-            callback_handler.register_start_callback(_START)
-        if _END not in callback_handler.end_callbacks:
-            callback_handler.register_end_callback(_END)
+        _install_callbacks(callback_handler)
         _mark_trace_constants()
     except Exception:  # noqa: BLE001 - a torch without them (private API)
         pass
+
+
+def _install_callbacks(handler) -> None:
+    """Register the compile start/end callbacks, wrapped in ``torch._dynamo.disable`` so they
+    run outside dynamo: a compile that starts inside code dynamo runs (the lazy backward
+    compile of a compiled step calling ``backward()`` after a graph break, under compiled
+    autograd) calls them with dynamo's frame hook on, and dynamo converting a callback's
+    frame takes the callbacks' lock it holds there (a deadlock). Called while dynamo is still
+    importing (its config's import hook), they are registered bare and wrapped in place at
+    the first compile start, which is never such a nested one."""
+    global _START, _END
+    if _START is None:
+        disable = getattr(sys.modules.get("torch._dynamo"), "disable", None)
+        if disable is not None:
+            _START, _END = disable(_on_compile_start), disable(_on_compile_end)
+    for callbacks, register, bare, wrapped in (
+            (handler.start_callbacks, handler.register_start_callback, _on_compile_start, _START),
+            (handler.end_callbacks, handler.register_end_callback, _on_compile_end, _END)):
+        if wrapped is not None and bare in callbacks:
+            callbacks[callbacks.index(bare)] = wrapped  # in place: dynamo may be iterating
+        if (wrapped or bare) not in callbacks:
+            register(wrapped or bare)
 
 
 # Whether inference mode was on where dynamo started compiling a frame, and that compile's
@@ -258,6 +270,13 @@ def _on_compile_start(args=None) -> None:
     (see ``trace_inference_mode``), deferred banks are made, and each bank's
     ``before_trace`` runs (``stats``: rows and row tensors for keys an earlier trace met, so
     the next identical block's trace finds them and shares its graph)."""
+    if _START is None:  # registered bare while dynamo was importing: wrap them now
+        try:
+            from torch._dynamo.callback import callback_handler
+
+            _install_callbacks(callback_handler)
+        except Exception:  # noqa: BLE001 - private API
+            pass
     for settle in ON_COMPILE_START:
         settle()
     inference = torch.is_inference_mode_enabled()
