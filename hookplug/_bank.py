@@ -76,6 +76,15 @@ def is_dtensor(t) -> bool:
     return _DTensor is not None and isinstance(t, _DTensor)
 
 
+def param_device(model) -> Optional[torch.device]:
+    """The device of the model's first parameter (a DTensor's local one; ``meta`` before
+    materialization), or None."""
+    param = next(iter(model.parameters()), None) if model is not None else None
+    if param is None:
+        return None
+    return param.to_local().device if is_dtensor(param) else param.device
+
+
 def dtensor_local(t, owner: int) -> Tuple[Optional[torch.Tensor], bool]:
     """The part of the DTensor ``t`` this rank counts, such that merging every rank's rows
     (telemetry's cross-rank merge) gives the statistics of the whole logical tensor, each

@@ -40,7 +40,7 @@ def _idle(fn):
         module = getattr(self, "submod", None)
         if module is None:
             return fn(self, *args, **kwargs)
-        bindings, params = _bindings_of(module)
+        bindings, params, sessions = _bindings_of(module)
         if not bindings and not params:
             return fn(self, *args, **kwargs)
         calls = [b.calls for b in bindings]
@@ -53,12 +53,9 @@ def _idle(fn):
         finally:
             for b, n in zip(bindings, calls):
                 b.calls = n
-                s = b.session  # None once removed (retire() emptied it)
-                if s is not None:
-                    b.fwd_in, b.fwd_out, b.out_grad = b.variants[s._sampling]
-            for pb in params:
-                if pb.session is not None:
-                    pb.impls = pb.variants[pb.session._sampling]
+            for s in sessions:  # the step's tuples back (a session removed meanwhile has none)
+                if not s.removed:
+                    s._apply_sampling()
 
     run._hookplug_idle = True
     return run
@@ -66,7 +63,7 @@ def _idle(fn):
 
 def _bindings_of(module):
     """The live module bindings of every session on ``module``'s modules (found through their
-    forward hooks), and those sessions' parameter bindings of its parameters."""
+    forward hooks), those sessions' parameter bindings of its parameters, and the sessions."""
     bindings: List[_ModuleBinding] = []
     sessions = {}
     mods = {id(m) for m in module.modules()}
@@ -83,4 +80,4 @@ def _bindings_of(module):
             owner = pb.owner_ref()
             if owner is not None and id(owner) in mods and pb.session is not None:
                 params.append(pb)
-    return bindings, params
+    return bindings, params, list(sessions.values())

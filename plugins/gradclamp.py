@@ -77,7 +77,7 @@ import torch
 
 import hookplug
 from hookplug import hookimpl
-from hookplug._bank import ON_COMPILE_START, bank_effect_op
+from hookplug._bank import ON_COMPILE_START, bank_effect_op, param_device
 from hookplug._func import is_batched, outside_transforms, unwrapped
 from hookplug._plugin import warn_once
 from hookplug._selectors import parameter_names
@@ -403,8 +403,8 @@ class GradClampPlugin(hookplug.Plugin):
         if s is None or not s.is_enabled():
             return
         if s._scale is None:
-            device = _param_device(self._model_ref()) if init else None
-            if device is None:  # (a model still on meta: at the next compile start)
+            device = param_device(self._model_ref()) if init else None
+            if device is None or device.type == "meta":  # (materialized later: at a later compile start)
                 return
             with torch.inference_mode(False):
                 s._lazy_init_scale_growth_tracker(device)
@@ -498,11 +498,3 @@ class GradClampPlugin(hookplug.Plugin):
         ]
         lines += [f"{(k or '<root>').ljust(width)}  {v['changed']:>7}" for k, v in res.items()]
         return "\n".join(lines)
-
-
-def _param_device(model) -> Optional[torch.device]:
-    """The device of the model's first parameter (None: none, or on ``meta``)."""
-    param = next(iter(model.parameters()), None) if model is not None else None
-    if param is None or param.is_meta:
-        return None
-    return param.to_local().device if hasattr(param, "to_local") else param.device

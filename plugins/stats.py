@@ -86,7 +86,8 @@ import torch
 import hookplug
 from hookplug import hookimpl
 from hookplug._bank import (MEASURED_AS, StatsBank, accumulate_by_key_op, as_measured, check_hist_options,
-                            check_max_pending, check_sites, dtensor_local, host_copy, is_dtensor)
+                            check_max_pending, check_sites, dtensor_local, host_copy, is_dtensor,
+                            param_device)
 from hookplug._func import is_batched
 from hookplug._stats import FIRST_BAD, TensorStats
 from hookplug.structures import iter_tensors
@@ -297,10 +298,10 @@ class StatsPlugin(hookplug.Plugin):
                              functools.partial(self._before_trace, session),
                              tag=tag)
         model = session.model
-        device = _param_device(model)
+        device = param_device(model)
         if device is not None and device.type == "meta":  # materialized later (to_empty)
             ref = weakref.ref(model)
-            self.bank.prepare(None, later=lambda: _param_device(ref()))
+            self.bank.prepare(None, later=lambda: param_device(ref()))
         else:
             self.bank.prepare(device)
         self.bank.make_row_tensors()
@@ -476,14 +477,6 @@ class StatsPlugin(hookplug.Plugin):
                 lines.append("  ".join("-" * w for w in widths))
         return "\n".join(lines)
 
-
-
-def _param_device(model) -> Optional[torch.device]:
-    """The device of the model's first parameter (a DTensor's local one), or None."""
-    param = next(iter(model.parameters()), None) if model is not None else None
-    if param is None:
-        return None
-    return param.to_local().device if is_dtensor(param) else param.device
 
 
 def _site_rank(site: str) -> int:
