@@ -97,9 +97,11 @@ measured too).
 **Compile and CUDA graphs.** Nothing runs in the model's forward or backward, so a
 compiled model is unaffected. Measurement is eager Python in the optimizer hooks (one
 ``stats_accumulate_`` op per parameter and site into preallocated rows, no host sync; the
-update copy is preallocated and reused), so a CUDA-graph-captured or ``torch.compile``'d
-``optimizer.step`` is not observed from inside the graph: measured only at
-``session.step()`` then (weight and grad; update without optimizer hooks).
+update copy is preallocated and reused). The hooks run outside dynamo
+(``torch._dynamo.disable``), so a ``torch.compile``'d ``optimizer.step`` compiles to the
+graphs it has without them and is measured around its graph as in eager. A
+CUDA-graph-captured ``optimizer.step`` is not observed from inside the graph: measured only
+at ``session.step()`` then (weight and grad; update without optimizer hooks).
 """
 from __future__ import annotations
 
@@ -116,8 +118,8 @@ import torch
 
 import hookplug
 from hookplug import hookimpl
-from hookplug._bank import (LATE_CLOCK, StatsBank, as_measured, check_hist_options, check_max_pending, check_sites,
-                            dtensor_local, is_dtensor, merge_devices, pad_rows)
+from hookplug._bank import (LATE_CLOCK, ON_COMPILE_START, StatsBank, as_measured, check_hist_options,
+                            check_max_pending, check_sites, dtensor_local, is_dtensor, merge_devices, pad_rows)
 from hookplug._plugin import warn_once
 from hookplug._selectors import clean_name, parameter_names
 from hookplug._telemetry import initialized_dist
@@ -180,6 +182,40 @@ def _live_frames(depth: int = 2) -> set:
         ids.add(id(f))
         f = f.f_back
     return ids
+
+
+def _past_dynamo(frame):
+    """``frame``, or the first frame below it that is not one of ``torch._dynamo``'s (the
+    ``torch._dynamo.disable`` wrapper the optimizer hooks run in once dynamo is imported)."""
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("torch._dynamo"):
+        frame = frame.f_back
+    return frame
+
+
+def _outside_dynamo(fn):
+    """``fn`` wrapped in ``torch._dynamo.disable`` where dynamo is imported (else ``fn``): an
+    optimizer hook dynamo traced (``torch.compile(optimizer.step)``, a compiled training
+    step) compiled the measuring code into graphs of its own, one per parameter and
+    recompiled, and made the compiled step slower than the eager one."""
+    disable = getattr(sys.modules.get("torch._dynamo"), "disable", None)
+    return fn if disable is None else disable(fn)
+
+
+# plugins whose optimizer hooks were registered bare (dynamo not imported at attach): wrapped
+# in place at the first compile start
+_BARE_HOOKS: "weakref.WeakSet[ParamsPlugin]" = weakref.WeakSet()
+
+
+def _wrap_bare_hooks() -> None:
+    for plugin in list(_BARE_HOOKS):
+        _BARE_HOOKS.discard(plugin)
+        for h in plugin._handles:
+            hooks = h.hooks_dict_ref()
+            if hooks is not None and h.id in hooks:
+                hooks[h.id] = _outside_dynamo(hooks[h.id])  # in place: torch may be iterating
+
+
+ON_COMPILE_START.append(_wrap_bare_hooks)
 
 
 def _state_init_step(caller) -> bool:
@@ -416,12 +452,13 @@ class ParamsPlugin(hookplug.Plugin):
         if frames:  # a step that raised never ran its post-hook: not an enclosing step
             live, me = _live_frames(), threading.get_ident()
             frames[:] = [f for f in frames if f.running(live, me)]
-        prs = [] if _state_init_step(sys._getframe(2)) else self._of_optimizer(opt)
+        wrapper = _past_dynamo(sys._getframe(1))  # torch's step wrapper, which runs the hooks
+        prs = [] if _state_init_step(_past_dynamo(wrapper.f_back)) else self._of_optimizer(opt)
         if frames and prs:  # nested (a wrapper's inner optimizer, a subclass's super().step()):
             # what an enclosing step measures is its own
             outer = {pr.index for f in frames for pr in f.prs}
             prs = [pr for pr in prs if pr.index not in outer]
-        frame = _Frame(opt, prs, sys._getframe(1))
+        frame = _Frame(opt, prs, wrapper)
         frames.append(frame)
         if not prs:
             return None
@@ -546,13 +583,15 @@ class ParamsPlugin(hookplug.Plugin):
         if self._optimizers is None:
             from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                                register_optimizer_step_pre_hook)
-            self._handles = [register_optimizer_step_pre_hook(self._opt_pre),
-                             register_optimizer_step_post_hook(self._opt_post)]
+            self._handles = [register_optimizer_step_pre_hook(_outside_dynamo(self._opt_pre)),
+                             register_optimizer_step_post_hook(_outside_dynamo(self._opt_post))]
         else:
             self._handles = []
             for opt in self._optimizers:
-                self._handles += [opt.register_step_pre_hook(self._opt_pre),
-                                  opt.register_step_post_hook(self._opt_post)]
+                self._handles += [opt.register_step_pre_hook(_outside_dynamo(self._opt_pre)),
+                                  opt.register_step_post_hook(_outside_dynamo(self._opt_post))]
+        if "torch._dynamo" not in sys.modules:
+            _BARE_HOOKS.add(self)
         # a session dropped without remove(): torch's global hooks would keep this plugin (its
         # bank, the update copies) alive and called at every optimizer step of the process
         self._unhook = weakref.finalize(session, _remove_handles, list(self._handles))
