@@ -46,6 +46,12 @@ def pytest_report_header(config):
             f"HOOKPLUG_REQUIRE_EXT={os.environ.get('HOOKPLUG_REQUIRE_EXT', '')}"]
 
 
+# ``@pytest.mark.parametrize("device", DEVICES)``: the test on the CPU, and on a CUDA GPU
+# where there is one (``from conftest import DEVICES``)
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+
+
 @pytest.fixture
 def true_output_grads():
     """The reference for gradient tests: ``grads = true_output_grads(model, nn.Linear)``

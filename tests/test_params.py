@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 import hookplug
+from conftest import DEVICES
 
 
 def model_and_data(seed=0):
@@ -41,8 +42,10 @@ def test_registered():
 
 
 @pytest.mark.parametrize("opt_kind", ["sgd", "adamw"])
-def test_weight_grad_update_equal_plain_torch(opt_kind):
+@pytest.mark.parametrize("device", DEVICES)
+def test_weight_grad_update_equal_plain_torch(opt_kind, device):
     m, x = model_and_data()
+    m, x = m.to(device), x.to(device)
     opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) if opt_kind == "sgd"
            else torch.optim.AdamW(m.parameters(), lr=1e-2))
     with hookplug.attach(m, "Linear", plugins="params") as s:

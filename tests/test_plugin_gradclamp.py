@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 import hookplug
+from conftest import DEVICES
 from hookplug import PluginError
 from hookplug.models import MLP, tiny_cnn
 
@@ -542,13 +543,15 @@ def test_bounds_near_the_dtype_max_agree_with_torch_clamp(dtype, which):
 
 # -- under AMP's GradScaler ---------------------------------------------------------------------
 
-def _amp_step(model, x, init_scale, plugins=None, hand=None, backend=None):
-    """One float16 autocast step with a ``GradScaler``: ``(param grads unscaled, weights
-    after the step, the scale after update(), the gradclamp results)``. ``hand(scale)``:
-    a function clamping an output gradient with plain torch hooks on every Linear.
-    ``backend``: the model compiled with it (the scaler gets no scale before the forward)."""
+def _amp_step(model, x, init_scale, plugins=None, hand=None, backend=None, device="cpu"):
+    """One float16 autocast step with a ``GradScaler`` on ``device``: ``(param grads
+    unscaled, weights after the step, the scale after update(), the gradclamp results)``.
+    ``hand(scale)``: a function clamping an output gradient with plain torch hooks on every
+    Linear. ``backend``: the model compiled with it (the scaler gets no scale before the
+    forward)."""
+    model, x = model.to(device), x.to(device)
     run = model if backend is None else torch.compile(model, backend=backend, fullgraph=True)
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    scaler = torch.amp.GradScaler(device, init_scale=init_scale)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if plugins is not None:
         name, opts = plugins
@@ -558,7 +561,7 @@ def _amp_step(model, x, init_scale, plugins=None, hand=None, backend=None):
     hooks = (hand_output_hooks(model, ["fc1", "fc2", "fc3"], hand(init_scale)) if hand
              else contextlib.nullcontext())
     with session as s, hooks:
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast(device, dtype=torch.float16):
             loss = run(x).float().square().mean()
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
@@ -571,7 +574,8 @@ def _amp_step(model, x, init_scale, plugins=None, hand=None, backend=None):
 
 @pytest.mark.parametrize("opts", [{"min": -1.0, "max": 1.0}, {"max": 0.0},
                                   {"max": 1.0, "params": "*", "outputs": True}, {"max_norm": 1.0}])
-def test_grad_scaler_still_sees_an_overflow(opts):
+@pytest.mark.parametrize("device", DEVICES)
+def test_grad_scaler_still_sees_an_overflow(opts, device):
     """The hooks run inside backward, where ``GradScaler``'s gradients are scaled. An
     overflow there (inf in a float16 gradient) that a bound clamps to a finite value is
     hidden from the scaler, whose ``unscale_``/``step`` look for inf/NaN only afterwards:
@@ -581,10 +585,10 @@ def test_grad_scaler_still_sees_an_overflow(opts):
     torch.manual_seed(0)
     base = MLP()
     x = torch.randn(6, 32)
-    w0 = [p.detach().clone() for p in base.parameters()]
-    _, plain_w, plain_scale, _ = _amp_step(copy.deepcopy(base), x, 2.0**40)
+    w0 = [p.detach().to(device) for p in base.parameters()]
+    _, plain_w, plain_scale, _ = _amp_step(copy.deepcopy(base), x, 2.0**40, device=device)
     assert plain_scale == 2.0**39 and all(torch.equal(a, b) for a, b in zip(plain_w, w0))
-    grads, w, scale, _ = _amp_step(copy.deepcopy(base), x, 2.0**40, ("gradclamp", opts))
+    grads, w, scale, _ = _amp_step(copy.deepcopy(base), x, 2.0**40, ("gradclamp", opts), device=device)
     assert scale == plain_scale
     assert all(torch.equal(a, b) for a, b in zip(w, w0))  # the step was skipped
     assert any(not torch.isfinite(g).all() for g in grads.values())
@@ -626,7 +630,8 @@ def test_grad_scaler_bounds_and_max_norm_are_in_unscaled_units():
 @pytest.mark.parametrize("opts", [{"min": -1.0, "max": 1.0}, {"max_norm": 1.0},
                                   {"min": -2.0**-9, "max": 2.0**-9}, {"max_norm": 0.01}])
 @pytest.mark.parametrize("init_scale", [2.0**40, 2.0**12])
-def test_grad_scaler_compiled_equals_eager(opts, init_scale):
+@pytest.mark.parametrize("device", DEVICES)
+def test_grad_scaler_compiled_equals_eager(opts, init_scale, device):
     """Compiled (fullgraph, the steering traced into the backward), the ``scaler=`` rules
     hold as in eager code: an overflow is left for the scaler (the step is skipped, the scale
     backs off) and the bounds are in unscaled units. The scale the traced backward reads is
@@ -635,11 +640,11 @@ def test_grad_scaler_compiled_equals_eager(opts, init_scale):
     torch.manual_seed(0)
     base = MLP()
     x = torch.randn(6, 32)
-    want = _amp_step(copy.deepcopy(base), x, init_scale, ("gradclamp", opts))
+    want = _amp_step(copy.deepcopy(base), x, init_scale, ("gradclamp", opts), device=device)
     torch._dynamo.reset()
     try:
         got = _amp_step(copy.deepcopy(base), x, init_scale, ("gradclamp", opts),
-                        backend="aot_eager")
+                        backend="aot_eager", device=device)
     finally:
         torch._dynamo.reset()
     # (compiled float16 code sums fc2's two calls' weight gradients in another order, also
@@ -711,23 +716,25 @@ _W_NAN = _W.clone()
 _W_NAN[[1, 6]] = float("nan")  # NaN in two columns of fc3's output gradient
 
 
-def _sgd(base, x, *, plugins=None, backend=None, steps=3, loss=lambda out: (out * _W).sum(),
-         scaler=False, read=None, fullgraph=True):
+def _sgd(base, x, *, plugins=None, backend=None, steps=3, loss=None, scaler=False, read=None,
+         fullgraph=True, device="cpu", weights=_W):
     """``steps`` SGD steps of a copy of ``base``, compiled with a counting ``backend`` (or
     eager), gradclamp/stats attached to every Linear by ``plugins(scaler)`` (``scaler``: a
     ``GradScaler`` on the CPU scales the loss, steps and updates). Returns the parameter
     gradients of every step (unscaled), the parameters after the last, the graphs compiled,
-    the graph breaks and ``read(session)``."""
+    the graph breaks and ``read(session)``. The loss: ``(out * weights).sum()``, unless
+    ``loss`` is given; all on ``device``."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    model = copy.deepcopy(base)
+    model, x, w = copy.deepcopy(base).to(device), x.to(device), weights.to(device)
+    loss = loss or (lambda out: (out * w).sum())
     frames = [0]
     run = (torch.compile(model, backend=_counting(backend, frames), fullgraph=fullgraph)
            if backend else model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    amp = torch.amp.GradScaler("cpu", init_scale=2.0**10) if scaler else None
+    amp = torch.amp.GradScaler(device, init_scale=2.0**10) if scaler else None
     session = hookplug.attach(model, "Linear", plugins=plugins(amp)) if plugins else None
     grads = []
     try:
@@ -763,7 +770,7 @@ _COMPILED_CASES = {
     "min_max": ({"min": -0.02, "max": 0.02}, {}),
     "max": ({"max": 0.01}, {}),
     "max_norm": ({"max_norm": 0.05}, {}),
-    "nan_zero": ({"nan": "zero", "min": -0.05}, {"loss": lambda out: (out * _W_NAN).sum()}),
+    "nan_zero": ({"nan": "zero", "min": -0.05}, {"weights": _W_NAN}),
     "scaler": ({"min": -0.02, "max": 0.02}, {"scaler": True}),
     "scaler_max_norm": ({"max_norm": 0.05}, {"scaler": True}),
     # a scaler switched off: the plain bounds
@@ -773,7 +780,8 @@ _COMPILED_CASES = {
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("case", list(_COMPILED_CASES))
-def test_compiled_output_steering_has_no_graph_break_and_equals_eager(case, backend):
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_output_steering_has_no_graph_break_and_equals_eager(case, backend, device):
     """gradclamp on the outputs of every Linear of a compiled MLP (fc2 called twice) is
     traced into the compiled backward: as many graphs as the model without hooks, no graph
     break (fullgraph=True), and the steered gradients, the parameters after three SGD steps
@@ -788,9 +796,10 @@ def test_compiled_output_steering_has_no_graph_break_and_equals_eager(case, back
     def plugins(amp):
         return ("gradclamp", {**opts, "scaler": amp} if amp is not None else opts)
 
-    plain = _sgd(base, x, backend=backend, scaler=scaler, **kw)
-    eager = _sgd(base, x, plugins=plugins, scaler=scaler, read=_changed, **kw)
-    compiled = _sgd(base, x, plugins=plugins, backend=backend, scaler=scaler, read=_changed, **kw)
+    kw.update(scaler=scaler, device=device)
+    plain = _sgd(base, x, backend=backend, **kw)
+    eager = _sgd(base, x, plugins=plugins, read=_changed, **kw)
+    compiled = _sgd(base, x, plugins=plugins, backend=backend, read=_changed, **kw)
     assert compiled["breaks"] == {}
     assert compiled["frames"] == plain["frames"] == 1
     assert eager["read"] == compiled["read"]

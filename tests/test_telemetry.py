@@ -4,6 +4,7 @@ Records are checked against statistics computed here with plain torch hooks and 
 torch reductions, never against values the code under test produced.
 """
 import collections
+import contextlib
 import dataclasses
 import functools
 import math
@@ -15,6 +16,7 @@ import torch
 import torch.nn as nn
 
 import hookplug
+from conftest import DEVICES
 from hookplug.models import MLP
 
 CUDA = torch.cuda.is_available()
@@ -1693,6 +1695,63 @@ def test_cuda_training_step_with_stats_never_syncs():
     for (step, mod, site), rec in recs.items():
         if site == "output":
             assert_record_matches(rec, torch.cat([o.reshape(-1) for o in seen[(step, mod)]]).cpu(), rel=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_plugin_in_a_bf16_autocast_training_step_never_syncs(device):
+    """stats (outputs and gradients), params, gradclamp, capture (to the CPU) and flops
+    together, bf16 autocast, telemetry flushed every 2 steps: on CUDA no step waits for the
+    GPU (``set_sync_debug_mode("error")``); the records are those of the values the model
+    computed, every step's parameters are measured, the captures are the last outputs."""
+    torch.manual_seed(0)
+    m = MLP().to(device)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    x = torch.randn(64, 32, device=device)
+    sink = ListSink()
+    seen, state, _ = capture_outputs(m)
+    plugins = [("stats", {"sites": ("output", "grad")}), "params", ("gradclamp", {"max_norm": 0.05}),
+               ("capture", {"to": "cpu"}), "flops"]
+    no_sync = _sync_debug_error if device == "cuda" else contextlib.nullcontext
+    with hookplug.attach(m, "Linear", plugins=plugins, sink=sink, flush_every=2) as s:
+        for step in range(6):
+            state["step"] = step
+            with no_sync() if step >= 2 else contextlib.nullcontext():  # after 2 warm-up steps
+                with torch.autocast(device, dtype=torch.bfloat16):
+                    loss = m(x * (step + 1)).float().square().mean()
+                loss.backward()
+                opt.step()
+                s.step()  # flushes at steps 2, 4 and 6 (pack, copy to pinned memory, poll)
+                opt.zero_grad(set_to_none=True)
+        s.flush()  # wait=True: a sync is allowed here
+        features = {k: v.clone() for k, v in s["capture"].features.items()}
+        changed = {k: v["changed"] for k, v in s["gradclamp"].results().items()}
+        flops = s["flops"].total()
+    recs = by_key(sink.records)
+    assert {k[0] for k in recs} == set(range(6))
+    for step in range(6):
+        for name in ("fc1", "fc2", "fc3"):
+            out, rec = torch.cat([o.reshape(-1) for o in seen[(step, name)]]).cpu(), recs[(step, name, "output")]
+            # (log2 buckets put -2^k with -2^k..-2^(k+1), torch.histogram with -2^k..-2^(k-1):
+            # bf16 values are often powers of two; the pure-torch reference counts as the op)
+            assert rec["hist"] == hookplug.ops.reference_tensor_stats(out).hist_counts.tolist()
+            assert_record_matches({**rec, "hist": []}, out.float(), rel=1e-5)
+            assert (step, name, "grad") in recs
+            for site in ("weight", "grad", "update"):
+                assert recs[(step, f"{name}.weight", site)]["numel"] > 0
+    for name in ("fc1", "fc3"):
+        assert features[name].device.type == "cpu"
+        assert torch.equal(features[name], seen[(5, name)][-1].cpu())
+    assert set(changed) == {"fc1", "fc2", "fc3"} and flops["flops"] > 0 and flops["backward_flops"] > 0
+
+
+@contextlib.contextmanager
+def _sync_debug_error():
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
 
 
 @pytest.mark.cuda
