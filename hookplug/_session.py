@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import collections
 import difflib
+import functools
 import inspect
 import os
 import sys
@@ -24,8 +25,9 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from . import hookspecs
-from ._binding import (HookContext, _Materialize, _ModuleBinding, _ParamBinding, _Rehook, _eager_reason, _get_ident,
-                       _make_eager_runner)
+from ._bank import ON_COMPILE_START
+from ._binding import (_EAGER_RUNNERS, HookContext, _Materialize, _ModuleBinding, _ParamBinding, _Rehook, _eager_reason,
+                       _get_ident, _make_eager_runner)
 from ._checkpoint import RecomputeMatcher
 from ._compile_guards import _RECOMPILE_LIMIT, _guard_module_hooks
 from ._config import _records_given, attach_options
@@ -152,6 +154,36 @@ _NOT_FAILURES = (StopIteration, StopAsyncIteration, GeneratorExit)
 def _failing(exc_type) -> bool:
     """``remove()`` with ``exc_type`` propagating or being handled ends a failing run."""
     return exc_type is not None and not issubclass(exc_type, _NOT_FAILURES)
+
+
+_SESSION_CALL = ("a hookplug Session method (step, flush, remove) called from compiled code runs as "
+                 "eager code, outside the graph: a graph break, which torch.compile(fullgraph=True) "
+                 "forbids; call it outside the compiled function")
+
+
+def _eager(method):
+    """A session method called from code dynamo traces (a whole training step compiled,
+    ``session.step()`` in it) runs as eager code, outside the graph (one graph break):
+    dynamo traced the session's Python (its lock, the snapshot, the flush), ten graph
+    breaks and recompiles of hookplug's own functions. Once dynamo is imported, every call
+    goes through the ``torch.compiler.disable``'d runner (made outside the trace: at the
+    first eager call, at attach or at a compile start): a check of ``is_compiling()`` is
+    not enough, dynamo runs a frame whose graph break comes first as plain code, with its
+    frame hook still on for the calls."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        runner = _EAGER_RUNNERS.get(_SESSION_CALL)
+        if runner is None:
+            if _is_compiling() or not hasattr(sys.modules.get("torch._dynamo"), "disable"):
+                return method(self, *args, **kwargs)
+            runner = _make_eager_runner(_SESSION_CALL)
+        return runner(functools.partial(method, self, *args, **kwargs))
+
+    return run
+
+
+ON_COMPILE_START.append(functools.partial(_make_eager_runner, _SESSION_CALL))
+_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
 
 # -- copies of the model ------------------------------------------------------------------------
@@ -590,6 +622,7 @@ class Session:
         self._dispatch("hookplug_report_section", on_result=keep)
         return out
 
+    @_eager
     def step(self, step: Optional[int] = None, *, next_step: Optional[int] = None) -> "_StepScope":
         """Mark a training-step boundary: the step that ran so far ends (numbered ``step``
         when given, e.g. a trainer's global step, else the session's counter) and the next
@@ -648,6 +681,7 @@ class Session:
         self._telemetry.on_step(self, ended)  # polls flushes in flight; never waits
         return _StepScope(self)
 
+    @_eager
     def flush(self, *, wait: bool = True) -> List[dict]:
         """Collect telemetry from the producers and hand the records to every sink (see
         ``hookplug._telemetry``). ``wait=True`` finishes every flush in flight (a device sync);
@@ -657,6 +691,7 @@ class Session:
         with self._turns():
             return self._telemetry.flush(self, wait=wait)
 
+    @_eager
     def remove(self) -> None:
         """Take every hook off (idempotent) and end the session for its plugins, after a
         final telemetry flush: when a sink is given, and under torch.distributed (world
@@ -1019,6 +1054,8 @@ class Session:
             binding.eager_reason = _eager_reason(untraceable) if untraceable else ""
             if binding.eager_only and hasattr(sys.modules.get("torch._dynamo"), "disable"):
                 _make_eager_runner(binding.eager_reason)
+        if hasattr(sys.modules.get("torch._dynamo"), "disable"):
+            _make_eager_runner(_SESSION_CALL)  # (see _eager)
         for pb in self._param_bindings.values():
             covering = [e for e in live if pb.name in self._params_of(e)]
             pb.variants = {sampling: impls_for("hookplug_param_grad", covering, sampling)
