@@ -673,12 +673,13 @@ class StatsBank:
 
     # -- the hot path ------------------------------------------------------------------------
     def accumulate(self, t: torch.Tensor, key: Tuple, gated: bool = False,
-                   skip_recompute: bool = False) -> None:
+                   skip_recompute: bool = False, gate: Optional[torch.Tensor] = None) -> None:
         """Merge the statistics of ``t`` (strided, floating) into ``key``'s row (``gated``:
         sampling left to the device gate alone, as in compiled code). A meta tensor has no
         values: its key gets a row, nothing is measured. ``skip_recompute``: a forward
         hook's call in compiled code (see ``hookplug.ops``: the op does nothing when it
-        runs as an activation-checkpoint recompute)."""
+        runs as an activation-checkpoint recompute). ``gate``: a one-element bool tensor on
+        ``t``'s device in place of the sampling gate (the caller and's them)."""
         compiling = _is_compiling()
         if not compiling and not self.live and not gated:
             return  # an unsampled step (eager); traced code reads the device gate instead
@@ -688,12 +689,13 @@ class StatsBank:
             return
         # The gate is passed in eager code too: a CUDA graph captured there replays the op,
         # and the device flag is what keeps sampling working on replay.
+        gate = dev.gate if gate is None else gate
         if not compiling and self._eager is not None and type(t) in _PLAIN_TENSORS:
-            self._eager(t, dev.acc, row, dev.gate, *self.op_args)  # below autograd: no detach
+            self._eager(t, dev.acc, row, gate, *self.op_args)  # below autograd: no detach
             return
         if self._accumulate is None:  # subclasses, traced code and the reference op: torch.ops
             self.prepare()
-        self._accumulate(t.detach(), dev.acc, row, dev.gate, *self.op_args, skip_recompute)
+        self._accumulate(t.detach(), dev.acc, row, gate, *self.op_args, skip_recompute)
 
     def close(self) -> None:
         """The session ended: a compiled backward that still runs finds no bank by id

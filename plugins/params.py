@@ -43,7 +43,10 @@ optimizer, or ``GradScaler`` skipping a step: the step with the inf/NaN gradient
 measured at ``session.step()``, weight and ``p.grad`` if it is still set: call
 ``session.step()`` before ``zero_grad()`` (or zero at the start of the loop), or
 ``measure_unstepped()`` before ``zero_grad()``; without any optimizer the update is the
-change between two ``session.step()`` calls. The per-micro-batch gradient tensor hook is not used: it sees the
+change between two ``session.step()`` calls. A fused optimizer (``fused=True``), which
+``GradScaler.step`` steps with the gradients still scaled and also when it skips, is
+measured the same: the gradient divided by the scale it is handed, no update in a skipped
+step. The per-micro-batch gradient tensor hook is not used: it sees the
 local, not yet reduced gradient, and FSDP2's sharded parameters get none.
 
 - ``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS): the closure
@@ -226,6 +229,19 @@ def _state_init_step(caller) -> bool:
             and caller.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict")
 
 
+def _grad_scale(opt) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(grad_scale, found_inf)`` that ``GradScaler.step`` sets on an optimizer stepping
+    with AMP scaling itself (``fused=True``), for the duration of its ``step()``: the
+    gradients are still scaled by ``grad_scale`` (None once ``unscale_`` ran; the fused
+    kernel unscales them) and the step is skipped on the device where ``found_inf`` is
+    nonzero (the optimizer is stepped all the same, with no host sync)."""
+    if not getattr(opt, "_step_supports_amp_scaling", False):
+        return None, None
+    scale, found = getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None)
+    return (scale if isinstance(scale, torch.Tensor) else None,
+            found if isinstance(found, torch.Tensor) else None)
+
+
 def _remove_handles(handles) -> None:
     for h in handles:
         h.remove()
@@ -370,9 +386,11 @@ class ParamsPlugin(hookplug.Plugin):
 
     # -- measuring ---------------------------------------------------------------------------------
 
-    def _measure(self, prs, *, snapshot: bool, grads: bool = True) -> None:
+    def _measure(self, prs, *, snapshot: bool, grads: bool = True,
+                 scale: Optional[torch.Tensor] = None) -> None:
         """Weight and grad of ``prs`` (and the weight copy for the update); ``grads=False``:
-        the gradients are measured later (``_measure_grads``, after the step's closure)."""
+        the gradients are measured later (``_measure_grads``, after the step's closure);
+        ``scale``: the gradients are still scaled by it (``_grad_scale``)."""
         self._refresh_replicas()
         bank, sites = self.bank, self.sites
         grads = grads and "grad" in sites
@@ -385,7 +403,7 @@ class ParamsPlugin(hookplug.Plugin):
             if "weight" in sites:
                 bank.accumulate(w, pr.keys["weight"])
             if grads:
-                self._accumulate_grad(pr, p)
+                self._accumulate_grad(pr, p, scale)
             if snapshot:
                 self._snapshot(pr, w)
 
@@ -397,9 +415,11 @@ class ParamsPlugin(hookplug.Plugin):
             if self._local(pr, p) is not None:  # what this rank counts
                 self._accumulate_grad(pr, p)
 
-    def _accumulate_grad(self, pr: _Param, p: torch.Tensor) -> None:
+    def _accumulate_grad(self, pr: _Param, p: torch.Tensor, scale: Optional[torch.Tensor] = None) -> None:
         g = self._local(pr, p.grad)
         if g is not None:
+            if scale is not None:  # float32 (or float64) for 16-bit gradients: exact
+                g = torch.div(g, scale.to(g.device, non_blocking=True))
             self.bank.accumulate(g, pr.keys["grad"])
 
     def _snapshot(self, pr: _Param, w: torch.Tensor) -> None:
@@ -409,7 +429,11 @@ class ParamsPlugin(hookplug.Plugin):
         else:
             prev.copy_(w)
 
-    def _update(self, prs) -> None:
+    def _update(self, prs, found_inf: Optional[torch.Tensor] = None) -> None:
+        """The update of ``prs``; ``found_inf``: a step ``GradScaler`` skipped on the device
+        where it is nonzero (``_grad_scale``), which then records no update, as a step it
+        skipped on the host (no sync: the sampling gate and'ed with it on the device)."""
+        gates: Dict[torch.device, torch.Tensor] = {}
         for pr in prs:
             prev = pr.prev
             if prev is None:
@@ -417,11 +441,17 @@ class ParamsPlugin(hookplug.Plugin):
             w = self._local(pr, pr.tensor())
             if w is None or w.shape != prev.shape or w.device != prev.device:
                 continue
+            gate = None
+            if found_inf is not None:
+                gate = gates.get(w.device)
+                if gate is None:
+                    dev = self.bank._devices.get(w.device) or self.bank.device_rows(w.device)
+                    gate = gates[w.device] = dev.gate & (found_inf.to(w.device, non_blocking=True) == 0)
             if prev.dtype in _ROUNDED:  # 16-bit weights: their difference is exact in float32
-                self.bank.accumulate(w.to(torch.float32).sub_(prev), pr.keys["update"])
+                self.bank.accumulate(w.to(torch.float32).sub_(prev), pr.keys["update"], gate=gate)
                 continue
             torch.sub(w, prev, out=prev)  # prev now holds the update (refilled before the next)
-            self.bank.accumulate(prev, pr.keys["update"])
+            self.bank.accumulate(prev, pr.keys["update"], gate=gate)
 
     def _of_optimizer(self, opt) -> List[_Param]:
         n = sum(len(g["params"]) for g in opt.param_groups)
@@ -466,7 +496,7 @@ class ParamsPlugin(hookplug.Plugin):
         snapshot = "update" in self.sites
         closure, where = _closure_of(args, kwargs) if "grad" in self.sites else (None, None)
         if closure is None:
-            self._measure(prs, snapshot=snapshot)
+            self._measure(prs, snapshot=snapshot, scale=_grad_scale(opt)[0])
             return None
         # optimizer.step(closure): the closure computes the gradient (zero_grad, forward,
         # backward, clipping: Lightning's automatic optimization): measure it when it returns
@@ -518,7 +548,7 @@ class ParamsPlugin(hookplug.Plugin):
             frame.grad_pending = False
             self._measure_grads(frame.prs)
         if "update" in self.sites:
-            self._update(frame.prs)
+            self._update(frame.prs, _grad_scale(opt)[1])
         return None
 
     def _refresh_replicas(self) -> None:
