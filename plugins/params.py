@@ -23,7 +23,8 @@ Options (keyword-only):
 - ``bins``, ``hist``, ``range``, ``max_pending_steps``: as for ``stats``.
 - ``optimizer=None``: by default every ``torch.optim.Optimizer`` that holds a selected
   parameter is observed through torch's global optimizer step hooks; pass an optimizer (or
-  a list) to observe only those.
+  a list) to observe only those (a wrapper that is no initialized optimizer, accelerate's
+  ``AcceleratedOptimizer``, stands for the one it wraps, ``.optimizer``).
 - ``plain_tensors="replicated"``: how a plain (non-DTensor) parameter is counted under
   ``torch.distributed``: ``"replicated"`` (DDP, or any data-parallel copy: one rank
   counts it) or ``"distinct"`` (each rank's tensor is a different piece, e.g. hand-made
@@ -229,6 +230,20 @@ def _state_init_step(caller) -> bool:
             and caller.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict")
 
 
+def _hooked_optimizer(opt):
+    """The optimizer whose ``step()`` runs torch's step hooks: ``opt``, or, for a wrapper that
+    never ran ``Optimizer.__init__`` and steps an inner optimizer (accelerate's
+    ``AcceleratedOptimizer``: 🤗 Trainer's ``trainer.optimizer``), ``opt.optimizer``."""
+    outer = opt
+    while not hasattr(opt, "_optimizer_step_pre_hooks"):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or inner is opt:
+            raise TypeError(f"params: optimizer={type(outer).__name__} has no torch optimizer step "
+                            "hooks (not a torch.optim.Optimizer, nor a wrapper of one as .optimizer)")
+        opt = inner
+    return opt
+
+
 def _grad_scale(opt) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """``(grad_scale, found_inf)`` that ``GradScaler.step`` sets on an optimizer stepping
     with AMP scaling itself (``fused=True``), for the duration of its ``step()``: the
@@ -290,6 +305,7 @@ class ParamsPlugin(hookplug.Plugin):
         check_max_pending("params", max_pending_steps)
         if optimizer is not None:
             optimizer = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+            optimizer = [_hooked_optimizer(o) for o in optimizer]
         self.sites = sites
         self.globs = params
         if plain_tensors not in (None, "replicated", "distinct"):

@@ -200,6 +200,42 @@ def test_explicit_optimizer_only_that_one_and_hooks_removed():
     assert len(_global_optimizer_pre_hooks) == n_global
 
 
+def test_explicit_optimizer_may_be_accelerates_wrapper_of_it():
+    """``optimizer=`` accelerate's ``AcceleratedOptimizer`` (🤗 Trainer's ``trainer.optimizer``),
+    which never ran ``Optimizer.__init__`` and has no step hooks of its own: the optimizer it
+    wraps is observed (attach raised an AttributeError); a subclass wrapping none is refused."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState
+
+    m, x = model_and_data()
+    try:
+        wrapped = accelerate.Accelerator(cpu=True).prepare_optimizer(torch.optim.AdamW(m.parameters(), lr=1e-2))
+        assert type(wrapped).__name__ == "AcceleratedOptimizer"
+        with hookplug.attach(m, "Linear", plugins=("params", {"optimizer": wrapped})) as s:
+            for step in range(2):
+                wrapped.zero_grad()
+                m(x * (step + 1)).square().mean().backward()
+                before = {n: p.detach().clone() for n, p in m.named_parameters()}
+                grads = {n: p.grad.detach().clone() for n, p in m.named_parameters()}
+                wrapped.step()
+                res = s["params"].results()
+                for n, p in m.named_parameters():
+                    check(res[n]["weight"], ref(before[n]))
+                    check(res[n]["grad"], ref(grads[n]))
+                    check(res[n]["update"], ref(p.detach() - before[n]))
+                s.step()
+        assert not wrapped.optimizer._optimizer_step_pre_hooks
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+    class Bare(torch.optim.Optimizer):  # wraps nothing and never ran Optimizer.__init__
+        def __init__(self):
+            self.param_groups = []
+
+    with pytest.raises(hookplug.PluginError, match="no torch optimizer step hooks"):
+        hookplug.attach(m, "Linear", plugins=("params", {"optimizer": Bare()}))
+
+
 def test_wrapper_names_are_cleaned():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
