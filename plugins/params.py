@@ -257,6 +257,12 @@ def _grad_scale(opt) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
             found if isinstance(found, torch.Tensor) else None)
 
 
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``, without a sync unless it comes to the CPU (where a non-blocking
+    copy from a GPU would be read before it lands)."""
+    return t.to(device, non_blocking=device.type != "cpu")
+
+
 def _remove_handles(handles) -> None:
     for h in handles:
         h.remove()
@@ -435,7 +441,7 @@ class ParamsPlugin(hookplug.Plugin):
         g = self._local(pr, p.grad)
         if g is not None:
             if scale is not None:  # float32 (or float64) for 16-bit gradients: exact
-                g = torch.div(g, scale.to(g.device, non_blocking=True))
+                g = torch.div(g, _to(scale, g.device))
             self.bank.accumulate(g, pr.keys["grad"])
 
     def _snapshot(self, pr: _Param, w: torch.Tensor) -> None:
@@ -462,7 +468,7 @@ class ParamsPlugin(hookplug.Plugin):
                 gate = gates.get(w.device)
                 if gate is None:
                     dev = self.bank._devices.get(w.device) or self.bank.device_rows(w.device)
-                    gate = gates[w.device] = dev.gate & (found_inf.to(w.device, non_blocking=True) == 0)
+                    gate = gates[w.device] = dev.gate & (_to(found_inf, w.device) == 0)
             if prev.dtype in _ROUNDED:  # 16-bit weights: their difference is exact in float32
                 self.bank.accumulate(w.to(torch.float32).sub_(prev), pr.keys["update"], gate=gate)
                 continue
