@@ -530,8 +530,9 @@ def _regex_max_length(pattern: str) -> int:
 
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The user's model inside ``torch.compile``'s ``OptimizedModule``,
-    ``DataParallel``/``DistributedDataParallel``, FSDP1 and ``checkpoint_wrapper`` at the
-    root, so names do not depend on the wrapper (FSDP2's ``fully_shard`` wraps nothing)."""
+    ``DataParallel``/``DistributedDataParallel``, FSDP1, ``checkpoint_wrapper`` and Lightning
+    Fabric's ``_FabricModule`` at the root, so names do not depend on the wrapper (FSDP2's
+    ``fully_shard`` wraps nothing)."""
     while True:
         inner = unwrap_model_once(model)
         if inner is model:
@@ -551,6 +552,9 @@ def unwrap_model_once(model: nn.Module) -> nn.Module:
         return inner
     if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
         return model.module
+    inner = model._modules.get("_forward_module")  # Lightning Fabric's fabric.setup(model)
+    if type(model).__name__ == "_FabricModule" and isinstance(inner, nn.Module):
+        return inner
     return model
 
 

@@ -1341,3 +1341,25 @@ def test_grad_scaler_loop_stats_and_params_against_plain_torch():
     assert bad > 0  # the overflow reached the grad site
     assert any(rec[(1, n, "grad")]["inf_count"] + rec[(1, n, "grad")]["nan_count"] > 0
                for n in ref["param"][1])
+
+
+def test_lightning_fabric_setup_model_is_named_as_the_model():
+    """``fabric.setup(model)`` returns a ``_FabricModule`` holding the model as
+    ``_forward_module``: attached to it, modules and parameters are named as in the model
+    (they were ``_forward_module.0``, ``_forward_module.0.weight``), and measured right."""
+    L = pytest.importorskip("lightning")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    fm, fo = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(4, 8)
+    with hookplug.attach(fm, "Linear", plugins=["stats", "params"]) as s:
+        y = fm(x)
+        fabric.backward(y.sum())
+        g = model[2].weight.grad.clone()
+        fo.step()
+        assert set(s["stats"].results()) == {"0", "2"}
+        assert set(s["params"].results()) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+        assert s["stats"].results()["2"]["output"].numel == y.numel()
+        got = s["params"].results()["2.weight"]["grad"].l2
+        assert math.isclose(float(got), float(g.double().norm()), rel_tol=1e-6)
