@@ -20,7 +20,9 @@ Options (keyword-only):
 - ``params=None|"glob"|["glob", ...]``: also transform the gradients of the parameters whose
   qualified name (``"layer1.0.conv1.weight"``) matches an ``fnmatch`` glob. Only parameters
   of the *selected* modules get a hook, so select their owners (or ``"*"``); a glob that
-  matches none of them warns at attach time.
+  matches none of them warns at attach time. The hook steers each backward's gradient
+  before it is added into ``.grad``: each micro-batch's under gradient accumulation, this
+  rank's before DDP's all-reduce, not the accumulated gradient the optimizer gets.
 - ``outputs=None|True|False``: transform the gradients of the selected modules' outputs.
   ``None`` (default) means yes unless ``params`` is given, so
   ``{"min": 0, "max": 0, "params": "fc*.bias"}`` touches only those parameters (the seeds'

@@ -238,6 +238,27 @@ def test_params_and_outputs_together():
     assert_grads_equal(got, want)
 
 
+def test_params_steer_each_micro_batch_gradient_before_it_is_accumulated():
+    """Gradient accumulation: a parameter's hook steers each backward's gradient before it
+    is added into ``.grad`` (README), not the accumulated one the optimizer gets."""
+    model = MLP()
+    xs = torch.randn(4, 4, 32).unbind(0)
+    parts, nonzero = [], 0
+    for x in xs:  # each micro-batch's gradient, clipped to norm 1e-3 by hand
+        g = run(model, x)["fc1.weight"]
+        assert g.norm() > 1e-3
+        parts.append(g * (1e-3 / (g.norm() + 1e-6)))
+        nonzero += int(g.count_nonzero())
+    model.zero_grad(set_to_none=True)
+    with hookplug.attach(model, "*", plugins=("gradclamp", {"max_norm": 1e-3, "params": "fc1.weight"})) as s:
+        for x in xs:
+            model(x).square().mean().backward()
+    g = model.fc1.weight.grad
+    assert torch.allclose(g, sum(parts), rtol=1e-5, atol=0)
+    assert g.norm() > 2e-3  # four clipped parts add up past the bound
+    assert s["gradclamp"].results()["fc1.weight"]["changed"] == nonzero  # 4 times steered
+
+
 @pytest.mark.parametrize("swap", [False, True])
 def test_params_still_steered_after_a_dtype_change(swap):
     """``model.double()`` while attached: with ``swap_module_params_on_conversion`` torch
