@@ -115,6 +115,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hookplug
 from hookplug import hookimpl
+from hookplug._binding import _run_eagerly
 from hookplug._optional import import_off_stack
 from hookplug.structures import iter_tensors
 
@@ -605,6 +606,10 @@ class _NodeWindow:
             if plugin is not None and roots and hi > lo and not plugin._ended:
                 plugin._hook_nodes(roots, lo, hi, [lo], [self.owners])
         return None
+
+
+# autograd calls them: dynamo compiled them in the backward a compiled training step runs
+_run_eagerly(_NodeWindow.pre, _NodeWindow.post)
 
 
 class _Lease:

@@ -471,6 +471,45 @@ def test_flops_under_torch_compile_equal_eager_and_the_flop_counter(how):
     torch._dynamo.reset()
 
 
+def test_flops_in_a_compiled_training_step_run_their_backward_hooks_as_eager_code():
+    """A whole training step compiled (``loss.backward()`` a graph break, then the optimizer
+    step): the backward runs with dynamo's frame hook on, and dynamo converted the node
+    hooks' frames (a graph break of their own in each, 12 breaks for 7). The breaks are
+    the step's own and the eager runners', the counts eager's."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    base, x = MLP(), torch.randn(8, 32)
+    out = {}
+    for mode in ("eager", "plain", "compiled"):
+        torch._dynamo.reset()
+        counters.clear()
+        m = copy.deepcopy(base)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+        def step():
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+        fn = step if mode == "eager" else torch.compile(step, backend="aot_eager")
+        if mode == "plain":
+            for _ in range(2):
+                fn()
+            out[mode] = None
+        else:
+            with hookplug.attach(m, "Linear", plugins="flops") as s:
+                for _ in range(2):
+                    fn()
+                    s.step()
+            out[mode] = s["flops"].results()
+        out[mode, "breaks"] = {k.splitlines()[0] for k in counters["graph_break"]}
+    torch._dynamo.reset()
+    assert out["compiled"] == out["eager"] and out["eager"]["fc2"]["backward_flops"] > 0
+    runner = "Skip calling `torch.compiler.disable()`d function"
+    assert out["compiled", "breaks"] == out["plain", "breaks"] | {runner}
+
+
 class _CheckpointedEncoder(nn.Module):
     """🤗-style gradient checkpointing: the encoder (a selected module) checkpoints each of
     its layers; the head runs outside any checkpoint."""

@@ -910,6 +910,48 @@ def test_compiled_output_steering_under_compiled_autograd_equals_eager():
     assert all(torch.equal(a, b) for a, b in zip(pe, pc))
 
 
+@pytest.mark.parametrize("opts", [{"max": 0.001, "params": "*"},
+                                  {"max": 0.01, "nan": "raise"}])
+def test_compiled_training_step_compiles_no_graph_for_the_tensor_hooks(opts):
+    """A whole training step compiled (``loss.backward()``, a graph break, then the optimizer
+    step: PyTorch's tutorials do this) runs backward with dynamo's frame hook on: it compiled
+    the parameter hooks into graphs of their own, one per parameter (10 graphs for the 2 of
+    the step without hooks here), and each output hook of ``nan="raise"`` likewise. They run
+    as in eager: no graph of their own, and equal counts and parameters."""
+    torch.manual_seed(0)
+    base = MLP()
+    x = torch.randn(8, 32)
+    out = {}
+    for mode in ("eager", "plain", "compiled"):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        frames = [0]
+
+        def step():
+            (model(x) * _W).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+        session = (contextlib.nullcontext() if mode == "plain" else
+                   hookplug.attach(model, "Linear", plugins=("gradclamp", opts)))
+        with session as s:
+            fn = step if mode == "eager" else torch.compile(step, backend=_counting("aot_eager", frames))
+            for _ in range(3):
+                fn()
+                if s is not None:
+                    s.step()
+            out[mode] = (_changed(s) if s is not None else None,
+                         [p.detach().clone() for p in model.parameters()], frames[0])
+    torch._dynamo.reset()
+    # nan="raise": the forward's graph break at each of the 4 module calls splits it into 6
+    # more graphs (16 with the hooks compiled too)
+    assert out["compiled"][2] == out["plain"][2] + (0 if "params" in opts else 6)
+    assert out["eager"][0] == out["compiled"][0] and len(out["eager"][0]) > 0
+    assert sum(out["eager"][0].values()) > 0
+    assert all(torch.equal(a, b) for a, b in zip(out["eager"][1], out["compiled"][1]))
+
+
 def test_compiled_nan_raise_keeps_the_tensor_hooks_and_raises():
     """``nan="raise"`` must read the device (a sync) to decide: it is not traced into the
     compiled backward, its tensor hooks graph-break per module call, and a NaN raises."""

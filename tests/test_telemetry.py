@@ -5,6 +5,7 @@ torch reductions, never against values the code under test produced.
 """
 import collections
 import contextlib
+import copy
 import dataclasses
 import functools
 import math
@@ -516,6 +517,56 @@ def test_grad_site_compiles_without_graph_breaks(backend):
     assert sum(counters["recompiles"].values()) == 0, dict(counters["recompiles"])
     e, c = by_key(eager.records), by_key(compiled.records)
     assert set(e) == set(c) and sum(k[2] == "grad" for k in e) == 3 * 2
+    for k in e:
+        for f in ("numel", "nan_count", "zero_count", "min", "max", "hist"):
+            assert e[k][f] == c[k][f], (k, f)
+        for f in ("mean", "std"):
+            assert math.isclose(e[k][f], c[k][f], rel_tol=1e-6, abs_tol=1e-12), (k, f)
+
+
+class _EagerLinear(nn.Linear):
+    @torch.compiler.disable
+    def forward(self, x):
+        return super().forward(x)
+
+
+def test_hooks_around_a_module_of_a_frame_dynamo_gave_up_on_run_as_eager_code():
+    """A ``torch.compiler.disable``d forward in an ``nn.Sequential``: dynamo gives up on the
+    Sequential's frame and runs its module calls from eager code with its frame hook on, so
+    each hook call of the session was a frame of its own that it compiled (5 graphs where a
+    plain Python hook on each Linear gives the 2 of torch's own rule, the forward of a
+    hooked inbuilt module; each step 6 times as slow as eager). The hooks run as in eager:
+    the plain hook's graphs, the eager records."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), _EagerLinear(32, 32), nn.ReLU(),
+                         nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    out = {}
+    for mode in ("eager", "plain", "compiled"):
+        torch._dynamo.reset()
+        counters.clear()
+        m = copy.deepcopy(base)
+        sink = ListSink()
+        if mode == "plain":
+            for layer in m[::2]:  # the Linears
+                layer.register_forward_hook(lambda *a: None)
+            session = contextlib.nullcontext()
+        else:
+            session = hookplug.attach(m, "Linear", plugins=("stats", {"sites": ("output", "grad")}),
+                                      sink=sink, flush_every=1)
+        with session as s:
+            run = m if mode == "eager" else torch.compile(m, backend="aot_eager")
+            for _ in range(3):
+                run(x).square().mean().backward()
+                if s is not None:
+                    s.step()
+        out[mode] = (by_key(sink.records), counters["stats"]["unique_graphs"])
+    torch._dynamo.reset()
+    assert out["plain"][1] == 2 and out["compiled"][1] == out["plain"][1]
+    e, c = out["eager"][0], out["compiled"][0]
+    assert set(e) == set(c) and len(e) == 3 * 3 * 2
     for k in e:
         for f in ("numel", "nan_count", "zero_count", "min", "max", "hist"):
             assert e[k][f] == c[k][f], (k, f)
