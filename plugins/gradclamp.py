@@ -60,9 +60,11 @@ device), since the first forward is traced before the first ``scaler.scale(loss)
 keep the tensor hooks and their graph break per module call, as does every module under
 compiled autograd (it traces those hooks; with ``compiled_autograd._enable`` around
 ``backward()`` alone a forward compiled with inductor fails, as for stats' grad site, see
-the README). A compiled backward that runs after
-``remove()`` (of a forward before it) still steers, counting nothing; eager hooks do
-nothing then.
+the README). Compiled autograd traces the counting too: the counters of the steered modules
+(those with parameters) and parameters are made, zero, when dynamo starts compiling (a
+trace making one guarded on it, and the whole backward compiled again at the next step).
+A compiled backward that runs after ``remove()`` (of a forward before it) still steers,
+counting nothing; eager hooks do nothing then.
 """
 
 from __future__ import annotations
@@ -79,10 +81,11 @@ import torch
 
 import hookplug
 from hookplug import hookimpl
-from hookplug._bank import ON_COMPILE_START, bank_effect_op, param_device
+from hookplug._bank import ON_COMPILE_START, bank_effect_op, is_dtensor, param_device
+from hookplug._binding import _compiled_autograd_may_run
 from hookplug._func import is_batched, outside_transforms, unwrapped
 from hookplug._plugin import warn_once
-from hookplug._selectors import parameter_names
+from hookplug._selectors import clean_name, parameter_names
 
 __all__ = ["GradClampPlugin"]
 
@@ -97,6 +100,8 @@ _token_ids = itertools.count(1)
 _count_op_: Any = None  # the op, or False where this torch cannot keep it in a graph
 # the live gradclamp plugins with a scaler= (their scale tensor is made at compile start)
 _SCALED: "weakref.WeakSet[GradClampPlugin]" = weakref.WeakSet()
+# the live gradclamp plugins (their counters are made at compile start under compiled autograd)
+_LIVE: "weakref.WeakSet[GradClampPlugin]" = weakref.WeakSet()
 
 
 def _count_op():
@@ -132,6 +137,17 @@ def _make_scales() -> None:
 
 
 ON_COMPILE_START.append(_make_scales)
+
+
+def _make_counters() -> None:
+    """At each compile start under compiled autograd (outside the trace): every live
+    plugin's counters exist (see ``GradClampPlugin._put_counters``)."""
+    if _LIVE and _compiled_autograd_may_run():
+        for plugin in list(_LIVE):
+            plugin._put_counters()
+
+
+ON_COMPILE_START.append(_make_counters)
 
 
 def _saturate(v: Optional[float], dtype: torch.dtype) -> Optional[float]:
@@ -213,6 +229,7 @@ class GradClampPlugin(hookplug.Plugin):
         self._match: Dict[str, bool] = {}
         self._tag = self.name  # the plugin's name in its session (keys of the module tables)
         self._model_ref = lambda: None  # the session's model (weakly)
+        self._steered: Any = weakref.WeakValueDictionary()  # module name -> steered module
         self._tokens: Dict[str, torch.Tensor] = {}  # module name -> its counter's token
         self._tables: list = []  # the module tables the tokens (and scale) are in
         # min/max as each floating dtype holds them, made here: compiled code reads the
@@ -367,6 +384,28 @@ class GradClampPlugin(hookplug.Plugin):
         else:
             counter.add_(n)
 
+    def _put_counters(self) -> None:
+        """A zero counter for each steered module (on its parameters' device) and parameter
+        (on its own) that has none yet. Compiled autograd traces the eager hooks' count
+        (:meth:`_count`), and a trace that added a counter to ``_changed`` guarded on it: the
+        whole backward compiled again at the next step. Not for DTensors, modules without
+        parameters, nor parameters that need no gradient (eager code makes none for them)."""
+        zero = lambda device: torch.zeros((), dtype=torch.int64, device=device)  # noqa: E731
+        with torch.inference_mode(False):  # (a compile started under it: counted in backward)
+            for name, module in list(self._steered.items()):
+                device = param_device(module)
+                if (name not in self._changed and device is not None and device.type != "meta"
+                        and not any(is_dtensor(p) for p in module.parameters())):
+                    self._changed[name] = zero(device)
+            model = self._model_ref()
+            if not self.params or model is None:
+                return
+            for n, p in model.named_parameters():
+                name = clean_name(n)
+                if (self._match.get(name) and name not in self._changed and p.requires_grad
+                        and not p.is_meta and not is_dtensor(p)):
+                    self._changed[name] = zero(p.device)
+
     # -- compiled code's per-module tensors --------------------------------------------------------
 
     def _put_tokens(self, session) -> None:
@@ -425,6 +464,11 @@ class GradClampPlugin(hookplug.Plugin):
 
     @hookimpl
     def hookplug_session_start(self, session):
+        model = session.model
+        self._model_ref = (lambda: None) if model is None else weakref.ref(model)
+        self._steered = weakref.WeakValueDictionary(session.modules_of(self) if self.outputs
+                                                    else {})
+        _LIVE.add(self)
         if self.grad_in_graph:
             self._put_tokens(session)
         if not self.params:
@@ -451,6 +495,7 @@ class GradClampPlugin(hookplug.Plugin):
     @hookimpl
     def hookplug_session_end(self, session):
         self._drop_tokens()
+        _LIVE.discard(self)
 
     @hookimpl
     def hookplug_output_grad(self, ctx, grad, path):

@@ -952,6 +952,49 @@ def test_compiled_training_step_compiles_no_graph_for_the_tensor_hooks(opts):
     assert all(torch.equal(a, b) for a, b in zip(out["eager"][1], out["compiled"][1]))
 
 
+@pytest.mark.parametrize("opts", [{"max": 0.001, "params": "*"}, {"max": 0.01}])
+def test_compiled_training_step_under_compiled_autograd_compiles_its_backward_once(opts):
+    """Compiled autograd traces the eager hooks' count into its backward graph: the first
+    trace added each counter to the plugin's table and guarded on it, so the whole backward
+    compiled again at the second step. The counters are made at compile start: nothing
+    compiles after the first step, and the counts and parameters equal eager."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    base = MLP()
+    x = torch.randn(8, 32)
+    out = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step():
+            (model(x) * _W).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+        graphs = []
+        try:
+            with hookplug.attach(model, "Linear", plugins=("gradclamp", opts)) as s:
+                if compiled:
+                    torch._dynamo.config.compiled_autograd = True
+                fn = torch.compile(step, backend="aot_eager") if compiled else step
+                for _ in range(3):
+                    fn()
+                    s.step()
+                    graphs.append(counters["stats"]["unique_graphs"])
+                out[compiled] = (_changed(s), [p.detach().clone() for p in model.parameters()],
+                                 graphs)
+        finally:
+            torch._dynamo.config.compiled_autograd = False
+            torch._dynamo.reset()
+    assert out[True][2][0] > 0 and out[True][2][0] == out[True][2][-1], out[True][2]
+    assert out[False][0] == out[True][0] and sum(out[False][0].values()) > 0
+    assert all(torch.equal(a, b) for a, b in zip(out[False][1], out[True][1]))
+
+
 def test_compiled_nan_raise_keeps_the_tensor_hooks_and_raises():
     """``nan="raise"`` must read the device (a sync) to decide: it is not traced into the
     compiled backward, its tensor hooks graph-break per module call, and a NaN raises."""
