@@ -73,6 +73,7 @@ import fnmatch
 import itertools
 import math
 import struct
+import sys
 import warnings
 import weakref
 from typing import Any, Dict, Literal, Optional, Sequence, Tuple, Union
@@ -140,9 +141,13 @@ ON_COMPILE_START.append(_make_scales)
 
 
 def _make_counters() -> None:
-    """At each compile start under compiled autograd (outside the trace): every live
-    plugin's counters exist (see ``GradClampPlugin._put_counters``)."""
-    if _LIVE and _compiled_autograd_may_run():
+    """At each compile start under compiled autograd (outside the trace; its own backward's
+    compile starts inside its region, where ``compiled_autograd._enable`` around
+    ``backward()`` alone is all there is): every live plugin's counters exist (see
+    ``GradClampPlugin._put_counters``)."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    in_region = getattr(ca, "in_compiled_autograd_region", False)
+    if _LIVE and (_compiled_autograd_may_run() or in_region):
         for plugin in list(_LIVE):
             plugin._put_counters()
 

@@ -952,12 +952,16 @@ def test_compiled_training_step_compiles_no_graph_for_the_tensor_hooks(opts):
     assert all(torch.equal(a, b) for a, b in zip(out["eager"][1], out["compiled"][1]))
 
 
+@pytest.mark.parametrize("how", ["config", "enable"])
 @pytest.mark.parametrize("opts", [{"max": 0.001, "params": "*"}, {"max": 0.01}])
-def test_compiled_training_step_under_compiled_autograd_compiles_its_backward_once(opts):
-    """Compiled autograd traces the eager hooks' count into its backward graph: the first
-    trace added each counter to the plugin's table and guarded on it, so the whole backward
-    compiled again at the second step. The counters are made at compile start: nothing
-    compiles after the first step, and the counts and parameters equal eager."""
+def test_compiled_training_step_under_compiled_autograd_compiles_its_backward_once(opts, how):
+    """Compiled autograd (its config flag and a compiled training step, or
+    ``compiled_autograd._enable`` around ``backward()`` of a compiled model) traces the eager
+    hooks' count into its backward graph: the first trace added each counter to the
+    plugin's table and guarded on it, so the whole backward compiled again at the second
+    step. The counters are made at compile start: nothing compiles after the first step,
+    and the counts and parameters equal eager."""
+    from torch._dynamo import compiled_autograd
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
@@ -969,18 +973,23 @@ def test_compiled_training_step_under_compiled_autograd_compiles_its_backward_on
         counters.clear()
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        enable = compiled and how == "enable"
+        run = torch.compile(model, backend="aot_eager") if enable else model
 
         def step():
-            (model(x) * _W).sum().backward()
+            loss = (run(x) * _W).sum()
+            with (compiled_autograd._enable(torch.compile(backend="aot_eager")) if enable
+                  else contextlib.nullcontext()):
+                loss.backward()
             opt.step()
             opt.zero_grad()
 
         graphs = []
         try:
             with hookplug.attach(model, "Linear", plugins=("gradclamp", opts)) as s:
-                if compiled:
+                if compiled and how == "config":
                     torch._dynamo.config.compiled_autograd = True
-                fn = torch.compile(step, backend="aot_eager") if compiled else step
+                fn = torch.compile(step, backend="aot_eager") if compiled and not enable else step
                 for _ in range(3):
                     fn()
                     s.step()
