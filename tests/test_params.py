@@ -1103,55 +1103,21 @@ def test_grad_scaler_skipped_steps_measure_the_unscaled_gradient_and_update_as_d
     is the unscaled gradient (the optimizer's, or the one ``scaler.step`` left when it
     skipped); a step skipped before any optimizer step is taken as one without an
     optimizer (update recorded, 0), a later skipped step has no update record."""
-    from conftest import RecordSink
-
     m, x = model_and_data()
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    sink = RecordSink()
-    want = {}
-    with hookplug.attach(m, "Linear", plugins=("params", {"params": "0.weight"}), sink=sink,
-                         flush_every=1) as s:
-        for step in range(4):
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = m(x).float().square().mean() * (1e9 if step in (0, 2) else 1.0)
-            scaler.scale(loss).backward()
-            w0 = m[0].weight.detach().clone()
-            scaler.step(opt)
-            scaler.update()
-            want[step] = (m[0].weight.grad.detach().clone(), m[0].weight.detach() - w0)
-            s.step()
-            opt.zero_grad()
-    rec = {(r["step"], r["site"]): r for r in sink.records}
+    rec, want = _scaler_loop(m, x, torch.optim.SGD(m.parameters(), lr=0.1))
     assert {k[0] for k in rec if k[1] == "update"} == {0, 1, 3}
-    for step, (g, upd) in want.items():
-        skipped = step in (0, 2)
-        assert torch.equal(upd, torch.zeros_like(upd)) == skipped
-        r = rec[(step, "grad")]
-        assert r["nan_count"] + r["inf_count"] == int((~g.isfinite()).sum())
-        assert (r["nan_count"] + r["inf_count"] > 0) == skipped
-        if not skipped:
-            for site, t in (("grad", g), ("update", upd)):
-                got, w = rec[(step, site)], ref(t)
-                assert got["numel"] == w["numel"]
-                assert (got["min"], got["max"]) == (w["min"], w["max"]), (step, site)
-                assert math.isclose(got["l2"], w["l2"], rel_tol=1e-6), (step, site)
+    _check_scaler_steps(rec, want, skipped_steps=(0, 2))
     assert rec[(0, "update")]["l2"] == 0.0
 
 
-@pytest.mark.parametrize("unscale", [False, True])
-@pytest.mark.parametrize("opt_kind", ["adamw", "sgd"])
-def test_fused_optimizer_under_grad_scaler_measures_the_unscaled_gradient(opt_kind, unscale):
-    """A fused optimizer (``_step_supports_amp_scaling``) is stepped by ``GradScaler.step``
-    with the gradients still scaled (the kernel unscales them, ``optimizer.grad_scale``) and
-    also when it skips (``optimizer.found_inf``): the grad site is the unscaled gradient, as
-    for any other optimizer, and a skipped step has no update record."""
+def _scaler_loop(m, x, opt, *, unscale=False, fused=False):
+    """4 float16 autocast steps under a ``GradScaler``, steps 0 and 2 overflowing, params on
+    ``0.weight``: ``({(step, site): record}, {step: (unscaled grad, update)})``. The grad:
+    what ``scaler.step`` left (it unscales in place), or for a ``fused`` optimizer (stepped
+    with the gradients still scaled) the one before the step over the scale."""
     from conftest import RecordSink
 
-    m, x = model_and_data()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
-    opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) if opt_kind == "adamw"
-           else torch.optim.SGD(m.parameters(), lr=0.1, fused=True))
     sink = RecordSink()
     want = {}
     with hookplug.attach(m, "Linear", plugins=("params", {"params": "0.weight"}), sink=sink,
@@ -1167,14 +1133,17 @@ def test_fused_optimizer_under_grad_scaler_measures_the_unscaled_gradient(opt_ki
             w0 = m[0].weight.detach().clone()
             scaler.step(opt)
             scaler.update()
-            want[step] = (g, m[0].weight.detach() - w0)
+            want[step] = (g if fused else m[0].weight.grad.detach().clone(), m[0].weight.detach() - w0)
             s.step()
             opt.zero_grad()
-    rec = {(r["step"], r["site"]): r for r in sink.records}
-    assert {k[0] for k in rec if k[1] == "grad"} == {0, 1, 2, 3}
-    assert {k[0] for k in rec if k[1] == "update"} == {1, 3}
+    return {(r["step"], r["site"]): r for r in sink.records}, want
+
+
+def _check_scaler_steps(rec, want, skipped_steps):
+    """``rec`` ({(step, site): record}) against ``want`` ({step: (unscaled grad, update)}):
+    skipped steps changed nothing and their grad has the inf/NaN, the others equal."""
     for step, (g, upd) in want.items():
-        skipped = step in (0, 2)
+        skipped = step in skipped_steps
         assert torch.equal(upd, torch.zeros_like(upd)) == skipped
         r = rec[(step, "grad")]
         assert r["nan_count"] + r["inf_count"] == int((~g.isfinite()).sum())
@@ -1185,6 +1154,22 @@ def test_fused_optimizer_under_grad_scaler_measures_the_unscaled_gradient(opt_ki
                 assert got["numel"] == w["numel"]
                 assert (got["min"], got["max"]) == (w["min"], w["max"]), (step, site)
                 assert math.isclose(got["l2"], w["l2"], rel_tol=1e-6), (step, site)
+
+
+@pytest.mark.parametrize("unscale", [False, True])
+@pytest.mark.parametrize("opt_kind", ["adamw", "sgd"])
+def test_fused_optimizer_under_grad_scaler_measures_the_unscaled_gradient(opt_kind, unscale):
+    """A fused optimizer (``_step_supports_amp_scaling``) is stepped by ``GradScaler.step``
+    with the gradients still scaled (the kernel unscales them, ``optimizer.grad_scale``) and
+    also when it skips (``optimizer.found_inf``): the grad site is the unscaled gradient, as
+    for any other optimizer, and a skipped step has no update record."""
+    m, x = model_and_data()
+    opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) if opt_kind == "adamw"
+           else torch.optim.SGD(m.parameters(), lr=0.1, fused=True))
+    rec, want = _scaler_loop(m, x, opt, unscale=unscale, fused=True)
+    assert {k[0] for k in rec if k[1] == "grad"} == {0, 1, 2, 3}
+    assert {k[0] for k in rec if k[1] == "update"} == {1, 3}
+    _check_scaler_steps(rec, want, skipped_steps=(0, 2))
 
 
 def test_an_optimizer_stepped_k_times_in_a_step_gives_one_record_over_its_k_measurements():
