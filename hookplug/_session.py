@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from . import hookspecs
-from ._bank import ON_COMPILE_START
+from ._bank import ON_COMPILE_START, _is_compiling
 from ._binding import (_EAGER_RUNNERS, HookContext, _Materialize, _ModuleBinding, _ParamBinding, _Rehook, _eager_reason,
                        _get_ident, _make_eager_runner)
 from ._checkpoint import RecomputeMatcher
@@ -183,7 +183,6 @@ def _eager(method):
 
 
 ON_COMPILE_START.append(functools.partial(_make_eager_runner, _SESSION_CALL))
-_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
 
 # -- copies of the model ------------------------------------------------------------------------

@@ -432,8 +432,6 @@ class GradClampPlugin(hookplug.Plugin):
                     if table is not None:
                         table[(self._tag, "changed")] = token
                         self._tables.append(table)
-        model = session.model
-        self._model_ref = (lambda: None) if model is None else weakref.ref(model)
         if self.scaler is not None:
             _SCALED.add(self)
             self._put_scale(init=False)
@@ -479,7 +477,6 @@ class GradClampPlugin(hookplug.Plugin):
         if not self.params:
             return
         self._match = {}  # names of another model (a plugin attached again)
-        model = session.model
         hits = []
         if model is not None:
             ids = {id(p) for m in session.modules_of(self).values() for p in m.parameters()}
