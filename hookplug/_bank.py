@@ -76,6 +76,13 @@ def is_dtensor(t) -> bool:
     return _DTensor is not None and isinstance(t, _DTensor)
 
 
+def unmaterialized(t) -> bool:
+    """Whether parameter ``t`` holds no values yet: on ``meta`` (deferred init, new Parameter
+    objects come with ``to_empty()``) or a lazy module's ``UninitializedParameter``
+    (``nn.LazyLinear``: materialized in place by the module's first forward)."""
+    return isinstance(t, torch.nn.parameter.UninitializedTensorMixin) or t.is_meta
+
+
 def param_device(model) -> Optional[torch.device]:
     """The device of the model's first parameter (a DTensor's local one; ``meta`` before
     materialization), or None."""

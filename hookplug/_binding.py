@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from . import _bank
-from ._bank import is_dtensor
+from ._bank import is_dtensor, unmaterialized
 # != -1 in eager code: a forward running inside backward, i.e. activation checkpointing
 # recomputing it (compiled code cannot ask at trace time: the stats op's kernel asks when
 # it runs, see skip_recompute in hookplug.ops)
@@ -756,8 +756,8 @@ class _ParamBinding:
         only; torch keeps a leaf's hooks through freezing): it runs once the parameter is
         unfrozen, also in the backward right after ``requires_grad_(True)``."""
         param = self.param()
-        if param is None:
-            return
+        if param is None or isinstance(param, nn.parameter.UninitializedTensorMixin):
+            return  # (a lazy module's: hooked once its forward materialized it, see _Materialize)
         hooks = param._backward_hooks
         if self.handle is None or hooks is None or self.handle.id not in hooks:
             # first time, or a new Parameter object
@@ -837,11 +837,14 @@ class _Rehook:
 
 
 class _Materialize:
-    """A forward pre-hook on the attached model while some hooked parameter is on ``meta``
-    (attached before deferred init): materializing makes new Parameter objects without
-    ``load_state_dict`` (``to_empty()``, accelerate's ``load_checkpoint_and_dispatch``), and
-    they get their gradient hooks before the first forward instead of at the next
-    ``session.step()``. It takes itself off once none is on ``meta``."""
+    """A forward pre-hook while some hooked parameter holds no values (``unmaterialized``),
+    so that it gets its gradient hook before the first backward that reaches it, instead of
+    at the next ``session.step()``. On the attached model for parameters on ``meta``
+    (attached before deferred init: ``to_empty()``, accelerate's
+    ``load_checkpoint_and_dispatch`` make new Parameter objects without
+    ``load_state_dict``); on the owning module for a lazy module's parameters
+    (``nn.LazyLinear``: its own pre-hook, registered before ours, materializes them in place
+    at its first forward). It takes itself off once all of its parameters hold values."""
 
     __slots__ = ("bindings", "handle")
 
@@ -852,16 +855,16 @@ class _Materialize:
     def __call__(self, module, args) -> None:
         if _is_compiling():  # (no hook is registered in a trace: session.step() does it)
             return
-        on_meta = False
+        pending = False
         for pb in self.bindings:
             if pb.session._removed:
                 return
             param = pb.param()
-            if param is not None and param.is_meta:
-                on_meta = True
+            if param is not None and unmaterialized(param):
+                pending = True
             elif param is not None:
                 pb.hook()
-        if not on_meta:
+        if not pending:
             self.handle.remove()
 
 

@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from . import hookspecs
-from ._bank import ON_COMPILE_START, _is_compiling
+from ._bank import ON_COMPILE_START, _is_compiling, unmaterialized
 from ._binding import (_EAGER_RUNNERS, HookContext, _Materialize, _ModuleBinding, _ParamBinding, _Rehook, _eager_reason,
                        _get_ident, _make_eager_runner)
 from ._checkpoint import RecomputeMatcher
@@ -942,11 +942,17 @@ class Session:
                 replaced_in.setdefault(id(owner), (owner, []))[1].append(pb)
         for owner, pbs in replaced_in.values():  # load_state_dict(assign=True) makes new Parameters
             self._keep_handle(owner, owner.register_load_state_dict_post_hook(_Rehook(pbs)))
-        on_meta = [pb for _, pbs in replaced_in.values() for pb in pbs if pb.param().is_meta]
-        if on_meta:  # materialized later: new Parameters, hooked at the next forward
-            materialize = _Materialize(on_meta)
-            materialize.handle = model.register_forward_pre_hook(materialize)
-            self._keep_handle(model, materialize.handle)
+        pending: Dict[int, Tuple[nn.Module, List[_ParamBinding]]] = {}
+        for owner, pbs in replaced_in.values():  # materialized later: hooked at a forward
+            for pb in pbs:
+                param = pb.param()
+                if unmaterialized(param):  # meta: at the model's; lazy: at its owner's, after its init
+                    where = owner if not param.is_meta else model
+                    pending.setdefault(id(where), (where, []))[1].append(pb)
+        for where, pbs in pending.values():
+            materialize = _Materialize(pbs)
+            materialize.handle = where.register_forward_pre_hook(materialize)
+            self._keep_handle(where, materialize.handle)
         return max(forwards.values(), default=0)
 
     def _module_tensors_of(self, name: str, phase: str) -> Optional[Dict[Any, torch.Tensor]]:

@@ -708,6 +708,7 @@ class FlopsPlugin(hookplug.Plugin):
         self._names: List[str] = []
         self._params: Dict[str, int] = {}
         self._model_params = 0
+        self._unsized: Dict[Optional[str], Callable] = {}  # modules (None: the model) not yet sized
         self._warned: set = set()
         self._session_ref: Callable[[], Any] = lambda: None
         self._finalizer: Optional[weakref.finalize] = None
@@ -721,6 +722,7 @@ class FlopsPlugin(hookplug.Plugin):
     def results(self) -> Dict[str, Dict[str, int]]:
         """``{module name: {"flops", "macs", "params", "backward_flops"}}`` for every selected
         module, in model order (zeros for a module that did not run)."""
+        self._size_params()
         names = self._names or sorted(set(self._fwd) | set(self._bwd))
         return {n: self._row(self._fwd.get(n, 0), self._bwd.get(n, 0), self._params.get(n, 0))
                 for n in names}
@@ -728,6 +730,7 @@ class FlopsPlugin(hookplug.Plugin):
     def total(self) -> Dict[str, int]:
         """Every window of the session (each op counted once, however many selected modules
         it belongs to): the same keys as a row of ``results()``; ``params`` is the model's."""
+        self._size_params()
         return self._row(self._total_fwd, self._total_bwd, self._model_params)
 
     def uncounted(self) -> Dict[str, int]:
@@ -790,9 +793,12 @@ class FlopsPlugin(hookplug.Plugin):
         self._session_ref = weakref.ref(session)
         mods = session.modules_of(self)
         self._names = list(mods)
-        self._params = {n: sum(p.numel() for p in m.parameters()) for n, m in mods.items()}
         model = session.model
-        self._model_params = sum(p.numel() for p in model.parameters()) if model is not None else 0
+        self._unsized = {n: weakref.ref(m) for n, m in mods.items()}
+        if model is not None:
+            self._unsized[None] = weakref.ref(model)
+        self._params, self._model_params = {}, 0
+        self._size_params()
         self._thread = threading.get_ident()
         self._warned_thread = False
         self._ended = False
@@ -1013,6 +1019,24 @@ class FlopsPlugin(hookplug.Plugin):
         self._total_fwd = 0
         self._total_bwd = 0
         self._uncounted: Counter = Counter()
+
+    def _size_params(self) -> None:
+        """The parameter counts of the modules not yet sized: a module with a lazy module's
+        parameter (``nn.LazyLinear``, no size before its first forward) stays unsized (0)."""
+        for name, ref in list(self._unsized.items()):
+            module = ref()
+            if module is None:
+                del self._unsized[name]
+                continue
+            params = list(module.parameters())
+            if any(isinstance(p, torch.nn.parameter.UninitializedTensorMixin) for p in params):
+                continue
+            count = sum(p.numel() for p in params)
+            if name is None:
+                self._model_params = count
+            else:
+                self._params[name] = count
+            del self._unsized[name]
 
     @staticmethod
     def _row(fwd: int, bwd: int, params: int) -> Dict[str, int]:

@@ -82,7 +82,7 @@ import torch
 
 import hookplug
 from hookplug import hookimpl
-from hookplug._bank import ON_COMPILE_START, bank_effect_op, is_dtensor, param_device
+from hookplug._bank import ON_COMPILE_START, bank_effect_op, is_dtensor, param_device, unmaterialized
 from hookplug._binding import _compiled_autograd_may_run
 from hookplug._func import is_batched, outside_transforms, unwrapped
 from hookplug._plugin import warn_once
@@ -408,7 +408,7 @@ class GradClampPlugin(hookplug.Plugin):
             for n, p in model.named_parameters():
                 name = clean_name(n)
                 if (self._match.get(name) and name not in self._changed and p.requires_grad
-                        and not p.is_meta and not is_dtensor(p)):
+                        and not unmaterialized(p) and not is_dtensor(p)):
                     self._changed[name] = zero(p.device)
 
     # -- compiled code's per-module tensors --------------------------------------------------------

@@ -123,7 +123,8 @@ import torch
 import hookplug
 from hookplug import hookimpl
 from hookplug._bank import (LATE_CLOCK, ON_COMPILE_START, StatsBank, as_measured, check_hist_options,
-                            check_max_pending, check_sites, dtensor_local, is_dtensor, merge_devices, pad_rows)
+                            check_max_pending, check_sites, dtensor_local, is_dtensor, merge_devices, pad_rows,
+                            unmaterialized)
 from hookplug._plugin import warn_once
 from hookplug._selectors import clean_name, parameter_names
 from hookplug._telemetry import initialized_dist
@@ -397,8 +398,8 @@ class ParamsPlugin(hookplug.Plugin):
         elif self._world > 1 and self.plain_tensors == "replicated":
             if self._rank != (pr.index % self._world if pr.owner is None else pr.owner):
                 return None
-        if t.is_meta:
-            return None  # not materialized yet: no values
+        if unmaterialized(t):
+            return None  # not materialized yet (meta, a lazy module's): no values
         if t.layout is not torch.strided:
             warn_once(self._warned_layouts, t.layout, lambda: (
                 f"hookplug plugin 'params': {pr.name} has a {t.layout} tensor (a sparse gradient: "
