@@ -5,6 +5,7 @@ only supplies the conventions a session relies on (``results``, ``reset``, ``rep
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any, Callable, Dict, Hashable
 
@@ -17,6 +18,22 @@ def warn_once(seen: set, key: Hashable, message: Callable[[], str], stacklevel: 
     if key not in seen:
         seen.add(key)
         warnings.warn(message(), RuntimeWarning, stacklevel=stacklevel)
+
+
+_OWN_PACKAGES = ("hookplug", "hookplug_plugins", "torch._dynamo")
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for a warning our caller gives that names the user's line: the
+    first frame outside hookplug, its first-party plugins and dynamo's ``disable`` wrappers
+    (the session methods run through those, so a fixed count named hookplug's own code)."""
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not any(module == p or module.startswith(p + ".") for p in _OWN_PACKAGES):
+            break
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class Plugin:

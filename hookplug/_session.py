@@ -35,6 +35,7 @@ from ._manager import (PluginError, PluginLoadError, create_plugin, is_hookimpl,
                        new_plugin_manager)
 from ._options import is_int_at_least
 from ._pipelining import patch_pipelining
+from ._plugin import user_stacklevel
 from ._selectors import (check_strict, named_modules, named_parameters, replica_group, select_terms,
                          unwrap_model, warn_never_called)
 
@@ -534,7 +535,7 @@ class Session:
                 f"hookplug: session {self.run_id} belongs to process {self._pid}, which attached "
                 f"it; in this forked process ({os.getpid()}) it emits no telemetry (the steps and "
                 "sinks are the parent's). Attach a session in the child to record there",
-                RuntimeWarning, stacklevel=4)
+                RuntimeWarning, stacklevel=user_stacklevel())
         return True
 
     def _note_nonfinite(self, info: dict) -> None:
@@ -646,7 +647,7 @@ class Session:
         self._step = ended + 1 if next_step is None else next_step
         self._steps_done += 1
         if self._steps_done == 1 and not self._removed:
-            self._warn_replaced(stacklevel=3)  # the caller of step()
+            self._warn_replaced()
         sampling = (self._step % self.every) == 0 and not self._removed
         if not self._removed:
             for pb in self._param_bindings.values():
@@ -721,7 +722,7 @@ class Session:
         if self._removed:
             return
         if self._attached and not failed and os.getpid() == self._pid:
-            self._warn_replaced(stacklevel=4)  # the caller of remove() (or of the with block)
+            self._warn_replaced()
         self._removed = True
         _UNREMOVED.discard(self)
         self._sampling = False
@@ -770,7 +771,7 @@ class Session:
             self._dispatch("hookplug_session_end", include_disabled=True, run_all=True,
                            skip=(lambda p: self._entry_of[id(p)].is_sink) if child else None)
 
-    def _warn_replaced(self, stacklevel: int) -> None:
+    def _warn_replaced(self) -> None:
         """Warn (once per name) about selected modules the model no longer holds: replaced
         after attach (``resize_token_embeddings``' new ``lm_head``, timm's
         ``reset_classifier``), their hooks stay on modules the model does not call, so
@@ -789,7 +790,8 @@ class Session:
         warnings.warn(f"hookplug: {len(gone)} selected module(s) are no longer in the model (replaced "
                       f"after attach?): {shown}; their hooks stay on the old module objects, which "
                       f"the model does not call, so nothing is recorded for them. Attach after "
-                      f"replacing modules, or remove() and attach again.", RuntimeWarning, stacklevel=stacklevel + 1)
+                      f"replacing modules, or remove() and attach again.", RuntimeWarning,
+                      stacklevel=user_stacklevel())
 
     def _remove_foreign_copies(self) -> None:
         """Take off the model's modules the copies of this session's hooks that torch
@@ -839,7 +841,7 @@ class Session:
         if self.on_error == "raise":
             raise exc
         warnings.warn(f"hookplug telemetry: a flush failed (on_error='warn'): {type(exc).__name__}: {exc}",
-                      RuntimeWarning, stacklevel=4)
+                      RuntimeWarning, stacklevel=user_stacklevel())
 
     def _dispatch(self, hook_name: str, *, on_result=None, skip=None, include_disabled: bool = False,
                   run_all: bool = False, returned=None, **kwargs) -> None:

@@ -977,6 +977,31 @@ def test_a_module_replaced_after_the_first_step_is_named_at_remove():
         s.remove()
 
 
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_session_warnings_name_the_callers_line(fresh_python, dynamo):
+    """step() and remove() run through dynamo's disable wrapper once dynamo is imported: the
+    replaced-module warnings name the line of the user's call, not hookplug's or dynamo's."""
+    fresh_python("""
+import warnings, torch, torch.nn as nn, hookplug
+if DYNAMO:
+    import torch._dynamo
+model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+s = hookplug.attach(model, "Linear", plugins="stats")
+model[2] = nn.Linear(4, 2)
+with warnings.catch_warnings(record=True) as rec:
+    warnings.simplefilter("always")
+    s.step()  # STEP
+    model[0] = nn.Linear(4, 4)
+    with s:  # WITH
+        pass  # PASS
+lines = {l.split("# ")[-1]: i + 1 for i, l in enumerate(open(__file__).read().splitlines()) if "  # " in l}
+seen = [(w.filename, w.lineno) for w in rec if "no longer in the model" in str(w.message)]
+assert seen[0] == (__file__, lines["STEP"]) and len(seen) == 2, seen
+assert seen[1] in ((__file__, lines["WITH"]), (__file__, lines["PASS"])), seen
+print("ok")
+""".replace("DYNAMO", str(dynamo)))
+
+
 def test_hf_resize_token_embeddings_after_attach_is_warned_of():
     tr = pytest.importorskip("transformers")
     config = tr.GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=1, n_head=2,
