@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from . import _bank
-from ._bank import is_dtensor, unmaterialized
+from ._bank import _is_compiling, is_dtensor, unmaterialized
 # != -1 in eager code: a forward running inside backward, i.e. activation checkpointing
 # recomputing it (compiled code cannot ask at trace time: the stats op's kernel asks when
 # it runs, see skip_recompute in hookplug.ops)
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 __all__ = ["HookContext"]
 
 
-_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 # torch.export (also compiling): hooks run no plugin, so the exported program holds no
 # hookplug op and no bank of the session (it would need hookplug to load, and keep
 # accumulating into the session after remove())

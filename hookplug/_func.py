@@ -8,11 +8,12 @@ from typing import Iterator, Optional
 
 import torch
 
+from ._bank import _is_compiling
+
 __all__ = ["is_batched", "unwrapped", "outside_transforms"]
 
 _functorch = getattr(torch._C, "_functorch", None)
 _is_legacy_batched = getattr(_functorch, "is_legacy_batchedtensor", None)
-_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
 
 def is_batched(t: torch.Tensor) -> bool:

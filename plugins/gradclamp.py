@@ -82,7 +82,7 @@ import torch
 
 import hookplug
 from hookplug import hookimpl
-from hookplug._bank import ON_COMPILE_START, bank_effect_op, is_dtensor, param_device, unmaterialized
+from hookplug._bank import ON_COMPILE_START, _is_compiling, bank_effect_op, is_dtensor, param_device, unmaterialized
 from hookplug._binding import _compiled_autograd_may_run
 from hookplug._func import is_batched, outside_transforms, unwrapped
 from hookplug._plugin import warn_once
@@ -90,7 +90,6 @@ from hookplug._selectors import clean_name, parameter_names
 
 __all__ = ["GradClampPlugin"]
 
-_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # A counter's token (a one-element CPU int64 tensor in its module's per-module table) ->
 # (the plugin, weakly, and the counter's key); the count op finds the counter through it
@@ -401,7 +400,7 @@ class GradClampPlugin(hookplug.Plugin):
                 device = param_device(module)
                 if (name not in self._changed and device is not None and device.type != "meta"
                         and not any(is_dtensor(p) for p in module.parameters())):
-                    self._changed[name] = zero(device)
+                    self._changed.setdefault(name, zero(device))  # (a backward may count first)
             model = self._model_ref()
             if not self.params or model is None:
                 return
@@ -409,7 +408,7 @@ class GradClampPlugin(hookplug.Plugin):
                 name = clean_name(n)
                 if (self._match.get(name) and name not in self._changed and p.requires_grad
                         and not unmaterialized(p) and not is_dtensor(p)):
-                    self._changed[name] = zero(p.device)
+                    self._changed.setdefault(name, zero(p.device))
 
     # -- compiled code's per-module tensors --------------------------------------------------------
 

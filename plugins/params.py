@@ -441,7 +441,7 @@ class ParamsPlugin(hookplug.Plugin):
     def _accumulate_grad(self, pr: _Param, p: torch.Tensor, scale: Optional[torch.Tensor] = None) -> None:
         g = self._local(pr, p.grad)
         if g is not None:
-            if scale is not None:  # float32 (or float64) for 16-bit gradients: exact
+            if scale is not None:  # in the gradient's dtype, as GradScaler's unscale_ leaves it
                 g = torch.div(g, _to(scale, g.device))
             self.bank.accumulate(g, pr.keys["grad"])
 

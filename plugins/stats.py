@@ -85,7 +85,7 @@ import torch
 
 import hookplug
 from hookplug import hookimpl
-from hookplug._bank import (MEASURED_AS, StatsBank, accumulate_by_key_op, as_measured, check_hist_options,
+from hookplug._bank import (MEASURED_AS, StatsBank, _is_compiling, accumulate_by_key_op, as_measured, check_hist_options,
                             check_max_pending, check_sites, dtensor_local, host_copy, is_dtensor,
                             param_device)
 from hookplug._func import is_batched
@@ -98,7 +98,6 @@ _SITES = ("input", "output", "grad")
 _PHASES = ("train", "eval")
 _STRIDED = torch.strided
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # not a DTensor: no isinstance check
-_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 # The keys a stats plugin's bank held when its session ended, by model and the plugin's name
 # in the session. A session attached to that model again under that name assigns them first,
 # in the same order: its modules' row-tensor tables then equal the last session's, and the
