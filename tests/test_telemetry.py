@@ -891,6 +891,52 @@ def test_compiled_model_does_not_recompile_every_step(every):
         assert math.isclose(eager[k]["std"], compiled[k]["std"], rel_tol=1e-9)
 
 
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_compiled_model_with_changing_sequence_lengths_compiles_as_without_hooks(dynamic):
+    """Batches of varying length (an LLM's variable sequence lengths), compiled with
+    automatic dynamic shapes (``dynamic=None``: a second graph with symbolic sizes at the
+    second length) or ``dynamic=True``: as many graphs as without hooks, no graph break,
+    and the records (outputs, gradients, parameters) equal eager, step by step."""
+    from torch._dynamo.utils import counters
+
+    def model():
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        return nn.Sequential(nn.Linear(8, 16), nn.TransformerEncoder(layer, 1, enable_nested_tensor=False),
+                             nn.Linear(16, 4))
+
+    lengths = (5, 7, 12, 6)
+
+    def run(compiled, hooks):
+        torch._dynamo.reset()
+        counters.clear()
+        m = model()
+        step = torch.compile(m, backend="aot_eager", dynamic=dynamic) if compiled else m
+        sink = ListSink()
+        s = hookplug.attach(m, "Linear", plugins=[("stats", {"sites": ("output", "grad")}), "params"],
+                            sink=sink, flush_every=1) if hooks else None
+        g = torch.Generator().manual_seed(1)
+        for n in lengths:
+            step(torch.randn(2, n, 8, generator=g)).square().mean().backward()
+            if s is not None:
+                s.step()
+        if s is not None:
+            s.remove()
+        return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()), sink.records
+
+    plain_graphs, _, _ = run(True, False)
+    graphs, breaks, records = run(True, True)
+    _, _, eager = run(False, True)
+    assert (graphs, breaks) == (plain_graphs, 0)
+    e, c = by_key(eager), by_key(records)
+    assert e.keys() == c.keys() and {k[0] for k in e} == set(range(len(lengths)))
+    for k in e:
+        for f in ("numel", "nan_count", "zero_count", "hist"):
+            assert e[k][f] == c[k][f], (k, f)
+        for f in ("min", "max", "mean", "std"):
+            assert math.isclose(e[k][f], c[k][f], rel_tol=1e-5, abs_tol=1e-6), (k, f, e[k][f], c[k][f])
+
+
 def test_attach_after_compile_and_two_compiled_instances():
     """Attaching to a model that was compiled and ran before records every call; so do two
     compiled instances of one class (a model and its EMA copy)."""
