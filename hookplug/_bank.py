@@ -213,6 +213,12 @@ def hook_compile_start() -> None:
         pass
 
 
+def dynamo_disable() -> Optional[Callable]:
+    """``torch._dynamo.disable`` once dynamo is imported (its import done), else None: a
+    session never imports dynamo itself (seconds, for code that may never compile)."""
+    return getattr(sys.modules.get("torch._dynamo"), "disable", None)
+
+
 def _install_callbacks(handler) -> None:
     """Register the compile start/end callbacks, wrapped in ``torch._dynamo.disable`` so they
     run outside dynamo: a compile that starts inside code dynamo runs (the lazy backward
@@ -223,7 +229,7 @@ def _install_callbacks(handler) -> None:
     the first compile start, which is never such a nested one."""
     global _START, _END
     if _START is None:
-        disable = getattr(sys.modules.get("torch._dynamo"), "disable", None)
+        disable = dynamo_disable()
         if disable is not None:
             _START, _END = disable(_on_compile_start), disable(_on_compile_end)
     for callbacks, register, bare, wrapped in (

@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from . import hookspecs
-from ._bank import ON_COMPILE_START, _is_compiling, unmaterialized
+from ._bank import ON_COMPILE_START, _is_compiling, dynamo_disable, unmaterialized
 from ._binding import (_EAGER_RUNNERS, HookContext, _Materialize, _ModuleBinding, _ParamBinding, _Rehook, _eager_reason,
                        _get_ident, _make_eager_runner)
 from ._checkpoint import RecomputeMatcher
@@ -175,7 +175,7 @@ def _eager(method):
     def run(self, *args, **kwargs):
         runner = _EAGER_RUNNERS.get(_SESSION_CALL)
         if runner is None:
-            if _is_compiling() or not hasattr(sys.modules.get("torch._dynamo"), "disable"):
+            if _is_compiling() or dynamo_disable() is None:
                 return method(self, *args, **kwargs)
             runner = _make_eager_runner(_SESSION_CALL)
         return runner(functools.partial(method, self, *args, **kwargs))
@@ -1059,9 +1059,9 @@ class Session:
                                       if callable(getattr(e.plugin, "_recompute_started", None)))
             binding.eager_only = bool(untraceable)
             binding.eager_reason = _eager_reason(untraceable) if untraceable else ""
-            if binding.eager_only and hasattr(sys.modules.get("torch._dynamo"), "disable"):
+            if binding.eager_only and dynamo_disable() is not None:
                 _make_eager_runner(binding.eager_reason)
-        if hasattr(sys.modules.get("torch._dynamo"), "disable"):
+        if dynamo_disable() is not None:
             _make_eager_runner(_SESSION_CALL)  # (see _eager)
         for pb in self._param_bindings.values():
             covering = [e for e in live if pb.name in self._params_of(e)]

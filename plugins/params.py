@@ -123,8 +123,8 @@ import torch
 import hookplug
 from hookplug import hookimpl
 from hookplug._bank import (LATE_CLOCK, ON_COMPILE_START, StatsBank, as_measured, check_hist_options,
-                            check_max_pending, check_sites, dtensor_local, is_dtensor, merge_devices, pad_rows,
-                            unmaterialized)
+                            check_max_pending, check_sites, dtensor_local, dynamo_disable, is_dtensor, merge_devices,
+                            pad_rows, unmaterialized)
 from hookplug._plugin import warn_once
 from hookplug._selectors import clean_name, parameter_names
 from hookplug._telemetry import initialized_dist
@@ -202,7 +202,7 @@ def _outside_dynamo(fn):
     optimizer hook dynamo traced (``torch.compile(optimizer.step)``, a compiled training
     step) compiled the measuring code into graphs of its own, one per parameter and
     recompiled, and made the compiled step slower than the eager one."""
-    disable = getattr(sys.modules.get("torch._dynamo"), "disable", None)
+    disable = dynamo_disable()
     return fn if disable is None else disable(fn)
 
 
@@ -643,7 +643,7 @@ class ParamsPlugin(hookplug.Plugin):
             for opt in self._optimizers:
                 self._handles += [opt.register_step_pre_hook(_outside_dynamo(self._opt_pre)),
                                   opt.register_step_post_hook(_outside_dynamo(self._opt_post))]
-        if "torch._dynamo" not in sys.modules:
+        if dynamo_disable() is None:  # (wrapped at the first compile start)
             _BARE_HOOKS.add(self)
         # a session dropped without remove(): torch's global hooks would keep this plugin (its
         # bank, the update copies) alive and called at every optimizer step of the process
