@@ -44,7 +44,9 @@ optimizer, or ``GradScaler`` skipping a step: the step with the inf/NaN gradient
 measured at ``session.step()``, weight and ``p.grad`` if it is still set: call
 ``session.step()`` before ``zero_grad()`` (or zero at the start of the loop), or
 ``measure_unstepped()`` before ``zero_grad()``; without any optimizer the update is the
-change between two ``session.step()`` calls. A fused optimizer (``fused=True``), which
+change between two ``session.step()`` calls. A skipped step has no update record, except
+those before the first optimizer step when no ``optimizer=`` is named (the global hooks
+cannot tell them from steps without an optimizer: an update of 0). A fused optimizer (``fused=True``), which
 ``GradScaler.step`` steps with the gradients still scaled and also when it skips, is
 measured the same: the gradient divided by the scale it is handed, no update in a skipped
 step. The per-micro-batch gradient tensor hook is not used: it sees the
@@ -633,6 +635,8 @@ class ParamsPlugin(hookplug.Plugin):
                 break
         self.bank.prepare(device)  # none on the meta device: made when it is materialized
         self.bank.set_live(session.sampled)
+        if self._optimizers is not None:  # a step that runs none of them: GradScaler skipped it
+            self._opt_seen = True
         if self._optimizers is None:
             from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                                register_optimizer_step_pre_hook)
@@ -648,7 +652,7 @@ class ParamsPlugin(hookplug.Plugin):
         # a session dropped without remove(): torch's global hooks would keep this plugin (its
         # bank, the update copies) alive and called at every optimizer step of the process
         self._unhook = weakref.finalize(session, _remove_handles, list(self._handles))
-        if "update" in self.sites and session.sampled:  # the baseline without an optimizer
+        if "update" in self.sites and session.sampled and not self._opt_seen:  # the baseline without an optimizer
             for pr in self._params:
                 w = self._local(pr, pr.tensor())
                 if w is not None:

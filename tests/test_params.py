@@ -1098,19 +1098,23 @@ def test_distributed_checkpoint_state_dict_init_step_is_not_measured(opt_kind):
             {k: b[k] for k in ("numel", "min", "max", "mean", "std")}, (name, site)
 
 
-def test_grad_scaler_skipped_steps_measure_the_unscaled_gradient_and_update_as_documented():
+@pytest.mark.parametrize("named", [False, True])
+def test_grad_scaler_skipped_steps_measure_the_unscaled_gradient_and_update_as_documented(named):
     """float16 autocast with a GradScaler, steps 0 and 2 overflowing (skipped): the grad site
     is the unscaled gradient (the optimizer's, or the one ``scaler.step`` left when it
-    skipped); a step skipped before any optimizer step is taken as one without an
-    optimizer (update recorded, 0), a later skipped step has no update record."""
+    skipped). Optimizers found by torch's global hooks: a step skipped before any optimizer
+    step is taken as one without an optimizer (update recorded, 0), a later skipped step has
+    no update record. ``optimizer=`` named: no skipped step has one, the first ones too."""
     m, x = model_and_data()
-    rec, want = _scaler_loop(m, x, torch.optim.SGD(m.parameters(), lr=0.1))
-    assert {k[0] for k in rec if k[1] == "update"} == {0, 1, 3}
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    rec, want = _scaler_loop(m, x, opt, named=named)
+    assert {k[0] for k in rec if k[1] == "update"} == ({1, 3} if named else {0, 1, 3})
     _check_scaler_steps(rec, want, skipped_steps=(0, 2))
-    assert rec[(0, "update")]["l2"] == 0.0
+    if not named:
+        assert rec[(0, "update")]["l2"] == 0.0
 
 
-def _scaler_loop(m, x, opt, *, unscale=False, fused=False):
+def _scaler_loop(m, x, opt, *, unscale=False, fused=False, named=False):
     """4 float16 autocast steps under a ``GradScaler``, steps 0 and 2 overflowing, params on
     ``0.weight``: ``({(step, site): record}, {step: (unscaled grad, update)})``. The grad:
     what ``scaler.step`` left (it unscales in place), or for a ``fused`` optimizer (stepped
@@ -1120,8 +1124,8 @@ def _scaler_loop(m, x, opt, *, unscale=False, fused=False):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
     sink = RecordSink()
     want = {}
-    with hookplug.attach(m, "Linear", plugins=("params", {"params": "0.weight"}), sink=sink,
-                         flush_every=1) as s:
+    opts = {"params": "0.weight", "optimizer": opt} if named else {"params": "0.weight"}
+    with hookplug.attach(m, "Linear", plugins=("params", opts), sink=sink, flush_every=1) as s:
         for step in range(4):
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = m(x).float().square().mean() * (1e9 if step in (0, 2) else 1.0)
