@@ -315,6 +315,16 @@ class TensorStats:
                          for k in self.FIELDS)
         return f"TensorStats({head}, hist={len(d['hist_counts'])} buckets)"
 
+    def __reduce__(self):
+        # (row, kind): what torch.load's weights_only unpickler can rebuild (see below)
+        return (TensorStats, (self.row, self.hist))
+
+
+# ``torch.save`` of results (a checkpoint dict with ``session.results()`` in it) loads with
+# ``torch.load``'s default ``weights_only=True``: the loader may build TensorStats from a row
+# tensor and its histogram kind (a string, None or a tuple of numbers), and nothing else.
+torch.serialization.add_safe_globals([TensorStats])
+
 
 class StatsBlock(NamedTuple):
     """What a telemetry producer may return from ``hookplug_collect`` instead of one

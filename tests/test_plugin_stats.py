@@ -707,3 +707,40 @@ def test_std_of_tiny_float32_values_does_not_underflow():
         acc_model(x[1000:])
         got = s["stats"].results()[""]["output"].to_dict()["std"]
     assert math.isclose(got, ref, rel_tol=1e-6)
+
+
+def test_results_in_a_checkpoint_load_with_torch_load_defaults(tmp_path):
+    """A checkpoint dict holding ``session.results()`` (stats with phases, params) saved with
+    ``torch.save`` loads with ``torch.load``'s default ``weights_only=True`` (TensorStats is
+    an allowed global rebuilt from its row): the same numbers, histograms and kinds; merge
+    still works on what was loaded. It raised UnpicklingError, failing the whole checkpoint."""
+    torch.manual_seed(0)
+    m = MLP()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with hookplug.attach(m, "Linear", plugins=[("stats", {"sites": ("output", "grad")}), "params"]) as s:
+        for train in (True, False):
+            m.train(train)
+            out = m(torch.randn(4, 32))
+            if train:
+                out.square().mean().backward()
+                opt.step()
+        res = s.results()
+    res["linear"] = hookplug.ops.tensor_stats(torch.randn(100), bins=8, hist="linear", range=(-1.0, 1.0))
+    res["eval"] = s["stats"].results(phase="eval")
+    state = {"model": m.state_dict(), "step": 3, "hookplug": res}
+    path = tmp_path / "ckpt.pt"
+    torch.save(state, path)
+    back = torch.load(path)  # weights_only=True
+    back_explicit = torch.load(path, weights_only=True)
+
+    def plain(x):
+        if isinstance(x, TensorStats):
+            return ("TensorStats", x.hist, x.to_dict())
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        return x
+
+    assert plain(back["hookplug"]) == plain(res) == plain(back_explicit["hookplug"])
+    st = back["hookplug"]["stats"]["fc1"]["output"]
+    assert isinstance(st, TensorStats) and st.row.dtype == torch.float64
+    assert torch.equal(st.merge(st).numel, 2 * res["stats"]["fc1"]["output"].numel)
