@@ -20,13 +20,14 @@ def warn_once(seen: set, key: Hashable, message: Callable[[], str], stacklevel: 
         warnings.warn(message(), RuntimeWarning, stacklevel=stacklevel)
 
 
-_OWN_PACKAGES = ("hookplug", "hookplug_plugins", "torch._dynamo")
+_OWN_PACKAGES = ("hookplug", "hookplug_plugins", "torch")
 
 
 def user_stacklevel() -> int:
     """The ``stacklevel`` for a warning our caller gives that names the user's line: the
-    first frame outside hookplug, its first-party plugins and dynamo's ``disable`` wrappers
-    (the session methods run through those, so a fixed count named hookplug's own code)."""
+    first frame outside hookplug, its first-party plugins and torch (dynamo's ``disable``
+    wrappers the session methods run through, ``Module.__call__`` and ``backward()`` around
+    a hook), where a fixed count named hookplug's or torch's own code."""
     level, frame = 1, sys._getframe(1)
     while frame.f_back is not None:
         module = frame.f_globals.get("__name__", "")

@@ -831,7 +831,7 @@ class Session:
         why = f"{type(exc).__name__} in {hook_name}: {exc}"
         entry.disabled = why
         warnings.warn(f"hookplug plugin {name!r} failed and is disabled for this session: {why}",
-                      RuntimeWarning, stacklevel=3)
+                      RuntimeWarning, stacklevel=user_stacklevel())
         if not self._removed:  # a removed session has no bindings left to rebuild
             self._rebind()
 
@@ -1028,7 +1028,7 @@ class Session:
                 pm.unregister(plugin)
             if self.on_error == "raise":
                 raise
-            _skip_plugin(exc, stacklevel=7)  # the caller of attach()
+            _skip_plugin(exc)
             del self._entries[entry.name], self._entry_of[id(plugin)]
 
     def _rebind(self) -> None:
@@ -1118,9 +1118,9 @@ def _needs_calls(plugin) -> bool:
             and not has("hookplug_param_grad"))
 
 
-def _skip_plugin(exc: PluginError, stacklevel: int) -> None:
+def _skip_plugin(exc: PluginError) -> None:
     """Under ``on_error="warn"``: the one warning for a plugin left out of the session."""
-    warnings.warn(f"{exc}; attached without it (on_error='warn')", RuntimeWarning, stacklevel=stacklevel)
+    warnings.warn(f"{exc}; attached without it (on_error='warn')", RuntimeWarning, stacklevel=user_stacklevel())
 
 
 def _build_plugins(specs, on_error: str) -> List[Tuple[str, Any]]:
@@ -1134,7 +1134,7 @@ def _build_plugins(specs, on_error: str) -> List[Tuple[str, Any]]:
             except PluginLoadError as exc:
                 if on_error == "raise":
                     raise
-                _skip_plugin(exc, stacklevel=5)  # the caller of attach()
+                _skip_plugin(exc)
                 continue
         built.append((name, instance))
     return built
@@ -1247,7 +1247,7 @@ def attach(
                               "@hookplug.hookimpl hookplug_flush (a plugin goes in plugins=)")
             if on_error == "raise":
                 raise exc
-            _skip_plugin(exc, stacklevel=4)  # the caller of attach()
+            _skip_plugin(exc)
             continue
         session._add_plugin(key, instance, [], sink=True)
     try:

@@ -1002,6 +1002,50 @@ print("ok")
 """.replace("DYNAMO", str(dynamo)))
 
 
+@pytest.mark.parametrize("where", ["forward", "backward", "unknown"])
+def test_plugin_failure_warnings_name_the_callers_line(where):
+    """on_error="warn": a plugin failing in a forward or backward hook, or one that does not
+    fit the hook specs, is named in a warning at the user's line (the model call, backward(),
+    attach()), not at hookplug's or torch's own code."""
+    class Boom(hookplug.Plugin):
+        name = "boom"
+
+        @hookplug.hookimpl
+        def hookplug_forward_output(self, output):
+            if where == "forward":
+                raise RuntimeError("boom")
+
+        @hookplug.hookimpl
+        def hookplug_output_grad(self, grad):
+            raise RuntimeError("boom")
+
+    class Misfit(hookplug.Plugin):
+        name = "misfit"
+
+        @hookplug.hookimpl
+        def hookplug_no_such_hook(self):
+            pass
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        plugins = [Boom()] if where != "unknown" else ["stats", Misfit()]
+        s = hookplug.attach(model, "Linear", plugins=plugins, on_error="warn"); line = _lineno()
+        out = model(x); line_fwd = _lineno()
+        out.sum().backward(); line_bwd = _lineno()
+        s.remove()
+    want = {"forward": line_fwd, "backward": line_bwd, "unknown": line}[where]
+    seen = [(w.filename, w.lineno) for w in rec
+            if "disabled for this session" in str(w.message) or "attached without it" in str(w.message)]
+    assert seen == [(__file__, want)], seen
+
+
+def _lineno() -> int:
+    import sys
+    return sys._getframe(1).f_lineno
+
+
 def test_hf_resize_token_embeddings_after_attach_is_warned_of():
     tr = pytest.importorskip("transformers")
     config = tr.GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=1, n_head=2,
