@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ._plugin import user_stacklevel
 from ._stats import CLOCK, HEAD, MAX_BINS, StatsBlock, TensorStats, empty_rows, merge_rows, touched
 
 __all__ = ["StatsBank", "MEASURED_AS", "as_measured", "is_dtensor", "dtensor_local"]
@@ -831,7 +832,7 @@ class StatsBank:
                     f"hookplug plugin {self.who!r}: more than {self.max_pending_steps} steps of "
                     "stats were not collected by telemetry (no session.flush()); older steps are "
                     "kept in results() only. Set flush_every= or call session.flush().",
-                    RuntimeWarning, stacklevel=4)
+                    RuntimeWarning, stacklevel=user_stacklevel())
         for dev in self._devices.values():  # after the step is pending: see _DeviceRows.lock
             dev.fold_due()
 

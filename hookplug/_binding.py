@@ -26,6 +26,7 @@ from ._bank import _is_compiling, is_dtensor, unmaterialized
 # it runs, see skip_recompute in hookplug.ops)
 from ._checkpoint import _graph_task_id
 from ._manager import PluginError
+from ._plugin import user_stacklevel
 from .structures import children, iter_tensors, map_tensors
 
 if TYPE_CHECKING:
@@ -441,7 +442,7 @@ class _ModuleBinding:
                 f"module, {type(module).__name__} (torch.ao.quantization's fuse_modules, prepare, "
                 "convert, quantize_dynamic with inplace=True copy a swapped module's forward "
                 "hooks): they do nothing there, and those modules are not observed; attach after "
-                "the transformation", RuntimeWarning, stacklevel=3)
+                "the transformation", RuntimeWarning, stacklevel=user_stacklevel())
 
     def retire(self) -> None:
         """At ``remove()``: no plugin, no session. A call torch still makes (a hook list it
@@ -883,4 +884,4 @@ def _warn_fsdp2_param(name: str) -> None:
         "on an unsharded copy and reduce-scatters it into .grad directly, so a "
         "parameter-gradient hook (hookplug_param_grad: gradclamp params=, ...) never runs for "
         "it. Steer module-output gradients instead, or clip after backward (the params "
-        "plugin measures FSDP2 gradients from .grad)", RuntimeWarning, stacklevel=4)
+        "plugin measures FSDP2 gradients from .grad)", RuntimeWarning, stacklevel=user_stacklevel())

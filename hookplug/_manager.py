@@ -23,6 +23,7 @@ from urllib.parse import unquote, urlparse
 import pluggy
 
 from . import hookspecs
+from ._plugin import user_stacklevel
 
 __all__ = ["PluginError", "PluginLoadError", "plugin_names", "plugin_info", "create_plugin",
            "new_plugin_manager"]
@@ -174,7 +175,7 @@ def _discover() -> Dict[str, PluginSource]:
                 f"hookplug plugin name {ep.name!r} is provided by both {prev.distribution!r} and "
                 f"{src.distribution!r}; using the one from {keep.distribution!r}",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
             src = keep
         found[ep.name] = src
@@ -184,7 +185,7 @@ def _discover() -> Dict[str, PluginSource]:
             f"its plugin entry points ({', '.join(names)}) are ignored and the first-party plugins "
             "come from this hookplug's own distribution",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
     _sources = dict(sorted(found.items()))
     return _sources
@@ -300,7 +301,7 @@ def warn_unmarked_hooks(cls) -> None:
             warnings.warn(
                 f"{cls.__module__}.{cls.__qualname__}.{attr} is named like a hookplug hook but is not "
                 "marked @hookplug.hookimpl, so hookplug never calls it: add @hookplug.hookimpl above it",
-                RuntimeWarning, stacklevel=3)
+                RuntimeWarning, stacklevel=user_stacklevel())
 
 
 def new_plugin_manager() -> pluggy.PluginManager:

@@ -12,12 +12,12 @@ from typing import Any, Callable, Dict, Hashable
 __all__ = ["Plugin"]
 
 
-def warn_once(seen: set, key: Hashable, message: Callable[[], str], stacklevel: int = 3) -> None:
-    """A ``RuntimeWarning`` the first time ``key`` is met (``seen`` keeps the keys met);
-    ``message()`` is built only then."""
+def warn_once(seen: set, key: Hashable, message: Callable[[], str]) -> None:
+    """A ``RuntimeWarning`` at the user's line (``user_stacklevel``) the first time ``key``
+    is met (``seen`` keeps the keys met); ``message()`` is built only then."""
     if key not in seen:
         seen.add(key)
-        warnings.warn(message(), RuntimeWarning, stacklevel=stacklevel)
+        warnings.warn(message(), RuntimeWarning, stacklevel=user_stacklevel())
 
 
 _OWN_PACKAGES = ("hookplug", "hookplug_plugins", "torch")

@@ -71,6 +71,7 @@ import torch
 
 import hookplug
 from hookplug import hookimpl
+from hookplug._plugin import user_stacklevel
 from hookplug._func import is_batched as _is_batched
 from hookplug._func import outside_transforms as _outside_transforms
 from hookplug._func import unwrapped as _unwrapped
@@ -399,7 +400,7 @@ class CapturePlugin(hookplug.Plugin):
                 f"{name!r} (call {call}, {new_bytes} bytes more, {self.nbytes} held); "
                 "calls that do not fit are not captured (see .skipped)",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
         return False
 
@@ -464,7 +465,7 @@ class CapturePlugin(hookplug.Plugin):
             warnings.warn(f"hookplug plugin 'capture': the {what} of {name or '<root>'!r} is batched "
                           "by torch.func.vmap and is not kept (a tensor from inside vmap cannot be "
                           "used after it); calls under vmap are not captured", RuntimeWarning,
-                          stacklevel=4)
+                          stacklevel=user_stacklevel())
 
     def _capture(self, kind: str, name: str, call: int, obj: Any, prefix: str) -> bool:
         if not isinstance(obj, torch.Tensor):
@@ -476,7 +477,7 @@ class CapturePlugin(hookplug.Plugin):
                     f"hookplug plugin 'capture': the {prefix} of {name or '<root>'!r} holds "
                     f"{', '.join(sorted(set(found)))} object(s) (an HF cache?); their tensors are "
                     "captured as a dict of the object's attributes, not the live object",
-                    RuntimeWarning, stacklevel=4,
+                    RuntimeWarning, stacklevel=user_stacklevel(),
                 )
         tensors = list(iter_tensors(obj, prefix))
         if any(_is_batched(t) for _, t in tensors):
@@ -670,7 +671,7 @@ class CapturePlugin(hookplug.Plugin):
                 f"that safetensors cannot store (dense strided tensors only): {shown}; they load "
                 "back as None",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
         save_capture(path, stores, keep=self.keep)
 

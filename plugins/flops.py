@@ -115,6 +115,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hookplug
 from hookplug import hookimpl
+from hookplug._plugin import user_stacklevel
 from hookplug._binding import _run_eagerly
 from hookplug._optional import import_off_stack
 from hookplug.structures import iter_tensors
@@ -805,7 +806,7 @@ class FlopsPlugin(hookplug.Plugin):
         self._counting = session.step_index % session.every == 0
         if _peek_seq is None:
             warnings.warn("flops: this torch has no autograd sequence numbers; backward FLOPs "
-                          "are not counted", RuntimeWarning, stacklevel=2)
+                          "are not counted", RuntimeWarning, stacklevel=user_stacklevel())
         # a session dropped without remove(): close what a broken forward left open
         self._lease = _Lease()
         self._finalizer = weakref.finalize(session, self._lease.release)
@@ -832,7 +833,7 @@ class FlopsPlugin(hookplug.Plugin):
                 warnings.warn(f"flops: {ctx.name or '<root>'!r} ran on a thread other than the one "
                               "that called attach(); forwards of other threads are not counted "
                               "(attach from the thread that runs the model)", RuntimeWarning,
-                              stacklevel=2)
+                              stacklevel=user_stacklevel())
             return None
         if self._calls:
             self._prune_stale_calls()
@@ -1065,7 +1066,7 @@ class FlopsPlugin(hookplug.Plugin):
         self._ended = True
         self._counting = False
         warnings.warn(f"flops: counting failed on {where} ({type(exc).__name__}: {exc}); the "
-                      "plugin stops counting for this session", RuntimeWarning, stacklevel=3)
+                      "plugin stops counting for this session", RuntimeWarning, stacklevel=user_stacklevel())
 
     def _add(self, window: _Window, op, formula, args, kwargs, out) -> None:
         try:
@@ -1077,7 +1078,7 @@ class FlopsPlugin(hookplug.Plugin):
                 self._warned.add(name)
                 warnings.warn(f"flops: the FLOP formula of {op} failed ({type(exc).__name__}: "
                               f"{exc}); counted as 0 and listed in uncounted()", RuntimeWarning,
-                              stacklevel=2)
+                              stacklevel=user_stacklevel())
             return
         key = str(op)
         if window.owners is not None:

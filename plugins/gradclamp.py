@@ -85,7 +85,7 @@ from hookplug import hookimpl
 from hookplug._bank import ON_COMPILE_START, _is_compiling, bank_effect_op, is_dtensor, param_device, unmaterialized
 from hookplug._binding import _compiled_autograd_may_run
 from hookplug._func import is_batched, outside_transforms, unwrapped
-from hookplug._plugin import warn_once
+from hookplug._plugin import user_stacklevel, warn_once
 from hookplug._selectors import clean_name, parameter_names
 
 __all__ = ["GradClampPlugin"]
@@ -490,7 +490,7 @@ class GradClampPlugin(hookplug.Plugin):
                 "only for parameters of selected modules, so select their owners "
                 "(e.g. '*' or 'Linear')",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
 
     @hookimpl

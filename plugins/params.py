@@ -127,7 +127,7 @@ from hookplug import hookimpl
 from hookplug._bank import (LATE_CLOCK, ON_COMPILE_START, StatsBank, as_measured, check_hist_options,
                             check_max_pending, check_sites, dtensor_local, dynamo_disable, is_dtensor, merge_devices,
                             pad_rows, unmaterialized)
-from hookplug._plugin import warn_once
+from hookplug._plugin import user_stacklevel, warn_once
 from hookplug._selectors import clean_name, parameter_names
 from hookplug._telemetry import initialized_dist
 from hookplug._stats import TensorStats, touched
@@ -364,7 +364,7 @@ class ParamsPlugin(hookplug.Plugin):
         if not found and seen:
             warnings.warn(f"hookplug plugin 'params': params={list(self.globs)!r} matches no parameter of the "
                           f"{len(session.modules_of(self))} selected module(s) (by any of their names); "
-                          "nothing is measured", RuntimeWarning, stacklevel=2)
+                          "nothing is measured", RuntimeWarning, stacklevel=user_stacklevel())
         found.sort(key=lambda f: f[0])  # the same order (and rows) on every rank
         self._warn_fsdp1([getattr(m, "_parameters", {}).get(a) for _, m, a in found])
         self._params = [_Param(n, m, a, i) for i, (n, m, a) in enumerate(found)]
@@ -381,7 +381,7 @@ class ParamsPlugin(hookplug.Plugin):
             "flat shards, counted as replicated copies by default: pass "
             "plain_tensors='distinct' for exact records under FULL_SHARD / SHARD_GRAD_OP with "
             "use_orig_params=True ('replicated' under NO_SHARD; HYBRID_SHARD is not exact "
-            "either way; FSDP2's fully_shard is)", RuntimeWarning, stacklevel=2)
+            "either way; FSDP2's fully_shard is)", RuntimeWarning, stacklevel=user_stacklevel())
 
     def _local(self, pr: _Param, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The part of ``t`` this rank counts (None: nothing)."""

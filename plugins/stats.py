@@ -85,6 +85,7 @@ import torch
 
 import hookplug
 from hookplug import hookimpl
+from hookplug._plugin import user_stacklevel
 from hookplug._bank import (MEASURED_AS, StatsBank, _is_compiling, accumulate_by_key_op, as_measured, check_hist_options,
                             check_max_pending, check_sites, dtensor_local, host_copy, is_dtensor,
                             param_device)
@@ -212,7 +213,7 @@ class StatsPlugin(hookplug.Plugin):
             warnings.warn(
                 f"hookplug plugin 'stats': {path} of {ctx.name or '<root>'!r} is a DTensor with "
                 f"a Partial placement ({t.placements}); partial sums have no mergeable "
-                "statistics, such tensors are skipped", RuntimeWarning, stacklevel=2)
+                "statistics, such tensors are skipped", RuntimeWarning, stacklevel=user_stacklevel())
         return local
 
     def _strided(self, ctx, path: str, t):
@@ -234,7 +235,7 @@ class StatsPlugin(hookplug.Plugin):
                 f"hookplug plugin 'stats': {path} of {ctx.name or '<root>'!r} has {why}; "
                 "the stats op reads strided tensors only, such tensors are skipped",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
         return None
 

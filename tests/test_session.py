@@ -1041,6 +1041,20 @@ def test_plugin_failure_warnings_name_the_callers_line(where):
     assert seen == [(__file__, want)], seen
 
 
+def test_first_party_plugin_warnings_name_the_callers_line():
+    """A plugin's own warnings, given at attach (gradclamp's params= matching nothing) or in
+    a backward hook (its sparse-gradient warning), name the user's line too."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Embedding(10, 4, sparse=True))
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        hookplug.attach(model, "ReLU", plugins=("gradclamp", {"max": 1, "params": "zzz*"})).remove(); at = _lineno()
+        s = hookplug.attach(model, "Embedding", plugins=("gradclamp", {"max": 1.0, "params": "*"}))
+        model[2](torch.tensor([1, 2])).sum().backward(); bwd = _lineno()
+        s.remove()
+    seen = {str(w.message)[:40]: (w.filename, w.lineno) for w in rec if "gradclamp" in str(w.message)}
+    assert sorted(seen.values()) == [(__file__, at), (__file__, bwd)], seen
+
+
 def _lineno() -> int:
     import sys
     return sys._getframe(1).f_lineno

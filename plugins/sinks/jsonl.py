@@ -51,6 +51,7 @@ import weakref
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import hookplug
+from hookplug._plugin import user_stacklevel
 from hookplug._stats import COUNT_COLUMNS
 from hookplug._telemetry import on_interrupt
 
@@ -211,7 +212,7 @@ class JsonlSink(hookplug.Sink):
         os.write(fd, b"\n")
         warnings.warn(f"jsonl sink: {self.path!r} ended in a torn line (a run that stopped "
                       "mid-write); ended it with a newline before appending (read_jsonl skips it)",
-                      RuntimeWarning, stacklevel=4)
+                      RuntimeWarning, stacklevel=user_stacklevel())
 
     def encode(self, record: Dict[str, Any]) -> str:
         """One record as a JSON line (with its newline)."""
@@ -353,5 +354,5 @@ def read_jsonl(path: str, *, run_id: Optional[str] = None) -> List[Dict[str, Any
     if torn:
         shown = ", ".join(map(str, torn[:5])) + (f" and {len(torn) - 5} more" if len(torn) > 5 else "")
         warnings.warn(f"read_jsonl: {path}: skipped {len(torn)} torn line(s) (not valid JSON, from a "
-                      f"run that stopped mid-write): line {shown}", RuntimeWarning, stacklevel=2)
+                      f"run that stopped mid-write): line {shown}", RuntimeWarning, stacklevel=user_stacklevel())
     return out
