@@ -37,8 +37,9 @@ constexpr int kRawSubF32 = 4;
 constexpr int kRawSubF64 = 2;
 
 // hist: kRawSub sub-tables of kRaw uint32 counters each (added to), or nullptr.
-// shift: in, a value near the block's mean (the previous block's mean; NaN: none);
-// out, this block's mean. Chained through a chunk, it keeps one-pass sums well conditioned.
+// shift: in, a value near the block's mean (the previous block's; NaN: none); out, this
+// block's mean rounded to a grid well below its std (see coarse_shift in
+// stats_cpu_kernel.h). Chained through a chunk, it keeps one-pass sums well conditioned.
 typedef void (*BlockFn)(const void* p, int64_t n, BlockResult* r, uint32_t* hist,
                         double* shift);
 // Adds the linear-histogram counts of p[0:n) to counts[0:bins] (see stats_defs.h

@@ -99,7 +99,8 @@ def test_bank_needs_no_detach_and_leaves_autograd_alone():
     got = bank.merged(lambda k: k)
     assert got[("m", "output", "train")].numel.item() == 32
     ref = TensorStats(ops.reference_tensor_stats(w.detach().double()).row, "log2")
-    assert got[("p", "weight", "train")].mean.item() == pytest.approx(ref.mean.item(), rel=1e-6)
+    # a mean near 0 is exact to its float32 sums: compared on the scale of the std
+    assert got[("p", "weight", "train")].mean.item() == pytest.approx(ref.mean.item(), abs=1e-6 * ref.std.item())
 
 
 def test_subclass_inputs_take_the_torch_ops_path():
