@@ -24,6 +24,12 @@
 //   deviations around the block mean).
 // Block results are combined in float64 by the driver (Chan's formula).
 
+#if defined(__FAST_MATH__)
+// is_finite (x - x == 0) and coarse_shift's rounding ((t + C) - C) need IEEE arithmetic;
+// -ffast-math folds both away, silently.
+#error "hookplug's CPU kernels need IEEE floating point: build without -ffast-math / -Ofast"
+#endif
+
 #if defined(__GNUC__) && !defined(__clang__)
 // The vector helpers below are internal (static): no ABI crosses a call boundary.
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -355,8 +361,9 @@ static inline int exponent_of(double x) {
 // bits of K below it bias every addition the same way when the data are quantized
 // (float16/bfloat16 values, integers): 2.7e-6 x std on the mean of 2045 float16 N(0, 1)
 // values around a K 0.96 std off, 4e-9 with K rounded. Moving K by q/2 at most costs
-// nothing. `mean` itself where e is out of range or the rounded K would not be exact in
-// float32. Integer and multiply-add work only: it sits between two blocks' loops.
+// nothing. `mean` itself where e is out of range or the rounded K would not fit 24 bits
+// (exact in float32 unless below its normal range, where blocks take block_slow anyway).
+// Integer and multiply-add work only: it sits between two blocks' loops.
 static inline double coarse_shift(double mean, int e) {
   if (e < -960 || e > 960 || !is_finite(mean)) return mean;
   const double t = mean * pow2(-e);
@@ -365,13 +372,15 @@ static inline double coarse_shift(double mean, int e) {
 }
 
 // The shift for the block after `r`: its mean on the grid of coarse_shift, q between
-// std/2048 and std/512 (from the exponents of m2 and n: no division, no square root);
+// std/2**11 and std/2**9.5 (from the exponents of m2 and n: no division, no square root);
 // its mean as it is for a constant block (K is then its value); `prev` where it had no
 // finite value.
 static inline double next_shift(const BlockResult& r, double prev) {
   if (!r.n) return prev;
   if (!(r.m2 > 0x1p-900) || !is_finite(r.m2)) return r.mean;
-  return coarse_shift(r.mean, ((exponent_of(r.m2) - exponent_of(static_cast<double>(r.n))) >> 1) - 10);
+  const int d = exponent_of(r.m2) - exponent_of(static_cast<double>(r.n));  // log2(variance), +-1
+  const int half = d >= 0 ? d / 2 : -((1 - d) / 2);  // floor(d / 2)
+  return coarse_shift(r.mean, half - 10);
 }
 
 // -0.0 values of an all-finite block (only needed with the histogram, and only when the

@@ -316,14 +316,27 @@ class TensorStats:
         return f"TensorStats({head}, hist={len(d['hist_counts'])} buckets)"
 
     def __reduce__(self):
-        # (row, kind): what torch.load's weights_only unpickler can rebuild (see below)
-        return (TensorStats, (self.row, self.hist))
+        # a row of a larger tensor (results() rows are views of the merged bank) is saved
+        # alone: torch.save writes a view's whole storage
+        row = self.row
+        if row.untyped_storage().nbytes() != row.numel() * row.element_size():
+            row = row.clone()
+        return (_rebuild_tensor_stats, (row, self.hist))
+
+
+def _rebuild_tensor_stats(row: Any, hist: Any) -> TensorStats:
+    """A pickled TensorStats (``__reduce__``), checked as the constructor checks a row; the
+    histogram kind is one the op makes, else None (unknown: merge compares the ranges)."""
+    ok = (hist is None or hist in ("none", "log2", "linear")
+          or (type(hist) is tuple and len(hist) == 3 and hist[0] == "linear"
+              and all(type(v) in (int, float) for v in hist[1:])))
+    return TensorStats(row, hist if ok else None)
 
 
 # ``torch.save`` of results (a checkpoint dict with ``session.results()`` in it) loads with
-# ``torch.load``'s default ``weights_only=True``: the loader may build TensorStats from a row
-# tensor and its histogram kind (a string, None or a tuple of numbers), and nothing else.
-torch.serialization.add_safe_globals([TensorStats])
+# ``torch.load``'s default ``weights_only=True``: the loader may call this rebuild, which
+# takes a float64 row tensor and a histogram kind, and nothing else of hookplug.
+torch.serialization.add_safe_globals([_rebuild_tensor_stats])
 
 
 class StatsBlock(NamedTuple):

@@ -86,8 +86,10 @@ Options (keyword-only):
   registry, e.g. to compare with ``FlopCounterMode``).
 
 ``results()``: ``{module name: {"flops", "macs", "params", "backward_flops"}}`` (ints;
-``params`` counts the module's parameters including its children's). ``total()``: the same
-keys for every window (``params``: the model's). ``reset()`` forgets the counts.
+``params`` counts the module's parameters including its children's; 0 while one of them is
+a lazy module's, not yet sized by its first forward). ``total()``: the same keys for every
+window (``params``: the model's, 0 while any lazy parameter is unsized). ``reset()`` forgets
+the counts.
 
 Limitations. Inside a window the mode sees the ops that *other plugins' hooks* run in
 forward (a third-party plugin's arithmetic in ``forward_input``/``forward_output``); those

@@ -121,10 +121,11 @@ import weakref
 from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
+from torch.nn.parameter import UninitializedTensorMixin
 
 import hookplug
 from hookplug import hookimpl
-from hookplug._bank import (LATE_CLOCK, ON_COMPILE_START, StatsBank, as_measured, check_hist_options,
+from hookplug._bank import (LATE_CLOCK, ON_COMPILE_START, StatsBank, _is_compiling, as_measured, check_hist_options,
                             check_max_pending, check_sites, dtensor_local, dynamo_disable, is_dtensor, merge_devices,
                             pad_rows, unmaterialized)
 from hookplug._plugin import user_stacklevel, warn_once
@@ -160,6 +161,37 @@ class _Param:
         power iteration updates its buffers) and is no parameter; that one is left out."""
         mod = self.module_ref()
         return None if mod is None else mod._parameters.get(self.attr)
+
+
+class _Baseline:
+    """A forward pre-hook on a lazy module (``nn.LazyLinear``) whose parameters held no values
+    at attach: without an optimizer the first step's update is the change from the weights
+    its first forward materializes (torch's hook, registered before this one), copied here.
+    It takes itself off once they all hold values. (Eager code; parameters on ``meta`` at
+    attach get their baseline at the first ``session.step()``.)"""
+
+    __slots__ = ("plugin_ref", "prs", "handle")
+
+    def __init__(self, plugin: "ParamsPlugin", prs: List[_Param]):
+        self.plugin_ref = weakref.ref(plugin)
+        self.prs = prs
+        self.handle = None
+
+    def __call__(self, module, args) -> None:
+        plugin = self.plugin_ref()
+        if plugin is None or _is_compiling():
+            return
+        pending = False
+        for pr in self.prs:
+            t = pr.tensor()
+            if t is not None and unmaterialized(t):
+                pending = True
+            elif t is not None and pr.prev is None and not plugin._opt_seen and plugin.bank.live:
+                w = plugin._local(pr, t)
+                if w is not None:
+                    plugin._snapshot(pr, w)
+        if not pending:
+            self.handle.remove()
 
 
 class _Frame:
@@ -330,6 +362,7 @@ class ParamsPlugin(hookplug.Plugin):
         self._opt_cache: Dict[int, Tuple[Any, int, List[_Param]]] = {}  # id -> (ref, n, params)
         self._frames: List[_Frame] = []  # optimizer steps in progress, outermost first
         self._handles: List[Any] = []
+        self._baselines: List[Any] = []  # _Baseline hooks' handles
         self._unhook: Optional[weakref.finalize] = None
         self._session_ref = None
         self._opt_seen = False
@@ -649,9 +682,21 @@ class ParamsPlugin(hookplug.Plugin):
                                   opt.register_step_post_hook(_outside_dynamo(self._opt_post))]
         if dynamo_disable() is None:  # (wrapped at the first compile start)
             _BARE_HOOKS.add(self)
+        baselines = []
+        if "update" in self.sites and not self._opt_seen:  # (see _Baseline)
+            owners: Dict[int, Tuple[Any, List[_Param]]] = {}
+            for pr in self._params:
+                t, mod = pr.tensor(), pr.module_ref()
+                if t is not None and mod is not None and isinstance(t, UninitializedTensorMixin):
+                    owners.setdefault(id(mod), (mod, []))[1].append(pr)
+            for mod, prs in owners.values():
+                baseline = _Baseline(self, prs)
+                baseline.handle = mod.register_forward_pre_hook(baseline)
+                baselines.append(baseline.handle)
         # a session dropped without remove(): torch's global hooks would keep this plugin (its
         # bank, the update copies) alive and called at every optimizer step of the process
-        self._unhook = weakref.finalize(session, _remove_handles, list(self._handles))
+        self._unhook = weakref.finalize(session, _remove_handles, list(self._handles) + baselines)
+        self._baselines = baselines
         if "update" in self.sites and session.sampled and not self._opt_seen:  # the baseline without an optimizer
             for pr in self._params:
                 w = self._local(pr, pr.tensor())
@@ -713,8 +758,8 @@ class ParamsPlugin(hookplug.Plugin):
         if self._unhook is not None:
             self._unhook.detach()
             self._unhook = None
-        _remove_handles(self._handles)
-        self._handles = []
+        _remove_handles(self._handles + self._baselines)
+        self._handles, self._baselines = [], []
         self._frames = []
         for pr in self._params:
             pr.prev = None  # the update copies' memory

@@ -151,3 +151,45 @@ def test_a_lazy_parameter_is_hooked_by_the_forward_that_materializes_it():
     model = lazy_cnn()
     hookplug.attach(model, "Linear", plugins=[Seen()]).remove()
     assert all(len(m._forward_pre_hooks) == 1 for m in (model[0], model[3], model[5]))  # torch's own
+
+
+def test_params_update_of_a_lazy_model_without_an_optimizer_has_its_first_step():
+    """No optimizer (weights changed by hand): the update is the change between two steps,
+    from the weights the first forward materialized (a lazy parameter had no baseline at
+    attach: step 0 had no update record); the records equal a session attached after a dry
+    run, and the change plain torch made."""
+    x = torch.randn(2, 2, 6, 6, generator=torch.Generator().manual_seed(3))
+
+    def run(attach_first):
+        model = lazy_cnn()
+        if not attach_first:
+            torch.manual_seed(1)
+            with torch.no_grad():
+                model(x)
+        s = hookplug.attach(model, "Conv2d|Linear", plugins=("params", {"sites": ("update",)}))
+        if attach_first:
+            torch.manual_seed(1)
+        changes = []
+        for step in range(2):
+            model.zero_grad()
+            model(x * (step + 1)).square().mean().backward()
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+            changes.append({n: p.detach() - before[n] for n, p in model.named_parameters()})
+            s.step()
+        recs = s.flush()
+        s.remove()
+        _assert_no_hooks(model)
+        return {(r["step"], r["module"]): r for r in recs}, changes
+
+    first, changes = run(True)
+    after, _ = run(False)
+    strip = lambda rs: {k: {f: v for f, v in r.items() if f not in ("time", "run_id")} for k, r in rs.items()}  # noqa: E731
+    assert strip(first) == strip(after)
+    assert {k[0] for k in first} == {0, 1}
+    for step, change in enumerate(changes):
+        for name, d in change.items():
+            r = first[(step, name)]
+            assert r["numel"] == d.numel() and r["max"] == float(d.max()) and r["min"] == float(d.min())

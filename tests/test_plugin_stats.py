@@ -744,3 +744,26 @@ def test_results_in_a_checkpoint_load_with_torch_load_defaults(tmp_path):
     st = back["hookplug"]["stats"]["fc1"]["output"]
     assert isinstance(st, TensorStats) and st.row.dtype == torch.float64
     assert torch.equal(st.merge(st).numel, 2 * res["stats"]["fc1"]["output"].numel)
+    # a row that is a view of a larger tensor (results' rows may be views of the merged
+    # bank) is saved alone, not with the whole tensor
+    one = TensorStats(torch.stack([res["stats"]["fc1"]["output"].row] * 50)[7], "log2")
+    torch.save(one, tmp_path / "one.pt")
+    alone = torch.load(tmp_path / "one.pt")
+    assert alone.row.untyped_storage().nbytes() == one.row.numel() * 8
+    assert plain(alone) == plain(one)
+
+
+def test_a_crafted_tensor_stats_pickle_gets_the_constructors_checks():
+    """What torch.load(weights_only=True) may build from a file: a TensorStats through its
+    constructor (a row that is no 1-D tensor is refused; an unknown histogram kind is None),
+    never an object the constructor did not check."""
+    import pickle
+
+    from hookplug._stats import _rebuild_tensor_stats
+
+    good = TensorStats(hookplug.ops.tensor_stats(torch.randn(10)).row, "log2")
+    assert pickle.loads(pickle.dumps(good)).hist == "log2"
+    assert _rebuild_tensor_stats(good.row, {"x": [1, 2]}).hist is None
+    assert _rebuild_tensor_stats(good.row, ("linear", -1, 1.5)).hist == ("linear", -1, 1.5)
+    with pytest.raises(ValueError, match="stats row"):
+        _rebuild_tensor_stats("not a tensor", "log2")
