@@ -958,13 +958,18 @@ def test_torch_compile_fullgraph_matches_eager(device, backend):
     def f(x):
         st = ops.tensor_stats(x * 2)
         lin = ops.tensor_stats(x, hist="linear", bins=8)
-        return st.mean, st.std, st.hist_counts, lin.hist_counts, lin.hist_edges, st.min + lin.max
+        return ((st.row, lin.row, st.hist_counts, lin.hist_counts),
+                (st.mean, st.std, lin.hist_edges, st.min + lin.max))
 
     x = planted(3000, torch.float32, gen(27)).to(device)
-    eager = f(x)
-    compiled = torch.compile(f, fullgraph=True, backend=backend)(x)
-    for a, b in zip(eager, compiled):
-        assert torch.equal(a, b) or (a.isnan().all() and b.isnan().all())
+    (rows, derived) = f(x)
+    (c_rows, c_derived) = torch.compile(f, fullgraph=True, backend=backend)(x)
+    for a, b in zip(rows, c_rows):  # the op's rows and counts: bitwise
+        torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True)
+    # fields computed from the rows: inductor's generated sqrt/division may round the last
+    # bit otherwise than eager torch (std 1098.620395682362 vs ...3617, HOOKPLUG_TEST_SEED=314)
+    for a, b in zip(derived, c_derived):
+        torch.testing.assert_close(b, a, rtol=4e-16, atol=0, equal_nan=True)
 
 
 def test_missing_device_kernel_warns_once_per_device(monkeypatch):
