@@ -25,6 +25,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from ._plugin import user_stacklevel
 from ._stats import CLOCK, HEAD, MAX_BINS, StatsBlock, TensorStats, empty_rows, merge_rows, touched
@@ -81,7 +82,7 @@ def unmaterialized(t) -> bool:
     """Whether parameter ``t`` holds no values yet: on ``meta`` (deferred init, new Parameter
     objects come with ``to_empty()``) or a lazy module's ``UninitializedParameter``
     (``nn.LazyLinear``: materialized in place by the module's first forward)."""
-    return isinstance(t, torch.nn.parameter.UninitializedTensorMixin) or t.is_meta
+    return is_lazy(t) or t.is_meta
 
 
 def param_device(model) -> Optional[torch.device]:

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from . import _bank
-from ._bank import _is_compiling, is_dtensor, unmaterialized
+from ._bank import _is_compiling, is_dtensor, is_lazy, unmaterialized
 # != -1 in eager code: a forward running inside backward, i.e. activation checkpointing
 # recomputing it (compiled code cannot ask at trace time: the stats op's kernel asks when
 # it runs, see skip_recompute in hookplug.ops)
@@ -756,7 +756,7 @@ class _ParamBinding:
         only; torch keeps a leaf's hooks through freezing): it runs once the parameter is
         unfrozen, also in the backward right after ``requires_grad_(True)``."""
         param = self.param()
-        if param is None or isinstance(param, nn.parameter.UninitializedTensorMixin):
+        if param is None or is_lazy(param):
             return  # (a lazy module's: hooked once its forward materialized it, see _Materialize)
         hooks = param._backward_hooks
         if self.handle is None or hooks is None or self.handle.id not in hooks:

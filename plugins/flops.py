@@ -112,6 +112,7 @@ from collections import Counter, defaultdict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+from torch.nn.parameter import is_lazy
 import torch.utils.flop_counter as _fc
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -1032,7 +1033,7 @@ class FlopsPlugin(hookplug.Plugin):
                 del self._unsized[name]
                 continue
             params = list(module.parameters())
-            if any(isinstance(p, torch.nn.parameter.UninitializedTensorMixin) for p in params):
+            if any(is_lazy(p) for p in params):
                 continue
             count = sum(p.numel() for p in params)
             if name is None:

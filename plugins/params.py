@@ -121,7 +121,7 @@ import weakref
 from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
-from torch.nn.parameter import UninitializedTensorMixin
+from torch.nn.parameter import is_lazy
 
 import hookplug
 from hookplug import hookimpl
@@ -687,7 +687,7 @@ class ParamsPlugin(hookplug.Plugin):
             owners: Dict[int, Tuple[Any, List[_Param]]] = {}
             for pr in self._params:
                 t, mod = pr.tensor(), pr.module_ref()
-                if t is not None and mod is not None and isinstance(t, UninitializedTensorMixin):
+                if t is not None and mod is not None and is_lazy(t):
                     owners.setdefault(id(mod), (mod, []))[1].append(pr)
             for mod, prs in owners.values():
                 baseline = _Baseline(self, prs)
