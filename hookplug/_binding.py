@@ -27,7 +27,7 @@ from ._bank import _is_compiling, is_dtensor, is_lazy, unmaterialized
 from ._checkpoint import _graph_task_id
 from ._manager import PluginError
 from ._plugin import user_stacklevel
-from .structures import children, iter_tensors, map_tensors
+from .structures import children, iter_tensors, map_tensors, rebuild
 
 if TYPE_CHECKING:
     from ._session import Session
@@ -70,31 +70,64 @@ _inference_mode = torch.is_inference_mode_enabled
 
 
 def _own_outputs(output, args, kwargs):
-    """``output`` with each tensor that needs a gradient and is one of the call's inputs or
-    a leaf (``nn.Identity``, an empty ``nn.Sequential`` shortcut, Dropout in eval, a
-    Parameter returned as is) replaced by ``t.view_as(t)``: same values and memory, its own
-    autograd node, so a gradient hook on it sees the gradient through this module only (as
+    """``(output to use or None, ids)``: each output tensor that needs a gradient and is one
+    of the call's inputs (``nn.Identity``, an empty ``nn.Sequential`` shortcut, Dropout in
+    eval) replaced by ``t.view_as(t)``: same values and memory, its own autograd node, so a
+    gradient hook on it sees the gradient through this module only (as
     ``register_full_backward_hook``'s ``grad_output``), not every use of the shared tensor.
-    None when no tensor needs it."""
+    ``ids``: the ``id`` of every such input; one left in place gets no gradient hook. It is
+    left where replacing it could change what the model computes or returns: a layout
+    without views (sparse, mkldnn, strided nested tensors), or inside a container other
+    than a tuple, namedtuple or HF ModelOutput (a list or dict may be the module's own
+    state, a dataclass or subclass may hold what a rebuild drops). ``(x, x)`` gets one view
+    at both places. A leaf that is not an input (a Parameter returned as is) stays itself
+    and gets no hook (it would keep it for good)."""
     if isinstance(output, torch.Tensor):  # the common case, without walking anything
-        if not output.requires_grad or (output.grad_fn is not None
-                                        and id(output) not in _input_ids(args, kwargs)):
-            return None
-        return output.view_as(output)
+        if not output.requires_grad or id(output) not in _input_ids(args, kwargs):
+            return None, ()
+        return (output.view_as(output) if _has_views(output) else None), (id(output),)
     inputs = None
     shared = set()
     for _, t in iter_tensors(output):
-        if not t.requires_grad:
-            continue
-        if t.grad_fn is not None:
+        if t.requires_grad:
             if inputs is None:
                 inputs = _input_ids(args, kwargs)
-            if id(t) not in inputs:
-                continue
-        shared.add(id(t))
+            if id(t) in inputs:
+                shared.add(id(t))
     if not shared:
-        return None
-    return map_tensors(lambda _, t: t.view_as(t) if id(t) in shared else t, output)
+        return None, ()
+    new = _with_views(output, shared, {})
+    return (None if new is output else new), shared
+
+
+def _has_views(t: torch.Tensor) -> bool:
+    """Whether ``t.view_as(t)`` works: strided and jagged layouts (not sparse, mkldnn or a
+    strided nested tensor)."""
+    layout = t.layout
+    return (layout is torch.strided and not t.is_nested) or layout is torch.jagged
+
+
+def _with_views(obj, shared: set, views: dict):
+    """``obj`` with the tensors whose ``id`` is in ``shared`` replaced by views (one per
+    tensor, in ``views``), rebuilt only where it changed and rebuilds as it was."""
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in shared or not _has_views(obj):
+            return obj
+        view = views.get(id(obj))
+        if view is None:
+            view = views[id(obj)] = obj.view_as(obj)
+        return view
+    kids = children(obj, init_only=True)
+    if kids is None:
+        return obj
+    items = [(key, _with_views(value, shared, views)) for key, _, value in kids]
+    if all(new is value for (_, new), (_, _, value) in zip(items, kids)):
+        return obj
+    t = type(obj)
+    if not (t is tuple or (t.__bases__ == (tuple,) and hasattr(obj, "_fields"))
+            or (isinstance(obj, dict) and dataclasses.is_dataclass(obj))):  # HF ModelOutput
+        return obj
+    return rebuild(obj, items)
 
 
 _SCALARS = (int, float, bool, str, type(None))
@@ -612,13 +645,13 @@ class _ModuleBinding:
     def _hook_grads(self, ctx, module, args, kwargs, output, new):
         """A tensor hook on each output tensor that needs a gradient (a module's own view of
         one it shares, see :func:`_own_outputs`); returns the output to use, or ``new``."""
-        own = _own_outputs(output, args, kwargs)
+        own, shared = _own_outputs(output, args, kwargs)
         if own is not None:
             output = new = own
         found: List[Tuple[torch.Tensor, List[str]]] = []
         for path, t in iter_tensors(output):
             # a leaf (a Parameter returned as is) would keep a tensor hook for good
-            if t.requires_grad and t.grad_fn is not None:
+            if t.requires_grad and t.grad_fn is not None and id(t) not in shared:
                 for u, paths in found:
                     if u is t:  # one tensor at two paths, (y, y): one hook, or a plugin
                         paths.append(path)  # steering its gradient would do so twice
@@ -628,7 +661,7 @@ class _ModuleBinding:
         for t, paths in found:
             # every path's hooks with the whole gradient where the tensor has several, as
             # compiled code runs them
-            t.register_hook(functools.partial(_output_grad_hook, self._ref, ctx, module,
+            t.register_hook(functools.partial(_output_grad_hook, self._ref, ctx, weakref.ref(module),
                                               paths[0] if len(paths) == 1 else paths))
         return new
 
@@ -712,11 +745,12 @@ def _inert_binding(name: str) -> _ModuleBinding:
     return _ModuleBinding(name, None)
 
 
-def _output_grad_hook(binding_ref, ctx, module, paths, grad):
-    """The tensor hook on a module's output: it reaches the binding weakly, so an output a
-    user keeps after ``remove()`` keeps neither the binding nor its session alive."""
-    binding = binding_ref()
-    if binding is None:
+def _output_grad_hook(binding_ref, ctx, module_ref, paths, grad):
+    """The tensor hook on a module's output: it reaches the binding and the module weakly,
+    so an output a user keeps after ``remove()`` keeps neither the binding, its session nor
+    the module alive."""
+    binding, module = binding_ref(), module_ref()
+    if binding is None or module is None:
         return None
     if isinstance(paths, str):
         return binding.grad_hook(ctx, module, paths, grad)

@@ -10,7 +10,9 @@ plugin order*: each plugin sees the previous plugin's result, and ``None`` leave
 unchanged (observe only).
 
 ``ctx`` is a :class:`hookplug.HookContext` with ``name`` (the module's qualified name),
-``call_index`` (how many times this module has been called in this session, from 0),
+``call_index`` (how many times this module has been called in this session, from 0;
+calls of a module nested in its own forward are numbered in the order they start when
+a plugin on it has ``forward_input``, in the order they end otherwise),
 ``step`` (the session's step counter) and ``session``; ``forward_input`` and
 ``forward_output`` of one call receive the same ``ctx`` object, and so do the gradient hooks
 of that call's outputs (under a reentrant activation checkpoint, those of the recompute,

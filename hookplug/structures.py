@@ -26,8 +26,9 @@ def children(obj: Any, path: str = "output",
     if isinstance(obj, (list, tuple)):
         return [(i, f"{path}[{i}]", v) for i, v in enumerate(obj)]
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        # (a field without a default and init=False is unset until the class sets it)
         return [(f.name, f"{path}.{f.name}", getattr(obj, f.name))
-                for f in dataclasses.fields(obj) if f.init or not init_only]
+                for f in dataclasses.fields(obj) if (f.init or not init_only) and hasattr(obj, f.name)]
     return None
 
 

@@ -681,13 +681,11 @@ class CapturePlugin(hookplug.Plugin):
             for name, value in self._store[kind].items():
                 entries = value if isinstance(value, list) else [value]
                 last = entries[-1] if entries else None
-                shapes = ", ".join(_shape_text(t) for _, t in iter_tensors(last)) or "-"
-                dtypes = (
-                    ", ".join(
-                        sorted({str(t.dtype).replace("torch.", "") for _, t in iter_tensors(last)})
-                    )
-                    or "-"
-                )
+                tensors = [t for _, t in iter_tensors(last)]
+                shapes = ", ".join(_shape_text(t) for t in tensors) or "-"
+                kinds = [str(t.dtype).replace("torch.", "") for t in tensors]
+                # one per shape, in the same order; one name where every tensor has it
+                dtypes = ", ".join(kinds if len(set(kinds)) > 1 else kinds[:1]) or "-"
                 label = name or "<root>"
                 if kind != "features":
                     label += f" [{kind[:-1]}]"

@@ -850,3 +850,15 @@ def test_a_plugin_attached_again_captures_the_call_its_last_session_skipped_at_t
             y = m(x)  # call 0 again: fits
     assert plugin.skipped == 1
     assert torch.equal(plugin.features["0"][0], y.detach()) and torch.equal(plugin.inputs["0"][0][0], x)
+
+
+def test_report_lists_each_tensors_dtype_beside_its_shape():
+    class Mixed(nn.Module):
+        def forward(self, x):
+            return x.long().sum(1), x > 0, x.to(torch.int8)
+
+    model = nn.Sequential(Mixed())
+    with hookplug.attach(model, "*:0", plugins="capture") as s:
+        model(torch.randn(3, 5))
+    row = next(line for line in s["capture"].report().splitlines() if line.lstrip().startswith("0"))
+    assert "(3,), (3, 5), (3, 5)" in row and "int64, bool, int8" in row  # was: bool, int64, int8

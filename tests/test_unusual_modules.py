@@ -1,7 +1,11 @@
 """Real but unusual modules: shortcuts that return their input, packed sequences, the
 nested-tensor fast path of nn.TransformerEncoder, float16 and sparse gradients. Each case
 is compared with what plain torch (hooks, FlopCounterMode) gives."""
+import collections
+import dataclasses
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -328,3 +332,164 @@ def test_legacy_batched_gradients_are_treated_like_vmapped_ones():
         xr = x.clone().requires_grad_()
         with pytest.raises(RuntimeError, match="batched by torch.func"):
             torch.autograd.grad(model(xr), xr, torch.eye(3), is_grads_batched=True)
+
+
+_GRAD_PLUGINS = [[("stats", {"sites": ("output", "grad")})], [("gradclamp", {"min": -1.0, "max": 1.0})],
+                 [("capture", {"grads": True})]]
+
+
+def _layouts():
+    dense = torch.randn(4, 3)
+    yield "sparse_coo", lambda: dense.to_sparse().requires_grad_()
+    yield "sparse_csr", lambda: dense.to_sparse_csr().requires_grad_()
+    if torch.backends.mkldnn.is_available():
+        yield "mkldnn", lambda: dense.to_mkldnn().requires_grad_()
+    yield "nested_strided", lambda: torch.nested.nested_tensor([dense[:2], dense[2:3]], requires_grad=True)
+
+
+@pytest.mark.parametrize("plugins", _GRAD_PLUGINS, ids=lambda p: p[0][0])
+@pytest.mark.parametrize("layout,make", list(_layouts()), ids=[n for n, _ in _layouts()])
+def test_identity_on_a_tensor_without_views_runs_as_without_hooks(layout, make, plugins):
+    """A sparse, mkldnn or strided nested tensor passed through ``nn.Identity`` cannot be
+    given a view of its own: it is returned as is, with no grad site (the forward raised)."""
+    model = nn.Sequential(nn.Identity())
+    x = make()
+    want = model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # stats: these layouts are skipped, and says so
+        with hookplug.attach(model, "*", plugins=plugins) as session:
+            got = model(x)
+            results = session[plugins[0][0]].results()
+    assert got is x and want is x
+    if plugins[0][0] == "stats":
+        assert "grad" not in results.get("0", {})
+    if plugins[0][0] == "capture":
+        assert not session["capture"].grads
+
+
+class _Tagged(list):
+    pass
+
+
+@dataclasses.dataclass
+class _Out:
+    y: torch.Tensor
+    x: torch.Tensor
+    note: str = dataclasses.field(init=False, default="")
+
+
+class _ReturnsInputInside(nn.Module):
+    """Returns its input ``x`` beside a computed tensor, in a container of ``kind``."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(3, 3)
+        self.cache = []
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.kind == "dataclass":
+            out = _Out(y, x)
+            out.note = "set after construction"
+            return out
+        if self.kind == "defaultdict":
+            out = collections.defaultdict(lambda: torch.zeros(()))
+            out["y"], out["x"] = y, x
+            return out
+        if self.kind == "list_subclass":
+            out = _Tagged([y, x])
+            out.note = "an attribute"
+            return out
+        if self.kind == "own_list":
+            self.cache[:] = [y, x]
+            return self.cache
+        return (y, x)  # tuple
+
+
+@pytest.mark.parametrize("kind", ["dataclass", "defaultdict", "list_subclass", "own_list", "tuple"])
+def test_an_input_returned_inside_a_container_keeps_the_container_as_the_module_made_it(kind):
+    """Only tuples (and namedtuples, HF ModelOutputs) are rebuilt to give a returned input
+    its own view; any other container comes back as the module made it, the input there
+    without a grad site. The computed tensor's grad site works in every container."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_ReturnsInputInside(kind))
+    x = torch.randn(2, 3, requires_grad=True)
+    with hookplug.attach(model, "*:0", plugins=[("capture", {"grads": True})]) as session:
+        out = model(x)
+        parts = _parts(kind, out)  # (y, the returned x)
+        if kind == "dataclass":
+            assert out.note == "set after construction"
+        elif kind == "defaultdict":
+            assert isinstance(out, collections.defaultdict) and out["absent"].shape == ()
+        elif kind == "list_subclass":
+            assert type(out) is _Tagged and out.note == "an attribute"
+        elif kind == "own_list":
+            assert out is model[0].cache
+        if kind == "tuple":  # rebuilt: x has its own view, and a grad site
+            assert parts[1] is not x and parts[1]._base is x
+        else:
+            assert parts[1] is x
+        (parts[0].sum() + 2 * parts[1].sum()).backward()
+        gy, gx = _parts(kind, session["capture"].grads["0"])
+    assert torch.equal(gy, torch.ones(2, 3))
+    if kind == "tuple":
+        assert torch.equal(gx, torch.full((2, 3), 2.0))
+    else:
+        assert gx is None
+    assert torch.equal(x.grad, model[0].lin.weight.sum(0).expand(2, 3) + 2)
+
+
+def _parts(kind, out):
+    if kind == "dataclass":
+        return out.y, out.x
+    if kind == "defaultdict":
+        return out["y"], out["x"]
+    return out[0], out[1]
+
+
+def test_an_input_returned_twice_is_one_view_and_both_places_see_the_whole_gradient():
+    class Twice(nn.Module):
+        def forward(self, x):
+            return x, x
+
+    model = nn.Sequential(Twice())
+    x = torch.randn(3, requires_grad=True)
+    with hookplug.attach(model, "*:0", plugins=[("stats", {"sites": ("grad",)})]) as session:
+        a, b = model(x)
+        assert a is b and a is not x
+        (2 * a + 3 * b).sum().backward()
+        grads = session["stats"].results()["0"]
+    assert set(grads) == {"grad[0]", "grad[1]"}
+    for path in ("grad[0]", "grad[1]"):
+        assert float(grads[path].min) == float(grads[path].max) == 5.0
+    assert torch.equal(x.grad, torch.full((3,), 5.0))
+
+
+def test_a_parameter_returned_as_is_stays_the_parameter():
+    class PosEmbed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(2, 3))
+
+        def forward(self):
+            return self.weight
+
+    model = nn.Sequential()
+    model.add_module("pos", PosEmbed())
+    with hookplug.attach(model, "*:pos", plugins=[("stats", {"sites": ("output", "grad")})]):
+        out = model.pos()
+        assert out is model.pos.weight
+        (3 * out).sum().backward()
+    assert torch.equal(model.pos.weight.grad, torch.full((2, 3), 3.0))
+
+
+def test_an_output_kept_after_remove_keeps_no_hooked_module_alive():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+    sub = weakref.ref(model[0])
+    with hookplug.attach(model, "*:0", plugins=[("stats", {"sites": ("output", "grad")})]):
+        kept = model(torch.randn(2, 3))
+    del model
+    gc.collect()
+    assert sub() is None
+    kept.sum().backward()  # the output's hook outlives its module and does nothing
