@@ -316,7 +316,8 @@ def attach_options(config, given, selector, plugins, *, every, sink, on_error, s
     """How ``attach()`` combines ``config=`` (a path or an already loaded dict) with its own
     arguments (the precedence rule of this module's docstring): an argument whose name is in
     ``given`` (passed by the caller) wins over the file; plugins come from one or the other,
-    not both. With ``flush_every`` set and no sink anywhere, the embedded ``jsonl`` sink.
+    not both (``attach`` adds the ``jsonl`` sink where ``flush_every`` is set and neither
+    ``sink`` nor ``plugins`` names one).
     Returns ``(selector, plugins, every, sink, on_error, strict, flush_every)``."""
     if config is not None:
         if not isinstance(config, (str, os.PathLike, dict)):
@@ -335,6 +336,4 @@ def attach_options(config, given, selector, plugins, *, every, sink, on_error, s
         sink = sink if "sink" in given else cfg.get("sink", sink)
         on_error = on_error if "on_error" in given else cfg.get("on_error", on_error)
         strict = strict if "strict" in given else cfg.get("strict", strict)
-    if sink is None and flush_every is not None:
-        sink = "jsonl"
     return selector, plugins, every, sink, on_error, strict, flush_every

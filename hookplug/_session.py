@@ -1164,7 +1164,8 @@ def attach(
 
     Telemetry: ``every=N`` samples one step in N (default 1); ``flush_every=K`` flushes
     the producers' stats to the sinks every K steps without waiting for the device; with
-    ``flush_every`` set and no ``sink``, records go to ``runs/<run-id>/telemetry.jsonl``.
+    ``flush_every`` set and no sink (in ``sink=`` or ``plugins=``), records go to
+    ``runs/<run-id>/telemetry.jsonl``.
     ``config=`` a TOML file (see ``hookplug.load_config``) supplies what is not passed here.
     ``distributed=False`` keeps the session off torch.distributed (no collective flush,
     records of this rank only): for a session attached on some ranks only, e.g. to debug
@@ -1240,6 +1241,8 @@ def attach(
         group = [by_key.get(getattr(inst, "name", None) or name) for name, _, inst in _normalize_specs(spec)]
         if any(p is not None and _needs_calls(p) for p in group):
             warn_never_called(sel, containers, stacklevel=3)
+    if sink is None and flush_every is not None and not any(is_hookimpl(p, "hookplug_flush") for _, p in built):
+        sink = "jsonl"  # (a sink named in plugins= serves as the sink)
     sink_specs = [(getattr(inst, "name", None) or n, o, inst) for n, o, inst in _normalize_specs(sink, "sink")]
     for key, instance in _build_plugins(sink_specs, on_error):
         if not is_hookimpl(instance, "hookplug_flush"):  # its records would go nowhere, silently

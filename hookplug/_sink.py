@@ -65,6 +65,9 @@ class Sink:
     def __init__(self, path: "Optional[str | os.PathLike[str]]" = None, *, all_ranks: bool = False):
         self.path_option = None if path is None else os.fspath(path)
         if self.path_option is not None:
+            if not isinstance(self.path_option, str) or not self.path_option.strip():
+                raise ValueError(f"{self.name} sink: path= expects a file or folder name (or None: "
+                                 f"runs/<run-id>), got {path!r}")
             self._check_placeholders(self.path_option)
         self.all_ranks = bool(all_ranks)
         self.path: Optional[str] = None  # the resolved path, once known

@@ -345,6 +345,8 @@ MORE_ERRORS = {
     "shape past int64": (["profile", "cnn", "--input", "99999999999999999999x3"], "the shape is too large"),
     "numel past int64": (["profile", "mlp", "--input", "4611686018427387904x4"], "the shape is too large"),
     "tensorboard is a file": (["profile", "mlp", "--tensorboard", "x.txt"], "is a file, expected a folder"),
+    "tensorboard empty": (["profile", "mlp", "--tensorboard", ""], "expected a folder name, got ''"),
+    "json empty": (["profile", "mlp", "--json", " "], "expected a file name or '-', got ' '"),
     "plugin given twice": (["profile", "mlp", "--plugins", "stats,stats(bins=0)"], "plugin 'stats' is given twice"),
     "seed past 64 bits": (["profile", "mlp", "--seed", "99999999999999999999999"], "--seed"),
 }

@@ -280,6 +280,79 @@ def test_read_jsonl_of_a_file_it_cannot_read_says_what_it_expects(tmp_path):
     assert info.value.filename == str(tmp_path / "missing.jsonl.gz")
 
 
+def test_read_jsonl_refuses_files_that_are_not_telemetry(tmp_path):
+    """A file that is not hookplug telemetry raises, naming the line, instead of coming back
+    as no records (every line taken for a torn one) or as records without a module."""
+    from hookplug_plugins.sinks.jsonl import read_jsonl
+
+    cases = {
+        "config.jsonl": (json.dumps({"lr": 0.1, "layers": [1, 2]}, indent=2), "line 2 is not a telemetry record"),
+        "weights.jsonl": (b"\x08\x00\x00\x00\x00\x00\x00\x00{}binary", "line 1 is not a telemetry record"),
+        "losses.jsonl": ('{"loss": 1.5}\n{"loss": 1.2}\n', "expected a JSON object with keys module, site, step"),
+    }
+    for name, (text, message) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises(ValueError, match=message):
+            read_jsonl(str(path))
+
+
+def test_a_line_another_writer_left_torn_between_flushes_loses_no_record(tmp_path):
+    """Two writers of one file: one dies mid-line while the other has it open; the survivor's
+    next flush starts on a line of its own (the torn line is ended first, at every flush)."""
+    from hookplug_plugins.sinks.jsonl import read_jsonl
+
+    path = tmp_path / "shared.jsonl"
+    m = MLP()
+    s = hookplug.attach(m, "Linear", plugins="stats", sink=("jsonl", {"path": str(path)}), flush_every=1)
+    for step in range(4):
+        m(torch.randn(4, 32))
+        if step == 2:
+            with open(path, "ab") as other:  # the other writer, killed part way through a line
+                other.write(b'{"step": 7, "module": "fc1", "si')
+        with pytest.warns(RuntimeWarning, match="ended in a torn line") if step == 2 else _no_warning():
+            s.step()
+    s.remove()
+    with pytest.warns(RuntimeWarning, match="skipped 1 torn line"):
+        back = read_jsonl(str(path), run_id=s.run_id)
+    assert sorted({r["step"] for r in back}) == [0, 1, 2, 3] and len(back) == 4 * 3
+
+
+def _no_warning():
+    import contextlib
+    import warnings
+
+    @contextlib.contextmanager
+    def check():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            yield
+    return check()
+
+
+@pytest.mark.parametrize("sink", ["jsonl", "tensorboard"])
+def test_a_sink_named_in_plugins_is_the_sink_with_flush_every(sink, tmp_path, monkeypatch):
+    """plugins=["stats", "jsonl"] with flush_every: the jsonl named there is the sink (it was
+    added a second time by default: "plugin name 'jsonl' is used twice"); with tensorboard
+    there, no telemetry.jsonl is written beside it."""
+    if sink == "tensorboard":
+        pytest.importorskip("tensorboard")
+    monkeypatch.chdir(tmp_path)
+    m = MLP()
+    s = hookplug.attach(m, "Linear", plugins=["stats", (sink, {"path": str(tmp_path / "out")})], flush_every=1)
+    m(torch.randn(4, 32))
+    s.step()
+    s.remove()
+    assert not (tmp_path / "runs").exists()
+    assert list((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("sink", ["jsonl", "tensorboard", "prometheus"])
+def test_a_sink_given_an_empty_path_says_what_it_expects(sink):
+    with pytest.raises(ValueError, match=f"{sink} sink: path= expects a file or folder name .* got ''"):
+        _manager.create_plugin(sink, {"path": ""})
+
+
 # -- tensorboard ------------------------------------------------------------------------------------
 
 def test_tensorboard_event_files_read_back(tmp_path):

@@ -150,6 +150,8 @@ def _parse_plugins(text: str) -> List[Tuple[str, Dict[str, Any]]]:
 def _output_dir(option: str, value: str) -> None:
     """Check early that ``value`` can be a folder (one that does not exist yet is created by
     the writer, whose OSError the caller turns into a UsageError)."""
+    if not value.strip():
+        raise UsageError(f"{option}: expected a folder name, got {value!r}")
     path = Path(value)
     if path.exists() and not path.is_dir():
         raise UsageError(f"{option} {value}: is a file, expected a folder")
@@ -159,6 +161,8 @@ def _output_path(option: str, value: Optional[str]) -> Optional[Path]:
     """Check early that a report can be written where asked (parent folders are created)."""
     if value is None or value == "-":
         return None
+    if not value.strip():
+        raise UsageError(f"{option}: expected a file name or '-', got {value!r}")
     path = Path(value)
     if path.is_dir():
         raise UsageError(f"{option} {value}: is a directory, expected a file name")

@@ -187,8 +187,6 @@ class JsonlSink(hookplug.Sink):
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
             # a session dropped without remove(): the file closes when the sink is collected
             self._fd_closer = weakref.finalize(self, os.close, self._fd)
-            with _locked(self._fd):
-                self._end_torn_line(self._fd)
             self._edges = {}  # a new file (or a new session's records): write the edges again
             self.lines = 0
         return self._fd
@@ -240,6 +238,8 @@ class JsonlSink(hookplug.Sink):
         self.run_id = getattr(session, "run_id", None) or self.run_id
         fd = self._open(session, records[0].get("rank", 0))
         with _locked(fd):
+            # at every flush: another writer of this file may have died mid-line since
+            self._end_torn_line(fd)
             start, lines, edges = os.lseek(fd, 0, os.SEEK_END), self.lines, dict(self._edges)
 
             def undo():  # Ctrl-C part way: the session hands this flush over again
@@ -308,13 +308,16 @@ class JsonlSink(hookplug.Sink):
             self._fd = None
 
 
+_RECORD_KEYS = frozenset(("step", "module", "site"))  # what every record has
+
+
 def read_jsonl(path: str, *, run_id: Optional[str] = None) -> List[Dict[str, Any]]:
     """Read a telemetry file back, carrying ``hist_edges`` forward to every record and
     turning ``null`` statistics back into NaN. ``run_id`` keeps only that run's records.
 
-    Torn lines (a run that stopped mid-write: not valid JSON) are skipped with one warning
-    naming them; a line that is JSON but not a record raises ``ValueError`` naming the file
-    and the line."""
+    Torn lines (a run that stopped mid-write: the start of a record, not valid JSON) are
+    skipped with one warning naming them; any other line (JSON without a record's ``step``,
+    ``module`` and ``site``, or not JSON) raises ``ValueError`` naming the file and the line."""
     path = os.fspath(path)
     if not path.endswith(_SUFFIXES):
         if not os.path.isdir(path):
@@ -335,11 +338,17 @@ def read_jsonl(path: str, *, run_id: Optional[str] = None) -> List[Dict[str, Any
         try:
             rec = json.loads(raw.decode("utf-8"))
         except (ValueError, RecursionError):
+            if not raw.startswith(b"{"):  # a torn line is the start of a record's line
+                raise ValueError(f"read_jsonl: {path}: line {number} is not a telemetry record "
+                                 f"(not JSON, and not the start of a record cut short): "
+                                 f"{raw[:60]!r}") from None
             torn.append(number)
             continue
-        if not isinstance(rec, dict):
-            raise ValueError(f"read_jsonl: {path}: line {number} is not a record: expected a JSON "
-                             f"object, got {type(rec).__name__}")
+        if not isinstance(rec, dict) or not _RECORD_KEYS <= rec.keys():
+            got = (f"an object with keys {', '.join(sorted(map(str, rec))[:8])}" if isinstance(rec, dict)
+                   else type(rec).__name__)
+            raise ValueError(f"read_jsonl: {path}: line {number} is not a telemetry record: expected a "
+                             f"JSON object with keys {', '.join(sorted(_RECORD_KEYS))}, got {got}")
         if run_id is not None and rec.get("run_id") != run_id:
             continue
         key = (rec.get("run_id"), rec.get("module"), rec.get("site"))

@@ -18,8 +18,11 @@ rms, zero_fraction, nan_count, inf_count``) and, when the record has a histogram
 at either end left out, the outer edges widened to the record's finite min/max, adjacent
 buckets summed to at most 512, wandb's limit; ``histogram=False`` leaves them out). One ``run.log`` per step holds every record
 of that step with ``hookplug/step`` (the record's step, declared the x-axis of
-``hookplug/*`` and ``hookplug_eval/*`` through ``define_metric``), never ``step=``, so
-the trainer's own step counter is left alone.
+``hookplug/*`` and ``hookplug_eval/*`` through ``define_metric``), without ``step=``:
+each call adds a row and moves the run's step on by one, as Lightning's ``WandbLogger`` and
+the 🤗 Trainer's callback do (they plot against step metrics of their own). A script
+logging its own rows with ``wandb.log(..., step=i)`` has them dropped by wandb once the
+run's step passed ``i``; such rows need ``define_metric`` with a step metric instead.
 
 With ``all_ranks=True`` every rank logs to a run of its own (``name=<run-id>-rank<r>``,
 ``group=<run-id>``) unless ``run=`` is given.
