@@ -113,6 +113,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import itertools
 import math
 import sys
 import threading
@@ -354,12 +355,14 @@ class ParamsPlugin(hookplug.Plugin):
                              f"{plain_tensors!r}")
         self.plain_tensors = plain_tensors or "replicated"
         self._plain_given = plain_tensors is not None
-        self._optimizers = optimizer
+        # weakly: a removed session kept for its results must not keep the optimizer, its
+        # state and the parameters alive
+        self._optimizers = None if optimizer is None else [weakref.ref(o) for o in optimizer]
         self.bank = StatsBank(bins=bins, hist=hist, range=range, max_pending_steps=max_pending_steps,
                               who=self.name, clock_base=LATE_CLOCK)  # measured after activations
         self._params: List[_Param] = []
         self._by_id: Dict[int, _Param] = {}
-        self._opt_cache: Dict[int, Tuple[Any, int, List[_Param]]] = {}  # id -> (ref, n, params)
+        self._opt_cache: Dict[int, Tuple[Any, Tuple[int, ...], List[_Param]]] = {}  # id -> (ref, ids, params)
         self._frames: List[_Frame] = []  # optimizer steps in progress, outermost first
         self._handles: List[Any] = []
         self._baselines: List[Any] = []  # _Baseline hooks' handles
@@ -512,21 +515,22 @@ class ParamsPlugin(hookplug.Plugin):
             self.bank.accumulate(prev, pr.keys["update"], gate=gate)
 
     def _of_optimizer(self, opt) -> List[_Param]:
-        n = sum(len(g["params"]) for g in opt.param_groups)
+        # the parameters' ids, not their number: a group's list replaced by as many others
+        ids = tuple(map(id, itertools.chain.from_iterable(g["params"] for g in opt.param_groups)))
         hit = self._opt_cache.get(id(opt))
-        if hit is not None and hit[0]() is opt and hit[1] == n:  # (an id is reused once freed)
+        if hit is not None and hit[0]() is opt and hit[1] == ids:  # (an id is reused once freed)
             return hit[2]
-        ids = {id(p) for g in opt.param_groups for p in g["params"]}
         prs = []
+        members = set(ids)
         for pr in self._params:
             t = pr.tensor()
-            if t is not None and id(t) in ids:
+            if t is not None and id(t) in members:
                 prs.append(pr)
         cache = self._opt_cache
         if len(cache) >= 16:  # optimizers made and dropped (one per phase, an LR finder)
             for key in [k for k, v in cache.items() if v[0]() is None]:
                 del cache[key]
-        cache[id(opt)] = (weakref.ref(opt), n, prs)
+        cache[id(opt)] = (weakref.ref(opt), ids, prs)
         return prs
 
     def _opt_pre(self, opt, args=None, kwargs=None):
@@ -677,7 +681,7 @@ class ParamsPlugin(hookplug.Plugin):
                              register_optimizer_step_post_hook(_outside_dynamo(self._opt_post))]
         else:
             self._handles = []
-            for opt in self._optimizers:
+            for opt in filter(None, (ref() for ref in self._optimizers)):
                 self._handles += [opt.register_step_pre_hook(_outside_dynamo(self._opt_pre)),
                                   opt.register_step_post_hook(_outside_dynamo(self._opt_post))]
         if dynamo_disable() is None:  # (wrapped at the first compile start)
@@ -807,11 +811,20 @@ class ParamsPlugin(hookplug.Plugin):
         for device, dev in self.bank._devices.items():
             cur = dev.current()[1:n + 1]
             last = None if self._last is None else self._last.get(device)
-            if last is not None:  # a row the running step has not touched: the last step's
+            if last is not None:  # a parameter the running step has not measured: the last step's
                 last = pad_rows(last, dev.empty[:n + 1])[1:n + 1]
-                cur = torch.where(touched(cur)[:, None], cur, last)
+                cur = torch.where(self._measured(touched(cur))[:, None], cur, last)
             per_device.append(cur)
         return merge_devices(per_device)
+
+    def _measured(self, rows_touched: torch.Tensor) -> torch.Tensor:
+        """Per row, whether any row of its parameter is touched (a frozen parameter's step has
+        a weight and an update but no gradient: its grad is not the last step's then)."""
+        keys = self.bank.keys[:rows_touched.shape[0]]
+        first: Dict[str, int] = {}
+        owner = torch.tensor([first.setdefault(k[0], len(first)) for k in keys], device=rows_touched.device)
+        per_param = torch.zeros(len(first), dtype=torch.int32, device=rows_touched.device)
+        return per_param.index_add_(0, owner, rows_touched.to(torch.int32))[owner] > 0
 
     def results(self, over: str = "step") -> Dict[str, Dict[str, TensorStats]]:
         """``{param: {site: TensorStats}}`` of this rank (unmerged under torch.distributed:

@@ -1280,3 +1280,70 @@ def test_a_compiled_optimizer_step_compiles_as_without_hooks_and_measures_exactl
     assert out["hooked"]["unique_graphs"] == out["plain"]["unique_graphs"], out
     assert out["breaks"] == 0 and out["records"] == 3 * 8 * 3, out
     assert out["worst"] < 1e-5, out
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["global_hooks", "optimizer="])
+def test_a_param_group_given_as_many_other_parameters_is_measured_as_it_is_now(named):
+    """``param_groups[0]["params"]`` replaced by as many other parameters: the step's weight,
+    update and grad are those of the parameters the optimizer steps now (a cache keyed on the
+    number of parameters kept crediting the old ones: an update of 0 for them, none for
+    the new ones, whose weight was taken after the step)."""
+    m, x = model_and_data()
+    opt = torch.optim.SGD(m[0].parameters(), lr=0.1)
+    plugin = ("params", {"optimizer": opt}) if named else "params"
+    with hookplug.attach(m, "Linear", plugins=plugin) as s:
+        for step in range(3):
+            if step == 1:
+                opt.param_groups[0]["params"] = list(m[2].parameters())
+            opt.zero_grad(set_to_none=True)
+            m(x).square().mean().backward()
+            held = [m[0].weight, m[2].weight][step >= 1]
+            before = held.detach().clone()
+            grad = held.grad.detach().clone()
+            opt.step()
+            r = s["params"].results()
+            name = ["0.weight", "2.weight"][step >= 1]
+            check(r[name]["weight"], ref(before))
+            check(r[name]["grad"], ref(grad))
+            check(r[name]["update"], ref(held.detach() - before))
+            s.step()
+        updated = {(q["step"], q["module"]) for q in s.flush() if q["site"] == "update"}
+    assert {("0.weight"), ("0.bias")}.isdisjoint({mod for st, mod in updated if st >= 1})
+    assert {(st, "2.weight") for st in (1, 2)} <= updated
+
+
+def test_a_removed_session_keeps_no_optimizer_given_to_it_alive():
+    """The session kept for its results after remove(): the optimizer named in
+    ``optimizer=`` (its state, the parameters it holds) is freed with the training objects."""
+    import gc
+    import weakref
+
+    m, x = model_and_data()
+    opt = torch.optim.Adam(m.parameters())
+    with hookplug.attach(m, "Linear", plugins=("params", {"optimizer": opt})) as s:
+        m(x).sum().backward()
+        opt.step()
+        s.step()
+    refs = [weakref.ref(opt), weakref.ref(m[0].weight)]
+    del m, opt
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+    assert s["params"].results()["0.weight"]["update"].numel == 16 * 8  # still readable
+
+
+def test_results_of_a_step_are_one_steps_per_parameter():
+    """A parameter measured in the running step without a gradient (frozen in it): its
+    results hold that step's weight and update, not the last step's grad beside them."""
+    m, x = model_and_data()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with hookplug.attach(m, "Linear", plugins="params") as s:
+        for step in range(2):
+            m[0].weight.requires_grad_(step == 0)
+            opt.zero_grad(set_to_none=True)
+            m(x).square().mean().backward()
+            opt.step()
+            r = s["params"].results()
+            assert set(r["0.weight"]) == ({"weight", "grad", "update"} if step == 0 else {"weight", "update"})
+            assert set(r["2.weight"]) == {"weight", "grad", "update"}
+            s.step()
+        assert set(s["params"].results()["0.weight"]) == {"weight", "update"}  # the last ended step's
