@@ -99,6 +99,17 @@ def _show(value: Any) -> str:
     return repr(value)
 
 
+def _check_selector(ctx: "_Ctx", where: str, selector: str) -> None:
+    """The selector's syntax, checked when the file is read (its classes are resolved at
+    ``attach``, against the model)."""
+    from ._selectors import SelectorError, parse_selector
+
+    try:
+        parse_selector(selector)
+    except SelectorError as exc:
+        raise ctx.error(where, str(exc)) from None
+
+
 class _Ctx:
     def __init__(self, path: str):
         self.name = os.path.basename(path) or path
@@ -214,6 +225,7 @@ def parse_config(data: Dict[str, Any], path: str = "<config>") -> Dict[str, Any]
     out: Dict[str, Any] = {}
     default_sel = data.get("select", "*")
     ctx.expect("select", default_sel, str)
+    _check_selector(ctx, "select", default_sel)
     for key in ("every", "flush_every"):
         if key in data:
             ctx.expect(key, data[key], int)
@@ -232,6 +244,7 @@ def parse_config(data: Dict[str, Any], path: str = "<config>") -> Dict[str, Any]
     for name, opts in _plugin_tables(ctx, "plugins", data.get("plugins", {})).items():
         sel = opts.pop("select", default_sel)
         ctx.expect(f"[plugins.{name}] select", sel, str)
+        _check_selector(ctx, f"[plugins.{name}] select", sel)
         _check_options(ctx, "plugins", name, opts)
         groups.setdefault(sel, {})[name] = opts
     if groups:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -98,14 +99,18 @@ _sources: Optional[Dict[str, PluginSource]] = None
 def _entry_points():
     """Every entry point of the group, each with its ``.dist``.
 
-    Unlike ``metadata.entry_points()``, a distribution is not hidden by another of the same
-    name earlier on ``sys.path`` (that is how a stray ``hookplug`` would shadow this one)."""
+    As ``metadata.entry_points()``, a distribution found again later on ``sys.path`` (a stale
+    copy: ``pip install --user`` beside a system one, an old site-packages copy beside an
+    editable checkout) is left out: the copy Python imports is the first. Except ``hookplug``
+    itself: every copy is kept, for :func:`_discover` to find the one being run (a stray
+    ``hookplug`` earlier on the path would shadow it)."""
     if sys.version_info < (3, 10):  # no EntryPoint.dist: by name only
         return list(metadata.entry_points().get(ENTRY_POINT_GROUP, []))
     found, seen = [], set()
     for dist in metadata.distributions():
-        key = (dist.metadata["Name"], _location(dist))
-        if key in seen:  # the same directory twice on sys.path
+        name = re.sub(r"[-_.]+", "-", dist.metadata["Name"] or "").lower()
+        key = (name, _location(dist)) if name == FIRST_PARTY_DIST else name
+        if key in seen:  # the same directory twice on sys.path, or a shadowed copy
             continue
         seen.add(key)
         found.extend(ep for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP)
@@ -289,6 +294,16 @@ def is_hookimpl(obj, attr: str) -> bool:
     """Whether ``obj``'s attribute ``attr`` is marked ``@hookplug.hookimpl``, read as pluggy
     reads it when registering ``obj`` (descriptors are not run)."""
     return _MARKS.parse_hookimpl_opts(obj, attr) is not None
+
+
+def implements_hook(obj, hook: str) -> bool:
+    """Whether ``obj`` has a ``@hookplug.hookimpl`` for ``hook``: a method of that name, or any
+    method marked ``@hookimpl(specname=hook)``."""
+    for attr in dir(obj):
+        opts = _MARKS.parse_hookimpl_opts(obj, attr)
+        if opts is not None and (opts.get("specname") or attr) == hook:
+            return True
+    return False
 
 
 def warn_unmarked_hooks(cls) -> None:

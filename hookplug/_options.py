@@ -190,7 +190,8 @@ def check_constructor(cls) -> None:
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
-        label = getattr(cls, "name", "") or cls.__name__
+        own = type(self)  # a subclass inheriting this __init__ is named as itself
+        label = getattr(own, "name", "") or own.__name__
         try:
             bound = sig.bind(self, *args, **kwargs)
         except TypeError as exc:
@@ -200,7 +201,7 @@ def check_constructor(cls) -> None:
                     check_options(label, cls, kwargs)
                 except OptionError as err:
                     problem = str(err)
-            raise TypeError(f"{cls.__qualname__}(): {problem}"
+            raise TypeError(f"{own.__qualname__}(): {problem}"
                             + ("" if problem.startswith("plugin ") else f" (plugin {label!r})")) from None
         given = {n: bound.arguments[n] for n in named if n in bound.arguments}
         bound.arguments.update(check_options(label, cls, given))

@@ -31,7 +31,7 @@ from ._binding import (_EAGER_RUNNERS, HookContext, _Materialize, _ModuleBinding
 from ._checkpoint import RecomputeMatcher
 from ._compile_guards import _RECOMPILE_LIMIT, _guard_module_hooks
 from ._config import _records_given, attach_options
-from ._manager import (PluginError, PluginLoadError, create_plugin, is_hookimpl, is_plugin_object,
+from ._manager import (PluginError, PluginLoadError, create_plugin, implements_hook, is_hookimpl, is_plugin_object,
                        new_plugin_manager)
 from ._options import is_int_at_least
 from ._pipelining import patch_pipelining
@@ -95,6 +95,13 @@ def _normalize_specs(spec: PluginSpec, what: str = "plugins") -> List[Tuple[str,
                               f"items: {_short(spec)}")
         return [(spec[0], dict(spec[1]), None)]
     if isinstance(spec, (list, tuple)):
+        for prev, sub in zip(spec, spec[1:]):
+            if (isinstance(prev, str) and isinstance(sub, dict) and sub
+                    and not all(v is None or isinstance(v, dict) for v in sub.values())):
+                # [name, {options}]: a pair JSON or YAML gives as a list, not {name: options}
+                raise PluginError(
+                    f"{what}=[...]: {_short(sub)} after {prev!r} holds options, not plugins; write "
+                    f"the pair as a tuple ({prev!r}, {{...}}) or a dict {{{prev!r}: {{...}}}}")
         return [item for sub in spec for item in _normalize_specs(sub, what)]
     if isinstance(spec, type):
         raise PluginError(f"{what}= got the class {spec.__name__}; pass an instance or a registered name")
@@ -115,6 +122,23 @@ def _short(value, limit: int = 80) -> str:
 
 
 # -- plugin hooks as the bindings call them ---------------------------------------------------
+
+def _check_parameters(plugin_name: str, hook_name: str, fn) -> None:
+    """A hook's function takes the spec's arguments by name: ``*args``, ``**kwargs`` and
+    keyword-only arguments without a default would get nothing (pluggy leaves them out of
+    its argument names), silently or with a TypeError at the first call."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin: pluggy read what it could
+        return
+    bad = [("*" if p.kind is p.VAR_POSITIONAL else "**" if p.kind is p.VAR_KEYWORD else "*, ") + p.name
+           for p in params
+           if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or (p.kind is p.KEYWORD_ONLY and p.default is p.empty)]
+    if bad:
+        raise PluginError(
+            f"hookplug plugin {plugin_name!r}: {hook_name} takes {', '.join(bad)}; hooks are given "
+            f"the spec's arguments they name as plain parameters, from ({', '.join(_SPEC_ARGS[hook_name])})")
+
 
 def _adapt(impl, hook_name: str) -> Callable:
     """The plugin's bound method, called positionally with the spec's arguments."""
@@ -150,6 +174,28 @@ def _adapt(impl, hook_name: str) -> Callable:
 
 # exceptions that end an iteration, not a run: remove() in their handler is a normal end
 _NOT_FAILURES = (StopIteration, StopAsyncIteration, GeneratorExit)
+
+
+class _teardown_behind:
+    """Cleanup run while ``primary`` propagates (a ``with`` block that raised, a failed
+    attach): an error of the cleanup (a sink's last write, a plugin's ``session_end``) is
+    a warning and a note on ``primary``, which goes on: it would replace it otherwise, and
+    the caller's ``except`` for it would miss it."""
+
+    def __init__(self, primary: BaseException):
+        self.primary = primary
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, err, tb) -> bool:
+        if exc_type is None or not issubclass(exc_type, Exception):
+            return False
+        text = f"hookplug: removing the session failed as well: {exc_type.__name__}: {err}"
+        if hasattr(self.primary, "add_note"):
+            self.primary.add_note(f"({text})")
+        warnings.warn(text, RuntimeWarning, stacklevel=user_stacklevel())
+        return True  # primary is the error to raise
 
 
 def _failing(exc_type) -> bool:
@@ -422,6 +468,7 @@ class Session:
         self._sampling = start_step % every == 0
         self._nonfinite: Deque[dict] = collections.deque(maxlen=_NONFINITE_KEPT)
         self._removed = False
+        self._not_started: set = set()  # plugins whose session_start a failed attach never ran
         # step(), flush() and remove() take turns: a server's timer thread ending steps while
         # another thread flushes or removes the session would otherwise end one bank step
         # twice at once, or hand a flush another thread is delivering to a sink again.
@@ -632,7 +679,7 @@ class Session:
         and continues from it (``attach(start_step=...)`` numbers its first step before it
         runs, for sampling). Call it after the step's work: ``with session.step():`` is
         refused (the call ends the step before the body runs, which would belong to the
-        next)."""
+        next). After ``remove()`` it does nothing (its plugins have ended)."""
         with self._turns():  # another thread's step(), flush() or remove() waits (see __init__)
             return self._end_step(step, next_step)
 
@@ -644,6 +691,8 @@ class Session:
         if next_step is not None and next_step <= ended:
             raise ValueError(f"session.step(next_step=...) expects a number after the step ending "
                              f"({ended}), got {next_step}")
+        if self._removed:  # its plugins ended (files closed, hooks off): nothing to step
+            return _StepScope(self)
         self._step = ended + 1 if next_step is None else next_step
         self._steps_done += 1
         if self._steps_done == 1 and not self._removed:
@@ -768,8 +817,10 @@ class Session:
             # disabled plugins get their cleanup call too; one failing never skips the others.
             # A forked child leaves the sinks alone: their files, writers and servers are
             # the parent's
+            not_started = self._not_started
             self._dispatch("hookplug_session_end", include_disabled=True, run_all=True,
-                           skip=(lambda p: self._entry_of[id(p)].is_sink) if child else None)
+                           skip=lambda p: (self._entry_of[id(p)].is_sink and child
+                                           or self._entry_of[id(p)].name in not_started))
 
     def _warn_replaced(self) -> None:
         """Warn (once per name) about selected modules the model no longer holds: replaced
@@ -812,8 +863,12 @@ class Session:
     def __enter__(self) -> "Session":
         return self
 
-    def __exit__(self, exc_type, *exc) -> None:
-        self._remove(failed=_failing(exc_type))
+    def __exit__(self, exc_type, exc_value, tb) -> None:
+        if exc_type is None:
+            self._remove(failed=False)
+            return
+        with _teardown_behind(exc_value):  # the block's own exception goes on
+            self._remove(failed=_failing(exc_type))
 
     def __repr__(self) -> str:
         state = "removed" if self._removed else "attached"
@@ -890,6 +945,9 @@ class Session:
     # -- binding -----------------------------------------------------------------------------
 
     def _add_plugin(self, name: str, plugin, module_names: List[str], sink: bool = False) -> None:
+        if not isinstance(name, str) or not name:
+            raise PluginError(f"a plugin's name must be a non-empty str (its key in session.plugins, "
+                              f"results and reports); {type(plugin).__name__} has name {name!r}")
         if name in self._entries:
             raise PluginError(f"plugin name {name!r} is used twice in one session")
         entry = self._entries[name] = _Entry(name, plugin, list(module_names), sink)
@@ -1015,6 +1073,7 @@ class Session:
                         f"hookplug plugin {entry.name!r}: unknown hook {caller.name!r}"
                         + (f" (did you mean {close[0]!r}?)" if close else "")
                         + "; the hooks are the specs in hookplug.hookspecs")
+                _check_parameters(entry.name, caller.name, impl.function)
                 if caller.name in _PER_CALL_HOOKS:
                     entry.adapted[caller.name] = _adapt(impl, caller.name)
                 elif impl.hookwrapper or getattr(impl, "wrapper", False):
@@ -1241,11 +1300,11 @@ def attach(
         group = [by_key.get(getattr(inst, "name", None) or name) for name, _, inst in _normalize_specs(spec)]
         if any(p is not None and _needs_calls(p) for p in group):
             warn_never_called(sel, containers, stacklevel=3)
-    if sink is None and flush_every is not None and not any(is_hookimpl(p, "hookplug_flush") for _, p in built):
+    if sink is None and flush_every is not None and not any(implements_hook(p, "hookplug_flush") for _, p in built):
         sink = "jsonl"  # (a sink named in plugins= serves as the sink)
     sink_specs = [(getattr(inst, "name", None) or n, o, inst) for n, o, inst in _normalize_specs(sink, "sink")]
     for key, instance in _build_plugins(sink_specs, on_error):
-        if not is_hookimpl(instance, "hookplug_flush"):  # its records would go nowhere, silently
+        if not implements_hook(instance, "hookplug_flush"):  # its records would go nowhere, silently
             exc = PluginError(f"sink= got {key!r}, which is not a sink: it implements no "
                               "@hookplug.hookimpl hookplug_flush (a plugin goes in plugins=)")
             if on_error == "raise":
@@ -1256,11 +1315,16 @@ def attach(
     try:
         repeats = session._bind(model)
         _guard_module_hooks(repeats + _RECOMPILE_LIMIT if repeats > 1 else 0)
-        session._dispatch("hookplug_session_start")
+        started = set()
+        session._dispatch("hookplug_session_start", returned=started.add)
         session._attached = True
         if session.has_sinks:
             _flush_at_exit(session)
-    except BaseException:
-        session._remove(failed=True)
+    except BaseException as exc:
+        # only plugins whose session_start ran (or that have none) are ended
+        session._not_started = {n for n, e in session._entries.items()
+                                if "hookplug_session_start" in e.impls and n not in started}
+        with _teardown_behind(exc):
+            session._remove(failed=True)
         raise
     return session

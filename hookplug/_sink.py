@@ -118,3 +118,12 @@ class Sink:
     def __repr__(self) -> str:
         where = self.path or self.path_option or os.path.join("runs", "<run-id>")
         return f"<{type(self).__name__} {where}>"
+
+
+def _check_own_constructor() -> None:
+    from ._options import check_constructor
+
+    check_constructor(Sink)  # a subclass without __init__ of its own is built through it
+
+
+_check_own_constructor()

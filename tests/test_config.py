@@ -277,3 +277,12 @@ def test_relative_sink_paths_given_in_python_stay_relative_to_the_working_direct
     assert (tmp_path / "runs" / "d" / "telemetry.jsonl").is_file()
     assert (tmp_path / "runs" / "p" / "telemetry.jsonl").is_file()
     assert config["sinks"] == {"jsonl": {"path": "runs/d"}}
+
+
+@pytest.mark.parametrize("text,where", [('select = "Linear,"\n', "select"),
+                                        ('[plugins.stats]\nselect = "Conv2d|"\n', r"\[plugins.stats\] select")])
+def test_a_selector_that_cannot_parse_is_an_error_of_the_file(tmp_path, text, where):
+    path = tmp_path / "telemetry.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"telemetry.toml: {where}: "):
+        hookplug.load_config(path)

@@ -446,3 +446,103 @@ def test_ctx_step_in_compiled_code_is_documented():
     for text in (hookplug.hookspecs.__doc__, plugin_section):
         flat = " ".join(text.split())
         assert "traceable = False" in flat and "hookplug_step" in flat
+
+
+def _dist(where, version, target):
+    info = where / f"tp_plugins-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: tp-plugins\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(f"[hookplug.plugins]\ntpgood = {target}\n")
+
+
+def test_a_stale_copy_of_a_distribution_later_on_sys_path_is_not_used(tmp_path, monkeypatch, fresh_discovery):
+    """Two copies of one third-party distribution (``pip install --user`` beside a system
+    one): the first on sys.path, the one Python imports, provides the plugin (the last
+    one did: a stale entry point, and a class that no longer exists)."""
+    _dist(tmp_path / "new", "1.2.3", "tp_plugins_mod:Good")
+    _dist(tmp_path / "old", "0.9", "tp_plugins_mod:OldGood")
+    (tmp_path / "new" / "tp_plugins_mod.py").write_text(
+        "import hookplug\nclass Good(hookplug.Plugin):\n    name = 'tpgood'\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "old"))
+    monkeypatch.syspath_prepend(str(tmp_path / "new"))
+    assert hookplug.plugin_names()["tpgood"] == "tp-plugins 1.2.3"
+    assert type(_manager.create_plugin("tpgood")).__name__ == "Good"
+
+
+def test_sinks_built_directly_check_their_options_through_the_base_init():
+    """A Sink subclass without an __init__ of its own (the README's CsvSink) is built by
+    Sink.__init__, which checks its options too, naming the subclass's plugin."""
+    class CsvSink(hookplug.Sink):
+        name = "csv"
+
+        @hookplug.hookimpl
+        def hookplug_flush(self, records):
+            pass
+
+    class Forwards(hookplug.Sink):
+        name = "fwd"
+
+        def __init__(self, **kw):
+            super().__init__(**kw)
+
+    with pytest.raises(PluginError, match="plugin 'csv' option 'all_ranks': expected a boolean, got 'yes'"):
+        CsvSink(all_ranks="yes")
+    with pytest.raises(PluginError, match="plugin 'csv' option 'path': expected a string or a PathLike, got 3"):
+        CsvSink(path=3)
+    with pytest.raises(TypeError, match=r"CsvSink\(\): plugin 'csv' got unknown option 'paht' \(did you mean 'path'"):
+        CsvSink(paht="x")
+    with pytest.raises(TypeError, match=r"Forwards\(\): plugin 'fwd' got unknown option 'pth'"):
+        Forwards(pth="x")
+    assert CsvSink(path="x.csv").path_option == "x.csv"
+
+
+@pytest.mark.parametrize("signature", ["*args", "*, ctx, output", "ctx, output, **rest"])
+def test_a_hook_taking_star_args_or_keyword_only_arguments_is_refused_at_attach(signature):
+    namespace = {}
+    exec(textwrap.dedent(f"""
+        import hookplug
+        class P(hookplug.Plugin):
+            name = "p"
+            @hookplug.hookimpl
+            def hookplug_forward_output(self, {signature}):
+                pass
+    """), namespace)
+    with pytest.raises(PluginError, match=r"plugin 'p': hookplug_forward_output takes \*"):
+        hookplug.attach(MLP(), "Linear", plugins=namespace["P"]())
+
+
+def test_a_sink_implementing_flush_under_another_method_name_is_a_sink(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+    class S(hookplug.Sink):
+        name = "s"
+
+        def __init__(self):
+            super().__init__()
+            self.records = []
+
+        @hookplug.hookimpl(specname="hookplug_flush")
+        def write(self, records):
+            self.records += records
+
+    for how in ("sink", "plugins"):
+        sink, model = S(), MLP()
+        kw = {"sink": sink, "plugins": "stats"} if how == "sink" else {"plugins": ["stats", sink]}
+        with hookplug.attach(model, "Linear", flush_every=1, **kw) as s:
+            model(torch.randn(2, 32))
+            s.step()
+        assert len(sink.records) == 3 and not (tmp_path / "runs").exists()
+
+
+def test_plugin_specs_that_cannot_be_what_they_look_like_say_so():
+    with pytest.raises(PluginError, match=r"plugins=\[\.\.\.\]: \{'bins': 0\} after 'stats' holds options, not "
+                                          r"plugins; write the pair as a tuple"):
+        hookplug.attach(MLP(), "Linear", plugins=["stats", {"bins": 0}])
+
+    class Numbered(hookplug.Plugin):
+        name = 123
+
+    with pytest.raises(PluginError, match="a plugin's name must be a non-empty str .* Numbered has name 123"):
+        hookplug.attach(MLP(), "Linear", plugins=Numbered())
+    with hookplug.attach(MLP(), "Linear", plugins=["capture", {"stats": None}]) as s:  # two plugins
+        assert set(s.plugins) == {"capture", "stats"}

@@ -1143,3 +1143,61 @@ print(json.dumps({"plain": plain, "hooked": hooked, "same": recs == eager, "n": 
 """))
     assert out["hooked"] == [out["plain"][0], out["plain"][1] + 1], out
     assert out["same"] and out["n"] == 16, out
+
+
+class _Ends(hookplug.Plugin):
+    """Records its session hooks; ``fail`` names the one that raises."""
+
+    def __init__(self, name="ends", fail=None):
+        self.name, self.fail, self.calls = name, fail, []
+
+    @hookplug.hookimpl
+    def hookplug_session_start(self, session):
+        self.calls.append("start")
+        if self.fail == "start":
+            raise RuntimeError("the real problem")
+
+    @hookplug.hookimpl
+    def hookplug_step(self, step):
+        self.calls.append(("step", step))
+
+    @hookplug.hookimpl
+    def hookplug_session_end(self, session):
+        self.calls.append("end")
+        if self.fail == "end":
+            raise RuntimeError("teardown failed")
+
+
+def test_an_error_removing_the_session_does_not_replace_the_with_blocks_own():
+    """The block raised: a plugin failing in session_end (or a sink in the last flush) is a
+    warning and a note on the block's exception, which the caller's except still catches."""
+    plugin = _Ends(fail="end")
+    with pytest.warns(RuntimeWarning, match="removing the session failed as well: RuntimeError: teardown failed") as rec:
+        with pytest.raises(ValueError, match="bad batch") as info:
+            with hookplug.attach(MLP(), "Linear", plugins=plugin):
+                raise ValueError("bad batch")
+    assert rec[0].filename == __file__
+    assert any("teardown failed" in n for n in getattr(info.value, "__notes__", []))
+    assert plugin.calls == ["start", "end"]
+    with pytest.raises(RuntimeError, match="teardown failed"):  # no error of its own: raised
+        with hookplug.attach(MLP(), "Linear", plugins=_Ends(fail="end")):
+            pass
+
+
+def test_a_plugin_failing_to_start_is_the_error_raised_and_only_started_plugins_end():
+    first, second = _Ends("first", fail="start"), _Ends("second")
+    model = MLP()
+    with pytest.raises(RuntimeError, match="the real problem"):
+        hookplug.attach(model, "Linear", plugins=[first, second])
+    assert first.calls == ["start"] and second.calls == []  # neither started: neither ends
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_step_after_remove_calls_no_plugin():
+    plugin = _Ends()
+    s = hookplug.attach(MLP(), "Linear", plugins=plugin)
+    s.step()
+    s.remove()
+    index = s.step_index
+    s.step()
+    assert plugin.calls == ["start", ("step", 0), "end"] and s.step_index == index
