@@ -161,9 +161,10 @@ def save_capture(
     out: Dict[str, torch.Tensor] = {}
     seen_storage = set()
     for k, t in tensors.items():
-        t = t.detach().to("cpu")
+        # a lazy conj/neg view (clone=False) has its bit resolved: safetensors writes the storage
+        t = t.detach().to("cpu").resolve_conj().resolve_neg()
         if t.dtype in _AS_REAL:
-            t = torch.view_as_real(t.resolve_conj())
+            t = torch.view_as_real(t)
         if not t.is_contiguous():
             t = t.contiguous()
         ptr = (t.untyped_storage().data_ptr(), t.device.type)

@@ -14,9 +14,12 @@ Options (keyword-only):
 - ``clone=True``: copy what is captured, so a later in-place op (``ReLU(inplace=True)``,
   ``x += ...``) cannot change it. ``clone=False`` keeps detached views (no copy, no memory,
   but a later in-place op shows through). With ``to="cpu"`` there is always a copy.
-- ``max_bytes=None``: a bound on the bytes held. A call whose tensors would go over it is not
-  captured (and counted in ``skipped``); the first time, the plugin warns. It never allocates
-  past the bound.
+- ``max_bytes=None``: a bound on the bytes held. A call whose tensors would go over it, once
+  what it replaces is freed (``keep="last"``/``N``: the oldest call kept), is not captured
+  and is counted once in ``skipped``; later calls that fit are captured. A gradient that does
+  not fit is not kept (``None``; its call is not counted). The first time, the plugin warns.
+  ``nbytes`` never goes past the bound (while a call runs, the inputs of the call it replaces
+  are held too, put back if it is not captured).
 - ``grads=False``: also keep the gradient of each output in ``grads[name]``, in the output's
   structure (``None`` where no gradient arrived); with ``keep="last"`` that of the last call.
 - ``inputs=False``: also keep the positional arguments in ``inputs[name]`` (a tuple), read
@@ -47,8 +50,8 @@ C type such as ``functools.partial``) it is kept as it is, live.
 
 A call whose ``forward`` raised captures nothing: its output is not captured and its
 inputs (read before ``forward``) are dropped again, so ``inputs`` and ``features`` stay call
-by call alike; with ``keep="last"`` the last output stays and the module has no ``inputs``
-entry until a call returns. A module that returns None is captured as None (also when
+by call alike; with ``keep="last"`` the last call captured stays, its inputs too. A module
+that returns None is captured as None (also when
 called while an exception is being handled). ``grads`` and ``inputs`` go call by call
 with ``features``: with a list, entry ``i`` of each is of the call of ``features[m][i]``
 (``None`` for a call that got no gradient: evaluation between training steps, a frozen
@@ -288,7 +291,9 @@ class CapturePlugin(hookplug.Plugin):
         self._events: List[Any] = []
         self.nbytes = 0  # bytes held (what max_bytes bounds)
         self.skipped = 0
-        self._last_skip: Optional[tuple] = None
+        self._refused: set = set()  # (module, call) whose inputs did not fit, until its output
+        # (module, call) -> [(call, inputs)] set aside by that call's inputs, until its output
+        self._set_aside: Dict[tuple, List[tuple]] = {}
         self._warned = False
         self._warned_objects = False
         self._warned_batched = False
@@ -375,34 +380,73 @@ class CapturePlugin(hookplug.Plugin):
         """Whether ``new_bytes`` fit under ``max_bytes`` once what this call replaces is freed."""
         if self.max_bytes is None:
             return True
-        freed = 0
-        store, calls = self._store[kind], self._calls[kind]
-        if self.keep == "last":
-            prev = calls.get(name)
-            if prev is not None and prev <= call:
-                freed = _nbytes(store.get(name))
-        else:
-            cl = calls.get(name, [])
-            i = bisect.bisect_left(cl, call)
-            if i < len(cl) and cl[i] == call:
-                freed = _nbytes(store[name][i])
-            elif isinstance(self.keep, int) and len(cl) >= self.keep and i > 0 and kind != "inputs":
-                freed = _nbytes(store[name][0])
-        if self.nbytes - freed + new_bytes <= self.max_bytes:
+        if self.nbytes - self._freed(kind, name, call) + new_bytes <= self.max_bytes:
             return True
-        if self._last_skip != (name, call):  # a call is skipped once (its inputs, then output)
-            self._last_skip = (name, call)
+        if kind == "inputs":  # its output is not captured either: counted once, there or here
+            self._refused.add((name, call))
+            self.skipped += 1
+        elif kind == "features":
             self.skipped += 1
         if not self._warned:
             self._warned = True
+            what = ("gradients that do not fit are not kept" if kind == "grads"
+                    else "calls that do not fit are not captured (see .skipped)")
             warnings.warn(
                 f"hookplug plugin 'capture': max_bytes={self.max_bytes} reached at {kind} of "
-                f"{name!r} (call {call}, {new_bytes} bytes more, {self.nbytes} held); "
-                "calls that do not fit are not captured (see .skipped)",
+                f"{name!r} (call {call}, {new_bytes} bytes more, {self.nbytes} held); {what}",
                 RuntimeWarning,
                 stacklevel=user_stacklevel(),
             )
         return False
+
+    def _freed(self, kind: str, name: str, call: int) -> int:
+        """The bytes held that keeping ``kind`` of this call frees: the value it replaces (a
+        gradient with one part more, the older call's with keep="last"); for the inputs of a
+        call that moves past a kept call (keep="last"/N), that call's inputs (set aside by
+        ``_put``); for its output, that call's output, inputs and gradients (``_trim``)."""
+        store, calls = self._store[kind], self._calls[kind]
+        if self.keep == "last":
+            prev = calls.get(name)
+            freed = _nbytes(store[name]) if prev is not None and prev <= call else 0
+            if kind != "features" or prev == call:
+                return freed
+            others: tuple = ("inputs", "grads")
+        else:
+            cl = calls.get(name, ())
+            i = bisect.bisect_left(cl, call)
+            if i < len(cl) and cl[i] == call:
+                return _nbytes(store[name][i])
+            if kind == "grads":
+                return 0
+            freed, others = 0, (_KINDS if kind == "features" else ("inputs",))
+        floor = self._floor_after(name, call)
+        if floor is not None:
+            freed += sum(self._older_bytes(k, name, floor) for k in others)
+        return freed
+
+    def _floor_after(self, name: str, call: int) -> Optional[int]:
+        """The oldest call ``features`` keeps once the output of this new call is kept, where
+        that moves past a kept call (keep="last", or N calls kept); None where it does not."""
+        fc = self._calls["features"].get(name)
+        if fc is None:
+            return None
+        if self.keep == "last":
+            return call if fc < call else None
+        if not isinstance(self.keep, int) or len(fc) < self.keep or call <= fc[0]:
+            return None
+        i = bisect.bisect_left(fc, call)
+        if i < len(fc) and fc[i] == call:
+            return None
+        return min(fc[1], call) if len(fc) > 1 else call
+
+    def _older_bytes(self, kind: str, name: str, floor: int) -> int:
+        """The bytes ``kind`` holds for calls of ``name`` before ``floor``."""
+        calls = self._calls[kind].get(name)
+        if calls is None:
+            return 0
+        if self.keep == "last":
+            return _nbytes(self._store[kind][name]) if calls < floor else 0
+        return sum(_nbytes(v) for c, v in zip(calls, self._store[kind][name]) if c < floor)
 
     def _floor(self, kind: str, name: str) -> Optional[int]:
         """The oldest call of ``name`` that ``_put`` still accepts for ``kind`` (None: any)."""
@@ -437,11 +481,22 @@ class CapturePlugin(hookplug.Plugin):
                 return
             if name in store:
                 self.nbytes -= _nbytes(store[name])
+                if kind == "inputs" and prev != call:  # back if this call is not captured
+                    self._set_aside[(name, call)] = [(prev, store[name])]
             store[name] = value
             calls[name] = call
         else:
             lst = store.setdefault(name, [])
             cl = calls.setdefault(name, [])
+            if kind == "inputs" and isinstance(self.keep, int):
+                # the inputs of the kept call this one moves past: set aside (out of nbytes, so
+                # a budget of N calls takes the next one), back if this call is not captured
+                floor = self._floor_after(name, call)
+                n = 0 if floor is None else bisect.bisect_left(cl, floor)
+                if n:
+                    self._set_aside[(name, call)] = list(zip(cl[:n], lst[:n]))
+                    self.nbytes -= sum(_nbytes(v) for v in lst[:n])
+                    del cl[:n], lst[:n]
             i = bisect.bisect_left(cl, call)
             if i < len(cl) and cl[i] == call:
                 self.nbytes -= _nbytes(lst[i])
@@ -510,24 +565,39 @@ class CapturePlugin(hookplug.Plugin):
             cl.pop(0)
 
     def _discard(self, kind: str, name: str, call: int) -> None:
-        """Forget what ``kind`` holds for that call of ``name`` (nothing if it holds none)."""
+        """Forget what ``kind`` holds for that call of ``name`` (nothing if it holds none), and
+        put back the inputs it set aside (a call is captured whole or not at all)."""
         store, calls = self._store[kind], self._calls[kind]
+        back = self._set_aside.pop((name, call), ()) if kind == "inputs" else ()
         if self.keep == "last":
             if name in store and calls.get(name) == call:
                 self.nbytes -= _nbytes(store.pop(name))
                 del calls[name]
+            for c, v in back:
+                if name not in store:  # (not where a newer call's inputs came since)
+                    store[name], calls[name] = v, c
+                    self.nbytes += _nbytes(v)
             return
         cl = calls.get(name, [])
         i = bisect.bisect_left(cl, call)
         if i < len(cl) and cl[i] == call:
             self.nbytes -= _nbytes(store[name].pop(i))
             cl.pop(i)
+        floor = self._floor("features", name)
+        for c, v in back:
+            i = bisect.bisect_left(cl, c)
+            if (floor is None or c >= floor) and not (i < len(cl) and cl[i] == c):
+                cl.insert(i, c)
+                store[name].insert(i, v)
+                self.nbytes += _nbytes(v)
 
     # -- hooks (hot path) ------------------------------------------------------------------------
 
     @hookimpl
     def hookplug_session_start(self, session):
-        self._last_skip = None  # call indices start again: an old skip is no other call's
+        # call indices start again: a call left unfinished is no other call's
+        self._refused.clear()
+        self._set_aside.clear()
 
     @hookimpl
     def hookplug_forward_input(self, ctx, args):
@@ -537,17 +607,24 @@ class CapturePlugin(hookplug.Plugin):
     def hookplug_forward_output(self, ctx, module, output):
         if output is None and _forward_raised(module):  # nothing to capture, the last capture stays
             if self.keep_inputs:
+                self._refused.discard((ctx.name, ctx.call_index))
                 self._discard("inputs", ctx.name, ctx.call_index)
             return
         # a call is captured whole or not at all: not its output when its inputs did not fit
-        ok = (not (self.keep_inputs and self._last_skip == (ctx.name, ctx.call_index))
-              and self._capture("features", ctx.name, ctx.call_index, output, "output"))
-        if not ok:
+        if self.keep_inputs and self._refused:
+            ok = (ctx.name, ctx.call_index) not in self._refused
+            self._refused.discard((ctx.name, ctx.call_index))
+        else:
+            ok = True
+        if not (ok and self._capture("features", ctx.name, ctx.call_index, output, "output")):
             if self.keep_inputs:  # a call is captured whole or not at all
                 self._discard("inputs", ctx.name, ctx.call_index)
             return
-        if self.keep_inputs and isinstance(self.keep, int):  # inputs of calls no longer kept go
-            self._trim("inputs", ctx.name)
+        if self.keep_inputs:
+            if self._set_aside:  # the inputs of the call it moved past are no longer held
+                self._set_aside.pop((ctx.name, ctx.call_index), None)
+            if isinstance(self.keep, int):  # inputs of calls no longer kept go
+                self._trim("inputs", ctx.name)
         if self.keep_grads and self.keep != "all":  # gradients of calls no longer kept go
             self._trim("grads", ctx.name)
             self._drop_grad_calls(ctx.name, self._floor("features", ctx.name))
@@ -556,10 +633,15 @@ class CapturePlugin(hookplug.Plugin):
             and not isinstance(output, torch.Tensor)
             and any(t.requires_grad for _, t in iter_tensors(output))
         ):
-            self._add_skeleton(ctx.name, ctx.call_index, output)
+            # the structure of what features holds, not of the output: an object holding
+            # tensors (an HF cache) is a dict there, not the live object with its graph
+            feature = self._captured("features", ctx.name, ctx.call_index)
+            if feature is not None:
+                self._add_skeleton(ctx.name, ctx.call_index, feature)
 
     def _add_skeleton(self, name: str, call: int, output: Any) -> Any:
-        """Remember the structure of a call's output, for its gradients (one per tensor)."""
+        """Remember the structure of a call's captured output, for its gradients (one per
+        tensor)."""
         skel = map_tensors(lambda p, _t: _Slot(p), output, "output")
         self._skeletons[(name, call)] = skel
         self._skel_calls.setdefault(name, {})[call] = None

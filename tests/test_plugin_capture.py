@@ -574,9 +574,10 @@ def test_forward_that_raises_keeps_the_last_capture():
     assert not s.disabled
     feat = s["capture"].features[""]
     assert torch.equal(feat[0], x.detach() * 2) and torch.equal(feat[1], x.detach() + 1)
-    # the raised call's inputs were dropped again: no inputs entry, only the features held
-    assert "" not in s["capture"].inputs
-    assert s["capture"].nbytes == sum(t.numel() * t.element_size() for t in feat)
+    # the raised call's inputs were dropped again and the kept call's are back (they were
+    # lost: no inputs entry beside the features held)
+    assert torch.equal(s["capture"].inputs[""][0], x.detach())
+    assert s["capture"].nbytes == sum(t.numel() * t.element_size() for t in (*feat, x))
 
 
 @pytest.mark.parametrize("keep", ["all", 2])
@@ -862,3 +863,199 @@ def test_report_lists_each_tensors_dtype_beside_its_shape():
         model(torch.randn(3, 5))
     row = next(line for line in s["capture"].report().splitlines() if line.lstrip().startswith("0"))
     assert "(3,), (3, 5), (3, 5)" in row and "int64, bool, int8" in row  # was: bool, int64, int8
+
+
+def test_grads_of_an_output_holding_a_cache_object_hold_no_live_object():
+    # an output holding an object with tensors (an HF cache): each grads value held the live
+    # object, its tensors with their autograd graph, outside nbytes and max_bytes; it is the
+    # dict features holds, with None where no gradient came
+    class Cache:  # no container (as transformers' DynamicCache)
+        def __init__(self):
+            self.keys = []
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.k = nn.Linear(3, 3)
+
+        def forward(self, x, cache):
+            k = self.k(x)
+            cache.keys.append(k)
+            return {"h": k * 2, "cache": cache}
+
+    torch.manual_seed(0)
+    m = Attn()
+    x = torch.randn(2, 3)
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the one naming Cache
+        with hookplug.attach(m, "*:", plugins=("capture", {"grads": True, "keep": "all"})) as s:
+            for _ in range(2):
+                out = m(x, Cache())
+                out["h"].register_hook(lambda g: seen.append(g.clone()))
+                (out["h"] ** 2).sum().backward()
+    cap = s["capture"]
+    assert len(cap.grads[""]) == len(seen) == 2
+    for g, f, ref in zip(cap.grads[""], cap.features[""], seen):
+        assert torch.equal(g["h"], ref)
+        assert g["cache"] == {"keys": [None]} and torch.equal(f["cache"]["keys"][0], f["h"] / 2)
+    held = [t for v in (cap.features[""], cap.grads[""]) for _, t in iter_tensors(v)]
+    assert not any(t.requires_grad or t.grad_fn is not None for t in held)
+    assert cap.nbytes == sum(t.numel() * t.element_size() for t in held)
+
+
+def test_keep_last_call_over_max_bytes_keeps_the_kept_calls_inputs():
+    # keep="last": the inputs of a call whose output did not fit had replaced those of the
+    # call kept and were dropped with it, so features held call 0 and inputs nothing
+    class Repeat(nn.Module):
+        def forward(self, x, n):
+            return x.repeat(n)
+
+    m = nn.Sequential(Repeat())
+    args, outs = [], []
+    m[0].register_forward_pre_hook(lambda mod, a: args.append(a[0].clone()))
+    m[0].register_forward_hook(lambda mod, a, out: outs.append(out.clone()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with hookplug.attach(m, "*:0", plugins=("capture", {"inputs": True, "max_bytes": 40})) as s:
+            m[0](torch.ones(4), 1)  # 16 bytes in, 16 out: kept
+            m[0](torch.full((4,), 2.0), 4)  # 16 in fit (in place of call 0's), 64 out do not
+    cap = s["capture"]
+    assert len(args) == len(outs) == 2 and cap.skipped == 1
+    assert torch.equal(cap.features["0"], outs[0])
+    assert torch.equal(cap.inputs["0"][0], args[0]) and cap.inputs["0"][1] == 1
+    assert cap.nbytes == 32
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_keep_n_with_inputs_and_grads_under_a_budget_of_n_steps_keeps_the_last_n(keep):
+    # a budget that fits exactly N steps: the inputs of step N + 1 did not fit beside the N
+    # calls kept (those of the oldest, dropped once its output is kept, were not credited),
+    # so every later call was skipped and features held the first N steps
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    xs = [torch.randn(3, 4) for _ in range(5)]
+    names = ["0", "0.0", "0.1"]
+    ref = {n: {"in": [], "out": [], "grad": []} for n in names}
+    for n in names:  # plain torch hooks: every call's input, output and output gradient
+        mod = m.get_submodule(n)
+        mod.register_forward_pre_hook(
+            lambda mod, a, n=n: ref[n]["in"].append(a[0].detach().clone()))
+
+        def fwd(mod, a, out, n=n):
+            ref[n]["out"].append(out.detach().clone())
+            out.register_hook(lambda g: ref[n]["grad"].append(g.clone()))
+
+        mod.register_forward_hook(fwd)
+    opts = {"keep": keep, "inputs": True, "grads": True}
+    held = sum(t.numel() * t.element_size()
+               for n in names for k in ("in", "out") for t in ref[n][k])
+    with hookplug.attach(m, "*", plugins=("capture", opts)):
+        for x in xs[:keep]:
+            m(x).sum().backward()
+    budget = sum(t.numel() * t.element_size() for n in names for v in ref[n].values() for t in v)
+    assert budget > held  # (the gradients counted too)
+    for v in ref.values():
+        for lst in v.values():
+            lst.clear()
+    with hookplug.attach(m, "*", plugins=("capture", {**opts, "max_bytes": budget})) as s:
+        for x in xs:
+            m(x).sum().backward()
+    cap = s["capture"]
+    assert cap.skipped == 0 and cap.nbytes == budget
+    for n in names:
+        assert len(cap.features[n]) == keep
+        for got, want in zip(cap.features[n], ref[n]["out"][-keep:]):
+            assert torch.equal(got, want)
+        for (got,), want in zip(cap.inputs[n], ref[n]["in"][-keep:]):
+            assert torch.equal(got, want)
+        for got, want in zip(cap.grads[n], ref[n]["grad"][-keep:]):
+            assert torch.equal(got, want)
+
+
+def test_save_resolves_lazy_conj_and_neg_views(tmp_path):
+    # clone=False keeps a module's conj view as it is; save() wrote the storage of a complex64
+    # one as it lies (only complex32/128 were resolved), so it loaded back conjugated again
+    pytest.importorskip("safetensors")
+
+    class Conj(nn.Module):
+        def forward(self, z):
+            return z.conj()
+
+    class Imag(nn.Module):
+        def forward(self, z):
+            return z.conj().imag  # a neg view
+
+    m = nn.Sequential(Conj(), Imag())
+    z = torch.complex(torch.randn(3, 2), torch.randn(3, 2))
+    outs = {}
+    for name in ("0", "1"):
+        def hook(mod, a, out, name=name):
+            outs[name] = out.resolve_conj().resolve_neg().clone()
+
+        m.get_submodule(name).register_forward_hook(hook)
+    with hookplug.attach(m, "Conj, Imag", plugins=("capture", {"clone": False})) as s:
+        for x in (z, z.to(torch.complex128)):
+            outs.clear()
+            m[1](m[0](x).conj())
+            assert s["capture"].features["0"].is_conj()
+            s["capture"].save(tmp_path / "conj.safetensors")
+            back = hookplug.load_capture(tmp_path / "conj.safetensors")
+            assert back["0"].dtype == x.dtype and torch.equal(back["0"], outs["0"])
+            assert torch.equal(back["1"], outs["1"]) and torch.equal(back["1"], -x.imag)
+
+
+def test_skipped_counts_each_call_not_captured_once():
+    # gradient parts of a tuple output interleaving with another module's gradient counted
+    # the call again, and a refused gradient counted a call whose output was kept: 3 calls
+    # skipped of 2 that ran, both captured
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.b = nn.Identity()
+
+        def forward(self, x):
+            y1 = x * 2  # part [0]'s node: made first, its backward runs last
+            y2 = self.b(x * 5) * 3  # b's node in between
+            return y1, y2
+
+    net = Pair()
+    outs = {}
+    for name in ("", "b"):
+        def hook(mod, a, out, name=name):
+            outs[name] = [t.detach().clone() for _, t in iter_tensors(out)]
+
+        net.get_submodule(name).register_forward_hook(hook)
+    x = torch.ones(4, requires_grad=True)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        # features: 32 + 16 bytes fit, no gradient does
+        opts = {"grads": True, "max_bytes": 48}
+        with hookplug.attach(net, "*:, *:b", plugins=("capture", opts)) as s:
+            y1, y2 = net(x)
+            (y1.sum() + y2.sum()).backward()
+    cap = s["capture"]
+    assert [str(x.message).count("max_bytes") for x in w if "capture" in str(x.message)] == [1]
+    assert cap.skipped == 0 and cap.grads == {} and cap.nbytes == 48
+    assert len(outs[""]) == 2 and all(torch.equal(a, b) for a, b in zip(cap.features[""], outs[""]))
+    assert torch.equal(cap.features["b"], outs["b"][0])
+
+    # a call whose inputs did not fit, then a child's call that did not fit either: the
+    # outer call's output was then kept without its inputs, and the two counted as 3 skips
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Identity()
+
+        def forward(self, x):
+            return self.inner(x[:8] * 1)[:4] * 1
+
+    m = Outer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        # inputs: 64 and 32 bytes, outputs 32 and 16: only the outer output fits alone
+        opts = {"inputs": True, "max_bytes": 20}
+        with hookplug.attach(m, "*:, *:inner", plugins=("capture", opts)) as s:
+            m(torch.randn(16))
+    cap = s["capture"]
+    assert cap.skipped == 2 and cap.features == {} and cap.inputs == {} and cap.nbytes == 0
