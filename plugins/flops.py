@@ -68,12 +68,12 @@ unpacked a saved tensor and so ran the recompute. With
 reductions, normalizations, softmax, ...: torch counts those as 0 FLOPs and so does this
 plugin). Left out, from torch's op tags and schemas: views and view copies (alias
 annotations, ``Tag.view_copy``/``inplace_view``), random-number generation
-(``Tag.nondeterministic_seeded``), scalar reads (``Tag.data_dependent_output``), ops that
+(``Tag.nondeterministic_seeded``, except attention kernels, seeded for their dropout), scalar reads (``Tag.data_dependent_output``), ops that
 read no tensor (creation, fills, asserts), creation and conversion ops (``device``/``layout``
 or ``memory_format`` arguments: ``*_like``, ``new_*``, ``_to_copy``, ``clone``), and the
 data-movement families torch has no tag for (``_DATA_MOVEMENT``: concatenation, padding,
 gather/scatter/index ops, ``where``/``masked_fill``, ``repeat``/``flip``/``roll``/``tril``,
-copies), communication (the ``c10d`` collectives and their functional forms, FSDP2's
+copies, ``unsafe_split``, ``slice``/``select`` backward), communication (the ``c10d`` collectives and their functional forms, FSDP2's
 ``fsdp`` copies); plus the ``hookplug`` namespace (other plugins' statistics).
 
 Options (keyword-only):
@@ -198,6 +198,8 @@ _DATA_MOVEMENT = frozenset("""
     select_scatter as_strided_scatter diagonal_scatter masked_fill where masked_select
     repeat roll flip tril triu fill zero copy _copy_from _copy_from_and_resize _unsafe_view
     _reshape_copy lift to_dense _to_dense _assert_async _assert_tensor_metadata record_stream
+    unsafe_split unsafe_split_with_sizes unsafe_chunk slice_backward select_backward
+    diagonal_backward
 """.split())
 
 
@@ -215,8 +217,9 @@ def _is_tensor_type(t) -> bool:
 def _does_arithmetic(func) -> bool:
     """False for an op that only creates, moves or reinterprets data, decided from its tags
     and schema (see the module docstring)."""
-    if _QUIET_TAGS.intersection(getattr(func, "tags", ())):
-        return False
+    quiet = _QUIET_TAGS.intersection(getattr(func, "tags", ()))
+    if quiet and not (quiet == {_SEEDED} and "attention" in func._schema.name):
+        return False  # (an attention kernel is seeded for its dropout: arithmetic all the same)
     schema = func._schema
     rets = schema.returns
     if rets and rets[0].alias_info is not None and not rets[0].alias_info.is_write:
@@ -301,10 +304,12 @@ _ADINPLACE_AS_OUTSIDE = (_adinplace_as_outside if hasattr(torch._C, "_SetExclude
                          else contextlib.nullcontext)
 
 
-# Composite ops whose decomposition is many small ops (an RNN: a few per time step), counted
-# on the real inputs: on meta each op costs a Python meta kernel (23x the plain GRU, measured
-# on the CPU; 6x running it again).
-_RERUN_FOR_COUNTS = {getattr(torch.ops.aten, n) for n in ("gru", "lstm", "rnn_tanh", "rnn_relu")}
+# Composite ops counted on the real inputs: an RNN's decomposition is many small ops (a few
+# per time step; on meta each costs a Python meta kernel: 23x the plain GRU, measured on the
+# CPU; 6x running it again); SDPA's picks its kernel by device (on meta the math path, where
+# torch runs a flash or efficient kernel: other formulas, or none).
+_RERUN_FOR_COUNTS = {getattr(torch.ops.aten, n) for n in ("gru", "lstm", "rnn_tanh", "rnn_relu",
+                                                            "scaled_dot_product_attention")}
 
 
 def _meta_copies(args, kwargs):

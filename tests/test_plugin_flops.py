@@ -8,6 +8,7 @@ wherever FCM's time-window tracking is not confounded by branches; where it is (
 by two modules, an identity module), FCM charges a module for its siblings' backward too and
 counts more than the module's own backward.
 """
+import contextlib
 import copy
 import threading
 
@@ -417,8 +418,16 @@ def test_uncounted_classified_from_tags_and_schemas():
         tags = {t for ov in packet.overloads() for t in getattr(packet, ov).tags}
         assert not tags & {torch.Tag.view_copy, torch.Tag.nondeterministic_seeded,
                            torch.Tag.data_dependent_output, torch.Tag.inplace_view}, name
-    # communication is data movement (under DDP/FSDP2/TP uncounted() listed the collectives)
     from hookplug_plugins.flops import _does_arithmetic
+    # split/select/slice backward copies are data movement; an attention kernel seeded for
+    # its dropout is arithmetic
+    aten = torch.ops.aten
+    for op in (aten.unsafe_split.Tensor, aten.unsafe_chunk.default, aten.slice_backward.default,
+               aten.select_backward.default, aten.diagonal_backward.default):
+        assert not _does_arithmetic(op), op
+    assert _does_arithmetic(aten._scaled_dot_product_flash_attention_for_cpu.default)
+    assert not _does_arithmetic(aten.bernoulli_.float) and not _does_arithmetic(aten.native_dropout.default)
+    # communication is data movement (under DDP/FSDP2/TP uncounted() listed the collectives)
     for op in (torch.ops.c10d._allgather_base_.default, torch.ops.c10d.allreduce_.default,
                torch.ops._c10d_functional.all_reduce.default,
                torch.ops._c10d_functional.wait_tensor.default):
@@ -712,6 +721,26 @@ class _AfterTranspose(nn.Module):
     def forward(self, x):
         y = self.proj(x.transpose(1, 2))
         return self.gru(y)[0] @ self.proj.weight[:, :8].t()
+
+
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
+def test_sdpa_without_extra_formulas_counts_as_flop_counter_mode_in_every_mode(mode):
+    """``extra_formulas=False`` is torch's registry: under inference_mode SDPA's decomposition
+    was counted on meta copies, where it takes the math path (bmm: counted) where torch runs
+    its CPU flash kernel (no formula: 0); that kernel, seeded for its dropout, was not listed
+    in ``uncounted()`` as an op without a formula."""
+    model, x = tiny_transformer(dim=32, sdpa=True), torch.randint(0, 1000, (2, 8))
+    context = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
+    with context():
+        fcm = fcm_counts(model, x)
+        plugin = run(model, x, extra_formulas=False)
+        counted = run(model, x)
+    assert plugin.total()["flops"] == fcm["Global"]
+    kernels = [op for op in plugin.uncounted() if "scaled_dot_product" in op]
+    fused = "aten._scaled_dot_product_flash_attention_for_cpu" in counted.by_op()
+    assert bool(kernels) == fused  # a kernel FlopCounterMode has no formula for: listed
+    if fused:
+        assert counted.total()["flops"] > plugin.total()["flops"]
 
 
 def test_inference_mode_decomposition_leaves_results_bitwise():
