@@ -78,8 +78,9 @@ def _own_outputs(output, args, kwargs):
     ``ids``: the ``id`` of every such input; one left in place gets no gradient hook. It is
     left where replacing it could change what the model computes or returns: a layout
     without views (sparse, mkldnn, strided nested tensors), or inside a container other
-    than a tuple, namedtuple or HF ModelOutput (a list or dict may be the module's own
-    state, a dataclass or subclass may hold what a rebuild drops). ``(x, x)`` gets one view
+    than a tuple, namedtuple (or a subclass adding no attributes, PackedSequence) or HF
+    ModelOutput (a list or dict may be the module's own state, a dataclass or subclass may
+    hold what a rebuild drops); the session warns once per module. ``(x, x)`` gets one view
     at both places. A leaf that is not an input (a Parameter returned as is) stays itself
     and gets no hook (it would keep it for good)."""
     if isinstance(output, torch.Tensor):  # the common case, without walking anything
@@ -123,8 +124,9 @@ def _with_views(obj, shared: set, views: dict):
     items = [(key, _with_views(value, shared, views)) for key, _, value in kids]
     if all(new is value for (_, new), (_, _, value) in zip(items, kids)):
         return obj
-    t = type(obj)
-    if not (t is tuple or (t.__bases__ == (tuple,) and hasattr(obj, "_fields"))
+    if not (type(obj) is tuple
+            # a namedtuple, or a subclass of one with no attributes of its own (PackedSequence)
+            or (isinstance(obj, tuple) and hasattr(obj, "_fields") and not getattr(obj, "__dict__", None))
             or (isinstance(obj, dict) and dataclasses.is_dataclass(obj))):  # HF ModelOutput
         return obj
     return rebuild(obj, items)
@@ -650,8 +652,11 @@ class _ModuleBinding:
             output = new = own
         found: List[Tuple[torch.Tensor, List[str]]] = []
         for path, t in iter_tensors(output):
+            if shared and id(t) in shared:  # an input left in place: no grad site
+                self._warn_no_site(path, output)
+                continue
             # a leaf (a Parameter returned as is) would keep a tensor hook for good
-            if t.requires_grad and t.grad_fn is not None and id(t) not in shared:
+            if t.requires_grad and t.grad_fn is not None:
                 for u, paths in found:
                     if u is t:  # one tensor at two paths, (y, y): one hook, or a plugin
                         paths.append(path)  # steering its gradient would do so twice
@@ -664,6 +669,18 @@ class _ModuleBinding:
             t.register_hook(functools.partial(_output_grad_hook, self._ref, ctx, weakref.ref(module),
                                               paths[0] if len(paths) == 1 else paths))
         return new
+
+    def _warn_no_site(self, path: str, output) -> None:
+        """Once a session per module: a grad site left out (see :func:`_own_outputs`)."""
+        s = self.session
+        if s is None or self.name in s._no_site_warned:
+            return
+        s._no_site_warned.add(self.name)
+        warnings.warn(
+            f"hookplug: module {self.name or '<root>'!r} returns its input at {path} (in a "
+            f"{type(output).__name__}, or a tensor without views); it has no gradient site there: "
+            "a view of its own would change what the model returns (see hookplug_output_grad "
+            "in the README)", RuntimeWarning, stacklevel=user_stacklevel())
 
     def _own_pending(self) -> Optional[HookContext]:
         """Take the latest pending context of this thread's call (None: a recompute's)."""

@@ -109,7 +109,8 @@ def _entry_points():
     found, seen = [], set()
     for dist in metadata.distributions():
         name = re.sub(r"[-_.]+", "-", dist.metadata["Name"] or "").lower()
-        key = (name, _location(dist)) if name == FIRST_PARTY_DIST else name
+        # (hookplug itself, or metadata without a name: told apart by location)
+        key = (name, _location(dist)) if name in (FIRST_PARTY_DIST, "") else name
         if key in seen:  # the same directory twice on sys.path, or a shadowed copy
             continue
         seen.add(key)

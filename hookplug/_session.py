@@ -124,20 +124,27 @@ def _short(value, limit: int = 80) -> str:
 # -- plugin hooks as the bindings call them ---------------------------------------------------
 
 def _check_parameters(plugin_name: str, hook_name: str, fn) -> None:
-    """A hook's function takes the spec's arguments by name: ``*args``, ``**kwargs`` and
-    keyword-only arguments without a default would get nothing (pluggy leaves them out of
-    its argument names), silently or with a TypeError at the first call."""
+    """A hook's function is given the spec's arguments it names as plain parameters (pluggy
+    leaves the others out of its argument names): a keyword-only one without a default
+    would fail at the first call (refused); ``*args``/``**kwargs`` get nothing (a warning)."""
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # a builtin: pluggy read what it could
         return
-    bad = [("*" if p.kind is p.VAR_POSITIONAL else "**" if p.kind is p.VAR_KEYWORD else "*, ") + p.name
-           for p in params
-           if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or (p.kind is p.KEYWORD_ONLY and p.default is p.empty)]
-    if bad:
+    spec = ", ".join(_SPEC_ARGS[hook_name])
+    required = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+    if required:
         raise PluginError(
-            f"hookplug plugin {plugin_name!r}: {hook_name} takes {', '.join(bad)}; hooks are given "
-            f"the spec's arguments they name as plain parameters, from ({', '.join(_SPEC_ARGS[hook_name])})")
+            f"hookplug plugin {plugin_name!r}: {hook_name} takes the keyword-only argument(s) "
+            f"{', '.join(required)}, which hooks are never given; name the spec's arguments it "
+            f"uses as plain parameters, from ({spec})")
+    star = [("*" if p.kind is p.VAR_POSITIONAL else "**") + p.name for p in params
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if star:
+        warnings.warn(
+            f"hookplug plugin {plugin_name!r}: {hook_name}'s {', '.join(star)} receive nothing: a "
+            f"hook is given the spec's arguments it names as plain parameters, from ({spec})",
+            RuntimeWarning, stacklevel=user_stacklevel())
 
 
 def _adapt(impl, hook_name: str) -> Callable:
@@ -194,7 +201,10 @@ class _teardown_behind:
         text = f"hookplug: removing the session failed as well: {exc_type.__name__}: {err}"
         if hasattr(self.primary, "add_note"):
             self.primary.add_note(f"({text})")
-        warnings.warn(text, RuntimeWarning, stacklevel=user_stacklevel())
+        try:
+            warnings.warn(text, RuntimeWarning, stacklevel=user_stacklevel())
+        except Warning:  # warnings turned into errors: primary still goes on, noted
+            pass
         return True  # primary is the error to raise
 
 
@@ -469,6 +479,7 @@ class Session:
         self._nonfinite: Deque[dict] = collections.deque(maxlen=_NONFINITE_KEPT)
         self._removed = False
         self._not_started: set = set()  # plugins whose session_start a failed attach never ran
+        self._no_site_warned: set = set()  # modules told their returned input has no grad site
         # step(), flush() and remove() take turns: a server's timer thread ending steps while
         # another thread flushes or removes the session would otherwise end one bank step
         # twice at once, or hand a flush another thread is delivering to a sink again.

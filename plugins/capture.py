@@ -292,6 +292,7 @@ class CapturePlugin(hookplug.Plugin):
         self.nbytes = 0  # bytes held (what max_bytes bounds)
         self.skipped = 0
         self._refused: set = set()  # (module, call) whose inputs did not fit, until its output
+        self._open: set = set()  # (module, call) whose inputs are kept, until its output
         # (module, call) -> [(call, inputs)] set aside by that call's inputs, until its output
         self._set_aside: Dict[tuple, List[tuple]] = {}
         self._warned = False
@@ -465,10 +466,10 @@ class CapturePlugin(hookplug.Plugin):
         if floor is None:
             return
         calls = self._skel_calls.get(name)
-        while calls:
-            c = next(iter(calls))
-            if c >= floor:
-                break
+        if not calls:
+            return
+        # every one, not a leading run: a module nested in itself ends its inner call first
+        for c in [c for c in calls if c < floor]:
             del calls[c]
             self._skeletons.pop((name, c), None)
             self._grad_parts.pop((name, c), None)
@@ -597,14 +598,28 @@ class CapturePlugin(hookplug.Plugin):
     def hookplug_session_start(self, session):
         # call indices start again: a call left unfinished is no other call's
         self._refused.clear()
+        self._open.clear()
         self._set_aside.clear()
 
     @hookimpl
+    def hookplug_step(self):
+        """Calls whose output never came (a ``KeyboardInterrupt`` in ``forward``: torch runs
+        no post hook then) are not captured: their inputs go, those they set aside go back."""
+        if self._open or self._set_aside or self._refused:
+            for name, call in self._open | self._set_aside.keys():
+                self._discard("inputs", name, call)
+            self._open.clear()
+            self._refused.clear()
+
+    @hookimpl
     def hookplug_forward_input(self, ctx, args):
-        self._capture("inputs", ctx.name, ctx.call_index, tuple(args), "input")
+        if self._capture("inputs", ctx.name, ctx.call_index, tuple(args), "input"):
+            self._open.add((ctx.name, ctx.call_index))  # until its output comes
 
     @hookimpl
     def hookplug_forward_output(self, ctx, module, output):
+        if self._open:
+            self._open.discard((ctx.name, ctx.call_index))
         if output is None and _forward_raised(module):  # nothing to capture, the last capture stays
             if self.keep_inputs:
                 self._refused.discard((ctx.name, ctx.call_index))

@@ -25,7 +25,8 @@ decomposition is the kernel torch would run anyway: unlike ``FlopCounterMode``, 
 kernel of its own (``silu_backward``, ``gelu_backward``, ...) runs that kernel. And the
 decomposition gives no result: the op runs as torch runs it outside the mode, then its
 decomposition runs for the counts only, on ``meta`` copies of the inputs (shapes, no
-arithmetic; an RNN, many small ops, or a tensor subclass: on the inputs again, its result
+arithmetic; an RNN, many small ops, a tensor subclass, or SDPA on CPU with
+``extra_formulas=False``, whose kernel is chosen by device: on the inputs again, its result
 dropped, the random state it drew restored), because inside a dispatch mode
 the same decomposition can take other kernels (``matmul`` of a non-contiguous batch and a
 weight: ``bmm`` in place of one folded ``mm``). So results and gradients are bitwise those
@@ -304,12 +305,16 @@ _ADINPLACE_AS_OUTSIDE = (_adinplace_as_outside if hasattr(torch._C, "_SetExclude
                          else contextlib.nullcontext)
 
 
-# Composite ops counted on the real inputs: an RNN's decomposition is many small ops (a few
-# per time step; on meta each costs a Python meta kernel: 23x the plain GRU, measured on the
-# CPU; 6x running it again); SDPA's picks its kernel by device (on meta the math path, where
-# torch runs a flash or efficient kernel: other formulas, or none).
-_RERUN_FOR_COUNTS = {getattr(torch.ops.aten, n) for n in ("gru", "lstm", "rnn_tanh", "rnn_relu",
-                                                            "scaled_dot_product_attention")}
+# Composite ops whose decomposition is many small ops (an RNN: a few per time step), counted
+# on the real inputs: on meta each op costs a Python meta kernel (23x the plain GRU, measured
+# on the CPU; 6x running it again).
+_RERUN_FOR_COUNTS = {getattr(torch.ops.aten, n) for n in ("gru", "lstm", "rnn_tanh", "rnn_relu")}
+# SDPA's decomposition picks its kernel by device: on meta the math path (two bmm), which
+# counts what the flash/efficient kernels' formulas count; on CPU torch runs a flash kernel
+# that a plugin with extra_formulas=False has no formula for (counted 0, as FlopCounterMode
+# does): then it runs again on the inputs (the attention computed twice, counting only)
+_SDPA = torch.ops.aten.scaled_dot_product_attention
+_CPU_SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def _meta_copies(args, kwargs):
@@ -474,7 +479,7 @@ class _Dispatcher(TorchDispatchMode):
                 # the decomposition runs again, for the counts only.
                 with _ADINPLACE_AS_OUTSIDE():
                     out = func(*args, **kwargs)
-                self._count_decomposition(func, args, kwargs)
+                self._count_decomposition(func, args, kwargs, windows)
                 return out
             out = func(*args, **kwargs)
         deferred = self.deferred
@@ -485,7 +490,7 @@ class _Dispatcher(TorchDispatchMode):
                 deferred.append((plugin, w, func, packet, args, kwargs, out))
         return out
 
-    def _count_decomposition(self, func, args, kwargs) -> None:
+    def _count_decomposition(self, func, args, kwargs, windows) -> None:
         """Run ``func``'s decomposition for its ops' counts (the matmuls inside, as
         FlopCounterMode counts them; the formulas read shapes only) and drop its result: on
         ``meta`` copies of the inputs (no arithmetic, no random draw), else (a tensor
@@ -493,7 +498,11 @@ class _Dispatcher(TorchDispatchMode):
         random state it drew from."""
         self.only_counting += 1
         try:
-            meta = None if func._overloadpacket in _RERUN_FOR_COUNTS else _meta_copies(args, kwargs)
+            packet = func._overloadpacket
+            rerun = packet in _RERUN_FOR_COUNTS or (
+                packet is _SDPA and args[0].device.type == "cpu"
+                and not all(_CPU_SDPA in p._formulas for p, _ in windows))
+            meta = None if rerun else _meta_copies(args, kwargs)
             if meta is not None:  # never nested: inside this run composite ops decompose inline
                 self.deferred = []
                 try:

@@ -496,8 +496,10 @@ def test_sinks_built_directly_check_their_options_through_the_base_init():
     assert CsvSink(path="x.csv").path_option == "x.csv"
 
 
-@pytest.mark.parametrize("signature", ["*args", "*, ctx, output", "ctx, output, **rest"])
-def test_a_hook_taking_star_args_or_keyword_only_arguments_is_refused_at_attach(signature):
+@pytest.mark.parametrize("signature", ["*args", "*, ctx, output", "ctx, output, **rest", "ctx, *, extra=1"])
+def test_a_hook_taking_arguments_it_is_never_given_is_refused_or_warned_at_attach(signature):
+    """A keyword-only argument without a default would fail at the first call: refused;
+    ``*args``/``**kwargs`` receive nothing: a warning; one with a default: fine."""
     namespace = {}
     exec(textwrap.dedent(f"""
         import hookplug
@@ -507,8 +509,18 @@ def test_a_hook_taking_star_args_or_keyword_only_arguments_is_refused_at_attach(
             def hookplug_forward_output(self, {signature}):
                 pass
     """), namespace)
-    with pytest.raises(PluginError, match=r"plugin 'p': hookplug_forward_output takes \*"):
-        hookplug.attach(MLP(), "Linear", plugins=namespace["P"]())
+    plugin = namespace["P"]()
+    if signature.startswith("*,"):
+        with pytest.raises(PluginError, match=r"plugin 'p': hookplug_forward_output takes the keyword-only "
+                                              r"argument\(s\) ctx, output, which hooks are never given"):
+            hookplug.attach(MLP(), "Linear", plugins=plugin)
+    elif "*" in signature.replace("*,", ""):
+        with pytest.warns(RuntimeWarning, match=r"hookplug_forward_output's \*\*?(args|rest) receive nothing"):
+            hookplug.attach(MLP(), "Linear", plugins=plugin).remove()
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            hookplug.attach(MLP(), "Linear", plugins=plugin).remove()
 
 
 def test_a_sink_implementing_flush_under_another_method_name_is_a_sink(tmp_path, monkeypatch):

@@ -1059,3 +1059,51 @@ def test_skipped_counts_each_call_not_captured_once():
             m(torch.randn(16))
     cap = s["capture"]
     assert cap.skipped == 2 and cap.features == {} and cap.inputs == {} and cap.nbytes == 0
+
+
+@pytest.mark.parametrize("keep", ["last", 2])
+def test_calls_stopped_by_ctrl_c_hold_nothing_past_the_step(keep):
+    """A KeyboardInterrupt in forward (torch runs no post hook): the inputs the call set
+    aside go back at the next session.step(), and nothing is held outside ``nbytes``."""
+    class Stops(nn.Module):
+        stop = False
+
+        def forward(self, x):
+            if self.stop:
+                raise KeyboardInterrupt
+            return x * 2
+
+    plugin = CapturePlugin(keep=keep, inputs=True)
+    model = nn.Sequential(Stops())
+    with hookplug.attach(model, "Stops", plugins=plugin) as s:
+        model(torch.zeros(100))
+        for _ in range(3):
+            model[0].stop = True
+            with pytest.raises(KeyboardInterrupt):
+                model(torch.ones(100))
+            model[0].stop = False
+            s.step()
+        assert not plugin._set_aside and not plugin._refused and not plugin._open
+        inputs, features = plugin.inputs["0"], plugin.features["0"]
+        kept_inputs = [inputs] if keep == "last" else inputs
+        kept_features = [features] if keep == "last" else features
+        assert len(kept_inputs) == len(kept_features) == 1 and torch.equal(kept_inputs[0][0], torch.zeros(100))
+        assert plugin.nbytes == 2 * 100 * 4
+
+
+def test_grads_of_a_module_nested_in_itself_are_dropped_with_its_calls():
+    """keep=2 on a module that calls itself: the inner call ends first, so calls are not
+    stored oldest first; the gradient parts of every call no longer kept are dropped."""
+    class Recursive(nn.Module):
+        def forward(self, x, depth=2):
+            y = x * 2
+            return (self(y, depth - 1)[0] + 1,) if depth else (y,)
+
+    plugin = CapturePlugin(keep=2, grads=True)
+    model = nn.Sequential(Recursive())
+    with hookplug.attach(model, "Recursive", plugins=plugin):
+        for _ in range(4):
+            x = torch.randn(8, requires_grad=True)
+            model(x)[0].sum().backward()
+        held = {name: set(calls) for name, calls in plugin._skel_calls.items()}
+        assert held == {"0": set(plugin._calls["features"]["0"])}

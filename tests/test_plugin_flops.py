@@ -737,10 +737,9 @@ def test_sdpa_without_extra_formulas_counts_as_flop_counter_mode_in_every_mode(m
         counted = run(model, x)
     assert plugin.total()["flops"] == fcm["Global"]
     kernels = [op for op in plugin.uncounted() if "scaled_dot_product" in op]
-    fused = "aten._scaled_dot_product_flash_attention_for_cpu" in counted.by_op()
-    assert bool(kernels) == fused  # a kernel FlopCounterMode has no formula for: listed
-    if fused:
-        assert counted.total()["flops"] > plugin.total()["flops"]
+    # the CPU kernel torch ran, which FlopCounterMode has no formula for, is listed; the
+    # default counts its attention matmuls
+    assert bool(kernels) == (counted.total()["flops"] > plugin.total()["flops"])
 
 
 def test_inference_mode_decomposition_leaves_results_bitwise():

@@ -1182,6 +1182,12 @@ def test_an_error_removing_the_session_does_not_replace_the_with_blocks_own():
     with pytest.raises(RuntimeError, match="teardown failed"):  # no error of its own: raised
         with hookplug.attach(MLP(), "Linear", plugins=_Ends(fail="end")):
             pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (python -W error): the block's error still goes on
+        with pytest.raises(ValueError, match="bad batch") as info:
+            with hookplug.attach(MLP(), "Linear", plugins=_Ends(fail="end")):
+                raise ValueError("bad batch")
+    assert any("teardown failed" in n for n in info.value.__notes__)
 
 
 def test_a_plugin_failing_to_start_is_the_error_raised_and_only_started_plugins_end():

@@ -297,6 +297,21 @@ def test_read_jsonl_refuses_files_that_are_not_telemetry(tmp_path):
             read_jsonl(str(path))
 
 
+def test_read_jsonl_skips_a_nul_filled_tail_as_torn(tmp_path):
+    """A power loss after an append the file system had not written leaves NUL bytes: a
+    torn line, skipped, also once a later session appended after it."""
+    from hookplug_plugins.sinks.jsonl import read_jsonl
+
+    path = tmp_path / "t.jsonl"
+    rec = json.dumps({"step": 0, "module": "m", "site": "output"})
+    path.write_bytes(rec.encode() + b"\n" + b"\x00" * 64)
+    with pytest.warns(RuntimeWarning, match="skipped 1 torn line"):
+        assert [r["step"] for r in read_jsonl(str(path))] == [0]
+    path.write_bytes(path.read_bytes() + b"\n" + rec.replace('"step": 0', '"step": 1').encode() + b"\n")
+    with pytest.warns(RuntimeWarning, match="skipped 1 torn line"):
+        assert [r["step"] for r in read_jsonl(str(path))] == [0, 1]
+
+
 def test_a_line_another_writer_left_torn_between_flushes_loses_no_record(tmp_path):
     """Two writers of one file: one dies mid-line while the other has it open; the survivor's
     next flush starts on a line of its own (the torn line is ended first, at every flush)."""

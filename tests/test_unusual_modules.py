@@ -416,6 +416,13 @@ def test_an_input_returned_inside_a_container_keeps_the_container_as_the_module_
     model = nn.Sequential(_ReturnsInputInside(kind))
     x = torch.randn(2, 3, requires_grad=True)
     with hookplug.attach(model, "*:0", plugins=[("capture", {"grads": True})]) as session:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = model(x)
+            model(x)
+        told = [w for w in caught if "has no gradient site there" in str(w.message)]
+        assert len(told) == (0 if kind == "tuple" else 1)  # once a module
+        assert all(w.filename == __file__ for w in told)
         out = model(x)
         parts = _parts(kind, out)  # (y, the returned x)
         if kind == "dataclass":
@@ -493,3 +500,27 @@ def test_an_output_kept_after_remove_keeps_no_hooked_module_alive():
     gc.collect()
     assert sub() is None
     kept.sum().backward()  # the output's hook outlives its module and does nothing
+
+
+def test_a_packed_sequence_passed_through_identity_keeps_its_grad_site():
+    """PackedSequence, a namedtuple subclass with no attributes of its own, is rebuilt with
+    a view of its data like a namedtuple: the Identity has a grad site, results unchanged."""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("i", nn.Identity())
+    model.add_module("r", nn.LSTM(3, 4))
+    x = torch.randn(5, 2, 3, requires_grad=True)
+    packed = pack_padded_sequence(x, torch.tensor([5, 3]))
+    out, _ = model.r(model.i(packed))
+    out.data.sum().backward()
+    want = x.grad.clone()
+    x.grad = None
+    packed = pack_padded_sequence(x, torch.tensor([5, 3]))
+    with hookplug.attach(model, "*:i", plugins=[("stats", {"sites": ("grad",)})]) as s:
+        got_packed = model.i(packed)
+        assert type(got_packed) is type(packed) and got_packed.data is not packed.data
+        out, _ = model.r(got_packed)
+        out.data.sum().backward()
+        grads = s["stats"].results()["i"]
+    assert torch.equal(x.grad, want)
+    assert int(grads["grad[0]"].numel) == packed.data.numel()

@@ -338,7 +338,9 @@ def read_jsonl(path: str, *, run_id: Optional[str] = None) -> List[Dict[str, Any
         try:
             rec = json.loads(raw.decode("utf-8"))
         except (ValueError, RecursionError):
-            if not raw.startswith(b"{"):  # a torn line is the start of a record's line
+            # a torn line is the start of a record's line, or NUL bytes (a power loss after
+            # an append the file system had not written yet)
+            if not raw.startswith((b"{", b"\x00")):
                 raise ValueError(f"read_jsonl: {path}: line {number} is not a telemetry record "
                                  f"(not JSON, and not the start of a record cut short): "
                                  f"{raw[:60]!r}") from None
