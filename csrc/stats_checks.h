@@ -73,9 +73,11 @@ inline StatsArgs check_stats_args(const at::Tensor& x, int64_t bins, int64_t his
                       who, ": a range applies to the linear histogram "
                       "(hist_mode=1) only, got hist_mode=",
                       hist_mode, " (log2)");
-    TORCH_CHECK_VALUE(*lo < *hi && std::isfinite(*hi - *lo),  // NaN, inf, a width past the largest
-                      who, ": expected a finite range with lo < hi (and hi - lo "
-                      "finite), got (", *lo, ", ", *hi, ")");
+    // NaN, inf, a width past the largest, or one so narrow that bins / width overflows
+    TORCH_CHECK_VALUE(*lo < *hi && std::isfinite(*hi - *lo) &&
+                          std::isfinite(static_cast<double>(bins > 0 ? bins : 1) / (*hi - *lo)),
+                      who, ": expected a finite range with lo < hi (hi - lo finite, and "
+                      "bins / (hi - lo) finite), got (", *lo, ", ", *hi, ")");
     a.lo = *lo;
     a.hi = *hi;
   }

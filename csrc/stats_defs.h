@@ -28,8 +28,10 @@
 //   and +-Inf in the outermost. NaN is not counted. So sum(hist_counts) = numel - nan_count.
 //   Edges are the nominal bucket limits -2^33, -2^32, ..., -2^-32, 2^-32, ..., 2^33
 //   (strictly increasing and finite; the zero bucket nominally spans [-2^-32, 2^-32]).
-// Linear histogram (hist_mode 1), `bins` buckets over [lo, hi] (given, or the finite
-//   min/max; widened to [lo-1, hi+1] when lo == hi, [-1, 1] when there is no finite value):
+// Linear histogram (hist_mode 1), `bins` buckets over [lo, hi] (given, with bins / (hi - lo)
+//   finite; or the finite min/max, widened to [lo-1, hi+1] when lo == hi, within the finite
+//   range, [-1, 1] when there is no finite value; float64 data spread over more than the
+//   largest double, or less than bins / the largest double, has no usable auto range):
 //   bucket = floor((x - lo) * (bins / (hi - lo))) in float64, x == hi in the last bucket;
 //   values outside [lo, hi], NaN and +-Inf are not counted (torch.histc's rule).
 //   edges[i] = lo + ((hi - lo) * i) / bins, edges[bins] = hi.
@@ -98,6 +100,9 @@ HOOKPLUG_HD void linear_auto_range(double n, double mn, double mx, double* lo, d
     const double w = a * 0x1p-50 > 1.0 ? a * 0x1p-50 : 1.0;
     mn -= w;
     mx += w;
+    const double big = 1.7976931348623157e308;  // (a constant at +-max: widened one way only)
+    mn = mn < -big ? -big : mn;
+    mx = mx > big ? big : mx;
   }
   *lo = mn;
   *hi = mx;

@@ -341,9 +341,10 @@ def check_hist_options(who: str, bins, hist, range):  # noqa: A002 - the op's ow
         raise ValueError(f"{who}: bins must be None or an int in [0, {MAX_BINS}], got {bins!r}")
     if range is not None:
         lo, hi = (float(v) for v in range)
-        if not (lo < hi and math.isfinite(hi - lo)):  # NaN, inf or a width past the largest
-            raise ValueError(f"{who}: range must be finite with lo < hi (and hi - lo finite), "
-                             f"got {range!r}")
+        # NaN, inf, a width past the largest, or one so narrow that bins / width overflows
+        if not (lo < hi and math.isfinite(hi - lo) and math.isfinite(MAX_BINS / (hi - lo))):
+            raise ValueError(f"{who}: range must be finite with lo < hi (hi - lo finite, and "
+                             f"{MAX_BINS} / (hi - lo) finite), got {range!r}")
         range = (lo, hi)
     if hist == "linear" and range is None and bins != 0:
         raise ValueError(

@@ -180,9 +180,10 @@ def _parse(x, bins, hist, range) -> Tuple[int, str, Optional[float], Optional[fl
         except (TypeError, ValueError):
             raise ValueError(f"{who}: expected range=(lo, hi) of two numbers, "
                              f"got {range!r}") from None
-        if not (lo < hi and math.isfinite(hi - lo)):  # NaN, inf or a width past the largest
-            raise ValueError(f"{who}: expected a finite range with lo < hi (and hi - lo finite), "
-                             f"got {range!r}")
+        # NaN, inf, a width past the largest, or one so narrow that bins / width overflows
+        if not (lo < hi and math.isfinite(hi - lo) and math.isfinite(max(bins, 1) / (hi - lo))):
+            raise ValueError(f"{who}: expected a finite range with lo < hi (hi - lo finite, and "
+                             f"bins / (hi - lo) finite), got {range!r}")
     return bins, hist, lo, hi
 
 
@@ -229,8 +230,11 @@ def tensor_stats(x: torch.Tensor, *, bins: Optional[int] = None, hist: str = "lo
 
     ``hist="log2"`` (default): the fixed 131-bucket sign/exponent histogram (any ``bins > 0``
     turns it on, ``bins=0`` off). ``hist="linear"``: ``bins`` (default 100, at most
-    ``MAX_BINS`` = 65,536) equal buckets over ``range=(lo, hi)``, or over the finite min/max found on the device (a second pass,
-    never a host copy). No host synchronization; ``x`` is read in its own dtype and layout.
+    ``MAX_BINS`` = 65,536) equal buckets over ``range=(lo, hi)`` (``bins / (hi - lo)``
+    finite), or over the finite min/max found on the device (a second pass, never a host
+    copy; float64 data spread over more than the largest double, or less than ``bins`` / the
+    largest double, has no usable automatic range: give one). No host synchronization;
+    ``x`` is read in its own dtype and layout.
     """
     bins, hist, lo, hi = _parse(x, bins, hist, range)
     kind = _kind(_num_buckets(bins, hist), hist, lo, hi)
@@ -356,7 +360,9 @@ def reference_tensor_stats(x: torch.Tensor, *, bins: Optional[int] = None, hist:
             lo_t, hi_t = torch.where(has, mn, 0.0), torch.where(has, mx, 0.0)
             eq = lo_t == hi_t
             w = (lo_t.abs() * 2.0 ** -50).clamp(min=1.0)  # 1, or more past 2**50 (as in C++)
-            lo_t, hi_t = torch.where(eq, lo_t - w, lo_t), torch.where(eq, hi_t + w, hi_t)
+            big = torch.finfo(f64).max  # (a constant at +-max: widened one way only)
+            lo_t = torch.where(eq, (lo_t - w).clamp(min=-big), lo_t)
+            hi_t = torch.where(eq, (hi_t + w).clamp(max=big), hi_t)
         width = hi_t - lo_t
         scale = torch.full_like(width, float(nb)) / width  # a true division, as in C++
         inside = (v >= lo_t) & (v <= hi_t)

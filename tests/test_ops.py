@@ -487,6 +487,17 @@ def test_linear_histogram_of_a_constant_past_2_53_and_too_wide_ranges(fn):
         assert d["hist_counts"] == [0, 0, 10, 0]
     with pytest.raises(ValueError, match="hi - lo finite"):
         fn(torch.zeros(3, dtype=torch.float64), hist="linear", bins=4, range=(-1e308, 1e308))
+    # a constant at +-max is widened inward only (outward overflowed: NaN/inf edges, every
+    # value in bucket 0); a range so narrow that bins / width overflows is refused (it put
+    # every value in bucket 0)
+    big = torch.finfo(torch.float64).max
+    for v, counts in ((big, [0, 0, 0, 10]), (-big, [10, 0, 0, 0])):
+        d = fn(torch.full((10,), v, dtype=torch.float64), hist="linear", bins=4).to_dict()
+        edges = d["hist_edges"]
+        assert all(math.isfinite(e) for e in edges) and all(a < b for a, b in zip(edges, edges[1:])), edges
+        assert edges[0] <= v <= edges[-1] and d["hist_counts"] == counts
+    with pytest.raises(ValueError, match=r"bins / \(hi - lo\) finite"):
+        fn(torch.zeros(3, dtype=torch.float64), hist="linear", bins=4, range=(0.0, 4e-310))
 
 
 @needs_ext

@@ -767,3 +767,11 @@ def test_a_crafted_tensor_stats_pickle_gets_the_constructors_checks():
     assert _rebuild_tensor_stats(good.row, ("linear", -1, 1.5)).hist == ("linear", -1, 1.5)
     with pytest.raises(ValueError, match="stats row"):
         _rebuild_tensor_stats("not a tensor", "log2")
+
+
+def test_a_linear_range_too_narrow_for_its_bins_is_refused_at_attach():
+    from hookplug_plugins.stats import StatsPlugin
+
+    with pytest.raises(ValueError, match=r"range must be finite with lo < hi .*\(hi - lo\) finite\), got \(0.0, 4e-310\)"):
+        StatsPlugin(hist="linear", bins=4, range=(0.0, 4e-310))
+    assert StatsPlugin(hist="linear", bins=4, range=(0.0, 1e-300)).bank is not None
