@@ -819,11 +819,16 @@ class Session:
                 self._telemetry.flush(self, wait=True, local=True)
             elif self._attached and not failed and (
                     self.has_sinks or (not child and self._telemetry.collective(self))):
-                self.flush(wait=True)
-                if self._telemetry.has_unsent() and self.has_sinks:
-                    # the final collective flush failed under on_error="warn" (a rank gone):
-                    # no later flush can send its rows again, so this rank's go out alone
-                    self._telemetry.flush(self, wait=True, local=True)
+                try:
+                    self.flush(wait=True)
+                except Exception as exc:
+                    # the final collective flush failed under on_error="raise" (a rank gone):
+                    # this rank's rows go out alone first, then the error
+                    with _teardown_behind(exc):
+                        self._flush_unsent()
+                    raise
+                # ... or under on_error="warn"
+                self._flush_unsent()
         finally:
             # disabled plugins get their cleanup call too; one failing never skips the others.
             # A forked child leaves the sinks alone: their files, writers and servers are
@@ -832,6 +837,12 @@ class Session:
             self._dispatch("hookplug_session_end", include_disabled=True, run_all=True,
                            skip=lambda p: (self._entry_of[id(p)].is_sink and child
                                            or self._entry_of[id(p)].name in not_started))
+
+    def _flush_unsent(self) -> None:
+        """Rows the final collective flush could not send (no later flush can): this rank's
+        go out alone."""
+        if self._telemetry.has_unsent() and self.has_sinks:
+            self._telemetry.flush(self, wait=True, local=True)
 
     def _warn_replaced(self) -> None:
         """Warn (once per name) about selected modules the model no longer holds: replaced

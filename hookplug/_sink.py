@@ -38,9 +38,14 @@ PLACEHOLDERS = ("rank", "run_id")
 
 
 def current_rank() -> int:
-    """This process's rank under torch.distributed (0 when it is not initialized)."""
+    """This process's rank under torch.distributed; before ``init_process_group`` the
+    ``RANK`` a launcher (torchrun) set, else 0 (a rank other than 0 flushing before the group
+    exists wrote as rank 0: into rank 0's file, labelled 0)."""
     dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    rank = os.environ.get("RANK", "")
+    return int(rank) if rank.isdigit() else 0
 
 
 class Sink:

@@ -83,12 +83,15 @@ import math
 import os
 import pickle
 import time
+import warnings
 from typing import Any, Callable, Deque, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 
 from . import _stats, ops
 from ._bank import host_copy
+from ._plugin import user_stacklevel
+from ._sink import current_rank
 from ._stats import (FIRST_BAD, HEAD, HIST_HI, HIST_LO, STAT_FIELDS, StatsBlock, TensorStats, empty_rows,
                      merge_rows, rows_to_values, touched)
 
@@ -221,7 +224,9 @@ class Telemetry:
         # this process's rank, noted at each step and flush while torch.distributed runs: the
         # flushes after destroy_process_group() keep it (they took rank 0: another rank's
         # records went to rank 0's sinks and file)
-        self._rank = 0
+        self._rank = current_rank()  # (before init_process_group: torchrun's RANK)
+        self._was_collective = False  # a flush of this session ran collectively
+        self._warned_ungrouped = False
         self.note_rank()
 
     def note_rank(self) -> None:
@@ -365,6 +370,7 @@ class Telemetry:
         """:meth:`_start` once the blocks are collected: their flights (collectives run here)."""
         dist = initialized_dist()
         if not local and self.collective(session):
+            self._was_collective = True
             try:
                 flights, prep_error = self._start_collective(session, blocks, dist)
             except Exception as exc:  # a collective failed: send the steps again once
@@ -374,13 +380,23 @@ class Telemetry:
                 self._carry = []
                 self._keep(fresh)
                 lost = len(blocks) - len(fresh)
+                kept = ("go out unmerged, this rank's own" if session.removed
+                        else "are kept for the next flush")
                 raise RuntimeError(
                     f"hookplug telemetry: the distributed flush failed ({type(exc).__name__}: {exc}); "
-                    f"{len(fresh)} block(s) of stats rows are kept for the next flush"
+                    f"{len(fresh)} block(s) of stats rows {kept}"
                     + (f", {lost} block(s) that had failed before are dropped" if lost else "")) from exc
             self._prune_times(session)
             self.flushes += 1
             return flights, error or prep_error
+        if self._was_collective and dist is None and blocks and not self._warned_ungrouped:
+            self._warned_ungrouped = True  # (a failing rank's local flush says so itself)
+            warnings.warn(
+                "hookplug telemetry: torch.distributed's process group is gone (destroyed before "
+                "session.remove()?): the last steps' records are this rank's own, not merged "
+                "over the ranks, and params has no record of the parameters other ranks measure; "
+                "remove() the session before destroy_process_group()", RuntimeWarning,
+                stacklevel=user_stacklevel())
         if not blocks:
             self._prune_times(session)
             return [], error

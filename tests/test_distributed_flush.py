@@ -329,29 +329,51 @@ def test_a_rank_that_catches_nonfinite_raise_keeps_every_plugins_steps(tmp_path)
     assert res[0]["weights"] == res[1]["weights"] == want
 
 
-def peer_dies(rank, world, out):
-    """Rank 1 raises at step 2 and its process ends (as under torchrun); rank 0 goes on
-    under on_error="warn": its collective flushes fail, and remove() sends its rows alone."""
+def peer_dies(rank, world, out, on_error="warn", flush_every=2):
+    """Rank 1 raises at step 2 and its process ends (as under torchrun); rank 0 goes on: its
+    collective flushes fail, and remove() sends its rows alone (under on_error="raise",
+    then raises)."""
     model, state = Net(), {"step": 0}
     seen = watch(model, state)
     dump = Dump()
+    raised = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            with hookplug.attach(model, "Linear", plugins="stats", sink=dump, flush_every=2,
-                                 on_error="warn") as s:
+            with hookplug.attach(model, "Linear", plugins="stats", sink=dump, flush_every=flush_every,
+                                 on_error=on_error) as s:
                 for step in range(4):
                     state["step"] = step
                     model(torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank)))
                     if rank == 1 and step == 2:
                         raise RuntimeError("rank 1 fails")
                     s.step()
-        except RuntimeError:  # rank 1: gone at once, no collective left behind
-            with open(os.path.join(out, f"{rank}.json"), "w") as f:
-                json.dump({"records": dump.records, "seen": seen}, f)
-            os._exit(0)
-    return {"records": dump.records, "seen": seen,
+        except RuntimeError as exc:
+            if rank == 1:  # gone at once, no collective left behind
+                with open(os.path.join(out, f"{rank}.json"), "w") as f:
+                    json.dump({"records": dump.records, "seen": seen}, f)
+                os._exit(0)
+            raised = str(exc)  # rank 0 under "raise": remove()'s final flush failed
+    return {"records": dump.records, "seen": seen, "raised": raised,
             "warnings": [str(w.message) for w in caught if "hookplug" in str(w.message)]}
+
+
+def peer_dies_no_flush_every(rank, world, out):
+    return peer_dies(rank, world, out, on_error="raise", flush_every=None)
+
+
+def test_under_raise_a_rank_whose_peer_died_sends_its_steps_before_raising(tmp_path):
+    """No flush_every: remove()'s final flush is the first, and fails (the peer is gone).
+    Under on_error="raise" it raised before this rank's rows went out: every step was lost.
+    They go to its sink alone, then the error is raised, saying so."""
+    from _gloo import spawn as spawn_fn
+
+    res = spawn_fn(peer_dies_no_flush_every, tmp_path, str(tmp_path))
+    recs = res[0]["records"]
+    assert sorted({rec["step"] for rec in recs}) == [0, 1, 2, 3]
+    assert len({(rec["step"], rec["module"]) for rec in recs}) == len(recs)
+    assert_exact(recs, [res[0]["seen"], res[1]["seen"]], ranks=(0,))  # its own
+    assert "distributed flush failed" in res[0]["raised"] and "go out unmerged" in res[0]["raised"]
 
 
 def test_under_warn_a_rank_whose_peer_died_still_sends_its_last_steps(tmp_path):
@@ -476,8 +498,41 @@ def _destroy_before_remove(rank, world, port, out):
         m(torch.randn(3, 4))
         s.step()
     dist.destroy_process_group()
-    s.remove()  # the last step goes out locally, after the group is gone
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s.remove()  # the last step goes out locally, after the group is gone
+    return {"warnings": [str(w.message) for w in caught if "hookplug" in str(w.message)]}
+
+
+def _flush_before_init(rank, world, port, out):
+    """Attached before init_process_group, as under torchrun (RANK set): a step flushed
+    before the group exists is this rank's, labelled with its rank."""
+    from _gloo import init
+
+    os.environ["RANK"] = str(rank)
+    torch.manual_seed(rank)
+    m = nn.Sequential(nn.Linear(4, 4))
+    s = hookplug.attach(m, "Linear", plugins="stats", sink=("jsonl", {"path": out}), flush_every=1)
+    m(torch.randn(3, 4))
+    s.step()  # flushed alone: no group yet
+    init(rank, world, port)
+    for _ in range(2):
+        m(torch.randn(3, 4))
+        s.step()
+    s.remove()
     return {}
+
+
+def test_a_step_flushed_before_init_process_group_is_its_ranks_own(tmp_path):
+    """Before the group existed every rank took rank 0: rank 1's step 0 went into rank 0's
+    file, labelled rank 0 (twice step 0 there). torchrun's RANK names it now."""
+    from _gloo import spawn_bare
+
+    out = tmp_path / "runs"
+    spawn_bare(_flush_before_init, tmp_path, str(out))
+    lines = [json.loads(x) for f in sorted(out.rglob("*.jsonl")) for x in f.read_text().splitlines()]
+    recs = [(r["step"], r["rank"], r["numel"]) for r in lines if "module" in r]
+    assert recs == [(0, 0, 12), (1, 0, 24), (2, 0, 24)]
 
 
 def test_records_flushed_after_destroy_process_group_keep_their_rank(tmp_path):
@@ -486,10 +541,12 @@ def test_records_flushed_after_destroy_process_group_keep_their_rank(tmp_path):
     from _gloo import spawn_bare
 
     out = tmp_path / "runs"
-    spawn_bare(_destroy_before_remove, tmp_path, str(out))
+    res = spawn_bare(_destroy_before_remove, tmp_path, str(out))
     lines = [json.loads(x) for f in sorted(out.rglob("*.jsonl")) for x in f.read_text().splitlines()]
     recs = [r for r in lines if "module" in r]
     assert [(r["step"], r["rank"], r["numel"]) for r in recs] == [(0, 0, 24), (1, 0, 24), (2, 0, 12)]
+    for got in res:  # said, on every rank: the last step is not merged
+        assert any("process group is gone" in w for w in got["warnings"]), got
 
 
 def test_rows_of_a_device_type_the_backend_lacks_are_gathered_through_one_it_has(monkeypatch):
