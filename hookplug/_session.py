@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import copy
 import difflib
 import functools
 import inspect
@@ -278,10 +279,11 @@ class _HookFreeState:
 
 
 class _HookFreeCall:
-    """Set as ``module.__deepcopy__`` or ``module.__reduce_ex__`` (instance attributes, which
-    ``copy`` and ``pickle`` look up first) beside :class:`_HookFreeState` where the module's
-    class has that method of its own, one that copies ``__dict__`` whole and never reads
-    ``__getstate__``: ``torch.nn.utils.parametrize``'s ``__deepcopy__`` (``weight_norm``,
+    """Set as ``module.__deepcopy__`` and ``module.__reduce_ex__`` (instance attributes, which
+    ``copy`` and ``pickle`` look up first) beside :class:`_HookFreeState`. Where the module's
+    class has no such method the default protocol runs (it reads ``__getstate__``); where it
+    has one of its own, one that copies ``__dict__`` whole and never reads ``__getstate__``
+    (also a class swapped in after attach): ``torch.nn.utils.parametrize``'s ``__deepcopy__`` (``weight_norm``,
     ``spectral_norm``, ``orthogonal``), ``torch.fx.GraphModule``'s ``__deepcopy__`` and
     ``__reduce__``. The class's method runs with the module's ``__dict__`` swapped, for the
     call, for one without hookplug's hooks and guards (a forward on another thread during
@@ -295,6 +297,16 @@ class _HookFreeCall:
 
     def __call__(self, *args):
         module = self.guard.module_ref()
+        if self.method not in _own_copy_methods(type(module)):
+            # the class has none (now; parametrize swaps the class after attach): the default
+            # protocol, which reads the hook-free __getstate__
+            if self.method == "__reduce_ex__":
+                return object.__reduce_ex__(module, *args)
+            del module.__dict__[self.method]
+            try:
+                return copy.deepcopy(module, *args)
+            finally:
+                module.__dict__[self.method] = self
         saved = module.__dict__
         object.__setattr__(module, "__dict__", self.guard.without_hooks(dict(saved)))
         try:
@@ -359,7 +371,9 @@ def _guard_copies(module: nn.Module, handle) -> None:
     guard = module.__dict__.get("__getstate__")
     if guard is None:
         guard = module.__dict__["__getstate__"] = _HookFreeState(module)
-        for method in _own_copy_methods(type(module)):
+        # both, whatever the class has now: a parametrization registered after attach gives
+        # the module a class with a __deepcopy__ of its own (see _HookFreeCall)
+        for method in ("__deepcopy__", "__reduce_ex__"):
             if method not in module.__dict__:  # (a user's own is left alone)
                 module.__dict__[method] = _HookFreeCall(guard, method)
     if isinstance(guard, _HookFreeState):  # a user's own instance __getstate__ is left alone

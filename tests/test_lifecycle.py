@@ -2,6 +2,7 @@
 pickles of an attached model (issue 13, items 2, 6, 10, 11)."""
 import collections
 import copy
+import gc
 import io
 import pickle
 import warnings
@@ -330,6 +331,32 @@ def test_ema_copy_of_an_attached_model_with_a_parametrized_layer():
     assert hook_dicts(model) == before
     assert not any(k in vars(m) for m in model.modules() for k in ("__getstate__", "__deepcopy__"))
     assert {k: list(v) for k, v in hook_dicts(copy.deepcopy(model)).items()} == ids
+
+
+def test_ema_copy_when_the_layer_is_parametrized_after_attach():
+    """A parametrization registered after attach swaps the module's class for one with a
+    ``__deepcopy__`` of its own: the copy failed ("cannot pickle '_thread.RLock'") or kept
+    hookplug's hooks and a guard pointing at the original (saving it went through the
+    original). The guards are on every hooked module, whatever its class at attach."""
+    from torch.nn.utils import parametrizations
+    from torch.optim import swa_utils
+
+    torch.manual_seed(0)
+    model = MLP()
+    session = hookplug.attach(model, "Linear", plugins=ALL_PLUGINS)
+    parametrizations.weight_norm(model.fc1)
+    ema = swa_utils.AveragedModel(model, multi_avg_fn=swa_utils.get_ema_multi_avg_fn(0.9))
+    copied = copy.deepcopy(model)
+    for c in (ema.module, copied):
+        _no_hookplug_state(c)
+    x = torch.randn(4, 32)
+    torch.testing.assert_close(copied(x), model(x))
+    session.remove()
+    del model, session
+    gc.collect()
+    again = copy.deepcopy(ema)  # its own state (a guard copied along read the original's)
+    _no_hookplug_state(again.module)
+    torch.testing.assert_close(again.module(x), copied(x))
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
