@@ -307,10 +307,10 @@ def _base_of(t: torch.Tensor) -> torch.Tensor:
     return t if t._base is None else t._base
 
 
-def _aliases_input(t: torch.Tensor, args) -> bool:
-    """Whether ``t`` shares memory with one of the module's input tensors."""
+def _aliases_input(t: torch.Tensor, args, kwargs) -> bool:
+    """Whether ``t`` shares memory with one of the module's input tensors (keyword ones too)."""
     base = _base_of(t)
-    for _, a in iter_tensors(args, "input"):
+    for _, a in iter_tensors((args, kwargs), "input"):
         if base is _base_of(a):
             return True
     return False
@@ -619,7 +619,7 @@ class _ModuleBinding:
         if out_grad and torch.is_grad_enabled():
             # no tensor hook: traced into the backward graph (not compiled autograd's)
             if self.grad_in_graph and not _compiled_autograd_may_run():
-                wrapped = self._grad_sites(ctx, module, args, output)
+                wrapped = self._grad_sites(ctx, module, args, kwargs, output)
                 if wrapped is not None:
                     return wrapped
             return self._hook_grads(ctx, module, args, kwargs, output, new)
@@ -692,7 +692,7 @@ class _ModuleBinding:
                 return c
         return pending.pop()
 
-    def _grad_sites(self, ctx, module, args, output):
+    def _grad_sites(self, ctx, module, args, kwargs, output):
         """Compiled code: ``output`` with each tensor that needs a grad site passed through
         :class:`_GradSite` once (a tensor at several paths runs every path's hooks with the
         whole gradient, as tensor hooks do); ``output`` itself when none needs one. None
@@ -702,10 +702,14 @@ class _ModuleBinding:
         dict, namedtuple or HF ModelOutput; those take the tensor hooks."""
         found: List[Tuple[torch.Tensor, List[str]]] = []
         for path, t in iter_tensors(output):
-            if not t.requires_grad or t.is_leaf:  # a leaf would keep a tensor hook for good
+            if not t.requires_grad:
                 continue
-            if _aliases_input(t, args):
+            # (before the leaf test: dynamo traces a graph input, an activation under
+            # regional compilation, as a leaf)
+            if _aliases_input(t, args, kwargs):
                 return None
+            if t.is_leaf:  # a leaf would keep a tensor hook for good
+                continue
             for u, paths in found:
                 if u is t:
                     paths.append(path)

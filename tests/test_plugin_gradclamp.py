@@ -1079,3 +1079,73 @@ def test_compiled_steering_shares_one_graph_between_identical_blocks():
     assert out["eager"][0] == out["compiled"][0] and len(out["eager"][0]) == 3
     assert sum(out["eager"][0].values()) > 0
     assert_grads_equal(out["eager"][1], out["compiled"][1])
+
+
+@pytest.mark.parametrize("plugins", [("gradclamp", {"min": 0.0, "max": 0.0}), ("stats", {"sites": ("grad",)})],
+                         ids=["gradclamp", "stats"])
+def test_compiled_identity_on_a_graph_input_steers_and_measures_as_eager(plugins):
+    """``nn.Identity`` on the input of a compiled region (a block compiled alone, regional
+    compilation): dynamo traces a graph input as a leaf, which was skipped like a returned
+    Parameter, before the test for a returned input: no grad site, gradclamp steered nothing
+    (grads differed from eager), stats recorded nothing. It takes the tensor hook, as eager."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.skip = nn.Identity()
+
+        def forward(self, x):
+            return self.fc(x) + self.skip(x)
+
+    torch.manual_seed(0)
+    base, x0 = Block(), torch.randn(2, 4)
+    out = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        m = copy.deepcopy(base)
+        x = x0.clone().requires_grad_()
+        with hookplug.attach(m, "Identity", plugins=plugins) as s:
+            f = torch.compile(m, backend="aot_eager") if compiled else m
+            f(x).square().sum().backward()
+            out[compiled] = (x.grad, s.results())
+    torch._dynamo.reset()
+    assert torch.equal(out[True][0], out[False][0])
+    assert str(out[True][1]) == str(out[False][1]) and out[False][1][plugins[0]]["skip"]
+
+
+@pytest.mark.parametrize("returns", ["view", "input"])
+def test_compiled_module_returning_a_keyword_input_leaves_its_alias(returns):
+    """A hooked module called with a keyword argument that returns it (or a view of it),
+    changed in place by the caller: compiled code took it for a fresh tensor (inputs were
+    compared with the positional arguments only) and cloned it for the grad site, so the
+    in-place change no longer reached the input: outputs and grads differed from the
+    model without hooks."""
+    class Pick(nn.Module):
+        def forward(self, x):
+            return x[:, :2] if returns == "view" else x
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.sub = Pick()
+
+        def forward(self, x):
+            h = self.fc(x)
+            self.sub(x=h).mul_(10)
+            return h
+
+    torch.manual_seed(0)
+    base, x = M(), torch.randn(2, 4)
+    out = {}
+    for hooks in (False, True):
+        torch._dynamo.reset()
+        m = copy.deepcopy(base)
+        session = (hookplug.attach(m, "*:sub", plugins=("stats", {"sites": ("output", "grad")}))
+                   if hooks else contextlib.nullcontext())
+        with session:
+            y = torch.compile(m, backend="aot_eager")(x)
+            y.sum().backward()
+        out[hooks] = (y.detach(), m.fc.weight.grad)
+    torch._dynamo.reset()
+    assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
