@@ -299,14 +299,20 @@ class _HookFreeCall:
         module = self.guard.module_ref()
         if self.method not in _own_copy_methods(type(module)):
             # the class has none (now; parametrize swaps the class after attach): the default
-            # protocol, which reads the hook-free __getstate__
+            # protocol, which reads the hook-free __getstate__ (the module left untouched:
+            # another thread may copy or remove() it meanwhile)
             if self.method == "__reduce_ex__":
                 return object.__reduce_ex__(module, *args)
-            del module.__dict__[self.method]
-            try:
-                return copy.deepcopy(module, *args)
-            finally:
-                module.__dict__[self.method] = self
+            memo = args[0] if args else {}
+            cls = type(module)
+            new = cls.__new__(cls)
+            memo[id(module)] = new
+            state = copy.deepcopy(self.guard(), memo)
+            if hasattr(new, "__setstate__"):
+                new.__setstate__(state)
+            else:
+                new.__dict__.update(state)
+            return new
         saved = module.__dict__
         object.__setattr__(module, "__dict__", self.guard.without_hooks(dict(saved)))
         try:

@@ -227,6 +227,7 @@ class Telemetry:
         self._rank = current_rank()  # (before init_process_group: torchrun's RANK)
         self._was_collective = False  # a flush of this session ran collectively
         self._warned_ungrouped = False
+        self._warned_env_rank = False
         self.note_rank()
 
     def note_rank(self) -> None:
@@ -304,6 +305,8 @@ class Telemetry:
                     continue
             if records:
                 delivered, entry_of = flight.delivered, session._entry_of
+                if flight.rank != 0 and session.distributed and not self._warned_env_rank:
+                    self._warn_env_rank(session, flight.rank)
                 try:
                     session._dispatch(
                         "hookplug_flush", records=records, run_all=True, returned=delivered.add,
@@ -316,6 +319,20 @@ class Telemetry:
             self._done(flight)
             out.extend(records)
         return out
+
+    def _warn_env_rank(self, session, rank: int) -> None:
+        """Once: a rank other than 0 with no process group (``RANK`` from the environment:
+        before ``init_process_group``, or a launcher's variable left set) skips its sinks
+        without ``all_ranks``, as under torch.distributed, where rank 0 writes."""
+        if initialized_dist() is not None:
+            return
+        self._warned_env_rank = True
+        if any(e.is_sink and not getattr(e.plugin, "all_ranks", False) for e in session._entries.values()):
+            warnings.warn(
+                f"hookplug telemetry: RANK={rank} (from the environment) and no torch.distributed "
+                "process group yet: this rank's sinks without all_ranks=True write nothing, as rank "
+                "0's write for every rank; set all_ranks=True, attach with distributed=False, or "
+                "unset RANK", RuntimeWarning, stacklevel=user_stacklevel())
 
     def _done(self, flight: _Flight) -> None:
         """``flight`` leaves ``in_flight`` (unless a flush nested in its delivery, e.g. a

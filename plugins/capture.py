@@ -66,6 +66,7 @@ from __future__ import annotations
 import bisect
 import copy
 import sys
+import threading
 import types
 import warnings
 from typing import Any, Dict, List, Literal, Optional, Union
@@ -291,8 +292,9 @@ class CapturePlugin(hookplug.Plugin):
         self._events: List[Any] = []
         self.nbytes = 0  # bytes held (what max_bytes bounds)
         self.skipped = 0
-        self._refused: set = set()  # (module, call) whose inputs did not fit, until its output
-        self._open: set = set()  # (module, call) whose inputs are kept, until its output
+        # (module, call) -> thread: calls whose inputs did not fit / are kept, until their output
+        self._refused: Dict[tuple, int] = {}
+        self._open: Dict[tuple, int] = {}
         # (module, call) -> [(call, inputs)] set aside by that call's inputs, until its output
         self._set_aside: Dict[tuple, List[tuple]] = {}
         self._warned = False
@@ -384,7 +386,7 @@ class CapturePlugin(hookplug.Plugin):
         if self.nbytes - self._freed(kind, name, call) + new_bytes <= self.max_bytes:
             return True
         if kind == "inputs":  # its output is not captured either: counted once, there or here
-            self._refused.add((name, call))
+            self._refused[(name, call)] = threading.get_ident()
             self.skipped += 1
         elif kind == "features":
             self.skipped += 1
@@ -605,30 +607,32 @@ class CapturePlugin(hookplug.Plugin):
     def hookplug_step(self):
         """Calls whose output never came (a ``KeyboardInterrupt`` in ``forward``: torch runs
         no post hook then) are not captured: their inputs go, those they set aside go back."""
-        if self._open or self._set_aside or self._refused:
-            for name, call in self._open | self._set_aside.keys():
-                self._discard("inputs", name, call)
-            self._open.clear()
-            self._refused.clear()
+        if self._open or self._refused:  # this thread's calls only: another's may be running
+            me = threading.get_ident()
+            for key in [k for k, thread in self._open.items() if thread == me]:
+                del self._open[key]
+                self._discard("inputs", *key)
+            for key in [k for k, thread in self._refused.items() if thread == me]:
+                del self._refused[key]
 
     @hookimpl
     def hookplug_forward_input(self, ctx, args):
         if self._capture("inputs", ctx.name, ctx.call_index, tuple(args), "input"):
-            self._open.add((ctx.name, ctx.call_index))  # until its output comes
+            self._open[(ctx.name, ctx.call_index)] = threading.get_ident()  # until its output
 
     @hookimpl
     def hookplug_forward_output(self, ctx, module, output):
         if self._open:
-            self._open.discard((ctx.name, ctx.call_index))
+            self._open.pop((ctx.name, ctx.call_index), None)
         if output is None and _forward_raised(module):  # nothing to capture, the last capture stays
             if self.keep_inputs:
-                self._refused.discard((ctx.name, ctx.call_index))
+                self._refused.pop((ctx.name, ctx.call_index), None)
                 self._discard("inputs", ctx.name, ctx.call_index)
             return
         # a call is captured whole or not at all: not its output when its inputs did not fit
         if self.keep_inputs and self._refused:
             ok = (ctx.name, ctx.call_index) not in self._refused
-            self._refused.discard((ctx.name, ctx.call_index))
+            self._refused.pop((ctx.name, ctx.call_index), None)
         else:
             ok = True
         if not (ok and self._capture("features", ctx.name, ctx.call_index, output, "output")):

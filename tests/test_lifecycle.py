@@ -760,3 +760,30 @@ def test_calls_a_keyboard_interrupt_left_are_forgotten_at_the_next_step():
         model(torch.randn(3, 4))
         res = s["stats"].results()
         assert int(res["1"]["output"].calls) == 1 and int(res["1"]["input[0]"].calls) == 6
+
+
+def test_copies_on_several_threads_and_remove_meanwhile_leave_no_guard_behind():
+    """Copying a hooked module changed its __dict__ for the call (the guard taken off and
+    put back): copies on other threads raised KeyError('__deepcopy__'), and a remove()
+    meanwhile left a guard behind. The copy now reads the module without changing it."""
+    import threading
+
+    model = MLP()
+    session = hookplug.attach(model, "Linear", plugins="stats")
+    errors = []
+
+    def copies():
+        try:
+            for _ in range(200):
+                _no_hookplug_state(copy.deepcopy(model))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=copies) for _ in range(3)]
+    for t in threads:
+        t.start()
+    session.remove()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert not any(k in vars(m) for m in model.modules() for k in ("__getstate__", "__deepcopy__", "__reduce_ex__"))

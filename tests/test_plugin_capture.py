@@ -1107,3 +1107,34 @@ def test_grads_of_a_module_nested_in_itself_are_dropped_with_its_calls():
             model(x)[0].sum().backward()
         held = {name: set(calls) for name, calls in plugin._skel_calls.items()}
         assert held == {"0": set(plugin._calls["features"]["0"])}
+
+
+def test_a_step_ended_on_another_thread_keeps_a_running_calls_inputs():
+    """session.step() on a timer thread while a forward runs: only the stepping thread's
+    unfinished calls are dropped (the running call lost its inputs, and the last step's came
+    back in nbytes, not in inputs)."""
+    import threading
+    import time
+
+    started = threading.Event()
+
+    class Slow(nn.Module):
+        def forward(self, x):
+            started.set()
+            time.sleep(0.3)
+            return x * 2
+
+    model = nn.Sequential(Slow())
+    plugin = CapturePlugin(inputs=True)
+    with hookplug.attach(model, "Slow", plugins=plugin) as s:
+        model(torch.zeros(4))
+        s.step()
+        started.clear()
+        x = torch.ones(4)
+        worker = threading.Thread(target=model, args=(x,))
+        worker.start()
+        started.wait()
+        s.step()  # while the worker's call runs
+        worker.join()
+        assert torch.equal(plugin.inputs["0"][0], x) and torch.equal(plugin.features["0"], 2 * x)
+        assert plugin.nbytes == 2 * 4 * 4

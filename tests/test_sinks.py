@@ -9,6 +9,7 @@ import textwrap
 import threading
 import urllib.error
 import urllib.request
+import warnings
 
 import pytest
 import torch
@@ -360,6 +361,30 @@ def test_a_sink_named_in_plugins_is_the_sink_with_flush_every(sink, tmp_path, mo
     s.remove()
     assert not (tmp_path / "runs").exists()
     assert list((tmp_path / "out").iterdir())
+
+
+def test_a_rank_from_the_environment_without_a_process_group_says_its_sinks_write_nothing(tmp_path, monkeypatch):
+    """RANK=1 (torchrun, before init_process_group; or left set) and no process group: rank
+    0's sinks write for every rank, so this one's without all_ranks write nothing, once
+    said; with all_ranks its records are labelled rank 1."""
+    from hookplug_plugins.sinks.jsonl import read_jsonl
+
+    monkeypatch.setenv("RANK", "1")
+    for all_ranks in (False, True):
+        path = tmp_path / f"all{all_ranks}" / "t.jsonl"
+        m = MLP()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with hookplug.attach(m, "Linear", plugins="stats", flush_every=1,
+                                 sink=("jsonl", {"path": str(path), "all_ranks": all_ranks})) as s:
+                for _ in range(2):
+                    m(torch.randn(2, 32))
+                    s.step()
+        told = [w for w in caught if "RANK=1 (from the environment)" in str(w.message)]
+        if all_ranks:
+            assert not told and {r["rank"] for r in read_jsonl(str(path))} == {1}
+        else:
+            assert len(told) == 1 and told[0].filename == __file__ and not path.exists()
 
 
 @pytest.mark.parametrize("sink", ["jsonl", "tensorboard", "prometheus"])
