@@ -28,7 +28,8 @@ import torch
 from torch.nn.parameter import is_lazy
 
 from ._plugin import user_stacklevel
-from ._stats import CLOCK, HEAD, MAX_BINS, StatsBlock, TensorStats, empty_rows, merge_rows, touched
+from ._stats import (CLOCK, HEAD, MAX_BINS, StatsBlock, TensorStats, empty_rows, linear_range_ok, merge_rows,
+                     touched)
 
 __all__ = ["StatsBank", "MEASURED_AS", "as_measured", "is_dtensor", "dtensor_local"]
 
@@ -341,8 +342,7 @@ def check_hist_options(who: str, bins, hist, range):  # noqa: A002 - the op's ow
         raise ValueError(f"{who}: bins must be None or an int in [0, {MAX_BINS}], got {bins!r}")
     if range is not None:
         lo, hi = (float(v) for v in range)
-        # NaN, inf, a width past the largest, or one so narrow that bins / width overflows
-        if not (lo < hi and math.isfinite(hi - lo) and math.isfinite(MAX_BINS / (hi - lo))):
+        if not linear_range_ok(lo, hi, MAX_BINS):  # (bins not known yet: the most)
             raise ValueError(f"{who}: range must be finite with lo < hi (hi - lo finite, and "
                              f"{MAX_BINS} / (hi - lo) finite), got {range!r}")
         range = (lo, hi)

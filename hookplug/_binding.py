@@ -101,6 +101,11 @@ def _own_outputs(output, args, kwargs):
     return (None if new is output else new), shared
 
 
+def _is_model_output(obj) -> bool:
+    """An HF ``ModelOutput`` (an OrderedDict subclass and a dataclass), or another such."""
+    return isinstance(obj, dict) and dataclasses.is_dataclass(obj)
+
+
 def _has_views(t: torch.Tensor) -> bool:
     """Whether ``t.view_as(t)`` works: strided and jagged layouts (not sparse, mkldnn or a
     strided nested tensor)."""
@@ -124,10 +129,9 @@ def _with_views(obj, shared: set, views: dict):
     items = [(key, _with_views(value, shared, views)) for key, _, value in kids]
     if all(new is value for (_, new), (_, _, value) in zip(items, kids)):
         return obj
-    if not (type(obj) is tuple
+    if not (type(obj) is tuple or _is_model_output(obj)
             # a namedtuple, or a subclass of one with no attributes of its own (PackedSequence)
-            or (isinstance(obj, tuple) and hasattr(obj, "_fields") and not getattr(obj, "__dict__", None))
-            or (isinstance(obj, dict) and dataclasses.is_dataclass(obj))):  # HF ModelOutput
+            or (isinstance(obj, tuple) and hasattr(obj, "_fields") and not getattr(obj, "__dict__", None))):
         return obj
     return rebuild(obj, items)
 
@@ -324,7 +328,7 @@ def _plain_container(obj) -> bool:
         return True
     t = type(obj)
     plain = (t in (tuple, list, dict) or (t.__bases__ == (tuple,) and hasattr(obj, "_fields"))
-             or (isinstance(obj, dict) and dataclasses.is_dataclass(obj)))  # HF ModelOutput
+             or _is_model_output(obj))
     return plain and all(_plain_container(v) for _, _, v in kids)
 
 

@@ -32,7 +32,7 @@ from ._binding import (_EAGER_RUNNERS, HookContext, _Materialize, _ModuleBinding
 from ._checkpoint import RecomputeMatcher
 from ._compile_guards import _RECOMPILE_LIMIT, _guard_module_hooks
 from ._config import _records_given, attach_options
-from ._manager import (PluginError, PluginLoadError, create_plugin, implements_hook, is_hookimpl, is_plugin_object,
+from ._manager import (PluginError, PluginLoadError, create_plugin, implements_hook, is_plugin_object,
                        new_plugin_manager)
 from ._options import is_int_at_least
 from ._pipelining import patch_pipelining

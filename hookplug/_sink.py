@@ -125,10 +125,7 @@ class Sink:
         return f"<{type(self).__name__} {where}>"
 
 
-def _check_own_constructor() -> None:
-    from ._options import check_constructor
+# (imported here: _options imports _manager, which imports this module's users)
+from ._options import check_constructor  # noqa: E402
 
-    check_constructor(Sink)  # a subclass without __init__ of its own is built through it
-
-
-_check_own_constructor()
+check_constructor(Sink)  # a subclass without __init__ of its own is built through it

@@ -47,6 +47,14 @@ LOG2_BINS = 2 * (LOG2_MAX_EXP - LOG2_MIN_EXP + 1) + 1  # 131
 MAX_BINS = ROW_LAYOUT["max_bins"]  # the most linear-histogram buckets a row may have
 
 
+def linear_range_ok(lo: float, hi: float, bins: int) -> bool:
+    """Whether ``(lo, hi)`` can be a linear histogram's range of ``bins`` buckets (as the
+    C++ check, csrc/stats_checks.h): lo < hi, and neither the width nor ``bins / width``
+    overflows (NaN, inf, a width past the largest double, or one so narrow that the bucket
+    scale does)."""
+    return lo < hi and math.isfinite(hi - lo) and math.isfinite(max(bins, 1) / (hi - lo))
+
+
 def empty_rows(n: int, bins: int, lo: float = 0.0, hi: float = 0.0,
                device=None) -> torch.Tensor:
     """``n`` empty rows for ``bins`` buckets with histogram range ``(lo, hi)``."""

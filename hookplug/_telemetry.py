@@ -137,7 +137,7 @@ def _as_blocks(name, res) -> List[StatsBlock]:
                                 f"{len(item.metas)} metas for rows of shape {tuple(item.rows.shape)}")
             blocks.append(item)
         elif (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], dict)
-              and {"step", "module", "site"} <= item[0].keys() and isinstance(item[1], TensorStats)):
+              and RECORD_KEYS <= item[0].keys() and isinstance(item[1], TensorStats)):
             row = item[1].row
             pairs.setdefault((row.device, row.numel()), []).append(item)
         else:
@@ -540,6 +540,7 @@ class Telemetry:
 # histogram kind)``: one class's rows merge row by row; each device type is gathered apart.
 
 _META_KEYS = ("step", "module", "site", "phase")
+RECORD_KEYS = frozenset(("step", "module", "site"))  # what every record has
 
 
 def _hashable(kind):

@@ -44,6 +44,7 @@ from ._checkpoint import _graph_task_id
 from ._stats import (CALLS, CLOCK, FIRST_BAD, HEAD, HIST_HI, HIST_LO, INF, LOG2_BINS,
                      LOG2_MAX_EXP, LOG2_MIN_EXP, MAX_BINS, NAN, ROW_LAYOUT, TensorStats, empty_rows,
                      merge_rows)
+from ._stats import linear_range_ok
 from ._stats import log2_edges as _log2_edges
 
 __all__ = ["tensor_stats", "accumulate_", "reference_tensor_stats", "backend", "LOG2_MIN_EXP",
@@ -180,8 +181,7 @@ def _parse(x, bins, hist, range) -> Tuple[int, str, Optional[float], Optional[fl
         except (TypeError, ValueError):
             raise ValueError(f"{who}: expected range=(lo, hi) of two numbers, "
                              f"got {range!r}") from None
-        # NaN, inf, a width past the largest, or one so narrow that bins / width overflows
-        if not (lo < hi and math.isfinite(hi - lo) and math.isfinite(max(bins, 1) / (hi - lo))):
+        if not linear_range_ok(lo, hi, bins):
             raise ValueError(f"{who}: expected a finite range with lo < hi (hi - lo finite, and "
                              f"bins / (hi - lo) finite), got {range!r}")
     return bins, hist, lo, hi

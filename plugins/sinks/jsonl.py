@@ -53,7 +53,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import hookplug
 from hookplug._plugin import user_stacklevel
 from hookplug._stats import COUNT_COLUMNS
-from hookplug._telemetry import on_interrupt
+from hookplug._telemetry import RECORD_KEYS, on_interrupt
 
 __all__ = ["JsonlSink", "read_jsonl"]
 
@@ -308,9 +308,6 @@ class JsonlSink(hookplug.Sink):
             self._fd = None
 
 
-_RECORD_KEYS = frozenset(("step", "module", "site"))  # what every record has
-
-
 def read_jsonl(path: str, *, run_id: Optional[str] = None) -> List[Dict[str, Any]]:
     """Read a telemetry file back, carrying ``hist_edges`` forward to every record and
     turning ``null`` statistics back into NaN. ``run_id`` keeps only that run's records.
@@ -346,11 +343,11 @@ def read_jsonl(path: str, *, run_id: Optional[str] = None) -> List[Dict[str, Any
                                  f"{raw[:60]!r}") from None
             torn.append(number)
             continue
-        if not isinstance(rec, dict) or not _RECORD_KEYS <= rec.keys():
+        if not isinstance(rec, dict) or not RECORD_KEYS <= rec.keys():
             got = (f"an object with keys {', '.join(sorted(map(str, rec))[:8])}" if isinstance(rec, dict)
                    else type(rec).__name__)
             raise ValueError(f"read_jsonl: {path}: line {number} is not a telemetry record: expected a "
-                             f"JSON object with keys {', '.join(sorted(_RECORD_KEYS))}, got {got}")
+                             f"JSON object with keys {', '.join(sorted(RECORD_KEYS))}, got {got}")
         if run_id is not None and rec.get("run_id") != run_id:
             continue
         key = (rec.get("run_id"), rec.get("module"), rec.get("site"))
