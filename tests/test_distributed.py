@@ -1,15 +1,13 @@
 """Telemetry under torch.distributed: two CPU processes (gloo), each feeding half of every
 batch through a DDP-wrapped or FSDP2-sharded (``fully_shard``) model; rank 0's records must be the statistics of the whole
 batch, obtained by reducing the packed partial stats (never by gathering activations)."""
-import json
 import math
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _gloo import Dump, spawn
 
 import hookplug
 from hookplug.models import MLP
@@ -17,12 +15,6 @@ from hookplug.models import MLP
 WORLD = 2
 STEPS = 3
 BATCH = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def batches():
@@ -38,60 +30,39 @@ def make_model():
     return m
 
 
-class DumpSink:
-    """Keeps every record on every rank and dumps them as JSON at the end."""
+def worker(rank, world, out, mode):
+    """One rank's half of every batch through DDP or FSDP2; its records and what plain
+    torch hooks saw. Run by ``_gloo.spawn``, which leaves without tearing gloo down (a
+    ``destroy_process_group()`` after FSDP2 aborted a CI run: see ``_gloo.leave``)."""
+    model = make_model()
+    if mode == "ddp":
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+    else:  # FSDP2: every Linear and the root sharded in place (no wrapper module)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
 
-    name = "dump"
-    all_ranks = True
-
-    def __init__(self, path):
-        self.path, self.records = path, []
-
-    @hookplug.hookimpl
-    def hookplug_flush(self, records):
-        self.records.extend(records)
-
-    @hookplug.hookimpl
-    def hookplug_session_end(self):
-        with open(self.path, "w") as f:
-            json.dump(self.records, f)
-
-
-def worker(rank, port, out, mode="ddp"):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        torch.set_num_threads(1)
-        model = make_model()
-        if mode == "ddp":
-            ddp = torch.nn.parallel.DistributedDataParallel(model)
-        else:  # FSDP2: every Linear and the root sharded in place (no wrapper module)
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = init_device_mesh("cpu", (WORLD,))
-            for m in model.modules():
-                if isinstance(m, torch.nn.Linear):
-                    fully_shard(m, mesh=mesh)
-            ddp = fully_shard(model, mesh=mesh)
-        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-        # the activations this rank computed, seen by plain torch hooks (the test's ground truth)
-        seen, state = {}, {"step": 0}
-        for name, mod in model.named_modules():  # records name the wrapped model's modules
-            if isinstance(mod, torch.nn.Linear):
-                mod.register_forward_hook(lambda m, i, o, name=name: seen.setdefault(
-                    f"{state['step']}|{name}", []).append(o.detach().reshape(-1).tolist()))
-        sinks = [("jsonl", {"path": os.path.join(out, "r{rank}")}), DumpSink(os.path.join(out, f"dump{rank}.json"))]
-        with hookplug.attach(ddp, "Linear", plugins="stats", sink=sinks, flush_every=2) as s:
-            for step, x in enumerate(batches()):
-                state["step"] = step
-                ddp(x.chunk(WORLD)[rank]).square().mean().backward()
-                opt.step()
-                opt.zero_grad()
-                s.step()  # flushes (and all_reduces) at step 2; remove() flushes step 2
-        with open(os.path.join(out, f"seen{rank}.json"), "w") as f:
-            json.dump(seen, f)
-    finally:
-        dist.destroy_process_group()
+        mesh = init_device_mesh("cpu", (world,))
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                fully_shard(m, mesh=mesh)
+        ddp = fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    # the activations this rank computed, seen by plain torch hooks (the test's ground truth)
+    seen, state = {}, {"step": 0}
+    for name, mod in model.named_modules():  # records name the wrapped model's modules
+        if isinstance(mod, torch.nn.Linear):
+            mod.register_forward_hook(lambda m, i, o, name=name: seen.setdefault(
+                f"{state['step']}|{name}", []).append(o.detach().reshape(-1).tolist()))
+    dump = Dump()
+    sinks = [("jsonl", {"path": os.path.join(out, "r{rank}")}), dump]
+    with hookplug.attach(ddp, "Linear", plugins="stats", sink=sinks, flush_every=2) as s:
+        for step, x in enumerate(batches()):
+            state["step"] = step
+            ddp(x.chunk(world)[rank]).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            s.step()  # flushes (and all_reduces) at step 2; remove() flushes step 2
+    return {"records": dump.records, "seen": seen}
 
 
 def ref_stats(x):
@@ -105,10 +76,9 @@ def ref_stats(x):
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_two_gloo_ranks_reduce_to_the_whole_batch_stats(tmp_path, mode):
-    mp.spawn(worker, args=(free_port(), str(tmp_path), mode), nprocs=WORLD, join=True)
-
-    recs = [json.load(open(tmp_path / f"dump{r}.json")) for r in range(WORLD)]
-    seen = [json.load(open(tmp_path / f"seen{r}.json")) for r in range(WORLD)]
+    got = spawn(worker, tmp_path, str(tmp_path), mode, world=WORLD)
+    recs = [g["records"] for g in got]
+    seen = [g["seen"] for g in got]
     assert len(recs[0]) == STEPS * 3  # fc1, fc2, fc3 each step
     assert {r["rank"] for r in recs[0]} == {0} and {r["rank"] for r in recs[1]} == {1}
     # only rank 0 writes, unless a sink asks for all ranks
@@ -295,8 +265,6 @@ def _ddp_train(rank, cfg, hooks=None, manual=None, state=None, steps=4, micro=2)
     final parameters, the gradient each step applied, the session's results and records
     (``state["step"]``: the step running)."""
     import contextlib
-
-    from _gloo import Dump
 
     torch.manual_seed(0)
     model = Branchy()
