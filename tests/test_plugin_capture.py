@@ -1114,14 +1114,14 @@ def test_a_step_ended_on_another_thread_keeps_a_running_calls_inputs():
     unfinished calls are dropped (the running call lost its inputs, and the last step's came
     back in nbytes, not in inputs)."""
     import threading
-    import time
 
-    started = threading.Event()
+    started, stepped = threading.Event(), threading.Event()
 
     class Slow(nn.Module):
         def forward(self, x):
             started.set()
-            time.sleep(0.3)
+            if threading.current_thread() is not threading.main_thread():
+                assert stepped.wait(timeout=60)  # held open until the main thread stepped
             return x * 2
 
     model = nn.Sequential(Slow())
@@ -1135,6 +1135,7 @@ def test_a_step_ended_on_another_thread_keeps_a_running_calls_inputs():
         worker.start()
         started.wait()
         s.step()  # while the worker's call runs
+        stepped.set()
         worker.join()
         assert torch.equal(plugin.inputs["0"][0], x) and torch.equal(plugin.features["0"], 2 * x)
         assert plugin.nbytes == 2 * 4 * 4
