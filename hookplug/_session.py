@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import collections
 import copy
+import copyreg
 import difflib
 import functools
 import inspect
@@ -259,11 +260,14 @@ class _HookFreeState:
         self.module_ref = weakref.ref(module)
         self.hook_ids: set = set()
 
-    def __call__(self) -> dict:
+    def __call__(self):
         module = self.module_ref()
         state = type(module).__getstate__(module)
         if state is module.__dict__:
             state = dict(state)
+        elif not isinstance(state, dict):
+            # a class's own state (quantized convs' tuple of fields): no hook dict in it
+            return state
         return self.without_hooks(state)
 
     def without_hooks(self, state: dict) -> dict:
@@ -287,7 +291,11 @@ class _HookFreeCall:
     ``spectral_norm``, ``orthogonal``), ``torch.fx.GraphModule``'s ``__deepcopy__`` and
     ``__reduce__``. The class's method runs with the module's ``__dict__`` swapped, for the
     call, for one without hookplug's hooks and guards (a forward on another thread during
-    that call runs unobserved)."""
+    that call runs unobserved). ``__deepcopy__``, where the class has none, takes the route
+    ``copy.deepcopy`` would take after it: a ``copyreg`` reducer, the class's
+    ``__reduce_ex__``/``__reduce__``, else the default reading ``__getstate__``. A class's
+    ``__getstate__`` returning something other than a dict (quantized convs' tuple) holds no
+    hook dict and is left as it is."""
 
     __slots__ = ("guard", "method")
 
@@ -297,26 +305,37 @@ class _HookFreeCall:
 
     def __call__(self, *args):
         module = self.guard.module_ref()
-        if self.method not in _own_copy_methods(type(module)):
-            # the class has none (now; parametrize swaps the class after attach): the default
-            # protocol, which reads the hook-free __getstate__ (the module left untouched:
-            # another thread may copy or remove() it meanwhile)
-            if self.method == "__reduce_ex__":
-                return object.__reduce_ex__(module, *args)
-            memo = args[0] if args else {}
-            cls = type(module)
-            new = cls.__new__(cls)
-            memo[id(module)] = new
-            state = copy.deepcopy(self.guard(), memo)
-            if hasattr(new, "__setstate__"):
-                new.__setstate__(state)
-            else:
-                new.__dict__.update(state)
-            return new
+        cls = type(module)
+        own = _own_copy_methods(cls)
+        if self.method in own:
+            return self._hook_free(module, getattr(cls, self.method), *args)
+        if self.method == "__reduce_ex__":
+            # the class has none (now; parametrize swaps the class after attach): the
+            # default protocol, which reads the hook-free __getstate__ (the module left
+            # untouched: another thread may copy or remove() it meanwhile)
+            return object.__reduce_ex__(module, *args)
+        # __deepcopy__ where the class has none: what copy.deepcopy does after it (this
+        # guard is found before them): a copyreg reducer, the class's __reduce_ex__, else
+        # the default one reading the hook-free __getstate__
+        memo = args[0] if args else {}
+        reductor = copyreg.dispatch_table.get(cls)
+        if reductor is not None:
+            rv = self._hook_free(module, reductor)
+        elif "__reduce_ex__" in own:
+            rv = self._hook_free(module, cls.__reduce_ex__, 4)
+        else:
+            rv = object.__reduce_ex__(module, 4)
+        if isinstance(rv, str):  # (a global: copied as itself, as copy.deepcopy does)
+            return module
+        return copy._reconstruct(module, memo, *rv)
+
+    def _hook_free(self, module, method, *args):
+        """``method(module, *args)`` with the module's ``__dict__`` swapped, for the call,
+        for one without hookplug's hooks and guards."""
         saved = module.__dict__
         object.__setattr__(module, "__dict__", self.guard.without_hooks(dict(saved)))
         try:
-            return getattr(type(module), self.method)(module, *args)
+            return method(module, *args)
         finally:
             object.__setattr__(module, "__dict__", saved)
 

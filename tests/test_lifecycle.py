@@ -2,9 +2,11 @@
 pickles of an attached model (issue 13, items 2, 6, 10, 11)."""
 import collections
 import copy
+import copyreg
 import gc
 import io
 import pickle
+import threading
 import warnings
 
 import pytest
@@ -277,6 +279,69 @@ def test_torch_save_load_of_attached_model():
     copied = torch.load(buf, weights_only=False)
     torch.testing.assert_close(copied.fc2.bias, model.fc2.bias)
     check_copy(copied, before, plugin, session, model)
+
+
+def _rebuild_locked(cls, sizes, state):
+    layer = cls(*sizes)  # a fresh lock
+    layer.load_state_dict(state)
+    return layer
+
+
+class ReducedLinear(nn.Linear):
+    """A layer holding a lock (which no copy can take): its class's ``__reduce__`` builds it again."""
+
+    def __init__(self, i, o):
+        super().__init__(i, o)
+        self.lock = threading.Lock()
+
+    def __reduce__(self):
+        return _rebuild_locked, (type(self), (self.in_features, self.out_features), self.state_dict())
+
+
+class CopyregLinear(nn.Linear):
+    """The same, its reducer registered with ``copyreg``."""
+
+    def __init__(self, i, o):
+        super().__init__(i, o)
+        self.lock = threading.Lock()
+
+
+copyreg.pickle(CopyregLinear, lambda m: (_rebuild_locked, (CopyregLinear, (m.in_features, m.out_features),
+                                                            m.state_dict())))
+
+
+@pytest.mark.parametrize("layer", [ReducedLinear, CopyregLinear])
+def test_deepcopy_takes_the_classs_own_reduction(layer):
+    """A class's ``__reduce__`` or ``copyreg`` reducer (and no ``__deepcopy__``): deepcopy
+    takes it with a session attached, as without one. The copy guard took the default route,
+    which copied the lock: "cannot pickle '_thread.lock' object"."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(layer(4, 3), nn.ReLU()), torch.randn(2, 4)
+    with hookplug.attach(model, "Linear", plugins=["stats", Counting()]) as s:
+        copied = copy.deepcopy(model)
+        assert torch.equal(copied(x), model(x)) and copied[0].lock is not model[0].lock
+        _no_hookplug_state(copied)
+        assert not s.removed
+
+
+def test_pickle_of_an_attached_quantized_conv():
+    """``torch.ao.nn.quantized.Conv2d``'s ``__getstate__`` returns a tuple of fields: pickle
+    and ``torch.save`` of a converted model with a session attached (they failed in the
+    copy guard: "'tuple' object has no attribute 'pop'")."""
+    qnn = torch.ao.nn.quantized
+    torch.manual_seed(0)
+    model = nn.Sequential(qnn.Quantize(0.1, 0, torch.quint8), qnn.Conv2d(3, 4, 3), qnn.DeQuantize())
+    plain = pickle.loads(pickle.dumps(model))  # (torch's copy does not run: its __setstate__ keeps no hook dict)
+    with hookplug.attach(model, "Conv2d", plugins=Counting()):
+        copied = pickle.loads(pickle.dumps(model))
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        saved = torch.load(buf, weights_only=False)
+    for c in (copied, saved):
+        assert vars(c[1]).keys() == vars(plain[1]).keys()  # no guard, nothing of hookplug's
+        assert torch.equal(c[1].weight().int_repr(), model[1].weight().int_repr())
+        assert (c[1].scale, c[1].zero_point) == (model[1].scale, model[1].zero_point)
 
 
 ALL_PLUGINS = ["stats", "capture", "flops", ("gradclamp", {"max": 1e30, "params": "*"}), "params"]
