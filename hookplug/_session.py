@@ -38,7 +38,7 @@ from ._manager import (PluginError, PluginLoadError, create_plugin, implements_h
 from ._options import is_int_at_least
 from ._pipelining import patch_pipelining
 from ._plugin import user_stacklevel
-from ._selectors import (check_strict, named_modules, named_parameters, replica_group, select_terms,
+from ._selectors import (check_strict, clean_name, named_modules, named_parameters, replica_group, select_terms,
                          unwrap_model, warn_never_called)
 
 __all__ = ["attach", "Session", "HookContext"]
@@ -417,6 +417,19 @@ def _unguard_copies(module: nn.Module, hook_id: int) -> None:
                     del module.__dict__[method]
 
 
+def _parameter_owners(model: nn.Module) -> Dict[int, List[Tuple[str, nn.Module, str]]]:
+    """``{id(parameter): [(name, owner module, attribute), ...]}``, one entry per owner (a
+    tied parameter has several), first the one ``named_parameters()`` names it by."""
+    owners: Dict[int, List[Tuple[str, nn.Module, str]]] = {}
+    seen = set()
+    for raw, mod in model.named_modules(remove_duplicate=False):
+        for attr, p in mod._parameters.items():
+            if p is not None and (id(mod), attr) not in seen:  # (a module shared under two names)
+                seen.add((id(mod), attr))
+                owners.setdefault(id(p), []).append((clean_name(f"{raw}.{attr}" if raw else attr), mod, attr))
+    return owners
+
+
 # -- interpreter exit ----------------------------------------------------------------------------
 
 # attached sessions with a sink, not removed yet: removed at interpreter exit
@@ -533,6 +546,7 @@ class Session:
         self._module_refs: Dict[str, weakref.ref] = {}
         self._bindings: Dict[str, _ModuleBinding] = {}
         self._param_bindings: Dict[str, _ParamBinding] = {}
+        self._param_aliases: Dict[str, weakref.ref] = {}  # a tied parameter's other names: their owners
         self._handles: List[Any] = []
         self._guarded: List[Tuple[weakref.ref, int]] = []  # (module, hook id) left out of copies
         self._hook_ids: Optional[Tuple[int, int]] = None  # (pre, post): one id for every module
@@ -847,6 +861,7 @@ class Session:
             binding.retire()
         self._bindings.clear()
         self._param_bindings.clear()
+        self._param_aliases.clear()
         _guard_module_hooks()  # compiled code that ran with the hooks recompiles without
         child = os.getpid() != self._pid
         try:
@@ -1033,13 +1048,17 @@ class Session:
                 for p in mods[mn].parameters():  # frozen ones too: hooked once they need a gradient
                     if id(p) in params_by_id:
                         wanted_params[params_by_id[id(p)]] = p
-        owners: Dict[int, Tuple[nn.Module, str]] = {}
-        for mod in mods.values():
-            for attr, p in mod._parameters.items():
-                if p is not None:
-                    owners.setdefault(id(p), (mod, attr))
+        owners = _parameter_owners(model)
         for pname, p in wanted_params.items():
-            self._param_bindings[pname] = _ParamBinding(pname, *owners[id(p)], self)
+            self._param_bindings[pname] = _ParamBinding(pname, *owners[id(p)][0][1:], self)
+        # a tied parameter's other owners under a selected module get bindings of their own,
+        # inert while tied (the first one hooks the tensor, see _ParamBinding.hook): once
+        # untied after attach (``b.weight = nn.Parameter(...)``), the next step() hooks it
+        for p in wanted_params.values():
+            for alias, mod, attr in owners[id(p)][1:]:
+                if alias not in self._param_bindings:
+                    self._param_bindings[alias] = _ParamBinding(alias, mod, attr, self)
+                    self._param_aliases[alias] = weakref.ref(mod)
         self._rebind()
         forwards: Dict[Any, int] = {}  # forward code -> hooked modules running it
         for name, binding in self._bindings.items():
@@ -1206,6 +1225,8 @@ class Session:
                 mods = dict(named_modules(model))
                 ids = {id(p) for mn in entry.modules for p in mods[mn].parameters()}
                 names = {n for n, p in named_parameters(model) if id(p) in ids}
+                under = {id(m) for mn in entry.modules for m in mods[mn].modules()}
+                names.update(alias for alias, owner in self._param_aliases.items() if id(owner()) in under)
             entry.params = names
         return entry.params
 

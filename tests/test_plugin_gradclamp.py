@@ -429,6 +429,53 @@ def test_a_parameter_tied_after_attach_is_steered_once():
     assert model[0].weight._backward_hooks in (None, {})
 
 
+@pytest.mark.parametrize("selector", ["Linear", "Linear:2"])
+def test_a_parameter_untied_after_attach_is_steered_under_its_own_name(selector):
+    """Tied at attach (``2.weight`` is ``0.weight``), untied after (an LM head fine-tuned apart
+    from its embedding): the next step() hooks the new Parameter under its own name, if its
+    module is selected. Only the first name had a binding: the untied one was never steered."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 4, bias=False))
+    model[2].weight = model[0].weight
+    x = torch.randn(3, 4)
+    seen = []
+
+    class Double(hookplug.Plugin):
+        name = "double"
+
+        @hookplug.hookimpl
+        def hookplug_param_grad(self, ctx, name, grad):
+            seen.append(name)
+            return grad * 2
+
+    with hookplug.attach(model, selector, plugins=[Double()]) as s:
+        run(model, x)
+        assert seen == ["0.weight"]  # tied: once
+        model[2].weight = nn.Parameter(model[0].weight.detach().clone())
+        s.step()
+        seen.clear()
+        got = run(model, x)
+        assert sorted(seen) == ["0.weight", "2.weight"]
+    want = run(model, x)
+    assert torch.equal(got["2.weight"], want["2.weight"] * 2)
+    assert torch.equal(got["0.weight"], want["0.weight"] * 2)
+    assert all(p._backward_hooks in (None, {}) for p in model.parameters())
+
+
+def test_an_untied_parameter_of_a_module_not_selected_is_left_alone():
+    """Tied at attach to a selected module's weight, then untied: the other owner is not
+    selected, so its new Parameter gets no hook."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 4, bias=False))
+    model[2].weight = model[0].weight
+    with hookplug.attach(model, "Linear:0", plugins=("gradclamp", {"min": 0.0, "max": 0.0, "params": "*"})) as s:
+        model[2].weight = nn.Parameter(model[0].weight.detach().clone())
+        s.step()
+        grads = run(model, torch.randn(3, 4))
+        assert torch.count_nonzero(grads["0.weight"]) == 0 and torch.count_nonzero(grads["2.weight"]) > 0
+        assert not model[2].weight._backward_hooks
+
+
 def test_params_glob_matching_nothing_warns():
     with pytest.warns(RuntimeWarning, match="matches no parameter"):
         hookplug.attach(
