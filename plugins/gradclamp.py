@@ -283,6 +283,10 @@ class GradClampPlugin(hookplug.Plugin):
         """Steer ``grad``; ``what()`` names it in an error (built only then: reading
         ctx.step per call would make compiled code recompile every step)."""
         if not grad.is_floating_point():
+            if grad.is_complex():  # (min/max have no meaning there; not steered, said once)
+                warn_once(self._layouts_warned, grad.dtype, lambda: (
+                    f"gradclamp: the gradient of {what()} is {grad.dtype}; only real floating "
+                    "gradients are steered, this one is left as it is"))
             return None
         if grad.layout != torch.strided or grad.is_nested:
             warn_once(self._layouts_warned, grad.layout, lambda: (

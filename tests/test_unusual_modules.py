@@ -145,6 +145,21 @@ def test_gradclamp_leaves_a_sparse_gradient_alone_and_says_so():
     assert torch.equal(emb.weight.grad.to_dense()[2], torch.full((3,), 2.0))
 
 
+def test_gradclamp_leaves_a_complex_gradient_alone_and_says_so():
+    """A complex model (``.to(torch.cfloat)``): min/max have no meaning on complex values;
+    the gradient is left as it is, with a warning (it was left silently)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3)).to(torch.cfloat)
+    x = torch.randn(2, 3, dtype=torch.cfloat)
+    model(x).abs().sum().backward()
+    want = model[0].weight.grad.clone()
+    model.zero_grad()
+    with hookplug.attach(model, "*", plugins=("gradclamp", {"max_norm": 1e-3, "params": "*"})) as s:
+        with pytest.warns(RuntimeWarning, match="is torch.complex64; only real floating"):
+            model(x).abs().sum().backward()
+    assert torch.equal(model[0].weight.grad, want) and s["gradclamp"].results() == {}
+
+
 def _per_sample_loss():
     """A small model, its detached parameters, a batch and a per-sample loss for
     ``vmap(grad(loss), in_dims=(None, 0))(params, x)``."""
