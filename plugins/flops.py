@@ -87,8 +87,9 @@ Options (keyword-only):
   registry, e.g. to compare with ``FlopCounterMode``).
 
 ``results()``: ``{module name: {"flops", "macs", "params", "backward_flops"}}`` (ints;
-``params`` counts the module's parameters including its children's; 0 while one of them is
-a lazy module's, not yet sized by its first forward). ``total()``: the same keys for every
+``params`` counts the module's parameters including its children's when read, so a layer
+added after attach counts; 0 while one of them is a lazy module's, not yet sized by its
+first forward). ``total()``: the same keys for every
 window (``params``: the model's, 0 while any lazy parameter is unsized). ``reset()`` forgets
 the counts.
 
@@ -726,7 +727,7 @@ class FlopsPlugin(hookplug.Plugin):
         self._names: List[str] = []
         self._params: Dict[str, int] = {}
         self._model_params = 0
-        self._unsized: Dict[Optional[str], Callable] = {}  # modules (None: the model) not yet sized
+        self._sized: Dict[Optional[str], Callable] = {}  # modules (None: the model) counted, weakly
         self._warned: set = set()
         self._session_ref: Callable[[], Any] = lambda: None
         self._finalizer: Optional[weakref.finalize] = None
@@ -812,9 +813,9 @@ class FlopsPlugin(hookplug.Plugin):
         mods = session.modules_of(self)
         self._names = list(mods)
         model = session.model
-        self._unsized = {n: weakref.ref(m) for n, m in mods.items()}
+        self._sized = {n: weakref.ref(m) for n, m in mods.items()}
         if model is not None:
-            self._unsized[None] = weakref.ref(model)
+            self._sized[None] = weakref.ref(model)
         self._params, self._model_params = {}, 0
         self._size_params()
         self._thread = threading.get_ident()
@@ -1039,12 +1040,14 @@ class FlopsPlugin(hookplug.Plugin):
         self._uncounted: Counter = Counter()
 
     def _size_params(self) -> None:
-        """The parameter counts of the modules not yet sized: a module with a lazy module's
-        parameter (``nn.LazyLinear``, no size before its first forward) stays unsized (0)."""
-        for name, ref in list(self._unsized.items()):
+        """The parameter counts of the modules as they are now (a layer added, a
+        parametrization registered after attach counts); a module with a lazy module's
+        parameter (``nn.LazyLinear``, no size before its first forward) keeps its last count
+        (0 at first), a module gone keeps its last."""
+        for name, ref in list(self._sized.items()):
             module = ref()
             if module is None:
-                del self._unsized[name]
+                del self._sized[name]
                 continue
             params = list(module.parameters())
             if any(is_lazy(p) for p in params):
@@ -1054,7 +1057,6 @@ class FlopsPlugin(hookplug.Plugin):
                 self._model_params = count
             else:
                 self._params[name] = count
-            del self._unsized[name]
 
     @staticmethod
     def _row(fwd: int, bwd: int, params: int) -> Dict[str, int]:

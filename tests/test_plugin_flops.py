@@ -112,6 +112,23 @@ def check_against_fcm(model_fn, x, expect_fcm_confounded=()):
     return plugin
 
 
+def test_params_count_what_the_modules_hold_when_read():
+    """A layer appended to a selected Sequential and a parametrization registered after
+    attach: ``params`` in ``results()`` and ``total()`` are the counts when read (they were
+    the counts at attach, also after ``reset()``)."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 8)), torch.randn(2, 8)
+    with hookplug.attach(model, "*, *:", plugins="flops") as s:
+        model(x)
+        assert s["flops"].total()["params"] == 72
+        model.append(nn.Linear(8, 8))
+        torch.nn.utils.parametrizations.weight_norm(model[0])
+        model(x)
+        res, tot = s["flops"].results(), s["flops"].total()
+    assert tot["params"] == res[""]["params"] == sum(p.numel() for p in model.parameters()) == 152
+    assert res["0"]["params"] == sum(p.numel() for p in model[0].parameters()) == 80
+
+
 def test_cnn_matches_flop_counter_mode():
     plugin = check_against_fcm(
         lambda: tiny_cnn(width=8), torch.randn(2, 3, 32, 32),
