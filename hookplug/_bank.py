@@ -866,10 +866,11 @@ class StatsBank:
             raise
         return out
 
-    def total_rows(self) -> Optional[torch.Tensor]:
-        """The rows of every assigned key (meta row left out): totals plus the running
-        step, merged over devices; None before any key or device."""
-        n = len(self.keys)
+    def total_rows(self, n: Optional[int] = None) -> Optional[torch.Tensor]:
+        """The rows of every assigned key (meta row left out), or of the first ``n``: totals
+        plus the running step, merged over devices; None before any key or device."""
+        if n is None:
+            n = len(self.keys)
         if not n or not self._devices:
             return None
         return merge_devices([merge_rows(torch.stack([d.fold()[1:n + 1], d.current()[1:n + 1]]))
@@ -878,12 +879,15 @@ class StatsBank:
     def merged(self, select: Callable[[Tuple], Optional[Tuple]]) -> Dict[Tuple, TensorStats]:
         """Totals plus the running step, merged over devices and over the keys ``select``
         maps to one group (``None``: left out); rows never touched are left out."""
-        rows = self.total_rows()
+        # the keys the rows are read for: a forward on another thread (a server's request
+        # thread) may assign more meanwhile
+        keys = self.keys[:]
+        rows = self.total_rows(len(keys))
         if rows is None:
             return {}
         used = touched(rows).tolist()  # rows assigned in advance may never be used
         groups: Dict[Tuple, List[int]] = {}
-        for i, key in enumerate(self.keys):
+        for i, key in enumerate(keys):
             group = select(key) if used[i] else None
             if group is not None:
                 groups.setdefault(group, []).append(i)

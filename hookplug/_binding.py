@@ -172,7 +172,9 @@ class HookContext:
     time: a traceable plugin that reads it specialises the graph on it, so dynamo recompiles
     every step (see ``hookplug.hookspecs``)."""
 
-    __slots__ = ("name", "call_index", "_step", "_session_ref", "phase", "_thread")
+    # _impls: the binding's (fwd_in, fwd_out, out_grad) at the call's pre hook, which its
+    # post hook runs too (set only on contexts the pre hook leaves in _pending)
+    __slots__ = ("name", "call_index", "_step", "_session_ref", "phase", "_thread", "_impls")
 
     def __init__(self, name: str, call_index: int, step: Optional[int], session: Optional["Session"],
                  phase: str = "train", thread: Optional[int] = None):
@@ -414,13 +416,16 @@ class _ModuleBinding:
 
     ``variants[sampling]`` holds the tuples for sampled and unsampled steps (plugins with
     ``sampled = False`` run on both); ``Session._apply_sampling`` swaps them in for eager
-    code. Compiled code always uses the sampled tuples (``all_*``: swapping would make
-    dynamo recompile); plugins that sample there gate themselves on the device (stats).
+    code (``impls``: the three together; a call's pre hook reads it once and its post hook
+    runs the same, so a ``step()`` on another thread during the call cannot split it).
+    Compiled code always uses the sampled tuples (``all_*``: swapping would make dynamo
+    recompile); plugins that sample there gate themselves on the device (stats).
     """
 
     __slots__ = ("name", "where", "session", "fwd_in", "fwd_out", "out_grad", "all_in", "all_out",
                  "all_grad", "grad_in_graph", "eager_only", "eager_reason", "calls", "has_pre",
-                 "has_post", "variants", "recompute", "_pending", "module_tensors", "_ref", "__weakref__")
+                 "has_post", "variants", "impls", "recompute", "_pending", "module_tensors", "_ref",
+                 "__weakref__")
 
     def __init__(self, name: str, session: "Session"):
         self.name = name
@@ -432,6 +437,7 @@ class _ModuleBinding:
         self.all_in: Tuple = ()
         self.all_out: Tuple = ()
         self.all_grad: Tuple = ()
+        self.impls: Tuple[Tuple, Tuple, Tuple] = ((), (), ())  # (fwd_in, fwd_out, out_grad)
         self.grad_in_graph = False  # every all_grad plugin can be traced into a compiled backward
         self.eager_only = False  # a plugin here is not traceable: compiled code runs the eager path
         self.eager_reason = ""  # why, naming those plugins (dynamo's fullgraph=True error)
@@ -490,6 +496,7 @@ class _ModuleBinding:
         session alive."""
         self.fwd_in = self.fwd_out = self.out_grad = ()
         self.all_in = self.all_out = self.all_grad = ()
+        self.impls = ((), (), ())
         self.variants, self.recompute = {}, ()
         self.has_pre = self.has_post = False
         self.session = None
@@ -514,7 +521,11 @@ class _ModuleBinding:
             for plugin in self.recompute:
                 plugin._recompute_started(self.name)
             return None
-        impls = self.all_in if compiling else self.fwd_in
+        if compiling:
+            impls = self.all_in
+        else:  # read once: this call's post hook runs the same step's tuples (see _impls)
+            step_impls = self.impls
+            impls = step_impls[0]
         if not impls and not self.has_post:
             if not compiling:
                 self.calls += 1
@@ -528,6 +539,7 @@ class _ModuleBinding:
         if self.has_post and not compiling:  # the same ctx reaches forward_output for this call
             # (compiled code makes an equal one there: a traced list mutation graph-breaks
             # inside a checkpoint's region and is lost when its early stop raises)
+            ctx._impls = step_impls
             self._pending.append(ctx)
         if not impls:
             return None
@@ -565,27 +577,33 @@ class _ModuleBinding:
                 return _outside_graph(self.eager_reason, self.post_hook, module, args, kwargs,
                                       output)
             return self._post_hook_compiled(module, args, kwargs, output)
-        fwd_out, out_grad = self.fwd_out, self.out_grad
         pending = self._pending
         if self.has_pre and pending:
             # one pending call is this thread's own (each thread takes only its own); with
             # more, calls of this module are nested or overlap on two threads
             ctx = pending.pop() if len(pending) == 1 else self._own_pending()
-            if ctx is None and self.recompute:
+            if ctx is None:  # a recompute's mark
                 for plugin in self.recompute:
                     plugin._recompute_ended(self.name, output)
+                if not self.fwd_out and not self.out_grad:
+                    return None
+                return self._post_hook_recompute(module, args, kwargs, output)
+            # the tuples of the step the call began in: a step() on another thread since
+            # (every=N) must not run the output half of a call whose input half did not
+            # run, or skip the output half of one whose input half did
+            _, fwd_out, out_grad = ctx._impls
             if not fwd_out and not out_grad:
                 return None
-            if ctx is None:
+        else:
+            fwd_out, out_grad = self.fwd_out, self.out_grad
+            if not fwd_out and not out_grad:  # e.g. an unsampled step: count the call, no more
+                self.calls += 1
+                return None
+            if _is_tracing() or _FX_FLAG_IN.__dict__.get(_FX_FLAG):  # (pre_hook left no ctx)
+                return None
+            if _graph_task_id() != -1:
                 return self._post_hook_recompute(module, args, kwargs, output)
-        elif not fwd_out and not out_grad:  # e.g. an unsampled step: count the call, no more
-            self.calls += 1
-            return None
-        elif _is_tracing() or _FX_FLAG_IN.__dict__.get(_FX_FLAG):  # (pre_hook left no ctx)
-            return None
-        elif _graph_task_id() != -1:
-            return self._post_hook_recompute(module, args, kwargs, output)
-        else:  # no thread: only pre_hook's contexts wait in _pending
+            # no thread: only pre_hook's contexts wait in _pending
             index = self.calls
             self.calls = index + 1
             s = self.session

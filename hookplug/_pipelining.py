@@ -46,6 +46,7 @@ def _idle(fn):
         calls = [b.calls for b in bindings]
         for b in bindings:
             b.fwd_in = b.fwd_out = b.out_grad = ()
+            b.impls = ((), (), ())
         for pb in params:
             pb.impls = ()
         try:

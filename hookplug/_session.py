@@ -1212,7 +1212,8 @@ class Session:
         """Swap in the tuples for this step: unsampled steps run only unsampled plugins."""
         sampling = self._sampling
         for binding in self._bindings.values():
-            binding.fwd_in, binding.fwd_out, binding.out_grad = binding.variants[sampling]
+            binding.impls = impls = binding.variants[sampling]
+            binding.fwd_in, binding.fwd_out, binding.out_grad = impls
         for pb in self._param_bindings.values():
             pb.impls = pb.variants[sampling]
 

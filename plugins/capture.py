@@ -273,12 +273,20 @@ class CapturePlugin(hookplug.Plugin):
             self.hookplug_output_grad = None
         if not inputs:
             self.hookplug_forward_input = None
+        # forwards on several threads (a server's request threads), gradients on autograd's
+        # and readers (report() on a monitoring thread): each hook's room check, copy and
+        # bookkeeping (nbytes, the kept lists) is one step, as is each read of the store
+        self._lock = threading.RLock()
         self.reset()
 
     # -- state ---------------------------------------------------------------------------------
 
     def reset(self) -> None:
         """Drop everything captured."""
+        with self._lock:
+            self._reset()
+
+    def _reset(self) -> None:
         self._store: Dict[str, Dict[str, Any]] = {k: {} for k in _KINDS}
         self._calls: Dict[str, Dict[str, Any]] = {
             k: {} for k in _KINDS
@@ -302,9 +310,10 @@ class CapturePlugin(hookplug.Plugin):
         self._warned_batched = False
 
     def _wait(self) -> None:
-        events, self._events = self._events, []
-        for ev in events:
-            ev.synchronize()
+        with self._lock:  # (a reader on another thread waits for these too, not past them)
+            events, self._events = self._events, []
+            for ev in events:
+                ev.synchronize()
 
     @property
     def features(self) -> Dict[str, Any]:
@@ -337,15 +346,16 @@ class CapturePlugin(hookplug.Plugin):
         """What ``kind`` holds, call by call with ``features``: a list entry per kept call
         (None where ``kind`` has none), or, with ``keep="last"``, the value of the call
         ``features`` holds."""
-        store, calls = self._store[kind], self._calls[kind]
-        fcalls = self._calls["features"]
-        if self.keep == "last":
-            return {n: v for n, v in store.items() if calls.get(n) == fcalls.get(n)}
-        out = {}
-        for name, values in store.items():
-            by_call = dict(zip(calls[name], values))
-            out[name] = [by_call.get(c) for c in fcalls.get(name, ())]
-        return out
+        with self._lock:
+            store, calls = self._store[kind], self._calls[kind]
+            fcalls = self._calls["features"]
+            if self.keep == "last":
+                return {n: v for n, v in store.items() if calls.get(n) == fcalls.get(n)}
+            out = {}
+            for name, values in store.items():
+                by_call = dict(zip(calls[name], values))
+                out[name] = [by_call.get(c) for c in fcalls.get(name, ())]
+            return out
 
     # -- copying ---------------------------------------------------------------------------------
 
@@ -599,14 +609,19 @@ class CapturePlugin(hookplug.Plugin):
     @hookimpl
     def hookplug_session_start(self, session):
         # call indices start again: a call left unfinished is no other call's
-        self._refused.clear()
-        self._open.clear()
-        self._set_aside.clear()
+        with self._lock:
+            self._refused.clear()
+            self._open.clear()
+            self._set_aside.clear()
 
     @hookimpl
     def hookplug_step(self):
         """Calls whose output never came (a ``KeyboardInterrupt`` in ``forward``: torch runs
         no post hook then) are not captured: their inputs go, those they set aside go back."""
+        with self._lock:
+            self._step_ended()
+
+    def _step_ended(self) -> None:
         if self._open or self._refused:  # this thread's calls only: another's may be running
             me = threading.get_ident()
             for key in [k for k, thread in self._open.items() if thread == me]:
@@ -617,11 +632,19 @@ class CapturePlugin(hookplug.Plugin):
 
     @hookimpl
     def hookplug_forward_input(self, ctx, args):
+        with self._lock:
+            self._forward_input(ctx, args)
+
+    def _forward_input(self, ctx, args) -> None:
         if self._capture("inputs", ctx.name, ctx.call_index, tuple(args), "input"):
             self._open[(ctx.name, ctx.call_index)] = threading.get_ident()  # until its output
 
     @hookimpl
     def hookplug_forward_output(self, ctx, module, output):
+        with self._lock:
+            self._forward_output(ctx, module, output)
+
+    def _forward_output(self, ctx, module, output) -> None:
         if self._open:
             self._open.pop((ctx.name, ctx.call_index), None)
         if output is None and _forward_raised(module):  # nothing to capture, the last capture stays
@@ -682,6 +705,10 @@ class CapturePlugin(hookplug.Plugin):
 
     @hookimpl
     def hookplug_output_grad(self, ctx, grad, path):
+        with self._lock:
+            self._output_grad(ctx, grad, path)
+
+    def _output_grad(self, ctx, grad, path) -> None:
         name, call = ctx.name, ctx.call_index
         if _is_batched(grad):
             self._warn_batched("gradient", name)
@@ -735,7 +762,10 @@ class CapturePlugin(hookplug.Plugin):
 
         if self._events:
             self._wait()
-        stores = {k: (v if k == "features" else self._aligned(k)) for k, v in self._store.items() if v}
+        with self._lock:  # what is held now: forwards on other threads may go on meanwhile
+            stores = {k: ({n: (list(x) if isinstance(x, list) else x) for n, x in v.items()}
+                          if k == "features" else self._aligned(k))
+                      for k, v in self._store.items() if v}
         left_out: List[str] = []
         for kind, store in stores.items():
             prefix = _PREFIX[kind]
@@ -777,6 +807,10 @@ class CapturePlugin(hookplug.Plugin):
         save_capture(path, stores, keep=self.keep)
 
     def report(self) -> str:
+        with self._lock:  # (forwards on other threads add modules meanwhile)
+            return self._report()
+
+    def _report(self) -> str:
         rows = []
         for kind in _KINDS:
             for name, value in self._store[kind].items():

@@ -635,3 +635,26 @@ def test_merging_constant_data_keeps_mean_exact_and_std_zero():
     st = TensorStats(merge_rows(torch.stack([ops.tensor_stats(p).row for p in parts])))
     assert float(st.min) <= float(st.mean) <= float(st.max)
     torch.testing.assert_close(st.mean, torch.cat(parts).mean(), rtol=1e-15, atol=0)
+
+
+def test_merged_while_another_thread_assigns_a_key():
+    """``merged`` (a session's ``results()``/``report()`` on a monitoring thread) while a
+    request thread's forward meets a key first: the rows it read are of the keys it looks
+    at (an IndexError when the loop read the grown key list)."""
+    import threading
+
+    bank = StatsBank()
+    bank.prepare(torch.device("cpu"))
+    bank.accumulate(torch.ones(4), ("a", "output", "eval"))
+    assigned = []
+
+    def select(key):  # between reading the rows and walking the keys: a new key
+        if not assigned:
+            t = threading.Thread(target=bank.accumulate, args=(torch.ones(2), ("b", "output", "eval")))
+            t.start()
+            t.join()
+            assigned.append(t)
+        return key
+
+    assert list(bank.merged(select)) == [("a", "output", "eval")]
+    assert bank.merged(lambda k: k)[("b", "output", "eval")].numel.item() == 2

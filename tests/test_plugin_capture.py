@@ -1139,3 +1139,153 @@ def test_a_step_ended_on_another_thread_keeps_a_running_calls_inputs():
         worker.join()
         assert torch.equal(plugin.inputs["0"][0], x) and torch.equal(plugin.features["0"], 2 * x)
         assert plugin.nbytes == 2 * 4 * 4
+
+
+class _Contended:
+    """A stand-in for the plugin's lock that tells (``waiting``) when a thread has to wait
+    for it: lets a test pause one thread inside a hook and go on once another thread has
+    either finished or is blocked behind it, with no sleeps."""
+
+    def __init__(self, waiting):
+        import threading
+
+        self._lock, self.waiting = threading.RLock(), waiting
+
+    def __enter__(self):
+        if not self._lock.acquire(blocking=False):
+            self.waiting.set()
+            self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self._lock.release()
+
+
+def _held_bytes(plugin):
+    return sum(t.numel() * t.element_size() for store in plugin._store.values()
+               for v in store.values() for e in (v if isinstance(v, list) else [v])
+               for _, t in iter_tensors(e))
+
+
+@pytest.mark.parametrize("inputs", [False, True])
+def test_forwards_on_two_threads_keep_nbytes_to_the_bytes_held(monkeypatch, inputs):
+    """Request threads sharing a model (keep=N): a call captured on another thread while
+    this one is between reading and writing ``nbytes`` is not lost from it (a drifting
+    ``nbytes`` bounds ``max_bytes`` against a wrong number; the kept lists could get out of
+    step, an IndexError inside the user's forward)."""
+    import sys
+    import threading
+
+    from hookplug_plugins import capture
+
+    model = nn.Sequential(nn.Identity())
+    plugin = CapturePlugin(keep=2, inputs=inputs, max_bytes=10**6)
+    progressed = threading.Event()  # the other thread's call finished, or waits for this one
+    plugin._lock = _Contended(progressed)
+    nbytes, paused, errors = capture._nbytes, [], []
+
+    def other():
+        try:
+            model(torch.full((8,), 9.0))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        progressed.set()
+
+    def nbytes_pausing(obj):  # inside `self.nbytes += / -= _nbytes(...)` of this thread's call
+        if (threading.current_thread() is threading.main_thread() and len(calls) == 3
+                and not paused and sys._getframe(1).f_code.co_name == "_put"):
+            paused.append(threading.Thread(target=other))
+            paused[0].start()
+            assert progressed.wait(timeout=30)
+        return nbytes(obj)
+
+    monkeypatch.setattr(capture, "_nbytes", nbytes_pausing)
+    calls = []
+    with hookplug.attach(model, "Identity", plugins=plugin):
+        for i in range(4):
+            calls.append(i)
+            model(torch.full((4 + i,), float(i)))
+        paused[0].join()
+        assert not errors
+        assert plugin.nbytes == _held_bytes(plugin)
+        assert len(plugin.features["0"]) == 2
+        if inputs:
+            assert all(v is not None for v in plugin.inputs["0"])
+
+
+def test_report_on_a_monitoring_thread_while_forwards_add_modules(monkeypatch):
+    """``session.report()`` while a request thread's forward captures a module not yet held:
+    no ``dictionary changed size during iteration``."""
+    import threading
+
+    from hookplug_plugins import capture
+
+    model = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+    plugin = CapturePlugin()
+    progressed = threading.Event()
+    plugin._lock = _Contended(progressed)
+    shape_text, started = capture._shape_text, []
+
+    def forward_new_module():
+        with torch.no_grad():
+            model[2](torch.randn(2, 4))
+        progressed.set()
+
+    def shape_text_pausing(t):  # a row of report() is being written
+        if not started:
+            started.append(threading.Thread(target=forward_new_module))
+            started[0].start()
+            assert progressed.wait(timeout=30)
+        return shape_text(t)
+
+    with hookplug.attach(model, "Linear", plugins=plugin) as s:
+        with torch.no_grad():
+            model[0](torch.randn(2, 4))
+            model[1](torch.randn(2, 4))
+        monkeypatch.setattr(capture, "_shape_text", shape_text_pausing)
+        text = s.report()
+        started[0].join()
+        assert "1" in plugin.features and "2" in plugin.features
+        assert "0 " in text
+
+
+def test_a_call_spanning_a_step_boundary_is_captured_whole_or_not_at_all():
+    """``every=2``, ``session.step()`` on a timer thread while a call runs: the step the call
+    began in decides for both halves. A call from a sampled step into an unsampled one is
+    captured whole (its inputs were orphaned: held and counted, in no call), one from an
+    unsampled step into a sampled one not at all (its output came without inputs)."""
+    import threading
+
+    entered, stepped = threading.Event(), threading.Event()
+
+    class Straddle(nn.Module):
+        straddle = False
+
+        def forward(self, x):
+            if self.straddle:  # the step boundary lands while this call runs
+                entered.set()
+                assert stepped.wait(timeout=30)
+            return x * 2
+
+    model = nn.Sequential(Straddle())
+    plugin = CapturePlugin(keep="all", inputs=True)
+    with hookplug.attach(model, "Straddle", plugins=plugin, every=2) as s:
+
+        def timer():
+            entered.wait(timeout=30)
+            s.step()
+            stepped.set()
+
+        model(torch.full((4,), 0.0))  # step 0, sampled
+        for x in (1.0, 2.0):  # from step 0 into step 1 (unsampled), from step 1 into step 2
+            entered.clear(), stepped.clear()
+            model[0].straddle = True
+            t = threading.Thread(target=timer)
+            t.start()
+            model(torch.full((4,), x))
+            t.join()
+            model[0].straddle = False
+        feats, ins = plugin.features["0"], plugin.inputs["0"]
+        assert [f[0].item() for f in feats] == [0.0, 2.0]
+        assert [i[0][0].item() for i in ins] == [0.0, 1.0]
+        assert plugin.nbytes == _held_bytes(plugin) == 4 * 4 * 4
