@@ -43,7 +43,7 @@ as an absolute path, fixed when the file is read. A sink given no ``path`` write
 relative to the working directory as Python code's paths are.
 
 Checks happen here, before anything is attached: unknown top-level keys, wrong types,
-unknown plugin or sink names, and plugin options (``hookplug._options``: unknown names,
+unknown plugin or sink names, an empty sink ``path``, and plugin options (``hookplug._options``: unknown names,
 types against the factory's type hints). Every
 error is a :class:`ConfigError` (a ``ValueError``) that names the file, the key and what
 was expected, e.g. ``telemetry.toml: [plugins.stats] bins: expected an int, got "x"``.
@@ -254,6 +254,11 @@ def parse_config(data: Dict[str, Any], path: str = "<config>") -> Dict[str, Any]
     sinks = _plugin_tables(ctx, "sinks", data.get("sinks", {}))
     for name, opts in sinks.items():
         _check_options(ctx, "sinks", name, opts)
+        path_value = opts.get("path")
+        # refused here as the sink refuses it: a file's "" would be joined to its folder (taken
+        # silently as that folder) before the sink could see it
+        if isinstance(path_value, str) and not path_value.strip():
+            raise ctx.error(f"[sinks.{name}] path", f"expected a file or folder name, got {_show(path_value)}")
     if sinks:
         out["sink"] = sinks
     return out

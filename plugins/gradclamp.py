@@ -542,11 +542,12 @@ class GradClampPlugin(hookplug.Plugin):
             )
             if v is not None and not (k == "nan" and v == "keep")
         )
-        width = max(len(k) for k in res) if res else 4
+        names = {k: k or "<root>" for k in res}
+        width = max(len("name"), *map(len, names.values()))
         lines = [
             f"({opts}{', params=' + repr(list(self.params)) if self.params else ''})",
             f"{'name'.ljust(width)}  changed",
             f"{'-' * width}  -------",
         ]
-        lines += [f"{(k or '<root>').ljust(width)}  {v['changed']:>7}" for k, v in res.items()]
+        lines += [f"{names[k].ljust(width)}  {v['changed']:>7}" for k, v in res.items()]
         return "\n".join(lines)

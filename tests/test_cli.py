@@ -2,6 +2,9 @@
 script (or ``python -m hookplug`` when the script is not installed)."""
 from __future__ import annotations
 
+import errno
+import importlib.util
+import io
 import json
 import os
 import re
@@ -424,3 +427,84 @@ def test_stdout_closed_early_still_writes_the_reports_and_exits_0(plain, tmp_pat
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     assert (tmp_path / "r.html").stat().st_size and json.loads((tmp_path / "r.json").read_text())["modules"]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a device that is always full)")
+def test_stdout_on_a_full_device_still_writes_the_reports_and_fails_in_one_line(tmp_path):
+    """stdout on /dev/full (ENOSPC, not a closed pipe): the table's write failed with a
+    traceback and the reports were never written; now they are, and one error line says
+    what failed (exit status 2)."""
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([*COMMAND, "profile", "mlp", "--plain", "--html", "r.html", "--json", "r.json"],
+                              cwd=tmp_path, stdout=full, stderr=subprocess.PIPE, text=True, env=ENV, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert errors == ["hookplug: error: cannot write to stdout: No space left on device"], proc.stderr
+    assert (tmp_path / "r.html").stat().st_size and json.loads((tmp_path / "r.json").read_text())["modules"]
+
+
+class _FullStdout(io.StringIO):
+    """A stdout on a full disk: every write fails with ENOSPC."""
+
+    def write(self, text):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.parametrize("args", [["profile", "mlp", "--json", "-", "--html", "r.html"],
+                                  ["profile", "mlp", "--plain", "--html", "r.html"],
+                                  ["select", "mlp", "Linear"], ["select", "mlp", "Linear", "--names"],
+                                  ["plugins", "--json"], ["plugins", "--plain"]])
+def test_a_stdout_that_cannot_be_written_is_one_error_line(args, call, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "stdout", _FullStdout())
+    proc = call(*args)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    wrote = ["hookplug: wrote r.html"] if "--html" in args else []
+    assert proc.stderr.splitlines() == [*wrote, f"hookplug: error: cannot write to stdout: {os.strerror(errno.ENOSPC)}"]
+    if wrote:  # written all the same
+        assert "<svg" in (tmp_path / "r.html").read_text()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a device that is always full)")
+def test_a_report_that_cannot_be_written_does_not_keep_the_others_from_being_written(call, tmp_path):
+    proc = call("profile", "mlp", "--plain", "--json", "/dev/full", "--html", "ok.html", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert errors == ["hookplug: error: cannot write JSON report '/dev/full': No space left on device"], proc.stderr
+    assert "<svg" in (tmp_path / "ok.html").read_text()
+
+
+def test_profile_ignores_a_rank_left_in_the_environment(call, tmp_path, monkeypatch):
+    """``RANK=1`` left over from torchrun: the one-process CLI took itself for a rank other
+    than 0, whose sinks write nothing (an empty ``telemetry``, no TensorBoard scalars), and
+    still reported success. It attaches with ``distributed=False``."""
+    monkeypatch.setenv("RANK", "1")
+    tb = importlib.util.find_spec("tensorboard") is not None
+    args = ["profile", "mlp", "--plain", "--steps", "2", "--json", "r.json"] + (["--tensorboard", "tb"] if tb else [])
+    ok(call(*args, cwd=tmp_path))
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert len(doc["telemetry"]) == 6 and {r["step"] for r in doc["telemetry"]} == {0, 1}
+    if tb:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        ea = EventAccumulator(str(tmp_path / "tb"))
+        ea.Reload()
+        assert "hookplug_eval/max/fc1/output" in ea.Tags()["scalars"]
+
+
+@pytest.mark.parametrize("args", [["profile", "nosuch"],                               # fails loading the model
+                                  ["profile", "mlp", "--select", "Linear:nothing.*"],  # fails at attach
+                                  ["profile", "mlp", "--input", "4x7"]])               # fails running it
+def test_a_failed_profile_leaves_nothing_behind(args, call, tmp_path):
+    """The report folders and the TensorBoard folder (with an empty events file) were made
+    before the run and left behind when it failed; now only what was there before stays."""
+    pytest.importorskip("tensorboard")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "keep.txt").write_text("mine")
+    proc = call(*args, "--tensorboard", "tb", "--json", "a/b/r.json", "--html", "old/sub/r.html", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["old", "old/keep.txt"]
+    # an existing TensorBoard folder keeps what it held; only the run's events file goes
+    proc = call(*args, "--tensorboard", "old", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["old", "old/keep.txt"]

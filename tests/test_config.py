@@ -118,6 +118,8 @@ def test_a_dict_config_works_like_a_file():
     ('sinks = "jsonl"\n', 'telemetry.toml: sinks: expected a table [sinks.NAME], got "jsonl"'),
     ('[plugins]\nstats = 3\n', "telemetry.toml: [plugins.stats]: expected a table of options, got 3"),
     ('every = \n', "telemetry.toml: invalid TOML: "),
+    ('[sinks.jsonl]\npath = ""\n', 'telemetry.toml: [sinks.jsonl] path: expected a file or folder name, got ""'),
+    ('[sinks.jsonl]\npath = " "\n', 'telemetry.toml: [sinks.jsonl] path: expected a file or folder name, got " "'),
 ])
 def test_errors_name_the_file_the_key_and_what_was_expected(tmp_path, text, message):
     path = write(tmp_path, text)
@@ -262,6 +264,18 @@ def test_a_url_sink_path_in_a_config_file_is_left_as_written(tmp_path):
     ``s3://...``) is kept as written, not joined to the file's folder."""
     path = _jsonl_config(tmp_path, "s3://bucket/run{rank}")
     assert hookplug.load_config(path)["sink"]["jsonl"]["path"] == "s3://bucket/run{rank}"
+
+
+def test_an_empty_sink_path_is_refused_from_a_file_as_from_a_dict(tmp_path):
+    """``path = ""`` in a file was joined to the file's folder and taken silently as that
+    folder, where the same in a dict config (or ``sink=``) is refused: both are a
+    ConfigError now, before anything is attached, and nothing is written."""
+    path = _jsonl_config(tmp_path, "")
+    m = MLP()
+    for config in (path, {"plugins": ["stats"], "sinks": {"jsonl": {"path": ""}}}):
+        with pytest.raises(ConfigError, match=r"\[sinks.jsonl\] path: expected a file or folder name"):
+            hookplug.attach(m, config=config)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["telemetry.toml"]
 
 
 def test_relative_sink_paths_given_in_python_stay_relative_to_the_working_directory(tmp_path, monkeypatch):

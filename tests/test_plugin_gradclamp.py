@@ -496,6 +496,18 @@ def test_report():
     assert "== gradclamp ==" in text and "fc2" in text and "changed" in text and "min=0" in text
 
 
+def test_report_columns_line_up_with_short_names_and_the_root():
+    """The name column is as wide as its widest cell, the header and ``<root>`` included: it
+    was sized from the module names alone ("0", "1", the root's "")."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with hookplug.attach(model, "Linear, *:", plugins=("gradclamp", {"max": 0.01})) as s:
+        model(torch.randn(3, 4)).sum().backward()
+    lines = s["gradclamp"].report().splitlines()[1:]
+    assert lines[0] == "name    changed" and lines[1] == "------  -------", lines
+    assert [line.split()[0] for line in lines[2:]] == ["1", "<root>", "0"]
+    assert {len(line) for line in lines} == {len(lines[0])}  # the counts right-aligned under "changed"
+
+
 @pytest.mark.parametrize(
     "opts,match",
     [

@@ -366,6 +366,20 @@ def test_histogram_svg_handles_empty_and_missing_stats():
     assert 'class="zero"' in svg and 'class="neg"' in svg and 'class="pos"' in svg
 
 
+def test_linear_histogram_with_every_value_outside_its_range_says_so():
+    """A linear histogram counts only the values inside its range: one whose finite values
+    all fall outside it has no bar, and said "no finite values", which the numbers beside it
+    contradict."""
+    from hookplug.ops import reference_tensor_stats
+
+    x = torch.tensor([1.0, -2.0, 3.0, float("nan")])
+    svg = _html._hist_svg("m", reference_tensor_stats(x, bins=3, hist="linear", range=(100, 200)).to_dict())
+    assert "no finite values" not in svg and "3 finite values, all outside [100, 200]" in svg, svg
+    nonfinite = torch.tensor([float("nan"), float("inf")])  # nothing finite: as before
+    svg = _html._hist_svg("m", reference_tensor_stats(nonfinite, bins=3, hist="linear", range=(100, 200)).to_dict())
+    assert "no finite values" in svg
+
+
 def test_log2_histogram_collapses_long_empty_runs():
     from hookplug.ops import reference_tensor_stats
 
@@ -443,7 +457,7 @@ def test_profile_tensorboard_writes_the_sinks_tags(tmp_path, capsys, backward):
 def test_tensorboard_missing_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(_commands.UsageError, match="pip install tensorboard"):
-        _commands._tensorboard_writer("unused")
+        _commands._tensorboard_writer("unused", _commands._Created())
 
 
 # -- plot_features ---------------------------------------------------------------------------

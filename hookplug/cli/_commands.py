@@ -2,7 +2,8 @@
 
 User errors (a bad model spec, selector, shape, plugin name or file, a selector that matches
 nothing) print one line on stderr and exit with status 2; set ``HOOKPLUG_DEBUG=1`` to see
-the traceback instead.
+the traceback instead. So does a stdout or report file that cannot be written (a full
+disk), after writing the other reports; a stdout closed early (``| head``) is no error.
 
 A MODEL given as ``path/to/file.py:factory`` runs that file's code (it is imported, with its
 folder put first on ``sys.path``), and ``package.module:factory`` imports that module: both
@@ -23,7 +24,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -147,9 +148,43 @@ def _parse_plugins(text: str) -> List[Tuple[str, Dict[str, Any]]]:
     return out
 
 
+class _Created:
+    """What ``profile`` creates before its run (report folders, the TensorBoard folder and
+    events file), so that a run that fails (a bad model, a selector that matches nothing)
+    removes it again and leaves nothing behind: only what this run created, never a file or
+    folder that was there before or that something else put in a folder since."""
+
+    def __init__(self):
+        self.folders: List[Path] = []  # outermost first
+        self.files: List[Path] = []
+        self.writer: Any = None        # closed before its events file is removed
+
+    def mkdir(self, path: Path) -> None:
+        """``path.mkdir(parents=True, exist_ok=True)``, noting the folders it creates."""
+        missing = []
+        while not os.path.lexists(path) and path != path.parent:
+            missing.append(path)
+            path = path.parent
+        try:
+            if missing:
+                missing[0].mkdir(parents=True, exist_ok=True)
+        finally:
+            self.folders += [p for p in reversed(missing) if p.is_dir()]
+
+    def undo(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        for path in self.files:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        for path in reversed(self.folders):  # a folder holding something else stays
+            with contextlib.suppress(OSError):
+                path.rmdir()
+
+
 def _output_dir(option: str, value: str) -> None:
     """Check early that ``value`` can be a folder (one that does not exist yet is created by
-    the writer, whose OSError the caller turns into a UsageError)."""
+    the caller, who turns its OSError into a UsageError)."""
     if not value.strip():
         raise UsageError(f"{option}: expected a folder name, got {value!r}")
     path = Path(value)
@@ -157,8 +192,9 @@ def _output_dir(option: str, value: str) -> None:
         raise UsageError(f"{option} {value}: is a file, expected a folder")
 
 
-def _output_path(option: str, value: Optional[str]) -> Optional[Path]:
-    """Check early that a report can be written where asked (parent folders are created)."""
+def _output_path(option: str, value: Optional[str], created: _Created) -> Optional[Path]:
+    """Check early that a report can be written where asked (parent folders are created, and
+    noted in ``created``)."""
     if value is None or value == "-":
         return None
     if not value.strip():
@@ -167,7 +203,7 @@ def _output_path(option: str, value: Optional[str]) -> Optional[Path]:
     if path.is_dir():
         raise UsageError(f"{option} {value}: is a directory, expected a file name")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        created.mkdir(path.parent)
     except OSError as exc:
         raise UsageError(f"{option} {value}: cannot create folder {str(path.parent)!r}: {exc.strerror}") from None
     existed = path.exists()
@@ -429,6 +465,34 @@ def _use_rich(args) -> bool:
     return importlib.util.find_spec("rich") is not None
 
 
+def _silence_stdout() -> None:
+    """Point stdout's file descriptor at os.devnull, so that what is left in its buffer
+    goes nowhere at exit instead of failing again there ("Exception ignored ...")."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no descriptor (a test's capture): no exit flush to fail
+        pass
+
+
+def _print_stdout(emit: Callable[[], Any]) -> Optional[str]:
+    """Run ``emit`` (it prints to stdout) and flush stdout; returns None, or the error line
+    for a stdout that cannot be written (a full disk, ENOSPC). A stdout closed early
+    (``| head``, a broken pipe) is no error: None too, as the reader has what it wanted."""
+    try:
+        emit()
+        sys.stdout.flush()
+    except OSError as exc:
+        _silence_stdout()
+        if isinstance(exc, BrokenPipeError):
+            return None
+        return f"cannot write to stdout: {exc.strerror or exc}"
+    return None
+
+
 def _param_count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
@@ -492,9 +556,11 @@ def cmd_plugins(args) -> int:
     if args.json:
         import json
 
-        print(json.dumps(rows, indent=2))
-        return 0
-    _report.print_plugins(rows, use_rich=_use_rich(args))
+        error = _print_stdout(lambda: print(json.dumps(rows, indent=2)))
+    else:
+        error = _print_stdout(lambda: _report.print_plugins(rows, use_rich=_use_rich(args)))
+    if error:
+        raise UsageError(error)
     return 0
 
 
@@ -510,17 +576,19 @@ def cmd_select(args) -> int:
         raise UsageError(f"selector {args.selector!r} matched no module of {type(loaded.model).__name__}; "
                          f"try '{PROG} select {args.model} \"*\"' to see its modules")
     if args.names:
-        for name, _ in matched:
-            print(name)
-        return 0
-    _report.print_selection(loaded.model, loaded.label, args.selector, [n for n, _ in matched],
-                            use_rich=_use_rich(args))
+        error = _print_stdout(lambda: print("\n".join(name for name, _ in matched)))
+    else:
+        error = _print_stdout(lambda: _report.print_selection(
+            loaded.model, loaded.label, args.selector, [n for n, _ in matched], use_rich=_use_rich(args)))
+    if error:
+        raise UsageError(error)
     return 0
 
 
-def _tensorboard_writer(logdir: str):
+def _tensorboard_writer(logdir: str, created: _Created):
     """A ``SummaryWriter`` for the ``tensorboard`` sink (``writer=``), made now so that a
-    missing package or an unwritable folder is a usage error before the model runs."""
+    missing package or an unwritable folder is a usage error before the model runs; the
+    folder (if new), the events file and the writer are noted in ``created``."""
     _output_dir("--tensorboard", logdir)
     try:
         import tensorboard  # noqa: F401 - torch's SummaryWriter needs it and says so less clearly
@@ -528,10 +596,15 @@ def _tensorboard_writer(logdir: str):
     except ImportError:
         raise UsageError("--tensorboard needs the tensorboard package: pip install 'hookplug[tensorboard]' "
                          "(or pip install tensorboard)") from None
+    folder = Path(logdir)
     try:
-        return SummaryWriter(log_dir=logdir)
+        created.mkdir(folder)
+        before = set(folder.iterdir())
+        created.writer = SummaryWriter(log_dir=logdir)
     except OSError as exc:
         raise UsageError(f"--tensorboard {logdir}: cannot create or write the folder: {exc.strerror or exc}") from None
+    created.files += [p for p in folder.iterdir() if p not in before]  # its events file
+    return created.writer
 
 
 def _selector_message(exc: SelectorError, model_spec: Optional[str] = None) -> str:
@@ -542,6 +615,18 @@ def _selector_message(exc: SelectorError, model_spec: Optional[str] = None) -> s
 
 
 def cmd_profile(args) -> int:
+    created = _Created()
+    try:
+        doc, json_path, html_path = _run_profile(args, created)
+    except Exception:  # a failed run leaves nothing behind (a Ctrl-C keeps its steps' TensorBoard events)
+        created.undo()
+        raise
+    return _write_reports(args, doc, json_path, html_path)
+
+
+def _run_profile(args, created: _Created) -> Tuple[Dict[str, Any], Optional[Path], Optional[Path]]:
+    """Check the arguments, run the model and build the run document; returns it with the
+    paths of the reports asked for (what it creates on the way is noted in ``created``)."""
     plugin_options = _parse_plugins(args.plugins)
     plugin_names = [n for n, _ in plugin_options]
     if args.steps < 1:
@@ -551,9 +636,9 @@ def cmd_profile(args) -> int:
     shape = parse_shape(args.input) if args.input is not None else None
     dtype = _parse_dtype(args.dtype) if args.dtype is not None else None
     device = _parse_device(args.device)
-    json_path = _output_path("--json", args.json)
-    html_path = _output_path("--html", args.html)
-    tb_writer = _tensorboard_writer(args.tensorboard) if args.tensorboard is not None else None
+    json_path = _output_path("--json", args.json, created)
+    html_path = _output_path("--html", args.html, created)
+    tb_writer = _tensorboard_writer(args.tensorboard, created) if args.tensorboard is not None else None
     file_tensors = _read_input_file(args.input_file) if args.input_file else None
 
     torch.manual_seed(args.seed)
@@ -602,8 +687,10 @@ def cmd_profile(args) -> int:
     plugin_specs.append(recorder)
     sinks = [run_records] + ([("tensorboard", {"writer": tb_writer})] if tb_writer is not None else [])
     try:
+        # one process, never a rank of a job: a RANK left in the environment (a torchrun
+        # worker's) must not turn its sinks off as on a rank other than 0
         session = hookplug.attach(model, args.select, plugins=plugin_specs, sink=sinks, flush_every=1,
-                                  on_error="warn", strict=True)
+                                  on_error="warn", strict=True, distributed=False)
     except SelectorError as exc:
         raise UsageError(_selector_message(exc, args.model)) from None
     except (PluginError, TypeError, ValueError) as exc:  # unknown plugin, bad options
@@ -653,14 +740,18 @@ def cmd_profile(args) -> int:
         if tb_writer is not None:
             tb_writer.close()
 
-    broken_pipe = None
-    try:
-        if args.json == "-":
-            sys.stdout.write(_report.to_json(doc) + "\n")
-        else:
-            _report.print_profile(doc, use_rich=_use_rich(args))
-    except BrokenPipeError as exc:  # `| head`: the reports asked for are still written
-        broken_pipe = exc
+    return doc, json_path, html_path
+
+
+def _write_reports(args, doc: Dict[str, Any], json_path: Optional[Path], html_path: Optional[Path]) -> int:
+    """The table (or ``--json -``) on stdout, then each report file: one that cannot be
+    written (a full disk) does not keep the others from being written; the failures are
+    one error line at the end (exit status 2)."""
+    if args.json == "-":
+        error = _print_stdout(lambda: sys.stdout.write(_report.to_json(doc) + "\n"))
+    else:
+        error = _print_stdout(lambda: _report.print_profile(doc, use_rich=_use_rich(args)))
+    errors = [error] if error else []
     for path, text, what in ((json_path, lambda: _report.to_json(doc), "JSON"),
                              (html_path, lambda: _html.render_html(doc), "HTML")):
         if path is None:
@@ -668,12 +759,13 @@ def cmd_profile(args) -> int:
         try:
             path.write_text(text(), encoding="utf-8")
         except OSError as exc:
-            raise UsageError(f"cannot write {what} report {str(path)!r}: {exc.strerror}") from None
+            errors.append(f"cannot write {what} report {str(path)!r}: {exc.strerror or exc}")
+            continue
         print(f"{PROG}: wrote {path}", file=sys.stderr)
-    if tb_writer is not None:
+    if args.tensorboard is not None:
         print(f"{PROG}: wrote TensorBoard events to {args.tensorboard}", file=sys.stderr)
-    if broken_pipe is not None:
-        raise broken_pipe
+    if errors:
+        raise UsageError("; ".join(errors))
     return 0
 
 
@@ -800,8 +892,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{PROG}: interrupted", file=sys.stderr)
             return 130
         except BrokenPipeError:  # `hookplug profile ... | head`
-            try:
-                sys.stdout = open(os.devnull, "w")
-            except OSError:
-                pass
+            _silence_stdout()
             return 0

@@ -101,6 +101,19 @@ def _hist_items(bars, log2: bool, min_gap: int = 4) -> List[Tuple[str, Any, Any,
     return items
 
 
+def _no_bars_why(stats: Optional[Dict[str, Any]], edges: Sequence[Any]) -> str:
+    """What an empty histogram says: a linear one leaves out the finite values outside its
+    range, which may be all of them (log2 buckets hold every finite value)."""
+    if not stats:
+        return "no values recorded"
+    if not (stats.get("hist_counts") or []):
+        return "no histogram (bins=0)"
+    finite = _int(stats.get("numel")) - _int(stats.get("nan_count")) - _int(stats.get("inf_count"))
+    if finite > 0 and len(edges) > 1 and not is_log2_edges(edges):
+        return f"{finite:,} finite values, all outside [{float(edges[0]):g}, {float(edges[-1]):g}]"
+    return "no finite values"
+
+
 def _hist_svg(name: str, stats: Optional[Dict[str, Any]], width: int = 300, height: int = 120,
               cls: str = "hist") -> str:
     """One module's histogram as inline SVG: one bar per bucket in order (for log2 buckets:
@@ -117,9 +130,7 @@ def _hist_svg(name: str, stats: Optional[Dict[str, Any]], width: int = 300, heig
     bars = _hist_bars((stats or {}).get("hist_counts") or [], edges)
     parts.append(f'<line x1="{pad_l}" y1="{base}" x2="{pad_l + pw}" y2="{base}" class="axis"/>')
     if not bars:
-        why = "no histogram (bins=0)" if stats and not (stats.get("hist_counts") or []) else "no finite values"
-        if not stats:
-            why = "no values recorded"
+        why = esc(_no_bars_why(stats, edges))
         parts.append(f'<text x="{width / 2}" y="{height / 2}" text-anchor="middle">{why}</text></svg>')
         return "".join(parts)
     log2 = is_log2_edges(edges)

@@ -309,8 +309,9 @@ class JsonlSink(hookplug.Sink):
 
 
 def read_jsonl(path: str, *, run_id: Optional[str] = None) -> List[Dict[str, Any]]:
-    """Read a telemetry file back, carrying ``hist_edges`` forward to every record and
-    turning ``null`` statistics back into NaN. ``run_id`` keeps only that run's records.
+    """Read a telemetry file back, carrying ``hist_edges`` forward to every record (``[]``
+    for one without a histogram, ``bins=0``) and turning ``null`` statistics back into NaN.
+    ``run_id`` keeps only that run's records.
 
     Torn lines (a run that stopped mid-write: the start of a record, not valid JSON) are
     skipped with one warning naming them; any other line (JSON without a record's ``step``,
@@ -353,8 +354,8 @@ def read_jsonl(path: str, *, run_id: Optional[str] = None) -> List[Dict[str, Any
         key = (rec.get("run_id"), rec.get("module"), rec.get("site"))
         if "hist_edges" in rec:
             edges[key] = rec["hist_edges"]
-        elif rec.get("hist"):
-            rec["hist_edges"] = edges.get(key)
+        elif "hist" in rec:  # no histogram (bins=0): its edges, [], are never written
+            rec["hist_edges"] = edges.get(key) if rec["hist"] else []
         for k in _NULLABLE:  # every float the writer turns to null when not finite
             if k in rec and rec[k] is None:
                 rec[k] = math.nan
