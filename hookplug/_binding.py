@@ -8,6 +8,7 @@ pluggy; the torch hooks loop over those plain tuples (see docs/architecture.md).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import sys
@@ -841,6 +842,11 @@ class _ParamBinding:
             if hooks and any(type(h) is _ParamBinding and h.session is self.session
                              for h in hooks.values()):
                 return  # tied since attach to one another name's binding hooks: steered once
+            if self.handle is not None:  # the Parameter it was on was replaced: off it, and
+                self.handle.remove()     # out of the session's handles (one per replacement)
+                with contextlib.suppress(ValueError):
+                    self.session._handles.remove(self.handle)
+                self.handle = None
             if param.requires_grad:
                 self.handle = param.register_hook(self)
             elif (param.is_leaf and (param.is_floating_point() or param.is_complex())

@@ -462,6 +462,27 @@ def test_a_parameter_untied_after_attach_is_steered_under_its_own_name(selector)
     assert all(p._backward_hooks in (None, {}) for p in model.parameters())
 
 
+def test_a_parameter_replaced_every_step_keeps_one_hook_and_one_handle():
+    """``module.weight = nn.Parameter(...)`` (or ``load_state_dict(assign=True)``) every step:
+    the next step() hooks the new Parameter and takes the hook off the old one; the session
+    held one more handle per replacement, and the old Parameters kept their hooks."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    olds = []
+    with hookplug.attach(model, "Linear", plugins=("gradclamp", {"min": 0.0, "max": 0.0, "params": "*"})) as s:
+        s.step()
+        held = len(s._handles)
+        for _ in range(20):
+            olds.append(model[0].weight)
+            model[0].weight = nn.Parameter(model[0].weight.detach().clone())
+            s.step()
+            grads = run(model, torch.randn(3, 4))
+            assert torch.count_nonzero(grads["0.weight"]) == 0
+        assert len(s._handles) == held
+        assert all(not p._backward_hooks for p in olds)
+    assert not model[0].weight._backward_hooks
+
+
 def test_an_untied_parameter_of_a_module_not_selected_is_left_alone():
     """Tied at attach to a selected module's weight, then untied: the other owner is not
     selected, so its new Parameter gets no hook."""
