@@ -55,6 +55,20 @@ _FX_FLAG_IN, _FX_FLAG = ((_fx._is_fx_tracing_tls, "flag") if hasattr(_fx, "_is_f
                          else (_fx, "_is_fx_tracing_flag"))
 del _fx
 _get_ident = threading.get_ident
+_CALL_IMPL = nn.Module._call_impl.__code__  # the frame torch runs a module's hooks and forward in
+
+
+def running_calls(module) -> Optional[int]:
+    """How many calls of ``module`` are running on this thread (``Module._call_impl`` frames
+    of it on the stack, a hook's own call included); None where none is found (a module
+    called some other way: nothing can be told)."""
+    n = 0
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code is _CALL_IMPL and f.f_locals.get("self") is module:
+            n += 1
+        f = f.f_back
+    return n or None
 
 
 # a hook's argument torch leaves out where it calls a copy of it registered without
@@ -541,6 +555,8 @@ class _ModuleBinding:
             # (compiled code makes an equal one there: a traced list mutation graph-breaks
             # inside a checkpoint's region and is lost when its early stop raises)
             ctx._impls = step_impls
+            if self._pending:  # (rare: nested or overlapping calls, or ones Ctrl-C left)
+                self._drop_interrupted(module)
             self._pending.append(ctx)
         if not impls:
             return None
@@ -704,6 +720,20 @@ class _ModuleBinding:
             f"{type(output).__name__}, or a tensor without views); it has no gradient site there: "
             "a view of its own would change what the model returns (see hookplug_output_grad "
             "in the README)", RuntimeWarning, stacklevel=user_stacklevel())
+
+    def _drop_interrupted(self, module) -> None:
+        """Drop this thread's pending contexts of calls that are no longer running: a
+        ``BaseException`` (Ctrl-C) in ``forward`` runs no post hook, and a session that never
+        steps (serving, forward-only) would keep one context per such call for good."""
+        me = _get_ident()
+        mine = [i for i, c in enumerate(self._pending) if c is not None and c._thread == me]
+        if not mine:
+            return
+        running = running_calls(module)  # this call's own frame is one of them
+        if running is None or len(mine) < running:
+            return
+        for i in reversed(mine[:len(mine) - (running - 1)]):  # the oldest: the outer calls run on
+            del self._pending[i]
 
     def _own_pending(self) -> Optional[HookContext]:
         """Take the latest pending context of this thread's call (None: a recompute's)."""

@@ -75,6 +75,7 @@ import torch
 
 import hookplug
 from hookplug import hookimpl
+from hookplug._binding import running_calls
 from hookplug._plugin import user_stacklevel
 from hookplug._func import is_batched as _is_batched
 from hookplug._func import outside_transforms as _outside_transforms
@@ -631,9 +632,26 @@ class CapturePlugin(hookplug.Plugin):
                 del self._refused[key]
 
     @hookimpl
-    def hookplug_forward_input(self, ctx, args):
+    def hookplug_forward_input(self, ctx, module, args):
         with self._lock:
+            if self._open or self._refused:  # (rare: nested or overlapping calls, or ones Ctrl-C left)
+                self._drop_interrupted(ctx.name, module)
             self._forward_input(ctx, args)
+
+    def _drop_interrupted(self, name: str, module) -> None:
+        """Drop this thread's open calls of ``name`` that are no longer running (their
+        inputs, and put back what they set aside), as at a step: without steps (serving,
+        forward-only) each call Ctrl-C stopped kept its inputs for good."""
+        me = threading.get_ident()
+        mine = sorted({k for calls in (self._open, self._refused) for k, thread in calls.items()
+                       if thread == me and k[0] == name})
+        running = running_calls(module) if mine else None  # this call's own frame is one
+        if running is None or len(mine) < running:
+            return
+        for key in mine[:len(mine) - (running - 1)]:  # the oldest: the outer calls run on
+            if self._open.pop(key, None) is not None:
+                self._discard("inputs", *key)
+            self._refused.pop(key, None)
 
     def _forward_input(self, ctx, args) -> None:
         if self._capture("inputs", ctx.name, ctx.call_index, tuple(args), "input"):

@@ -827,6 +827,36 @@ def test_calls_a_keyboard_interrupt_left_are_forgotten_at_the_next_step():
         assert int(res["1"]["output"].calls) == 1 and int(res["1"]["input[0]"].calls) == 6
 
 
+def test_calls_a_keyboard_interrupt_left_are_forgotten_at_the_next_call_without_steps():
+    """A session that never steps (serving, forward-only): each call Ctrl-C stopped kept its
+    context until a step() that never came. The module's next call drops them; a call of a
+    module nested in itself keeps its outer calls'."""
+    import torch.nn as nn
+
+    class Interrupted(nn.Module):
+        armed = False
+
+        def forward(self, x, depth=0):
+            if self.armed:
+                raise KeyboardInterrupt
+            return self(x * 2, depth - 1) if depth else x + 1
+
+    inner = Interrupted()
+    model = nn.Sequential(nn.Linear(4, 4), inner)
+    with hookplug.attach(model, "*", plugins=("stats", {"sites": ("input", "output")})) as s:
+        binding = s._bindings["1"]
+        for _ in range(50):
+            inner.armed = True
+            with pytest.raises(KeyboardInterrupt):
+                model(torch.randn(3, 4))
+            inner.armed = False
+            assert len(binding._pending) <= 1
+            inner(torch.randn(3, 4), depth=3)  # nested in itself: each level's call ends whole
+            assert not binding._pending
+        res = s["stats"].results()
+        assert int(res["1"]["output"].calls) == 50 * 4 and int(res["1"]["input[0]"].calls) == 50 * 5
+
+
 def test_copies_on_several_threads_and_remove_meanwhile_leave_no_guard_behind():
     """Copying a hooked module changed its __dict__ for the call (the guard taken off and
     put back): copies on other threads raised KeyError('__deepcopy__'), and a remove()

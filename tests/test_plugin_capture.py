@@ -1091,6 +1091,40 @@ def test_calls_stopped_by_ctrl_c_hold_nothing_past_the_step(keep):
         assert plugin.nbytes == 2 * 100 * 4
 
 
+@pytest.mark.parametrize("keep", ["last", 2])
+def test_calls_stopped_by_ctrl_c_hold_nothing_past_the_next_call_without_steps(keep):
+    """No session.step() at all (serving, forward-only): each call Ctrl-C stopped kept its
+    inputs (and what it set aside) for good, 200 calls 200 copies; the module's next call
+    drops them. Calls of a module nested in itself keep their inputs."""
+    class Stops(nn.Module):
+        stop = False
+
+        def forward(self, x, depth=0):
+            if self.stop:
+                raise KeyboardInterrupt
+            return self(x * 2, depth - 1) if depth else x + 1
+
+    plugin = CapturePlugin(keep=keep, inputs=True)
+    model = nn.Sequential(Stops())
+    with hookplug.attach(model, "Stops", plugins=plugin):
+        model(torch.zeros(100))
+        for i in range(20):
+            model[0].stop = True
+            with pytest.raises(KeyboardInterrupt):
+                model(torch.ones(100))
+            model[0].stop = False
+            assert len(plugin._open) <= 1 and len(plugin._set_aside) <= 1
+            x = torch.full((100,), float(i))
+            model[0](x, depth=2)  # three nested calls, each captured whole
+            assert not plugin._open and not plugin._set_aside
+        inputs, features = plugin.inputs["0"], plugin.features["0"]
+        kept = [(inputs, features)] if keep == "last" else list(zip(inputs, features))
+        for args, out in kept:  # each call's inputs with its own output
+            depth = args[1] if len(args) > 1 else 2  # (the outermost call's depth is a keyword)
+            assert torch.equal(out, args[0] * 2 ** depth + 1)
+        assert plugin.nbytes == len(kept) * 2 * 100 * 4
+
+
 def test_grads_of_a_module_nested_in_itself_are_dropped_with_its_calls():
     """keep=2 on a module that calls itself: the inner call ends first, so calls are not
     stored oldest first; the gradient parts of every call no longer kept are dropped."""
