@@ -393,6 +393,20 @@ def test_params_attached_on_meta_are_steered_in_the_first_backward_after_materia
     assert all(p._backward_hooks in (None, {}) for p in model.parameters())
 
 
+class DoubleParamGrads(hookplug.Plugin):
+    """Doubles every parameter gradient; ``seen``: the names it was called with."""
+
+    name = "double"
+
+    def __init__(self):
+        self.seen = []
+
+    @hookplug.hookimpl
+    def hookplug_param_grad(self, ctx, name, grad):
+        self.seen.append(name)
+        return grad * 2
+
+
 def test_a_parameter_tied_after_attach_is_steered_once():
     """Weights tied after attach (🤗 ``tie_weights()`` once ``tie_word_embeddings`` is set,
     ``dec.weight = enc.weight``): the shared Parameter is steered once, under its first
@@ -400,17 +414,10 @@ def test_a_parameter_tied_after_attach_is_steered_once():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 4, bias=False))
     x = torch.randn(3, 4)
-    seen = []
+    double = DoubleParamGrads()
+    seen = double.seen
 
-    class Double(hookplug.Plugin):
-        name = "double"
-
-        @hookplug.hookimpl
-        def hookplug_param_grad(self, ctx, name, grad):
-            seen.append(name)
-            return grad * 2
-
-    with hookplug.attach(model, "Linear", plugins=[Double()]) as s:
+    with hookplug.attach(model, "Linear", plugins=[double]) as s:
         model[2].weight = model[0].weight
         s.step()
         for _ in range(2):  # the next step puts the hooks back again: still once
@@ -438,17 +445,10 @@ def test_a_parameter_untied_after_attach_is_steered_under_its_own_name(selector)
     model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 4, bias=False))
     model[2].weight = model[0].weight
     x = torch.randn(3, 4)
-    seen = []
+    double = DoubleParamGrads()
+    seen = double.seen
 
-    class Double(hookplug.Plugin):
-        name = "double"
-
-        @hookplug.hookimpl
-        def hookplug_param_grad(self, ctx, name, grad):
-            seen.append(name)
-            return grad * 2
-
-    with hookplug.attach(model, selector, plugins=[Double()]) as s:
+    with hookplug.attach(model, selector, plugins=[double]) as s:
         run(model, x)
         assert seen == ["0.weight"]  # tied: once
         model[2].weight = nn.Parameter(model[0].weight.detach().clone())
