@@ -8,7 +8,6 @@ pluggy; the torch hooks loop over those plain tuples (see docs/architecture.md).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import sys
@@ -55,6 +54,8 @@ _FX_FLAG_IN, _FX_FLAG = ((_fx._is_fx_tracing_tls, "flag") if hasattr(_fx, "_is_f
                          else (_fx, "_is_fx_tracing_flag"))
 del _fx
 _get_ident = threading.get_ident
+# a binding's impls where it runs nothing: (fwd_in, fwd_out, out_grad, sampling key)
+_NO_IMPLS: Tuple = ((), (), (), None)
 _CALL_IMPL = nn.Module._call_impl.__code__  # the frame torch runs a module's hooks and forward in
 
 
@@ -187,8 +188,8 @@ class HookContext:
     time: a traceable plugin that reads it specialises the graph on it, so dynamo recompiles
     every step (see ``hookplug.hookspecs``)."""
 
-    # _impls: the binding's (fwd_in, fwd_out, out_grad) at the call's pre hook, which its
-    # post hook runs too (set only on contexts the pre hook leaves in _pending)
+    # _impls: the binding's (fwd_in, fwd_out, out_grad, sampling key) at the call's pre hook:
+    # its post hook runs the same step's plugins (set only on contexts left in _pending)
     __slots__ = ("name", "call_index", "_step", "_session_ref", "phase", "_thread", "_impls")
 
     def __init__(self, name: str, call_index: int, step: Optional[int], session: Optional["Session"],
@@ -452,7 +453,7 @@ class _ModuleBinding:
         self.all_in: Tuple = ()
         self.all_out: Tuple = ()
         self.all_grad: Tuple = ()
-        self.impls: Tuple[Tuple, Tuple, Tuple] = ((), (), ())  # (fwd_in, fwd_out, out_grad)
+        self.impls: Tuple = _NO_IMPLS  # (fwd_in, fwd_out, out_grad, sampling key)
         self.grad_in_graph = False  # every all_grad plugin can be traced into a compiled backward
         self.eager_only = False  # a plugin here is not traceable: compiled code runs the eager path
         self.eager_reason = ""  # why, naming those plugins (dynamo's fullgraph=True error)
@@ -511,7 +512,7 @@ class _ModuleBinding:
         session alive."""
         self.fwd_in = self.fwd_out = self.out_grad = ()
         self.all_in = self.all_out = self.all_grad = ()
-        self.impls = ((), (), ())
+        self.impls = _NO_IMPLS
         self.variants, self.recompute = {}, ()
         self.has_pre = self.has_post = False
         self.session = None
@@ -608,7 +609,11 @@ class _ModuleBinding:
             # the tuples of the step the call began in: a step() on another thread since
             # (every=N) must not run the output half of a call whose input half did not
             # run, or skip the output half of one whose input half did
-            _, fwd_out, out_grad = ctx._impls
+            step_impls = ctx._impls
+            if step_impls is not self.impls:  # a step() or a plugin disabled since: the
+                # plugins of the call's step that are still enabled
+                step_impls = self.variants.get(step_impls[3], _NO_IMPLS)
+            fwd_out, out_grad = step_impls[1], step_impls[2]
             if not fwd_out and not out_grad:
                 return None
         else:
@@ -869,14 +874,10 @@ class _ParamBinding:
         hooks = param._backward_hooks
         if self.handle is None or hooks is None or self.handle.id not in hooks:
             # first time, or a new Parameter object
-            if hooks and any(type(h) is _ParamBinding and h.session is self.session
-                             for h in hooks.values()):
-                return  # tied since attach to one another name's binding hooks: steered once
-            if self.handle is not None:  # the Parameter it was on was replaced: off it, and
-                self.handle.remove()     # out of the session's handles (one per replacement)
-                with contextlib.suppress(ValueError):
-                    self.session._handles.remove(self.handle)
-                self.handle = None
+            if self.handle is not None:  # the Parameter it was on was replaced
+                self._retire_handle()
+            if hooks and self._hooked_by_another(param, hooks):
+                return  # tied to another name's binding, which hooks it: steered once
             if param.requires_grad:
                 self.handle = param.register_hook(self)
             elif (param.is_leaf and (param.is_floating_point() or param.is_complex())
@@ -888,12 +889,44 @@ class _ParamBinding:
                     param.requires_grad_(False)
             else:
                 return
-            self.session._handles.append(self.handle)
+            self.session._handles[id(self.handle)] = self.handle
             if not self.session._fsdp2_warned and _sharded_by_fsdp2(param, self.session.model):
                 self.session._fsdp2_warned = True  # once a session: it names the first one
                 _warn_fsdp2_param(self.name)
         else:
             param._backward_hooks = hooks
+
+    def _hooked_by_another(self, param: torch.Tensor, hooks: dict) -> bool:
+        """Another binding of the session hooks ``param`` (tied to it). A hook left by a
+        binding whose own Parameter was replaced since (see :meth:`_retire_handle`) comes
+        off: this binding takes the Parameter over."""
+        for key, h in list(hooks.items()):
+            if type(h) is not _ParamBinding or h.session is not self.session:
+                continue
+            if h.param() is param:
+                return True
+            handles = self.session._handles
+            for hid, handle in list(handles.items()):
+                if getattr(handle, "id", None) == key and handle.hooks_dict_ref() is hooks:
+                    handle.remove()
+                    del handles[hid]
+            hooks.pop(key, None)
+        return False
+
+    def _retire_handle(self) -> None:
+        """Take the hook off the Parameter this binding's is no longer on, and its handle out
+        of the session's (one per replacement otherwise), unless another owner of the
+        session still has that Parameter (untied by replacing the first owner's): there it
+        keeps steering until the next step() hands it to that owner's binding."""
+        old, handle = self.handle.hooks_dict_ref(), self.handle
+        self.handle = None
+        if old is not None:
+            for pb in self.session._param_bindings.values():
+                p = pb.param() if pb is not self else None
+                if p is not None and p._backward_hooks is old:
+                    return
+        handle.remove()
+        self.session._handles.pop(id(handle), None)
 
     def __call__(self, grad):
         s = self.session

@@ -17,7 +17,7 @@ import functools
 import sys
 from typing import List
 
-from ._binding import _ModuleBinding, _ParamBinding
+from ._binding import _NO_IMPLS, _ModuleBinding, _ParamBinding
 
 _METHODS = ("_forward_metadata_inference", "_backward_metadata_inference")
 
@@ -46,7 +46,7 @@ def _idle(fn):
         calls = [b.calls for b in bindings]
         for b in bindings:
             b.fwd_in = b.fwd_out = b.out_grad = ()
-            b.impls = ((), (), ())
+            b.impls = _NO_IMPLS
         for pb in params:
             pb.impls = ()
         try:

@@ -626,8 +626,13 @@ def parameter_names(model: nn.Module) -> Dict[int, List[str]]:
     """``{id(parameter): [every name it has]}``, first the one ``named_parameters()`` gives: a
     tied parameter (``lm_head.weight`` is ``wte.weight``) has one per owner."""
     names: Dict[int, List[str]] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(clean_name(n))
+    aliases = module_aliases(model)  # (bounded: every path, as remove_duplicate=False walks, is not)
+    for raw, mod in model.named_modules():
+        prefixes = [clean_name(raw)] + [a for a in aliases.get(id(mod), ()) if a != clean_name(raw)]
+        for attr, p in mod._parameters.items():
+            if p is not None:
+                got = names.setdefault(id(p), [])
+                got += [n for n in (f"{pre}.{attr}" if pre else attr for pre in prefixes) if n not in got]
     return names
 
 

@@ -421,11 +421,9 @@ def _parameter_owners(model: nn.Module) -> Dict[int, List[Tuple[str, nn.Module, 
     """``{id(parameter): [(name, owner module, attribute), ...]}``, one entry per owner (a
     tied parameter has several), first the one ``named_parameters()`` names it by."""
     owners: Dict[int, List[Tuple[str, nn.Module, str]]] = {}
-    seen = set()
-    for raw, mod in model.named_modules(remove_duplicate=False):
+    for raw, mod in model.named_modules():  # (each module once: by its first name)
         for attr, p in mod._parameters.items():
-            if p is not None and (id(mod), attr) not in seen:  # (a module shared under two names)
-                seen.add((id(mod), attr))
+            if p is not None:
                 owners.setdefault(id(p), []).append((clean_name(f"{raw}.{attr}" if raw else attr), mod, attr))
     return owners
 
@@ -547,7 +545,7 @@ class Session:
         self._bindings: Dict[str, _ModuleBinding] = {}
         self._param_bindings: Dict[str, _ParamBinding] = {}
         self._param_aliases: Dict[str, weakref.ref] = {}  # a tied parameter's other names: their owners
-        self._handles: List[Any] = []
+        self._handles: Dict[int, Any] = {}  # id -> hook handle, taken off at remove()
         self._guarded: List[Tuple[weakref.ref, int]] = []  # (module, hook id) left out of copies
         self._hook_ids: Optional[Tuple[int, int]] = None  # (pre, post): one id for every module
         # (see _shared_id), taken by _bind from its model's pairs, given back at remove()
@@ -840,7 +838,7 @@ class Session:
         _UNREMOVED.discard(self)
         self._sampling = False
         self._recompute.clear()
-        for h in self._handles:
+        for h in self._handles.values():
             h.remove()
         self._handles.clear()
         self._remove_foreign_copies()
@@ -1103,7 +1101,7 @@ class Session:
 
     def _keep_handle(self, module: nn.Module, handle) -> None:
         """Keep ``handle`` for ``remove()``; copies and pickles of ``module`` leave its hook out."""
-        self._handles.append(handle)
+        self._handles[id(handle)] = handle
         _guard_copies(module, handle)
         self._guarded.append((weakref.ref(module), handle.id))
 
@@ -1212,8 +1210,9 @@ class Session:
         """Swap in the tuples for this step: unsampled steps run only unsampled plugins."""
         sampling = self._sampling
         for binding in self._bindings.values():
-            binding.impls = impls = binding.variants[sampling]
+            impls = binding.variants[sampling]
             binding.fwd_in, binding.fwd_out, binding.out_grad = impls
+            binding.impls = (*impls, sampling)  # (the key: see _ModuleBinding.post_hook)
         for pb in self._param_bindings.values():
             pb.impls = pb.variants[sampling]
 
@@ -1395,10 +1394,10 @@ def attach(
             _skip_plugin(exc)
             continue
         session._add_plugin(key, instance, [], sink=True)
+    started: set = set()  # (set before the try: a failed _bind reads it too)
     try:
         repeats = session._bind(model)
         _guard_module_hooks(repeats + _RECOMPILE_LIMIT if repeats > 1 else 0)
-        started = set()
         session._dispatch("hookplug_session_start", returned=started.add)
         session._attached = True
         if session.has_sinks:

@@ -1207,3 +1207,30 @@ def test_step_after_remove_calls_no_plugin():
     index = s.step_index
     s.step()
     assert plugin.calls == ["start", ("step", 0), "end"] and s.step_index == index
+
+
+def test_a_plugin_disabled_in_a_calls_input_half_gets_no_output_half():
+    """on_error="warn": a plugin whose forward_input fails is called no more, also not for
+    the output half of that call or of the outer calls running (each call's post hook runs
+    the plugins of the step it began in, which are those still enabled)."""
+    calls = []
+
+    class Bad(hookplug.Plugin):
+        name = "bad"
+
+        @hookplug.hookimpl
+        def hookplug_forward_input(self, ctx):
+            calls.append(("in", ctx.name))
+            if ctx.name == "0.1":
+                raise RuntimeError("boom")
+
+        @hookplug.hookimpl
+        def hookplug_forward_output(self, ctx):
+            calls.append(("out", ctx.name))
+
+    model = nn.Sequential(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)), nn.Linear(3, 3))
+    with pytest.warns(RuntimeWarning, match="'bad' failed"):
+        with hookplug.attach(model, "*", plugins=[Bad()], on_error="warn") as s:
+            model(torch.randn(2, 3))
+            assert list(s.disabled) == ["bad"]
+    assert calls == [("in", "0"), ("in", "0.0"), ("out", "0.0"), ("in", "0.1")]  # ("*": not the root)

@@ -539,3 +539,26 @@ def test_a_packed_sequence_passed_through_identity_keeps_its_grad_site():
         grads = s["stats"].results()["i"]
     assert torch.equal(x.grad, want)
     assert int(grads["grad[0]"].numel) == packed.data.numel()
+
+
+def test_a_module_graph_with_a_cycle_attaches():
+    """A child holding its parent as a submodule (a back reference registered as one):
+    named_modules() visits each module once; attach with parameter hooks works. A walk over
+    every path never ended (RecursionError)."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    model = nn.Sequential(Block(), Block())
+    model[1].owner = model
+    x = torch.randn(2, 3)
+    want = model[1](model[0](x))
+    with hookplug.attach(model, "Linear", plugins=["stats", ("gradclamp", {"max": 1.0, "params": "*"})]) as s:
+        got = model[1](model[0](x))
+        got.sum().backward()
+        assert set(s["stats"].results()) == {"0.lin", "1.lin"}
+    assert torch.equal(got, want)
