@@ -59,17 +59,21 @@ _NO_IMPLS: Tuple = ((), (), (), None)
 _CALL_IMPL = nn.Module._call_impl.__code__  # the frame torch runs a module's hooks and forward in
 
 
-def running_calls(module) -> Optional[int]:
-    """How many calls of ``module`` are running on this thread (``Module._call_impl`` frames
-    of it on the stack, a hook's own call included); None where none is found (a module
-    called some other way: nothing can be told)."""
-    n = 0
+def interrupted_calls(open_calls: list, module) -> list:
+    """The oldest of ``open_calls`` (this thread's calls of ``module`` that began and did not
+    end, oldest first, the call now starting not among them) that no longer run: a
+    ``BaseException`` (Ctrl-C) in ``forward`` runs no post hook. The calls still running are
+    the ``Module._call_impl`` frames of ``module`` on the stack, less the one starting; none
+    is dropped where no such frame is found (a module called some other way)."""
+    running = 0
     f = sys._getframe(1)
     while f is not None:
         if f.f_code is _CALL_IMPL and f.f_locals.get("self") is module:
-            n += 1
+            running += 1
         f = f.f_back
-    return n or None
+    if not running:
+        return []
+    return open_calls[:max(0, len(open_calls) - (running - 1))]
 
 
 # a hook's argument torch leaves out where it calls a copy of it registered without
@@ -732,13 +736,9 @@ class _ModuleBinding:
         steps (serving, forward-only) would keep one context per such call for good."""
         me = _get_ident()
         mine = [i for i, c in enumerate(self._pending) if c is not None and c._thread == me]
-        if not mine:
-            return
-        running = running_calls(module)  # this call's own frame is one of them
-        if running is None or len(mine) < running:
-            return
-        for i in reversed(mine[:len(mine) - (running - 1)]):  # the oldest: the outer calls run on
-            del self._pending[i]
+        if mine:
+            for i in reversed(interrupted_calls(mine, module)):
+                del self._pending[i]
 
     def _own_pending(self) -> Optional[HookContext]:
         """Take the latest pending context of this thread's call (None: a recompute's)."""

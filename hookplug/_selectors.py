@@ -622,17 +622,37 @@ def named_parameters(model: nn.Module) -> List[Tuple[str, nn.Parameter]]:
     return [(clean_name(n), p) for n, p in model.named_parameters()]
 
 
-def parameter_names(model: nn.Module) -> Dict[int, List[str]]:
-    """``{id(parameter): [every name it has]}``, first the one ``named_parameters()`` gives: a
-    tied parameter (``lm_head.weight`` is ``wte.weight``) has one per owner."""
-    names: Dict[int, List[str]] = {}
-    aliases = module_aliases(model)  # (bounded: every path, as remove_duplicate=False walks, is not)
+def parameter_owners(model: nn.Module) -> Dict[int, List[Tuple[str, nn.Module, str]]]:
+    """``{id(parameter): [(owner's name, owner module, attribute), ...]}``, one entry per
+    owner (a tied parameter has several), each module once by its first name (a walk of
+    every path never ends on a module graph with a cycle), first the owner
+    ``named_parameters()`` names it by."""
+    owners: Dict[int, List[Tuple[str, nn.Module, str]]] = {}
     for raw, mod in model.named_modules():
-        prefixes = [clean_name(raw)] + [a for a in aliases.get(id(mod), ()) if a != clean_name(raw)]
+        prefix = clean_name(raw)
         for attr, p in mod._parameters.items():
             if p is not None:
-                got = names.setdefault(id(p), [])
-                got += [n for n in (f"{pre}.{attr}" if pre else attr for pre in prefixes) if n not in got]
+                owners.setdefault(id(p), []).append((prefix, mod, attr))
+    return owners
+
+
+def qualified(prefix: str, attr: str) -> str:
+    """``prefix.attr``, or ``attr`` under the root."""
+    return f"{prefix}.{attr}" if prefix else attr
+
+
+def parameter_names(model: nn.Module) -> Dict[int, List[str]]:
+    """``{id(parameter): [every name it has]}``, first the one ``named_parameters()`` gives: a
+    tied parameter (``lm_head.weight`` is ``wte.weight``) has one per owner, and one per
+    name of a shared owner (``module_aliases``)."""
+    aliases = module_aliases(model)
+    names: Dict[int, List[str]] = {}
+    for pid, owners in parameter_owners(model).items():
+        got = names[pid] = []
+        for prefix, mod, attr in owners:
+            for pre in (prefix, *aliases.get(id(mod), ())):
+                if qualified(pre, attr) not in got:
+                    got.append(qualified(pre, attr))
     return names
 
 

@@ -38,8 +38,8 @@ from ._manager import (PluginError, PluginLoadError, create_plugin, implements_h
 from ._options import is_int_at_least
 from ._pipelining import patch_pipelining
 from ._plugin import user_stacklevel
-from ._selectors import (check_strict, clean_name, named_modules, named_parameters, replica_group, select_terms,
-                         unwrap_model, warn_never_called)
+from ._selectors import (check_strict, named_modules, named_parameters, parameter_owners, qualified, replica_group,
+                         select_terms, unwrap_model, warn_never_called)
 
 __all__ = ["attach", "Session", "HookContext"]
 
@@ -415,17 +415,6 @@ def _unguard_copies(module: nn.Module, hook_id: int) -> None:
                 call = module.__dict__.get(method)
                 if isinstance(call, _HookFreeCall) and call.guard is guard:
                     del module.__dict__[method]
-
-
-def _parameter_owners(model: nn.Module) -> Dict[int, List[Tuple[str, nn.Module, str]]]:
-    """``{id(parameter): [(name, owner module, attribute), ...]}``, one entry per owner (a
-    tied parameter has several), first the one ``named_parameters()`` names it by."""
-    owners: Dict[int, List[Tuple[str, nn.Module, str]]] = {}
-    for raw, mod in model.named_modules():  # (each module once: by its first name)
-        for attr, p in mod._parameters.items():
-            if p is not None:
-                owners.setdefault(id(p), []).append((clean_name(f"{raw}.{attr}" if raw else attr), mod, attr))
-    return owners
 
 
 # -- interpreter exit ----------------------------------------------------------------------------
@@ -1046,14 +1035,16 @@ class Session:
                 for p in mods[mn].parameters():  # frozen ones too: hooked once they need a gradient
                     if id(p) in params_by_id:
                         wanted_params[params_by_id[id(p)]] = p
-        owners = _parameter_owners(model)
+        owners = parameter_owners(model)
         for pname, p in wanted_params.items():
             self._param_bindings[pname] = _ParamBinding(pname, *owners[id(p)][0][1:], self)
-        # a tied parameter's other owners under a selected module get bindings of their own,
-        # inert while tied (the first one hooks the tensor, see _ParamBinding.hook): once
-        # untied after attach (``b.weight = nn.Parameter(...)``), the next step() hooks it
+        # a tied parameter's other owners get bindings of their own, inert while tied (the
+        # first one hooks the tensor, see _ParamBinding.hook) and where no plugin covers
+        # them (see _params_of): once untied after attach (``b.weight = nn.Parameter(...)``),
+        # the next step() hooks it
         for p in wanted_params.values():
-            for alias, mod, attr in owners[id(p)][1:]:
+            for prefix, mod, attr in owners[id(p)][1:]:
+                alias = qualified(prefix, attr)
                 if alias not in self._param_bindings:
                     self._param_bindings[alias] = _ParamBinding(alias, mod, attr, self)
                     self._param_aliases[alias] = weakref.ref(mod)

@@ -75,7 +75,7 @@ import torch
 
 import hookplug
 from hookplug import hookimpl
-from hookplug._binding import running_calls
+from hookplug._binding import interrupted_calls
 from hookplug._plugin import user_stacklevel
 from hookplug._func import is_batched as _is_batched
 from hookplug._func import outside_transforms as _outside_transforms
@@ -645,10 +645,7 @@ class CapturePlugin(hookplug.Plugin):
         me = threading.get_ident()
         mine = sorted({k for calls in (self._open, self._refused) for k, thread in calls.items()
                        if thread == me and k[0] == name})
-        running = running_calls(module) if mine else None  # this call's own frame is one
-        if running is None or len(mine) < running:
-            return
-        for key in mine[:len(mine) - (running - 1)]:  # the oldest: the outer calls run on
+        for key in interrupted_calls(mine, module) if mine else ():
             if self._open.pop(key, None) is not None:
                 self._discard("inputs", *key)
             self._refused.pop(key, None)
