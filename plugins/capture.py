@@ -365,6 +365,9 @@ class CapturePlugin(hookplug.Plugin):
         if plain is not t:  # a torch.func.grad wrapper: a copy of the plain tensor it holds, made
             with _outside_transforms():  # outside the transform (else a wrapper again)
                 return self._copy(plain)
+        if torch.is_inference_mode_enabled() and (self.clone or self.to == "cpu"):
+            with torch.inference_mode(False):  # a copy made in there would be an inference
+                return self._copy(t)  # tensor, which autograd and in-place ops refuse later
         t = t.detach()
         if self.to == "cpu" and t.device.type != "cpu" and not t.is_meta:  # meta: no data to copy
             if t.is_nested or t.layout is not torch.strided:

@@ -342,34 +342,67 @@ def test_first_value_far_from_the_mean_keeps_std_to_float32_rounding(lead):
 
 
 @needs_ext
-@pytest.mark.parametrize("n", [16, 100, 2048, 5000])
-def test_float64_near_its_largest_keeps_a_finite_mean(n):
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", [2, 16, 100, 2048, 5000])
+def test_float64_near_its_largest_keeps_a_finite_mean(n, device):
     """float64 values whose sum overflows: the mean is still right (torch's own overflows),
     a constant gives its value and std 0 whatever the sampled shift, and a sum of squared
-    deviations past the largest double gives std inf, never 0 or NaN."""
+    deviations past the largest double gives std inf, never 0 or NaN (on CUDA: the one-pass
+    sums of a thread overflow, see rescue_moments)."""
     for v in (1e307, 1.2e307, -1.7e308, 1.7e308):
-        st = ops.tensor_stats(torch.full((n,), v, dtype=torch.float64)).to_dict()
+        st = ops.tensor_stats(torch.full((n,), v, dtype=torch.float64, device=device)).to_dict()
         assert (st["mean"], st["std"], st["min"], st["max"]) == (v, 0.0, v, v)
     x = torch.randn(n, dtype=torch.float64, generator=gen(70)) * 1e306 + 1e307
-    st = ops.tensor_stats(x).to_dict()
+    st = ops.tensor_stats(x.to(device)).to_dict()
     assert st["mean"] == pytest.approx(float((x / 2**32).mean()) * 2**32, rel=1e-12)
     assert st["std"] == math.inf
     assert int(st["numel"]) == n and st["nan_count"] == 0 and st["inf_count"] == 0
+    for pair in ([1e200, -1e200], [0.0, 1e200], [1e307, 1.1e307], [1.7e308, -1.7e308]):
+        v = torch.tensor(pair * (n // 2), dtype=torch.float64)  # squared deviations overflow
+        st = ops.tensor_stats(v.to(device)).to_dict()
+        mean = float((v / 2**32).mean()) * 2**32
+        assert abs(st["mean"] - mean) <= 1e-12 * float(v.abs().max()), (pair, st["mean"])
+        assert st["std"] == math.inf, (pair, st["std"])
 
 
+@needs_ext
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("first", [math.nan, math.inf, 1e12, -3e9])
+def test_a_nonfinite_or_outlying_first_element_keeps_std(first, device):
+    """The tensor's first element (NaN, Inf, or far off) must not be what the one-pass sums
+    are shifted by: float64 data at an offset keeps its std to float64 rounding, and a
+    constant keeps std 0, as the dead-unit check needs."""
+    for n in (1000, 100_003):
+        x = torch.randn(n, dtype=torch.float64, generator=gen(71)) + 1e8
+        x[0] = first
+        st = ops.tensor_stats(x.to(device)).to_dict()
+        fin = x[torch.isfinite(x)]
+        std, mean = float(fin.std(correction=0)), float(fin.mean())
+        assert st["std"] == pytest.approx(std, rel=1e-9), (n, first)
+        assert abs(st["mean"] - mean) <= 1e-12 * (std + abs(mean)), (n, first)
+        for dtype in DTYPES:
+            c = torch.full((n,), 123.456, dtype=dtype)
+            c[0] = first
+            st = ops.tensor_stats(c.to(device)).to_dict()
+            if math.isfinite(first):
+                continue  # (not a constant then)
+            assert (st["std"], st["mean"]) == (0.0, float(c[1])), (n, dtype, first)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("n", [100, 2048, 20_000])  # one block, a block edge, several chunks
-def test_float64_halves_of_opposite_signs_near_the_largest(n):
+def test_float64_halves_of_opposite_signs_near_the_largest(n, device):
     """Blocks (and calls, and rows) whose means are +-1.7e308: their difference overflows,
     the merged mean must not (std inf: the spread is beyond a double). The same for the
     reference backend, the merge of rows and a constant 1e307 merged with itself."""
     x = torch.cat([torch.full((n,), 1.7e308, dtype=torch.float64),
-                   torch.full((n,), -1.7e308, dtype=torch.float64)])
+                   torch.full((n,), -1.7e308, dtype=torch.float64)]).to(device)
     for fn in ([ops.tensor_stats] if COMPILED else []) + [ops.reference_tensor_stats]:
         st = fn(x).to_dict()
         assert abs(st["mean"]) <= 1e-12 * 1.7e308 and st["std"] == math.inf, (fn, st["mean"])
         halves = fn(x[:n]).merge(fn(x[n:])).to_dict()
         assert abs(halves["mean"]) <= 1e-12 * 1.7e308 and halves["std"] == math.inf
-        c = fn(torch.full((n,), 1e307, dtype=torch.float64))
+        c = fn(torch.full((n,), 1e307, dtype=torch.float64, device=device))
         twice = c.merge(c).to_dict()
         assert (twice["mean"], twice["std"], twice["numel"]) == (1e307, 0.0, 2 * n)
 

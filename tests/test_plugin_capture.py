@@ -107,6 +107,29 @@ def test_clone_protects_against_later_inplace_ops(clone):
         assert torch.equal(got, before.relu())
 
 
+@pytest.mark.parametrize("to", [None, "cpu"])
+def test_captures_made_under_inference_mode_are_ordinary_tensors(to):
+    """A feature pass under ``torch.inference_mode``: the copies are made outside it, so a
+    capture can train a probe (autograd saves it) and be changed in place afterwards."""
+    net = MLP(8, 16, 4)
+    x = torch.randn(5, 8)
+    with hookplug.attach(net, "Linear", plugins=("capture", {"to": to, "inputs": True, "keep": "all"})) as s:
+        with torch.inference_mode():
+            net(x)
+        net(x)
+    cap = s["capture"]
+    for got in (cap.features, cap.inputs):
+        for name, calls in got.items():
+            for t in iter_tensors(calls):
+                assert not t[1].is_inference(), name
+    first = cap.features["fc1"][0]
+    assert torch.equal(first, net.fc1(x).detach())
+    probe = torch.ones(first.shape[-1], requires_grad=True)
+    (first * probe).sum().backward()  # saved for backward: refused for an inference tensor
+    assert torch.equal(probe.grad, first.sum(0))
+    first.mul_(2)  # refused for an inference tensor outside inference mode
+
+
 def test_inputs_are_read_before_forward():
     net = InplaceNet()
     x = torch.randn(4, 8)

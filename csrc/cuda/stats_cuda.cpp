@@ -38,6 +38,12 @@ void launch(const at::Tensor& x_in, const StatsArgs& a, double* row, double* clo
     x = x.contiguous();
     L = mem_layout(x);
   }
+  if (reinterpret_cast<uintptr_t>(x.data_ptr()) % x.element_size() != 0) {
+    // elements not aligned to their size (a tensor set_ on a byte-offset storage slice):
+    // a load of one faults on the GPU; an aligned copy instead
+    x = x.clone(at::MemoryFormat::Contiguous);
+    L = mem_layout(x);
+  }
   cuda::StatsLaunch s{};
   s.data = x.data_ptr();
   s.dtype = cuda_dtype(x.scalar_type());

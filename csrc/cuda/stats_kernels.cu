@@ -3,9 +3,10 @@
 //
 // Pass 1 (one read of the tensor): a grid-stride loop, 16-byte vector loads on the dense
 // path (scalar head/tail), per-element offsets on the strided path. Each thread keeps
-//   count, sum and sum of squares of (x - K) in float64 (K = the tensor's first value if
-//   finite, else 0: a shift that keeps the squares well conditioned), finite min/max and
-//   the NaN/Inf/zero counts;
+//   count, sum and sum of squares of (x - K) in float64 (K = the thread's first finite
+//   value: a shift that keeps the squares well conditioned; float64 data spanning past the
+//   largest double takes its thread's values again, see rescue_moments), finite min/max
+//   and the NaN/Inf/zero counts;
 // the histogram (log2, or linear with a given range) goes to shared memory: one private
 // copy per warp for log2, updates aggregated across the warp with __match_any_sync so
 // equal keys cost one atomic. A block reduces its threads with cub::BlockReduce (Chan's
@@ -18,6 +19,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include <type_traits>
 
 #include <cub/block/block_reduce.cuh>
 
@@ -161,8 +164,8 @@ struct ThreadAcc {
   unsigned nf, nan, inf, zero;
   A mn, mx;
 
-  __device__ __forceinline__ void init(double k) {
-    shift = k;
+  __device__ __forceinline__ void init() {
+    shift = 0.0;
     s1 = s2 = 0.0;
     nf = nan = inf = zero = 0;
     mn = static_cast<A>(__longlong_as_double(0x7ff0000000000000ll));
@@ -172,6 +175,11 @@ struct ThreadAcc {
     const bool is_nan = x != x;
     const bool is_inf = isinf(x);
     const bool fin = valid && !is_nan && !is_inf;
+    // The shift is the thread's first finite value: a constant sums to exactly 0, and as it
+    // is one of the thread's values, s1^2/n <= n * m2 whatever the tensor's first element
+    // (NaN, an outlier) or the data's offset: the cancellation in partial() stays bounded
+    // by the thread's count, a few elements per thread below ~1e8 elements.
+    if (fin && nf == 0) shift = static_cast<double>(x);
     const double d = fin ? static_cast<double>(x) - shift : 0.0;
     s1 += d;
     s2 = fma(d, d, s2);
@@ -186,7 +194,7 @@ struct ThreadAcc {
     Partial p;
     p.n = static_cast<double>(nf);
     p.mean = nf ? shift + s1 / p.n : 0.0;
-    const double m2 = nf ? s2 - s1 * s1 / p.n : 0.0;
+    const double m2 = nf ? s2 - s1 * (s1 / p.n) : 0.0;  // (s1 / n first: s1^2 may overflow)
     p.m2 = m2 > 0.0 ? m2 : 0.0;
     p.mn = static_cast<double>(mn);
     p.mx = static_cast<double>(mx);
@@ -266,6 +274,35 @@ __device__ __forceinline__ void for_each_element(const StatsLaunch& s, Visit& vi
   }
 }
 
+// float64 values spanning past the largest double overflow a thread's one-pass sums (a
+// deviation, or the sum of their squares): its values again, as the CPU kernel takes them
+// (rare: only such data pays it). The mean from values scaled by 2**-32, then halved
+// deviations from it: neither overflows; a sum of squared deviations past the largest
+// double is inf (std inf, as torch's), never inf - inf = NaN (which became 0).
+template <class E, bool CONTIG>
+__device__ __forceinline__ void rescue_moments(const StatsLaunch& s, Partial* p) {
+  const double n = p->n;
+  double scaled = 0.0;
+  auto sum_scaled = [&](double x, bool valid) {
+    if (valid && isfinite(x)) scaled += x * 0x1p-32;
+  };
+  for_each_element<E, CONTIG>(s, sum_scaled);
+  const double mean = scaled / n * 0x1p32;
+  double c = 0.0, q = 0.0;
+  auto around = [&](double x, bool valid) {
+    if (valid && isfinite(x)) {
+      const double d = 0.5 * x - 0.5 * mean;
+      c += d;
+      q = fma(d, d, q);
+    }
+  };
+  for_each_element<E, CONTIG>(s, around);
+  p->mean = mean + 2.0 * (c / n);
+  // (q finite: c^2 <= n * q, no overflow; q inf: c * (c / n) may be, and inf - inf is NaN)
+  const double m2 = isfinite(q) ? 4.0 * (q - c * (c / n)) : q;
+  p->m2 = m2 > 0.0 ? m2 : 0.0;
+}
+
 // The histogram range columns of the row for a launch (0, 0: none, or not known yet).
 __device__ __forceinline__ void range_columns(const StatsLaunch& s, double* lo, double* hi) {
   if (s.nbins > 0 && s.hist_mode == kHistLog2) {
@@ -340,14 +377,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 
   unsigned* hsh = MODE == 1 ? sh + warp * kLog2Bins : (nsh ? sh : nullptr);
   unsigned long long* hgl = w.hist;
-  double shift = 0.0;
-  if (s.numel > 0) {
-    const auto* first = static_cast<const typename E::storage*>(s.data);
-    const double x0 = static_cast<double>(load1(E(), first));
-    shift = isfinite(x0) ? x0 : 0.0;
-  }
   ThreadAcc<A> acc;
-  acc.init(shift);
+  acc.init();
   auto visit = [&](A x, bool valid) {
     acc.add(x, valid);
     if (MODE == 1) hist_add(hsh, hgl, valid ? log2_key(x) : -1);
@@ -359,7 +390,11 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   };
   for_each_element<E, CONTIG>(s, visit);
 
-  const Partial bp = Reduce(tmp).Reduce(acc.partial(), MergeOp());
+  Partial mine = acc.partial();
+  if constexpr (std::is_same<A, double>::value) {
+    if (acc.nf && !(isfinite(acc.s1) && isfinite(acc.s2))) rescue_moments<E, CONTIG>(s, &mine);
+  }
+  const Partial bp = Reduce(tmp).Reduce(mine, MergeOp());
   if (MODE == 1) flush_hist(sh, kLog2Bins, kWarps, hgl);
   if (MODE == 2 && nsh) flush_hist(sh, nsh, 1, hgl);
 
