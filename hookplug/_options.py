@@ -12,6 +12,7 @@ is checked and then handed to the plugin.
 from __future__ import annotations
 
 import collections.abc as cabc
+import dataclasses
 import difflib
 import functools
 import inspect
@@ -172,6 +173,24 @@ def check_options(name: str, factory, options: Dict[str, Any],
             raise OptionError(name, key, f"required{what}, not given",
                               f"plugin {name!r} is missing its required option {key!r}{what}")
     return out
+
+
+def check_dataclass_fields(obj) -> None:
+    """A dataclass plugin's or sink's fields, checked as a constructor's options are:
+    ``@dataclass`` makes ``__init__`` after ``__init_subclass__`` could wrap it (see
+    :func:`check_constructor`), and that ``__init__`` calls ``__post_init__``, which
+    ``Plugin`` and ``Sink`` define to call this. Values materialised by the check (a
+    generator given for a sequence) are set back, also on a frozen dataclass."""
+    cls = type(obj)
+    if not dataclasses.is_dataclass(cls):
+        return
+    label = getattr(cls, "name", "") or cls.__name__
+    given = {f.name: getattr(obj, f.name) for f in dataclasses.fields(cls)
+             if f.init and hasattr(obj, f.name)}
+    checked = check_options(label, cls, given)
+    for key, value in checked.items():
+        if value is not given[key]:
+            object.__setattr__(obj, key, value)
 
 
 def check_constructor(cls) -> None:

@@ -58,6 +58,13 @@ class Plugin:
         check_constructor(cls)  # options of an instance built directly are checked too
         warn_unmarked_hooks(cls)  # a hookplug_* method without @hookimpl is never called
 
+    def __post_init__(self, *init_vars) -> None:
+        """A ``@dataclass`` plugin's fields are checked as options are (a dataclass that
+        defines its own ``__post_init__`` calls ``super().__post_init__()`` for that)."""
+        from ._options import check_dataclass_fields
+
+        check_dataclass_fields(self)
+
     def results(self) -> Dict[str, Any]:
         """Results keyed by qualified module name."""
         return {}

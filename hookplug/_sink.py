@@ -67,6 +67,12 @@ class Sink:
         check_constructor(cls)  # options of an instance built directly are checked too
         warn_unmarked_hooks(cls)  # a hookplug_* method without @hookimpl is never called
 
+    def __post_init__(self, *init_vars) -> None:
+        """A ``@dataclass`` sink's fields are checked as options are (see ``Plugin``)."""
+        from ._options import check_dataclass_fields
+
+        check_dataclass_fields(self)
+
     def __init__(self, path: "Optional[str | os.PathLike[str]]" = None, *, all_ranks: bool = False):
         self.path_option = None if path is None else os.fspath(path)
         if self.path_option is not None:

@@ -299,6 +299,53 @@ def test_one_shot_iterables_given_for_sequence_options_reach_the_plugin():
     assert (m.fc1.bias.grad == 0).all() and (m.fc1.weight.grad != 0).any()
 
 
+def test_dataclass_plugins_and_sinks_check_their_fields():
+    """``@dataclass`` makes ``__init__`` after the base class could wrap it: the fields are
+    checked in the bases' ``__post_init__`` (frozen, with an InitVar, a sink) as a hand-written
+    constructor's options are, and what a check materialises is set back."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Threshold(hookplug.Plugin):
+        name = "threshold"
+        level: float = 1.0
+        tags: Sequence[str] = ()
+
+        @hookplug.hookimpl
+        def hookplug_forward_output(self, ctx, output):
+            pass
+
+    with pytest.raises(PluginError, match="plugin 'threshold' option 'level': expected a number, got 'high'"):
+        Threshold(level="high")
+    assert Threshold(tags=(t for t in "ab")).tags == ["a", "b"]
+
+    @dataclasses.dataclass(frozen=True)
+    class Frozen(hookplug.Plugin):
+        name = "frozen"
+        pair: Tuple[int, int] = (0, 0)
+        scale: dataclasses.InitVar[int] = 1
+
+    assert Frozen(pair=iter([1, 2]), scale=3).pair == (1, 2)
+    with pytest.raises(PluginError, match="option 'pair'"):
+        Frozen(pair=("a", "b"))
+
+    @dataclasses.dataclass
+    class Lines(hookplug.Sink):
+        name = "lines"
+        every: int = 1
+
+        @hookplug.hookimpl
+        def hookplug_flush(self, session, records):
+            pass
+
+    with pytest.raises(PluginError, match="plugin 'lines' option 'every': expected an int, got 2.5"):
+        Lines(every=2.5)
+    with pytest.raises(PluginError, match="option 'level'"):
+        hookplug.attach(MLP(), "Linear", plugins=[Threshold(level=None)])  # not Optional: None refused
+    with hookplug.attach(MLP(), "Linear", plugins=[Threshold(level=2)], sink=[Lines()]) as s:
+        assert s["threshold"].level == 2
+
+
 def test_plugin_built_directly_with_a_bad_call_names_the_class_and_plugin():
     with pytest.raises(TypeError, match=r"^Needs\(\): plugin 'needs' is missing its required option 'level' "
                                         r"\(a number\)$"):
