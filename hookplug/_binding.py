@@ -842,10 +842,13 @@ class _ParamBinding:
     stop ``torch.utils.swap_tensors`` (``module.double()`` under
     ``torch.__future__.set_swap_module_params_on_conversion(True)``)."""
 
-    __slots__ = ("name", "owner_ref", "attr", "session", "impls", "calls", "variants", "handle")
+    __slots__ = ("name", "key", "own_name", "owner_ref", "attr", "session", "impls", "calls",
+                 "variants", "handle")
 
-    def __init__(self, name: str, owner: nn.Module, attr: str, session: "Session"):
-        self.name = name
+    def __init__(self, name: str, owner: nn.Module, attr: str, session: "Session",
+                 own_name: Optional[str] = None):
+        self.name = self.key = name  # key: in session._param_bindings, for the coverage
+        self.own_name = own_name or name  # the owner's own name for it: a new Parameter's
         self.owner_ref = weakref.ref(owner)
         self.attr = attr
         self.session = session
@@ -874,8 +877,9 @@ class _ParamBinding:
         hooks = param._backward_hooks
         if self.handle is None or hooks is None or self.handle.id not in hooks:
             # first time, or a new Parameter object
-            if self.handle is not None:  # the Parameter it was on was replaced
-                self._retire_handle()
+            if self.handle is not None:  # the Parameter it was on was replaced: the new
+                self._retire_handle()  # one is not tied to the first owner, named by its own
+                self.name = self.own_name
             if hooks and self._hooked_by_another(param, hooks):
                 return  # tied to another name's binding, which hooks it: steered once
             if param.requires_grad:

@@ -1036,14 +1036,20 @@ class Session:
                     if id(p) in params_by_id:
                         wanted_params[params_by_id[id(p)]] = p
         owners = parameter_owners(model)
+        # the owners a parameter hook may follow: the selected modules and what they hold
+        under = {id(m) for entry in self._call_order["hookplug_param_grad"] if not entry.is_sink
+                 for mn in entry.modules for m in mods[mn].modules()}
         for pname, p in wanted_params.items():
-            self._param_bindings[pname] = _ParamBinding(pname, *owners[id(p)][0][1:], self)
-        # a tied parameter's other owners get bindings of their own, inert while tied (the
-        # first one hooks the tensor, see _ParamBinding.hook) and where no plugin covers
-        # them (see _params_of): once untied after attach (``b.weight = nn.Parameter(...)``),
-        # the next step() hooks it
-        for p in wanted_params.values():
-            for prefix, mod, attr in owners[id(p)][1:]:
+            # keyed by its first name; held through its first selected owner, whose attribute
+            # it follows when replaced (``lm_head.weight`` tied to an unselected ``wte``)
+            mine = [o for o in owners[id(p)] if id(o[1]) in under] or owners[id(p)]
+            prefix, mod, attr = mine[0]
+            self._param_bindings[pname] = _ParamBinding(pname, mod, attr, self, qualified(prefix, attr))
+            # a tied parameter's other selected owners get bindings of their own, inert while
+            # tied (the first one hooks the tensor, see _ParamBinding.hook) and where no
+            # plugin covers them (see _params_of): once untied after attach
+            # (``b.weight = nn.Parameter(...)``), the next step() hooks it
+            for prefix, mod, attr in mine[1:]:
                 alias = qualified(prefix, attr)
                 if alias not in self._param_bindings:
                     self._param_bindings[alias] = _ParamBinding(alias, mod, attr, self)
@@ -1192,7 +1198,7 @@ class Session:
         if dynamo_disable() is not None:
             _make_eager_runner(_SESSION_CALL)  # (see _eager)
         for pb in self._param_bindings.values():
-            covering = [e for e in live if pb.name in self._params_of(e)]
+            covering = [e for e in live if pb.key in self._params_of(e)]
             pb.variants = {sampling: impls_for("hookplug_param_grad", covering, sampling)
                            for sampling in (True, False)}
         self._apply_sampling()

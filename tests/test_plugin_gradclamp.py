@@ -455,11 +455,32 @@ def test_a_parameter_untied_after_attach_is_steered_under_its_own_name(selector)
         s.step()
         seen.clear()
         got = run(model, x)
-        # (with "Linear:2", 0.weight stays steered too: the session took it for module 2's at
-        # attach; a limitation, in the issue note)
-        assert sorted(seen) == ["0.weight", "2.weight"]
+        # module 0 unselected ("Linear:2"): its Parameter, no longer tied, is not steered
+        assert sorted(seen) == (["0.weight", "2.weight"] if selector == "Linear" else ["2.weight"])
     want = run(model, x)
     assert torch.equal(got["2.weight"], want["2.weight"] * 2)
+    assert torch.equal(got["0.weight"], want["0.weight"] * (2 if selector == "Linear" else 1))
+    assert all(p._backward_hooks in (None, {}) for p in model.parameters())
+
+
+def test_untying_the_first_owner_of_a_parameter_tied_to_the_selected_module():
+    """``2.weight`` is ``0.weight``, only module 2 selected: untied by giving module 0 a new
+    Parameter, module 2's (the old one) stays steered (under the name it was keyed by at
+    attach) and module 0's new one is not (an unselected module); the hook was held through
+    module 2, not through the first owner ``named_parameters()`` names."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 4, bias=False))
+    model[2].weight = model[0].weight
+    x = torch.randn(3, 4)
+    double = DoubleParamGrads()
+    with hookplug.attach(model, "Linear:2", plugins=[double]) as s:
+        model[0].weight = nn.Parameter(model[0].weight.detach().clone())
+        s.step()
+        got = run(model, x)
+        assert double.seen == ["0.weight"]  # the key of module 2's Parameter since attach
+    want = run(model, x)
+    assert torch.equal(got["2.weight"], want["2.weight"] * 2)
+    assert torch.equal(got["0.weight"], want["0.weight"])
     assert all(p._backward_hooks in (None, {}) for p in model.parameters())
 
 
