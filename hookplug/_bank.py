@@ -394,19 +394,23 @@ class _DeviceRows:
     rows in use when it was taken (the meta row and one per key), not the whole capacity."""
 
     __slots__ = ("acc", "gate", "empty", "totals", "unfolded", "lock", "_block", "_next", "_views",
-                 "_snapshot", "retired")
+                 "_snapshot", "retired", "graph_kept")
 
     @_outside_inference_mode
     def __init__(self, device, capacity: int, width: int, lo: float, hi: float, live: bool,
                  clock_base: float = 0.0):
         self.empty = empty_rows(capacity, width - HEAD, lo, hi, device=device)
-        self.empty[0, CLOCK] = clock_base  # where each step's clock starts (see LATE_CLOCK)
+        self.empty[0, CLOCK].fill_(clock_base)  # where each step's clock starts (see LATE_CLOCK)
         self.acc = self.empty.clone()
         self.totals = self.empty.clone()
         self.unfolded: List[torch.Tensor] = []
         # the step's rows before the bank last grew (see grow): merged into acc at end_step
         self.retired: List[torch.Tensor] = []
-        self.gate = torch.tensor([live], dtype=torch.bool, device=device)
+        # retired CUDA rows, never freed while the bank lives: a CUDA graph recorded before
+        # the bank grew (an eager capture, inductor's reduce-overhead backward) still writes
+        # there, and freed memory would be another tensor's
+        self.graph_kept: List[torch.Tensor] = []
+        self.gate = torch.full((1,), live, dtype=torch.bool, device=device)  # (no host copy)
         # end_step's append and fold: readers may be other threads. Reentrant: a signal handler
         # that removes the session (SIGTERM: flush and exit) can run inside a fold and end a
         # step there (the final flush); the step that was folding is in StatsBank.pending by
@@ -489,6 +493,7 @@ class _DeviceRows:
             self.acc.copy_(self.empty)
             self.totals.copy_(self.empty)
             self.unfolded = []
+            self.graph_kept.extend(r for r in self.retired if r.is_cuda)
             self.retired = []
 
     def current(self) -> torch.Tensor:
@@ -521,6 +526,7 @@ class _DeviceRows:
         with self.lock:
             retired, self.retired = self.retired, []
             self.acc.copy_(_merge_retired(self.acc, retired, self.empty))
+            self.graph_kept.extend(r for r in retired if r.is_cuda)
 
 
 def _merge_retired(acc: torch.Tensor, retired: List[torch.Tensor], empty: torch.Tensor) -> torch.Tensor:
@@ -796,7 +802,8 @@ class StatsBank:
             for device in list(self._devices)[:made[1]]:
                 entry = self._table_entry(*key[1:], device)
                 if entry not in table:
-                    table[entry] = torch.tensor([row], dtype=torch.int64, device=device)
+                    # a fill, not torch.tensor([row], device=): no host copy (a stream sync)
+                    table[entry] = torch.full((1,), row, dtype=torch.int64, device=device)
         self._tables_made = made
 
     def accumulate_by_key(self, t: torch.Tensor, key: Tuple[str, str, str]) -> None:

@@ -57,11 +57,25 @@ def linear_range_ok(lo: float, hi: float, bins: int) -> bool:
 
 def empty_rows(n: int, bins: int, lo: float = 0.0, hi: float = 0.0,
                device=None) -> torch.Tensor:
-    """``n`` empty rows for ``bins`` buckets with histogram range ``(lo, hi)``."""
-    row = torch.zeros(HEAD + bins, dtype=torch.float64)
-    row[MIN], row[MAX] = math.inf, -math.inf
-    row[HIST_LO], row[HIST_HI], row[FIRST_BAD] = lo, hi, math.inf
-    return row.repeat(n, 1).to(device)
+    """``n`` empty rows for ``bins`` buckets with histogram range ``(lo, hi)``, made where
+    they live (fills: no copy from the host, which would wait for a CUDA stream)."""
+    rows = torch.zeros(n, HEAD + bins, dtype=torch.float64, device=device)
+    for col, value in ((MIN, math.inf), (MAX, -math.inf), (HIST_LO, lo), (HIST_HI, hi),
+                       (FIRST_BAD, math.inf)):
+        if value != 0.0:
+            rows[:, col].fill_(value)
+    return rows
+
+
+def host_to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """A tensor of the host ``values`` on ``device`` without a host sync: a CUDA copy goes
+    through pinned memory, non-blocking (``torch.tensor(..., device="cuda")`` copies from
+    pageable memory and waits for the stream)."""
+    t = torch.tensor(values, dtype=dtype)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def touched(rows: torch.Tensor) -> torch.Tensor:

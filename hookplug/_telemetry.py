@@ -738,7 +738,8 @@ class _Union:
                 target.append(k * n + p)
         layers = max(count.values()) if count else 1
         laid = empty_rows(layers * n, width - HEAD, device=home)
-        laid.index_copy_(0, torch.tensor(target, device=home), torch.cat(rows) if len(rows) > 1 else rows[0])
+        laid.index_copy_(0, _stats.host_to_device(target, torch.int64, home),
+                         torch.cat(rows) if len(rows) > 1 else rows[0])
         laid = laid[:n] if layers == 1 else merge_rows(laid.view(layers, n, -1))
         if ucls.local is None:
             return laid, c.metas

@@ -178,6 +178,43 @@ def test_cuda_telemetry_equals_cpu_telemetry_of_the_same_float64_model(device):
     assert set(res_dev.values()) == {torch.device(device).type}  # results stay on the device
 
 
+def _late_rows_run(device):
+    torch.manual_seed(0)
+    m = MLP().double()
+    sink = RecordSink()
+    s = hookplug.attach(m, "Linear", plugins=[("stats", {"sites": ("output", "grad")}), "params"],
+                        flush_every=2, sink=sink)
+    m.to(device)  # after attach: the device's bank is made in the first hooked call
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    x = torch.randn(16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).to(device)
+    with s:
+        with _no_sync(device):
+            for step in range(4):
+                m(x).square().mean().backward()
+                opt.step()
+                if step == 2:  # an evaluation first met here: new rows, new row tensors
+                    m.eval()
+                    with torch.inference_mode():
+                        m(x * 0.5)
+                    m.train()
+                s.step()
+                opt.zero_grad(set_to_none=True)
+    return sink.records
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_bank_made_in_a_hook_and_rows_met_late_do_not_sync(device):
+    """Attached before the model moves to the device (its bank is made inside the first
+    hooked call) and an evaluation first met after some steps (its rows, and the row
+    tensors the next step() makes for them): no host sync anywhere in the loop; empty rows,
+    gates and row indices are filled on the device, never copied from pageable host memory
+    (which waits for the stream). The records equal the CPU run's."""
+    got = _late_rows_run(device)
+    _assert_same_records(got, _late_rows_run("cpu"))
+    assert {(r["step"], r["phase"]) for r in got if r["site"] == "output"} == {
+        (0, "train"), (1, "train"), (2, "train"), (2, "eval"), (3, "train")}
+
+
 # -- a model split over devices ---------------------------------------------------------------------
 
 class _Split(nn.Module):
