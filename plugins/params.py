@@ -126,7 +126,8 @@ from torch.nn.parameter import is_lazy
 
 import hookplug
 from hookplug import hookimpl
-from hookplug._bank import (LATE_CLOCK, ON_COMPILE_START, StatsBank, _is_compiling, as_measured, check_hist_options,
+from hookplug._bank import (LATE_CLOCK, ON_COMPILE_START, StatsBank, _is_compiling, _outside_inference_mode,
+                            as_measured, check_hist_options,
                             check_max_pending, check_sites, dtensor_local, dynamo_disable, is_dtensor, merge_devices,
                             pad_rows, unmaterialized)
 from hookplug._plugin import user_stacklevel, warn_once
@@ -362,7 +363,8 @@ class ParamsPlugin(hookplug.Plugin):
                               who=self.name, clock_base=LATE_CLOCK)  # measured after activations
         self._params: List[_Param] = []
         self._by_id: Dict[int, _Param] = {}
-        self._opt_cache: Dict[int, Tuple[Any, Tuple[int, ...], List[_Param]]] = {}  # id -> (ref, ids, params)
+        # id -> (ref, its parameters' ids, our params among them, their tensors' ids)
+        self._opt_cache: Dict[int, Tuple[Any, Tuple[int, ...], List[_Param], List[int]]] = {}
         self._frames: List[_Frame] = []  # optimizer steps in progress, outermost first
         self._handles: List[Any] = []
         self._baselines: List[Any] = []  # _Baseline hooks' handles
@@ -459,7 +461,8 @@ class ParamsPlugin(hookplug.Plugin):
             pr.done = True
             p = pr.tensor()
             w = self._local(pr, p)
-            if w is None:
+            if w is None:  # another rank counts it (or nothing to measure yet): a copy taken
+                pr.prev = None  # at attach, before the process group existed, goes
                 continue
             if "weight" in sites:
                 bank.accumulate(w, pr.keys["weight"])
@@ -483,9 +486,11 @@ class ParamsPlugin(hookplug.Plugin):
                 g = torch.div(g, _to(scale, g.device))
             self.bank.accumulate(g, pr.keys["grad"])
 
+    @_outside_inference_mode  # (a copy taken under inference_mode could not be refilled)
     def _snapshot(self, pr: _Param, w: torch.Tensor) -> None:
         prev = pr.prev
-        if prev is None or prev.shape != w.shape or prev.dtype != w.dtype or prev.device != w.device:
+        if (prev is None or prev.shape != w.shape or prev.dtype != w.dtype or prev.device != w.device
+                or prev.is_inference()):
             pr.prev = w.clone()
         else:
             prev.copy_(w)
@@ -518,33 +523,43 @@ class ParamsPlugin(hookplug.Plugin):
         # the parameters' ids, not their number: a group's list replaced by as many others
         ids = tuple(map(id, itertools.chain.from_iterable(g["params"] for g in opt.param_groups)))
         hit = self._opt_cache.get(id(opt))
-        if hit is not None and hit[0]() is opt and hit[1] == ids:  # (an id is reused once freed)
-            return hit[2]
-        prs = []
+        if (hit is not None and hit[0]() is opt and hit[1] == ids  # (an id is reused once freed)
+                and all(id(pr.tensor()) == i for pr, i in zip(hit[2], hit[3]))):  # (nor replaced in the
+            return hit[2]  # model: load_state_dict(assign=True) leaves the optimizer the old ones)
+        prs, held = [], []
         members = set(ids)
         for pr in self._params:
             t = pr.tensor()
             if t is not None and id(t) in members:
                 prs.append(pr)
+                held.append(id(t))  # (ids: the optimizer holds the tensors)
         cache = self._opt_cache
         if len(cache) >= 16:  # optimizers made and dropped (one per phase, an LR finder)
             for key in [k for k, v in cache.items() if v[0]() is None]:
                 del cache[key]
-        cache[id(opt)] = (weakref.ref(opt), ids, prs)
+        cache[id(opt)] = (weakref.ref(opt), ids, prs, held)
         return prs
 
     def _opt_pre(self, opt, args=None, kwargs=None):
         """The step pre-hook: weight (and the copy for the update) now; the gradient now, or,
         when a closure is passed, once the closure first returns (see the module docstring).
         A step inside another optimizer's step (a wrapper calling its inner optimizer)
-        leaves out the parameters the enclosing step measures."""
-        if not self.bank.live or self._removed():
+        leaves out the parameters the enclosing step measures. An error is the plugin's
+        (``on_error``): under "warn" the step goes on, and the plugin is off from then."""
+        if not self.bank.live or self._off():
             return None
+        try:
+            return self._pre(opt, args, kwargs, sys._getframe(1))
+        except Exception as exc:  # noqa: BLE001 - the plugin's, not the optimizer's
+            self._hook_failed("its optimizer step pre-hook", exc)
+            return None
+
+    def _pre(self, opt, args, kwargs, caller):
         frames = self._frames
         if frames:  # a step that raised never ran its post-hook: not an enclosing step
             live, me = _live_frames(), threading.get_ident()
             frames[:] = [f for f in frames if f.running(live, me)]
-        wrapper = _past_dynamo(sys._getframe(1))  # torch's step wrapper, which runs the hooks
+        wrapper = _past_dynamo(caller)  # torch's step wrapper, which runs the hooks
         prs = [] if _state_init_step(_past_dynamo(wrapper.f_back)) else self._of_optimizer(opt)
         if frames and prs:  # nested (a wrapper's inner optimizer, a subclass's super().step()):
             # what an enclosing step measures is its own
@@ -586,8 +601,11 @@ class ParamsPlugin(hookplug.Plugin):
             if frame.grad_pending:  # the first call: the gradient at the weights measured
                 frame.grad_pending = False
                 me = ref()
-                if me is not None and me.bank.live and not me._removed():
-                    me._measure_grads(frame.prs)
+                if me is not None and me.bank.live and not me._off():
+                    try:
+                        me._measure_grads(frame.prs)
+                    except Exception as exc:  # noqa: BLE001 - the plugin's, not the closure's
+                        me._hook_failed("its optimizer step closure", exc)
             return out
 
         return measured_closure
@@ -604,14 +622,33 @@ class ParamsPlugin(hookplug.Plugin):
 
     def _opt_post(self, opt, args=None, kwargs=None):
         frame = self._pop_frame(opt)
-        if frame is None or not frame.prs or not self.bank.live or self._removed():
+        if frame is None or not frame.prs or not self.bank.live or self._off():
             return None
-        if frame.grad_pending:  # a closure the optimizer never called: the grad as it is
-            frame.grad_pending = False
-            self._measure_grads(frame.prs)
-        if "update" in self.sites:
-            self._update(frame.prs, _grad_scale(opt)[1])
+        try:
+            if frame.grad_pending:  # a closure the optimizer never called: the grad as it is
+                frame.grad_pending = False
+                self._measure_grads(frame.prs)
+            if "update" in self.sites:
+                self._update(frame.prs, _grad_scale(opt)[1])
+        except Exception as exc:  # noqa: BLE001 - the plugin's, not the optimizer's
+            self._hook_failed("its optimizer step post-hook", exc)
         return None
+
+    def _off(self) -> bool:
+        """Removed, or disabled by an error under ``on_error="warn"``: the optimizer hooks
+        (torch's, which the session does not route) do nothing from then on."""
+        s = self._session_ref() if self._session_ref is not None else None
+        if s is None or s.removed:
+            return True
+        entry = s._entry_of.get(id(self))
+        return entry is not None and entry.disabled is not None
+
+    def _hook_failed(self, where: str, exc: Exception) -> None:
+        """An error in an optimizer hook, through the session's ``on_error``."""
+        s = self._session_ref() if self._session_ref is not None else None
+        if s is None:
+            raise exc
+        s._plugin_failed(self, where, exc)
 
     def _refresh_replicas(self) -> None:
         """This rank and the number of ranks holding replicas of a plain parameter (the
@@ -646,10 +683,6 @@ class ParamsPlugin(hookplug.Plugin):
         for pr in self._params:
             ranks = holders[pr.name]
             pr.owner = ranks[index[pr.name] % len(ranks)]
-
-    def _removed(self) -> bool:
-        s = self._session_ref() if self._session_ref is not None else None
-        return s is None or s.removed
 
     # -- session -----------------------------------------------------------------------------------
 
@@ -713,7 +746,7 @@ class ParamsPlugin(hookplug.Plugin):
         skipped). For a loop that frees the gradients (``zero_grad()``) before it calls
         ``session.step()``: call this before ``zero_grad()``. Hugging Face's Trainer
         callback does (``on_optimizer_step``)."""
-        if not self.bank.live or self._removed():
+        if not self.bank.live or self._off():
             return
         frames, self._frames = self._frames, []  # steps left open (one raised) end here
         for f in frames:
@@ -734,7 +767,7 @@ class ParamsPlugin(hookplug.Plugin):
         the update is taken around its steps only, so that copy would be held, unused, for
         the whole run. Parameters of a known optimizer (a step ``GradScaler`` skipped) keep
         theirs for reuse."""
-        held = {pr.index for ref, _, ps in self._opt_cache.values() if ref() is not None for pr in ps}
+        held = {pr.index for ref, _, ps, _ in self._opt_cache.values() if ref() is not None for pr in ps}
         for pr in prs:
             if pr.index not in held:
                 pr.prev = None

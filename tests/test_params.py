@@ -1347,3 +1347,107 @@ def test_results_of_a_step_are_one_steps_per_parameter():
             assert set(r["2.weight"]) == {"weight", "grad", "update"}
             s.step()
         assert set(s["params"].results()["0.weight"]) == {"weight", "update"}  # the last ended step's
+
+
+@pytest.mark.parametrize("on_error", ["warn", "raise"])
+def test_an_error_in_the_optimizer_hooks_goes_through_on_error(on_error, monkeypatch):
+    """``params`` measures in torch's optimizer step hooks, which the session does not call:
+    their errors must still be the plugin's. Under "warn" the step goes on (the weights are
+    updated as without hooks), one warning, the plugin disabled and its hooks doing nothing
+    from then on; under "raise" ``opt.step()`` raises, noted with the plugin's name."""
+    m, x = model_and_data()
+    ref_m, _ = model_and_data()
+    opt, ref_opt = (torch.optim.SGD(mm.parameters(), lr=0.1) for mm in (m, ref_m))
+    with hookplug.attach(m, "Linear", plugins="params", on_error=on_error) as s:
+        calls = []
+
+        def broken(*a, **k):
+            calls.append(1)
+            raise RuntimeError("measure failed")
+
+        monkeypatch.setattr(s["params"], "_measure", broken)
+        for step in range(3):
+            for mm, o in ((m, opt), (ref_m, ref_opt)):
+                mm(x).square().mean().backward()
+            if on_error == "raise":
+                with pytest.raises(RuntimeError, match="measure failed") as info:
+                    opt.step()
+                assert any("params" in n for n in getattr(info.value, "__notes__", []))
+                return
+            with pytest.warns(RuntimeWarning, match="'params' failed") if step == 0 else _no_warning():
+                opt.step()
+            ref_opt.step()
+            s.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        assert "params" in s.disabled and len(calls) == 1
+    for a, b in zip(m.parameters(), ref_m.parameters()):
+        assert torch.equal(a, b)
+
+
+def _no_warning():
+    import contextlib
+    import warnings
+
+    @contextlib.contextmanager
+    def ctx():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            yield
+    return ctx()
+
+
+@pytest.mark.parametrize("how", ["attached under inference_mode", "lazy dry run under inference_mode"])
+def test_weight_copies_taken_under_inference_mode_are_refilled_later(how):
+    """The weight copy for the update, taken at attach or at a lazy module's dry run inside
+    ``torch.inference_mode``, must not be an inference tensor: every later step refills it
+    in place (outside inference mode), which torch refuses for one."""
+    torch.manual_seed(0)
+    if how.startswith("lazy"):
+        m = nn.Sequential(nn.LazyLinear(7))
+        s = hookplug.attach(m, "*", plugins="params")
+        with torch.inference_mode():
+            m(torch.randn(2, 5))  # materializes the weights
+    else:
+        m = nn.Sequential(nn.Linear(5, 7))
+        with torch.inference_mode():
+            s = hookplug.attach(m, "Linear", plugins="params")
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with s:
+        for _ in range(2):
+            m(torch.randn(4, 5)).square().sum().backward()
+            before = m[0].weight.detach().clone()
+            opt.step()
+            s.step()
+            opt.zero_grad()
+        check(s["params"].results(over="step")["0.weight"]["update"], ref(m[0].weight.detach() - before))
+
+
+def test_parameters_replaced_in_the_model_but_not_in_the_optimizer_record_no_update():
+    """``load_state_dict(assign=True)`` gives the model new Parameters while the optimizer
+    keeps stepping the old ones: the new ones are not stepped by it, so they are measured
+    at ``session.step()`` with no update record (a cached list of the optimizer's parameters
+    measured them as stepped, with an update of 0)."""
+    m, x = model_and_data()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    sink = []
+
+    class Keep(hookplug.Sink):
+        name = "keep"
+
+        @hookplug.hookimpl
+        def hookplug_flush(self, records):
+            sink.extend(records)
+
+    with hookplug.attach(m, "Linear", plugins="params", sink=Keep(), flush_every=1) as s:
+        for step in range(3):
+            if step == 1:
+                m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)
+            m(x).square().mean().backward()
+            opt.step()
+            s.step()
+            opt.zero_grad()
+            m.zero_grad()
+    updates = {r["step"] for r in sink if r["site"] == "update"}
+    assert updates == {0}
+    assert {r["step"] for r in sink if r["site"] == "grad"} == {0, 1, 2}

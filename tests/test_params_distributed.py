@@ -194,22 +194,24 @@ def _ddp_params(rank, world, port, attach_first, singleton_groups):
     m.add_module(f"s{rank if singleton_groups else 0}", nn.Linear(4, 4))
     sink = Dump()
     ddp = None
+    opts = {"sites": ("weight", "grad", "update")}
     if attach_first:  # attached before the group exists (the DDP comes later)
-        s = hookplug.attach(m, "Linear", plugins=("params", {"sites": ("weight", "grad")}), sink=sink)
+        s = hookplug.attach(m, "Linear", plugins=("params", opts), sink=sink)
         init(rank, world, port)
         ddp = nn.parallel.DistributedDataParallel(m)
     else:
         ddp = nn.parallel.DistributedDataParallel(m, process_group=groups[rank] if groups else None)
-        s = hookplug.attach(ddp, "Linear", plugins=("params", {"sites": ("weight", "grad")}), sink=sink)
+        s = hookplug.attach(ddp, "Linear", plugins=("params", opts), sink=sink)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     ddp(torch.randn(2, 4)).sum().backward()
     opt.step()
     s.step()
+    copies = sum(pr.prev is not None for pr in s["params"]._params)  # the update's weight copies
     s.remove()
     recs = {(r["module"], r["site"]): r["numel"] for r in sink.records}
     dist.barrier()
     dist.destroy_process_group()
-    return {"recs": [[k[0], k[1], v] for k, v in sorted(recs.items())]}
+    return {"recs": [[k[0], k[1], v] for k, v in sorted(recs.items())], "copies": copies}
 
 
 @pytest.mark.parametrize("attach_first, singleton_groups", [(True, False), (False, True)])
@@ -223,6 +225,9 @@ def test_ddp_replicas_are_counted_once_per_replica_group(tmp_path, attach_first,
     got = spawn_bare(_ddp_params, tmp_path, attach_first, singleton_groups)
     names = ["s0", "s1"] if singleton_groups else ["s0"]
     want = sorted([f"{n}.{p}", site, 16 if p == "weight" else 4]
-                  for n in names for p in ("weight", "bias") for site in ("weight", "grad"))
+                  for n in names for p in ("weight", "bias") for site in ("weight", "grad", "update"))
     for r in got:
         assert r["recs"] == want
+    # each parameter's weight copy (for its update) kept on the rank that counts it only;
+    # attached before the group existed, every rank had copied every parameter
+    assert sum(r["copies"] for r in got) == 2 * len(names), [r["copies"] for r in got]
