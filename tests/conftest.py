@@ -1,4 +1,6 @@
+import contextlib
 import os
+import warnings
 
 import pytest
 import torch
@@ -139,3 +141,11 @@ def join_child(pid, fd, timeout=10.0):
 def run_forked(child, timeout=10.0):
     """``child()`` run in a forked process: see :func:`fork_child` and :func:`join_child`."""
     return join_child(*fork_child(child), timeout=timeout)
+
+
+@contextlib.contextmanager
+def no_warnings():
+    """Any warning inside is an error (the counterpart of ``pytest.warns``)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        yield

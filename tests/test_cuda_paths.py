@@ -131,6 +131,23 @@ def _mlp64(device):
     return MLP().double().to(device)
 
 
+def _train(m, s, opt, xs, device, *, evals, sync_free_from):
+    """Training steps on ``xs``, an evaluation forward under inference_mode after the
+    optimizer step of each step in ``evals``; on CUDA the steps from ``sync_free_from`` on
+    under ``set_sync_debug_mode("error")``."""
+    for step, x in enumerate(xs):
+        with _no_sync(device) if step >= sync_free_from else contextlib.nullcontext():
+            m(x).square().mean().backward()
+            opt.step()
+            if step in evals:
+                m.eval()
+                with torch.inference_mode():
+                    m(x * 0.5)
+                m.train()
+            s.step()
+            opt.zero_grad(set_to_none=True)
+
+
 def _telemetry_run(device, steps=5):
     """A float64 MLP trained with stats (outputs, grads), params and every=2, flush_every=2,
     an eval forward under inference_mode at steps 0 and 2, a NaN in the last step's input;
@@ -144,17 +161,7 @@ def _telemetry_run(device, steps=5):
     sink = RecordSink()
     with hookplug.attach(m, "Linear", plugins=[("stats", {"sites": ("output", "grad")}), "params"],
                          every=2, flush_every=2, sink=sink) as s:
-        for step, x in enumerate(xs):
-            with _no_sync(device) if step else contextlib.nullcontext():
-                m(x).square().mean().backward()
-                opt.step()
-                if step in (0, 2):
-                    m.eval()
-                    with torch.inference_mode():
-                        m(x * 0.5)
-                    m.train()
-                s.step()
-                opt.zero_grad(set_to_none=True)
+        _train(m, s, opt, xs, device, evals=(0, 2), sync_free_from=1)
         s.flush()  # wait=True: may sync
         nonfinite = s.nonfinite
         res_dev = {k: v["output"].mean.device.type for k, v in s["stats"].results().items()}
@@ -187,18 +194,8 @@ def _late_rows_run(device):
     m.to(device)  # after attach: the device's bank is made in the first hooked call
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
     x = torch.randn(16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).to(device)
-    with s:
-        with _no_sync(device):
-            for step in range(4):
-                m(x).square().mean().backward()
-                opt.step()
-                if step == 2:  # an evaluation first met here: new rows, new row tensors
-                    m.eval()
-                    with torch.inference_mode():
-                        m(x * 0.5)
-                    m.train()
-                s.step()
-                opt.zero_grad(set_to_none=True)
+    with s:  # an evaluation first met at step 2: new rows, new row tensors
+        _train(m, s, opt, [x] * 4, device, evals=(2,), sync_free_from=0)
     return sink.records
 
 

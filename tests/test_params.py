@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import hookplug
-from conftest import DEVICES
+from conftest import DEVICES, RecordSink, no_warnings
 
 
 def model_and_data(seed=0):
@@ -1374,7 +1374,7 @@ def test_an_error_in_the_optimizer_hooks_goes_through_on_error(on_error, monkeyp
                     opt.step()
                 assert any("params" in n for n in getattr(info.value, "__notes__", []))
                 return
-            with pytest.warns(RuntimeWarning, match="'params' failed") if step == 0 else _no_warning():
+            with pytest.warns(RuntimeWarning, match="'params' failed") if step == 0 else no_warnings():
                 opt.step()
             ref_opt.step()
             s.step()
@@ -1383,18 +1383,6 @@ def test_an_error_in_the_optimizer_hooks_goes_through_on_error(on_error, monkeyp
         assert "params" in s.disabled and len(calls) == 1
     for a, b in zip(m.parameters(), ref_m.parameters()):
         assert torch.equal(a, b)
-
-
-def _no_warning():
-    import contextlib
-    import warnings
-
-    @contextlib.contextmanager
-    def ctx():
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            yield
-    return ctx()
 
 
 @pytest.mark.parametrize("how", ["attached under inference_mode", "lazy dry run under inference_mode"])
@@ -1430,16 +1418,8 @@ def test_parameters_replaced_in_the_model_but_not_in_the_optimizer_record_no_upd
     measured them as stepped, with an update of 0)."""
     m, x = model_and_data()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    sink = []
-
-    class Keep(hookplug.Sink):
-        name = "keep"
-
-        @hookplug.hookimpl
-        def hookplug_flush(self, records):
-            sink.extend(records)
-
-    with hookplug.attach(m, "Linear", plugins="params", sink=Keep(), flush_every=1) as s:
+    keep = RecordSink()
+    with hookplug.attach(m, "Linear", plugins="params", sink=keep, flush_every=1) as s:
         for step in range(3):
             if step == 1:
                 m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)
@@ -1448,6 +1428,5 @@ def test_parameters_replaced_in_the_model_but_not_in_the_optimizer_record_no_upd
             s.step()
             opt.zero_grad()
             m.zero_grad()
-    updates = {r["step"] for r in sink if r["site"] == "update"}
-    assert updates == {0}
-    assert {r["step"] for r in sink if r["site"] == "grad"} == {0, 1, 2}
+    assert {r["step"] for r in keep.records if r["site"] == "update"} == {0}
+    assert {r["step"] for r in keep.records if r["site"] == "grad"} == {0, 1, 2}

@@ -23,7 +23,7 @@ from hookplug_plugins.sinks.tensorboard import DEFAULT_SCALARS as TB_STATS  # no
 
 
 from conftest import RecordSink as ListSink  # noqa: E402
-from conftest import fork_child, join_child, run_forked  # noqa: E402
+from conftest import fork_child, join_child, no_warnings, run_forked  # noqa: E402
 
 
 def run_steps(sink, steps=3, flush_every=1, **kw):
@@ -345,24 +345,12 @@ def test_a_line_another_writer_left_torn_between_flushes_loses_no_record(tmp_pat
         if step == 2:
             with open(path, "ab") as other:  # the other writer, killed part way through a line
                 other.write(b'{"step": 7, "module": "fc1", "si')
-        with pytest.warns(RuntimeWarning, match="ended in a torn line") if step == 2 else _no_warning():
+        with pytest.warns(RuntimeWarning, match="ended in a torn line") if step == 2 else no_warnings():
             s.step()
     s.remove()
     with pytest.warns(RuntimeWarning, match="skipped 1 torn line"):
         back = read_jsonl(str(path), run_id=s.run_id)
     assert sorted({r["step"] for r in back}) == [0, 1, 2, 3] and len(back) == 4 * 3
-
-
-def _no_warning():
-    import contextlib
-    import warnings
-
-    @contextlib.contextmanager
-    def check():
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            yield
-    return check()
 
 
 @pytest.mark.parametrize("sink", ["jsonl", "tensorboard"])
