@@ -133,6 +133,19 @@ def bank_effect_op(fn):
     return op
 
 
+def _owned(bank: "StatsBank", where: str, fn, *args, **kwargs) -> None:
+    """``fn(*args, **kwargs)`` where torch calls the bank directly (an op compiled code runs,
+    a compile start): an error is the owning plugin's (``bank.on_error``, which raises under
+    ``on_error="raise"``); under "warn" the bank's ops do nothing from then on."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the plugin's, not the model's or the compile's
+        if bank.on_error is None:
+            raise
+        bank.on_error(where, exc)
+        bank.broken = True
+
+
 def accumulate_by_key_op():
     """``hookplug::stats_accumulate_by_key(x, bank, module, site, phase) -> ()``, or None
     where torch offers no way to keep it in a compiled graph (grad sites then graph-break
@@ -145,8 +158,9 @@ def accumulate_by_key_op():
     if _by_key_op is None:
         def stats_accumulate_by_key(x: torch.Tensor, bank: int, module: str, site: str, phase: str) -> None:
             owner = _BANKS.get(bank)
-            if owner is not None:
-                owner.accumulate(x, (module, site, phase), gated=True)
+            if owner is not None and not owner.broken:
+                _owned(owner, "its op in a compiled backward", owner.accumulate, x, (module, site, phase),
+                       gated=True)
 
         try:
             _by_key_op = bank_effect_op(stats_accumulate_by_key)
@@ -168,8 +182,8 @@ def accumulate_by_row_op():
     if _by_row_op is None:
         def stats_accumulate_by_row(x: torch.Tensor, bank: torch.Tensor, row: torch.Tensor) -> None:
             owner = _BANKS.get(int(bank))
-            if owner is not None:
-                owner.accumulate_at(x, row)
+            if owner is not None and not owner.broken:
+                _owned(owner, "its op in a compiled backward", owner.accumulate_at, x, row)
 
         _by_row_op = (accumulate_by_key_op() is not None) and bank_effect_op(stats_accumulate_by_row)
     return _by_row_op or None
@@ -315,8 +329,8 @@ def _on_compile_start(args=None) -> None:
         for bank in list(_DEFERRED):
             bank.prepare_deferred()
         for bank in list(_BANKS.values()):
-            if bank.before_trace is not None:
-                bank.before_trace()
+            if bank.before_trace is not None and not bank.broken:
+                _owned(bank, "its compile-start hook", bank.before_trace)
 
 
 def _on_compile_end(_args=None) -> None:
@@ -588,6 +602,10 @@ class StatsBank:
         self.table_of: Optional[Callable[[Tuple], Optional[Dict]]] = None
         self._tables_made = (0, 0)
         self.before_trace: Optional[Callable[[], None]] = None  # see _on_compile_start
+        # set by the owning plugin: an error in the ops compiled code runs (which the session
+        # does not call) goes through its on_error; under "warn" the ops then do nothing
+        self.on_error: Optional[Callable[[str, Exception], None]] = None
+        self.broken = False
         self.live = True
         self._warned = False
         self.rows: Dict[Tuple, int] = {}

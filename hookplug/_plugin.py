@@ -37,6 +37,25 @@ def user_stacklevel() -> int:
     return level
 
 
+def plugin_off(plugin, session) -> bool:
+    """Whether ``session`` (None: gone) no longer runs ``plugin``: removed, or the plugin
+    disabled by an error under ``on_error="warn"``. For a plugin's code that torch calls
+    directly (optimizer step hooks, a dispatch mode, ops run by compiled code)."""
+    if session is None or session.removed:
+        return True
+    entry = session._entry_of.get(id(plugin))
+    return entry is not None and entry.disabled is not None
+
+
+def plugin_failed(plugin, session, where: str, exc: Exception) -> None:
+    """An error of ``plugin`` in code torch calls directly, through ``session``'s
+    ``on_error``: raised with a note under "raise", else one warning and the plugin off
+    from then on; raised as it is without a live session."""
+    if session is None or session.removed:
+        raise exc
+    session._plugin_failed(plugin, where, exc)
+
+
 class Plugin:
     """Base class: subclasses set ``name`` and implement hooks from ``hookplug.hookspecs``."""
 

@@ -952,6 +952,13 @@ class Session:
                       RuntimeWarning, stacklevel=user_stacklevel())
         if not self._removed:  # a removed session has no bindings left to rebuild
             self._rebind()
+        stop = getattr(plugin, "_hookplug_disabled", None)
+        if callable(stop):  # a first-party plugin with hooks of its own outside the session's
+            try:  # (a dispatch mode, node hooks): they stop now, not at remove()
+                stop()
+            except Exception as other:  # noqa: BLE001 - the plugin is off already
+                warnings.warn(f"hookplug plugin {name!r}: stopping it after its error failed too: "
+                              f"{type(other).__name__}: {other}", RuntimeWarning, stacklevel=user_stacklevel())
 
     def _telemetry_failed(self, exc: BaseException) -> None:
         """A telemetry flush failed outside any plugin hook (a collective, a producer's

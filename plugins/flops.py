@@ -120,7 +120,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hookplug
 from hookplug import hookimpl
-from hookplug._plugin import user_stacklevel
+from hookplug._plugin import plugin_failed, user_stacklevel
 from hookplug._binding import _run_eagerly
 from hookplug._optional import import_off_stack
 from hookplug.structures import iter_tensors
@@ -605,6 +605,8 @@ class _NodeWindow:
 
     def pre(self, grad_outputs):
         plugin = self.plugin_ref()
+        if plugin is not None and plugin._failure is not None:
+            plugin._report_failure("a backward window")
         if plugin is None or not plugin._counting or plugin._session_gone():
             return None
         window = _Window(plugin, self.owners)
@@ -618,6 +620,9 @@ class _NodeWindow:
             return None
         window, lo = self.open_windows.pop()
         window.close()
+        failed = self.plugin_ref()
+        if failed is not None and failed._failure is not None:
+            failed._report_failure("a backward window")
         if lo is not None:  # create_graph: the nodes this backward made
             hi = _peek_seq()
             plugin = self.plugin_ref()
@@ -730,6 +735,7 @@ class FlopsPlugin(hookplug.Plugin):
         self._sized: Dict[Optional[str], Callable] = {}  # modules (None: the model) counted, weakly
         self._warned: set = set()
         self._session_ref: Callable[[], Any] = lambda: None
+        self._failure: Optional[Exception] = None  # met inside dispatch, see _fail
         self._finalizer: Optional[weakref.finalize] = None
         self._lease = _Lease()  # the open forward window, shared with the finalizer
         self._recomputes: Dict[int, _Recompute] = {}  # thread -> its reentrant recompute
@@ -835,6 +841,7 @@ class FlopsPlugin(hookplug.Plugin):
 
     @hookimpl
     def hookplug_step(self, session):
+        self._raise_failure()
         self._prune_stale_calls()
         _settle_this_thread()
         self._counting = not self._ended and session.step_index % session.every == 0
@@ -868,6 +875,8 @@ class FlopsPlugin(hookplug.Plugin):
 
     @hookimpl
     def hookplug_forward_output(self, ctx, output):
+        if self._failure is not None:
+            self._raise_failure()
         calls = self._calls
         for i in range(len(calls) - 1, -1, -1):
             if calls[i].ctx is ctx:
@@ -1082,10 +1091,44 @@ class FlopsPlugin(hookplug.Plugin):
             self._fail(func, exc)
 
     def _fail(self, where, exc: Exception) -> None:
+        """Counting failed: the plugin stops counting, and the error is the plugin's, through
+        the session's ``on_error`` (raised, or one warning and the plugin disabled). Met
+        inside the dispatch mode (an op's count), where the mode cannot leave the stack, it
+        is raised at the plugin's next hook outside it (the call's ``forward_output``, a
+        backward window's end, the step), which the session routes."""
         self._ended = True
         self._counting = False
-        warnings.warn(f"flops: counting failed on {where} ({type(exc).__name__}: {exc}); the "
-                      "plugin stops counting for this session", RuntimeWarning, stacklevel=user_stacklevel())
+        s = self._session_ref()
+        if s is None or s.removed:
+            return
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"(flops: counting {where})")
+        d = getattr(_local, "dispatcher", None)
+        if d is not None and d.dispatching:
+            if self._failure is None:
+                self._failure = exc
+            return
+        plugin_failed(self, s, f"counting {where}", exc)
+
+    def _raise_failure(self) -> None:
+        """Raise the counting error :meth:`_fail` kept (once)."""
+        exc, self._failure = self._failure, None
+        if exc is not None:
+            raise exc
+
+    def _report_failure(self, where: str) -> None:
+        """:meth:`_raise_failure` where torch calls the plugin (a node hook): through
+        ``on_error`` here."""
+        try:
+            self._raise_failure()
+        except Exception as exc:  # noqa: BLE001 - the plugin's
+            plugin_failed(self, self._session_ref(), where, exc)
+
+    def _hookplug_disabled(self) -> None:
+        """The session disabled this plugin (an error under ``on_error="warn"``): its
+        dispatch windows and node hooks stop now (its forward_output, which would close the
+        window of a call in flight, is no longer called)."""
+        self._end_windows()
 
     def _add(self, window: _Window, op, formula, args, kwargs, out) -> None:
         try:

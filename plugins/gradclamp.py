@@ -76,7 +76,7 @@ import struct
 import sys
 import warnings
 import weakref
-from typing import Any, Dict, Literal, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -85,7 +85,7 @@ from hookplug import hookimpl
 from hookplug._bank import ON_COMPILE_START, _is_compiling, bank_effect_op, is_dtensor, param_device, unmaterialized
 from hookplug._binding import _compiled_autograd_may_run
 from hookplug._func import is_batched, outside_transforms, unwrapped
-from hookplug._plugin import user_stacklevel, warn_once
+from hookplug._plugin import plugin_failed, plugin_off, user_stacklevel, warn_once
 from hookplug._selectors import clean_name, parameter_names
 
 __all__ = ["GradClampPlugin"]
@@ -117,9 +117,11 @@ def _count_op():
         def gradclamp_count(n: torch.Tensor, token: torch.Tensor) -> None:
             entry = _COUNTERS.get(int(token))
             plugin = entry[0]() if entry is not None else None
-            if plugin is not None:
-                # a copy: n is the compiled graph's buffer (inductor reuses its memory)
-                plugin._count(entry[1], n, copy=True)
+            if plugin is not None and not plugin._off():
+                try:  # a copy: n is the compiled graph's buffer (inductor reuses its memory)
+                    plugin._count(entry[1], n, copy=True)
+                except Exception as exc:  # noqa: BLE001 - the plugin's, not the backward's
+                    plugin._failed("its count in a compiled backward", exc)
 
         try:
             _count_op_ = bank_effect_op(gradclamp_count)
@@ -133,7 +135,11 @@ def _make_scales() -> None:
     gets its scale tensor if it has none yet, and it goes in the plugin's module tables
     (see ``GradClampPlugin._put_scale``)."""
     for plugin in list(_SCALED):
-        plugin._put_scale(init=True)
+        if not plugin._off():
+            try:
+                plugin._put_scale(init=True)
+            except Exception as exc:  # noqa: BLE001 - the plugin's, never the compile's
+                plugin._failed("its scale at a compile start", exc)
 
 
 ON_COMPILE_START.append(_make_scales)
@@ -148,7 +154,11 @@ def _make_counters() -> None:
     in_region = getattr(ca, "in_compiled_autograd_region", False)
     if _LIVE and (_compiled_autograd_may_run() or in_region):
         for plugin in list(_LIVE):
-            plugin._put_counters()
+            if not plugin._off():
+                try:
+                    plugin._put_counters()
+                except Exception as exc:  # noqa: BLE001 - the plugin's, never the compile's
+                    plugin._failed("its counters at a compile start", exc)
 
 
 ON_COMPILE_START.append(_make_counters)
@@ -233,6 +243,7 @@ class GradClampPlugin(hookplug.Plugin):
         self._match: Dict[str, bool] = {}
         self._tag = self.name  # the plugin's name in its session (keys of the module tables)
         self._model_ref = lambda: None  # the session's model (weakly)
+        self._session_ref: Callable[[], Any] = lambda: None
         self._steered: Any = weakref.WeakValueDictionary()  # module name -> steered module
         self._tokens: Dict[str, torch.Tensor] = {}  # module name -> its counter's token
         self._tables: list = []  # the module tables the tokens (and scale) are in
@@ -382,6 +393,14 @@ class GradClampPlugin(hookplug.Plugin):
                 self._count(ctx.name, n)  # the counter's update traced, as before
         return g
 
+    def _off(self) -> bool:
+        """Removed or disabled: what torch runs directly (compile starts, the count op in a
+        compiled backward) does nothing more."""
+        return plugin_off(self, self._session_ref())
+
+    def _failed(self, where: str, exc: Exception) -> None:
+        plugin_failed(self, self._session_ref(), where, exc)
+
     def _count(self, key: str, n: torch.Tensor, copy: bool = False) -> None:
         counter = self._changed.get(key)
         if counter is None or counter.device != n.device:
@@ -470,6 +489,7 @@ class GradClampPlugin(hookplug.Plugin):
 
     @hookimpl
     def hookplug_session_start(self, session):
+        self._session_ref = weakref.ref(session)
         model = session.model
         self._model_ref = (lambda: None) if model is None else weakref.ref(model)
         self._steered = weakref.WeakValueDictionary(session.modules_of(self) if self.outputs

@@ -130,7 +130,7 @@ from hookplug._bank import (LATE_CLOCK, ON_COMPILE_START, StatsBank, _is_compili
                             as_measured, check_hist_options,
                             check_max_pending, check_sites, dtensor_local, dynamo_disable, is_dtensor, merge_devices,
                             pad_rows, unmaterialized)
-from hookplug._plugin import user_stacklevel, warn_once
+from hookplug._plugin import plugin_failed, plugin_off, user_stacklevel, warn_once
 from hookplug._selectors import clean_name, parameter_names
 from hookplug._telemetry import initialized_dist
 from hookplug._stats import TensorStats, touched
@@ -637,18 +637,11 @@ class ParamsPlugin(hookplug.Plugin):
     def _off(self) -> bool:
         """Removed, or disabled by an error under ``on_error="warn"``: the optimizer hooks
         (torch's, which the session does not route) do nothing from then on."""
-        s = self._session_ref() if self._session_ref is not None else None
-        if s is None or s.removed:
-            return True
-        entry = s._entry_of.get(id(self))
-        return entry is not None and entry.disabled is not None
+        return plugin_off(self, self._session_ref() if self._session_ref is not None else None)
 
     def _hook_failed(self, where: str, exc: Exception) -> None:
         """An error in an optimizer hook, through the session's ``on_error``."""
-        s = self._session_ref() if self._session_ref is not None else None
-        if s is None:
-            raise exc
-        s._plugin_failed(self, where, exc)
+        plugin_failed(self, self._session_ref() if self._session_ref is not None else None, where, exc)
 
     def _refresh_replicas(self) -> None:
         """This rank and the number of ranks holding replicas of a plain parameter (the

@@ -85,7 +85,7 @@ import torch
 
 import hookplug
 from hookplug import hookimpl
-from hookplug._plugin import user_stacklevel
+from hookplug._plugin import plugin_failed, plugin_off, user_stacklevel
 from hookplug._bank import (MEASURED_AS, StatsBank, _is_compiling, accumulate_by_key_op, as_measured, check_hist_options,
                             check_max_pending, check_sites, dtensor_local, host_copy, is_dtensor,
                             param_device)
@@ -107,6 +107,14 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # not a DTensor: no isinsta
 _LAST_KEYS: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[str, List[Tuple]]]" = \
     weakref.WeakKeyDictionary()
 
+
+
+def _failed(plugin_ref, session_ref, where: str, exc: Exception) -> None:
+    """``bank.on_error`` of a stats plugin (weak references: no cycle through the bank)."""
+    plugin = plugin_ref()
+    if plugin is None:
+        raise exc
+    plugin_failed(plugin, session_ref(), where, exc)
 
 
 class StatsPlugin(hookplug.Plugin):
@@ -278,6 +286,7 @@ class StatsPlugin(hookplug.Plugin):
 
     @hookimpl
     def hookplug_session_start(self, session):
+        self.bank.on_error = functools.partial(_failed, weakref.ref(self), weakref.ref(session))
         self._module_order = {n: i for i, n in enumerate(session.modules_of(self))}
         tag = next(n for n, p in session.plugins.items() if p is self)
         # The keys of the last session on this model first (see _LAST_KEYS), then the usual
@@ -327,13 +336,16 @@ class StatsPlugin(hookplug.Plugin):
             self._check_nonfinite(ended if ended is not before else None)
 
     def _before_trace(self, session) -> None:
-        """Dynamo starts compiling a frame: every key gets its twin in the other phase (the
+        """Dynamo starts compiling a frame (an error here is the plugin's: the bank's
+        ``on_error``, see ``_on_compile_start``): every key gets its twin in the other phase (the
         training keys' eval rows exist before the first eval pass is traced, so it traces
         once, as without hooks: compiled users only pay for those rows), and a key an
         earlier trace met (an output tuple's ``output[1]``) gets its row for every hooked
         module of the same class too; then the row tensors are made, so the traces of the
         other identical blocks find them and share one graph (only the first block's is its
         own)."""
+        if plugin_off(self, session):
+            return
         keys = self.bank.keys
         if self._spread_done < len(keys):
             kinds: Dict[type, List[str]] = {}
