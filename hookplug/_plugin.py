@@ -27,7 +27,11 @@ def user_stacklevel() -> int:
     """The ``stacklevel`` for a warning our caller gives that names the user's line: the
     first frame outside hookplug, its first-party plugins and torch (dynamo's ``disable``
     wrappers the session methods run through, ``Module.__call__`` and ``backward()`` around
-    a hook), where a fixed count named hookplug's or torch's own code."""
+    a hook), where a fixed count named hookplug's or torch's own code. Inside code dynamo
+    traces: 2 (it cannot trace the frame walk, and says so in a warning of its own)."""
+    compiler = getattr(sys.modules.get("torch"), "compiler", None)
+    if compiler is not None and compiler.is_compiling():
+        return 2
     level, frame = 1, sys._getframe(1)
     while frame.f_back is not None:
         module = frame.f_globals.get("__name__", "")

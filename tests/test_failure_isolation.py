@@ -128,3 +128,28 @@ def test_errors_where_torch_calls_a_plugin_go_through_on_error(case, on_error):
     for a, b in zip(got[0] + got[1], want[0] + want[1]):
         assert torch.equal(a, b)
     assert got[2] == [0, 0, 0]  # no dispatch mode left on the stack after a step
+
+
+def test_a_traceable_plugin_failing_in_compiled_code_warns_once():
+    """A third-party plugin (traceable) that raises inside a compiled forward: one warning,
+    the session's; dynamo does not trace the warning's frame walk (it warned about
+    ``sys._getframe`` too); the training is the compiled run's without the plugin."""
+    class Bad(hookplug.Plugin):
+        name = "bad"
+
+        @hookplug.hookimpl
+        def hookplug_forward_output(self, output):
+            raise RuntimeError("bad plugin")
+
+    torch._dynamo.reset()
+    want = _train(_model(), compiled=True)
+    torch._dynamo.reset()
+    model = _model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with hookplug.attach(model, "Linear", plugins=[Bad()], on_error="warn") as s:
+            got = _train(model, s, compiled=True)
+            assert list(s.disabled) == ["bad"]
+    assert [str(w.message)[:32] for w in caught] == ["hookplug plugin 'bad' failed and"]
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
+        assert torch.equal(a, b)
