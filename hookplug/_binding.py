@@ -842,13 +842,17 @@ class _ParamBinding:
     stop ``torch.utils.swap_tensors`` (``module.double()`` under
     ``torch.__future__.set_swap_module_params_on_conversion(True)``)."""
 
-    __slots__ = ("name", "key", "own_name", "owner_ref", "attr", "session", "impls", "calls",
-                 "variants", "handle")
+    __slots__ = ("name", "key", "owner_ids", "owner_ref", "attr", "session", "impls", "calls",
+                 "variants", "handle", "seen")
 
-    def __init__(self, name: str, owner: nn.Module, attr: str, session: "Session",
-                 own_name: Optional[str] = None):
-        self.name = self.key = name  # key: in session._param_bindings, for the coverage
-        self.own_name = own_name or name  # the owner's own name for it: a new Parameter's
+    def __init__(self, name: str, owner: nn.Module, attr: str, session: "Session"):
+        self.name = self.key = name  # key: in session._param_bindings
+        # the modules holding the Parameter once it was replaced (None: the one at attach,
+        # whose plugins are those covering its name): the plugins covering them steer it
+        self.owner_ids: Optional[frozenset] = None
+        # id of the Parameter it last found (no weak reference: see the class docstring; an
+        # id reused by a replacement made after the old one was freed goes unnoticed)
+        self.seen: Optional[int] = None
         self.owner_ref = weakref.ref(owner)
         self.attr = attr
         self.session = session
@@ -874,12 +878,15 @@ class _ParamBinding:
         param = self.param()
         if param is None or is_lazy(param):
             return  # (a lazy module's: hooked once its forward materialized it, see _Materialize)
+        if self.seen != id(param):
+            if self.seen is not None:  # replaced (also while tied to another binding's): the
+                self.session._param_replaced(self, param)  # plugins of its owners now
+            self.seen = id(param)
         hooks = param._backward_hooks
         if self.handle is None or hooks is None or self.handle.id not in hooks:
             # first time, or a new Parameter object
-            if self.handle is not None:  # the Parameter it was on was replaced: the new
-                self._retire_handle()  # one is not tied to the first owner, named by its own
-                self.name = self.own_name
+            if self.handle is not None:  # the Parameter it was on was replaced
+                self._retire_handle()
             if hooks and self._hooked_by_another(param, hooks):
                 return  # tied to another name's binding, which hooks it: steered once
             if param.requires_grad:

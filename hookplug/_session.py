@@ -463,7 +463,8 @@ class _Entry:
     """One plugin or sink of a session: its name, the object, the modules it is attached to,
     whether it was disabled (and why), and its pluggy hook implementations."""
 
-    __slots__ = ("name", "plugin", "modules", "is_sink", "disabled", "impls", "adapted", "params")
+    __slots__ = ("name", "plugin", "modules", "is_sink", "disabled", "impls", "adapted", "params",
+                 "module_ids")
 
     def __init__(self, name: str, plugin, modules: List[str], is_sink: bool):
         self.name = name
@@ -474,6 +475,7 @@ class _Entry:
         self.impls: Dict[str, Any] = {}  # hook name -> pluggy HookImpl
         self.adapted: Dict[str, Callable] = {}  # per-call hook name -> the callable the core calls
         self.params: Optional[set] = None  # parameter names under its modules (computed once)
+        self.module_ids: Optional[set] = None  # ids of the modules under them (computed once)
 
 
 class Session:
@@ -1051,7 +1053,7 @@ class Session:
             # it follows when replaced (``lm_head.weight`` tied to an unselected ``wte``)
             mine = [o for o in owners[id(p)] if id(o[1]) in under] or owners[id(p)]
             prefix, mod, attr = mine[0]
-            self._param_bindings[pname] = _ParamBinding(pname, mod, attr, self, qualified(prefix, attr))
+            self._param_bindings[pname] = _ParamBinding(pname, mod, attr, self)
             # a tied parameter's other selected owners get bindings of their own, inert while
             # tied (the first one hooks the tensor, see _ParamBinding.hook) and where no
             # plugin covers them (see _params_of): once untied after attach
@@ -1205,7 +1207,10 @@ class Session:
         if dynamo_disable() is not None:
             _make_eager_runner(_SESSION_CALL)  # (see _eager)
         for pb in self._param_bindings.values():
-            covering = [e for e in live if pb.key in self._params_of(e)]
+            if pb.owner_ids is None:
+                covering = [e for e in live if pb.key in self._params_of(e)]
+            else:  # (a Parameter replaced after attach, see _param_replaced)
+                covering = [e for e in live if self._module_ids_of(e) & pb.owner_ids]
             pb.variants = {sampling: impls_for("hookplug_param_grad", covering, sampling)
                            for sampling in (True, False)}
         self._apply_sampling()
@@ -1219,6 +1224,27 @@ class Session:
             binding.impls = (*impls, sampling)  # (the key: see _ModuleBinding.post_hook)
         for pb in self._param_bindings.values():
             pb.impls = pb.variants[sampling]
+
+    def _param_replaced(self, pb: _ParamBinding, param: torch.Tensor) -> None:
+        """``pb``'s Parameter was replaced (untied, reloaded with ``assign=True``): the new one
+        is named by its first name and steered by the plugins covering a module that holds
+        it now, no longer by those of the Parameter it replaced (one walk of the model: a
+        rare event)."""
+        model = self._model_ref()
+        owners = parameter_owners(model).get(id(param)) if model is not None else None
+        if not owners:
+            return
+        pb.name = qualified(owners[0][0], owners[0][2])
+        pb.owner_ids = frozenset(id(m) for _, m, _ in owners)
+        self._rebind()
+
+    def _module_ids_of(self, entry: _Entry) -> set:
+        """The ids of the modules under ``entry``'s selected modules (computed once)."""
+        if entry.module_ids is None:
+            model = self.model
+            mods = dict(named_modules(model)) if model is not None else {}
+            entry.module_ids = {id(m) for mn in entry.modules if mn in mods for m in mods[mn].modules()}
+        return entry.module_ids
 
     def _params_of(self, entry: _Entry) -> set:
         """The names of the parameters under ``entry``'s modules (computed once)."""

@@ -1275,3 +1275,58 @@ def test_compiled_module_returning_a_keyword_input_leaves_its_alias(returns):
         out[hooks] = (y.detach(), m.fc.weight.grad)
     torch._dynamo.reset()
     assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
+
+
+class _Times(hookplug.Plugin):
+    """Multiplies every parameter gradient by ``k``; ``seen``: the names it was called with."""
+
+    def __init__(self, name, k):
+        self.name, self.k, self.seen = name, k, []
+
+    @hookplug.hookimpl
+    def hookplug_param_grad(self, ctx, name, grad):
+        self.seen.append(name)
+        return grad * self.k
+
+
+@pytest.mark.parametrize("untie", [0, 2])
+def test_an_untied_parameter_is_steered_by_the_plugins_of_the_modules_holding_it(untie):
+    """``0.weight`` is ``2.weight`` is ``4.weight``; plugin A (x2) selects module ``untie``, B
+    (x3) module 4. Untying A's module (a new Parameter of its own):
+    each Parameter is steered by the plugins covering a module that holds it now, not by
+    those of the Parameter it replaced (nor by a plugin covering only another owner)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 4, bias=False), nn.Tanh(),
+                          nn.Linear(4, 4, bias=False))
+    model[2].weight = model[0].weight
+    model[4].weight = model[0].weight
+    x = torch.randn(3, 4)
+    a, b = _Times("A", 2.0), _Times("B", 3.0)
+    with hookplug.attach(model, {f"Linear:{untie}": [a], "Linear:4": [b]}) as s:
+        model[untie].weight = nn.Parameter(model[untie].weight.detach().clone())
+        s.step()
+        got = run(model, x)
+        assert (a.seen, b.seen) == ([f"{untie}.weight"], ["4.weight"])  # (B's binding took it over)
+    want = run(model, x)
+    other = "0.weight" if untie == 2 else "2.weight"  # (still tied to 4.weight: one tensor)
+    assert torch.equal(got[f"{untie}.weight"], want[f"{untie}.weight"] * 2)
+    assert torch.equal(got[other], want[other] * 3)
+
+
+def test_a_parameter_tied_again_to_a_new_one_keeps_its_name():
+    """Tied at attach, then both owners given one new shared Parameter (🤗
+    ``resize_token_embeddings`` then ``tie_weights()``), only the second owner selected: the
+    new Parameter is named as the old one was, by its first name, and steered once."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 4, bias=False))
+    model[2].weight = model[0].weight
+    x = torch.randn(3, 4)
+    double = DoubleParamGrads()
+    with hookplug.attach(model, "Linear:2", plugins=[double]) as s:
+        new = nn.Parameter(model[0].weight.detach().clone())
+        model[0].weight = model[2].weight = new
+        s.step()
+        double.seen.clear()
+        got = run(model, x)
+        assert double.seen == ["0.weight"]
+    assert torch.equal(got["0.weight"], run(model, x)["0.weight"] * 2)
