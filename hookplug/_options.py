@@ -176,21 +176,33 @@ def check_options(name: str, factory, options: Dict[str, Any],
 
 
 def check_dataclass_fields(obj) -> None:
-    """A dataclass plugin's or sink's fields, checked as a constructor's options are:
-    ``@dataclass`` makes ``__init__`` after ``__init_subclass__`` could wrap it (see
-    :func:`check_constructor`), and that ``__init__`` calls ``__post_init__``, which
-    ``Plugin`` and ``Sink`` define to call this. Values materialised by the check (a
-    generator given for a sequence) are set back, also on a frozen dataclass."""
+    """A dataclass plugin's or sink's field values, checked against the fields' type hints
+    as options are (``@dataclass`` makes ``__init__`` after ``__init_subclass__`` could wrap
+    it, see :func:`check_constructor`; that ``__init__`` calls ``__post_init__``, which
+    ``Plugin`` and ``Sink`` define to call this). Only the values: which arguments the class
+    takes is its own ``__init__``'s business (a subclass may have another; InitVars are no
+    fields). Values materialised by the check (a generator given for a sequence) are set
+    back, also on a frozen dataclass."""
     cls = type(obj)
     if not dataclasses.is_dataclass(cls):
         return
     label = getattr(cls, "name", "") or cls.__name__
-    given = {f.name: getattr(obj, f.name) for f in dataclasses.fields(cls)
-             if f.init and hasattr(obj, f.name)}
-    checked = check_options(label, cls, given)
-    for key, value in checked.items():
-        if value is not given[key]:
-            object.__setattr__(obj, key, value)
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001 - a hint that cannot be resolved is not checked
+        return
+    for f in dataclasses.fields(cls):
+        hint = hints.get(f.name)
+        if not f.init or hint is None or not hasattr(obj, f.name):
+            continue
+        value = getattr(obj, f.name)
+        if value is None and f.default is None:
+            continue
+        checked = materialise(value, hint)
+        if not type_ok(checked, hint):
+            raise OptionError(label, f.name, f"expected {describe(hint)}, got {value!r}")
+        if checked is not value:
+            object.__setattr__(obj, f.name, checked)
 
 
 def check_constructor(cls) -> None:

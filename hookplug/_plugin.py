@@ -87,6 +87,9 @@ class Plugin:
         from ._options import check_dataclass_fields
 
         check_dataclass_fields(self)
+        after = getattr(super(), "__post_init__", None)  # (a dataclass mixin after this base)
+        if after is not None:
+            after(*init_vars)
 
     def results(self) -> Dict[str, Any]:
         """Results keyed by qualified module name."""

@@ -72,6 +72,9 @@ class Sink:
         from ._options import check_dataclass_fields
 
         check_dataclass_fields(self)
+        after = getattr(super(), "__post_init__", None)  # (a dataclass mixin after this base)
+        if after is not None:
+            after(*init_vars)
 
     def __init__(self, path: "Optional[str | os.PathLike[str]]" = None, *, all_ranks: bool = False):
         self.path_option = None if path is None else os.fspath(path)

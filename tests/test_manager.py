@@ -345,6 +345,41 @@ def test_dataclass_plugins_and_sinks_check_their_fields():
     with hookplug.attach(MLP(), "Linear", plugins=[Threshold(level=2)], sink=[Lines()]) as s:
         assert s["threshold"].level == 2
 
+    # only the values are checked: a subclass with an __init__ of its own, a required
+    # InitVar, and a dataclass mixin's own __post_init__ (run after the base's) still work
+    class Scaled(Threshold):
+        def __init__(self, scale):
+            super().__init__(level=scale * 2)
+
+    assert Scaled(3).level == 6
+
+    @dataclasses.dataclass
+    class Seeded(hookplug.Plugin):
+        name = "seeded"
+        seed: dataclasses.InitVar[int]
+        rng: float = 0.0
+
+        def __post_init__(self, seed):
+            super().__post_init__(seed)
+            self.rng = float(seed)
+
+    assert Seeded(seed=3).rng == 3.0
+
+    @dataclasses.dataclass
+    class Config:
+        width: int = 1
+
+        def __post_init__(self):
+            self.width *= 10
+
+    @dataclasses.dataclass
+    class Mixed(hookplug.Plugin, Config):
+        name = "mixed"
+
+    assert Mixed(width=2).width == 20
+    with pytest.raises(PluginError, match="option 'width': expected an int"):
+        Mixed(width="2")
+
 
 def test_plugin_built_directly_with_a_bad_call_names_the_class_and_plugin():
     with pytest.raises(TypeError, match=r"^Needs\(\): plugin 'needs' is missing its required option 'level' "

@@ -38,10 +38,17 @@ void launch(const at::Tensor& x_in, const StatsArgs& a, double* row, double* clo
     x = x.contiguous();
     L = mem_layout(x);
   }
-  if (reinterpret_cast<uintptr_t>(x.data_ptr()) % x.element_size() != 0) {
-    // elements not aligned to their size (a tensor set_ on a byte-offset storage slice):
-    // a load of one faults on the GPU; an aligned copy instead
-    x = x.clone(at::MemoryFormat::Contiguous);
+  if (x.numel() > 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % x.element_size() != 0) {
+    // elements not aligned to their size (a tensor set_ on a byte-offset storage slice): a
+    // load of one faults on the GPU, torch's own copy kernels' too. The bytes the tensor
+    // spans, copied as bytes (a memcpy) into fresh memory, viewed with its strides again.
+    int64_t span = 1;
+    for (int64_t d = 0; d < x.dim(); ++d) span += (x.size(d) - 1) * x.stride(d);
+    const int64_t nbytes = span * static_cast<int64_t>(x.element_size());
+    const at::Tensor src = at::from_blob(x.data_ptr(), {nbytes}, x.options().dtype(at::kByte));
+    at::Tensor bytes = at::empty({nbytes}, x.options().dtype(at::kByte));
+    bytes.copy_(src);
+    x = bytes.view(x.scalar_type()).as_strided(x.sizes(), x.strides());
     L = mem_layout(x);
   }
   cuda::StatsLaunch s{};

@@ -297,10 +297,15 @@ __device__ __forceinline__ void rescue_moments(const StatsLaunch& s, Partial* p)
     }
   };
   for_each_element<E, CONTIG>(s, around);
-  p->mean = mean + 2.0 * (c / n);
-  // (q finite: c^2 <= n * q, no overflow; q inf: c * (c / n) may be, and inf - inf is NaN)
-  const double m2 = isfinite(q) ? 4.0 * (q - c * (c / n)) : q;
-  p->m2 = m2 > 0.0 ? m2 : 0.0;
+  if (isfinite(c)) {
+    p->mean = mean + 2.0 * (c / n);
+    // (q finite: c^2 <= n * q, no overflow; q inf: c * (c / n) may be, and inf - inf is NaN)
+    const double m2 = isfinite(q) ? 4.0 * (q - c * (c / n)) : q;
+    p->m2 = m2 > 0.0 ? m2 : 0.0;
+  } else {  // same-signed halves past the largest double in a row (as the CPU kernel)
+    p->mean = mean;
+    p->m2 = __longlong_as_double(0x7ff0000000000000ll);  // +inf: the spread is past a double
+  }
 }
 
 // The histogram range columns of the row for a launch (0, 0: none, or not known yet).
