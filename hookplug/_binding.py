@@ -880,7 +880,7 @@ class _ParamBinding:
             return  # (a lazy module's: hooked once its forward materialized it, see _Materialize)
         if self.seen != id(param):
             if self.seen is not None:  # replaced (also while tied to another binding's): the
-                self.session._param_replaced(self, param)  # plugins of its owners now
+                self.session._param_replaced(self)  # plugins of its owners now
             self.seen = id(param)
         hooks = param._backward_hooks
         if self.handle is None or hooks is None or self.handle.id not in hooks:

@@ -189,8 +189,8 @@ def check_dataclass_fields(obj) -> None:
     label = getattr(cls, "name", "") or cls.__name__
     try:
         hints = typing.get_type_hints(cls)
-    except Exception:  # noqa: BLE001 - a hint that cannot be resolved is not checked
-        return
+    except Exception:  # noqa: BLE001 - some class's hint cannot be resolved: the fields' own,
+        hints = _hints(cls)  # as the dataclass-made __init__ has them
     for f in dataclasses.fields(cls):
         hint = hints.get(f.name)
         if not f.init or hint is None or not hasattr(obj, f.name):

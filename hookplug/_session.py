@@ -535,6 +535,7 @@ class Session:
         self._module_refs: Dict[str, weakref.ref] = {}
         self._bindings: Dict[str, _ModuleBinding] = {}
         self._param_bindings: Dict[str, _ParamBinding] = {}
+        self._replaced: Dict[int, _ParamBinding] = {}  # whose Parameter was replaced (see _settle_replaced)
         self._param_aliases: Dict[str, weakref.ref] = {}  # a tied parameter's other names: their owners
         self._handles: Dict[int, Any] = {}  # id -> hook handle, taken off at remove()
         self._guarded: List[Tuple[weakref.ref, int]] = []  # (module, hook id) left out of copies
@@ -755,6 +756,7 @@ class Session:
             for pb in self._param_bindings.values():
                 if pb.variants.get(True):  # a parameter unfrozen or replaced (module.to()/.double()
                     pb.hook()              # under swap_module_params_on_conversion) since attach
+            self._settle_replaced()
             me = _get_ident()
             for binding in self._bindings.values():
                 if binding._pending:  # this thread's calls left by a BaseException (Ctrl-C:
@@ -1225,17 +1227,29 @@ class Session:
         for pb in self._param_bindings.values():
             pb.impls = pb.variants[sampling]
 
-    def _param_replaced(self, pb: _ParamBinding, param: torch.Tensor) -> None:
-        """``pb``'s Parameter was replaced (untied, reloaded with ``assign=True``): the new one
-        is named by its first name and steered by the plugins covering a module that holds
-        it now, no longer by those of the Parameter it replaced (one walk of the model: a
-        rare event)."""
-        model = self._model_ref()
-        owners = parameter_owners(model).get(id(param)) if model is not None else None
-        if not owners:
+    def _param_replaced(self, pb: _ParamBinding) -> None:
+        """``pb``'s Parameter was replaced (untied, reloaded with ``assign=True``, made by
+        ``to_empty()``): noted; the next ``step()`` renames and rebinds (once for all, see
+        :meth:`_settle_replaced`); until then the new one is steered as the old one was."""
+        self._replaced[id(pb)] = pb
+
+    def _settle_replaced(self) -> None:
+        """Each replaced Parameter noted since the last call is named by its first name and
+        steered by the plugins covering a module that holds it now, no longer by those of
+        the Parameter it replaced: one walk of the model and one rebind for all of them."""
+        if not self._replaced:
             return
-        pb.name = qualified(owners[0][0], owners[0][2])
-        pb.owner_ids = frozenset(id(m) for _, m, _ in owners)
+        todo, self._replaced = list(self._replaced.values()), {}
+        model = self._model_ref()
+        if model is None or self._removed:
+            return
+        owners = parameter_owners(model)
+        for pb in todo:
+            param = pb.param()
+            got = owners.get(id(param)) if param is not None else None
+            if got:
+                pb.name = qualified(got[0][0], got[0][2])
+                pb.owner_ids = frozenset(id(m) for _, m, _ in got)
         self._rebind()
 
     def _module_ids_of(self, entry: _Entry) -> set:

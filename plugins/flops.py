@@ -808,6 +808,7 @@ class FlopsPlugin(hookplug.Plugin):
 
     @hookimpl
     def hookplug_session_start(self, session):
+        self._failure = None
         if import_off_stack("torch._dynamo"):  # (else first imported by the dispatch mode, in
             from hookplug._compile_guards import _PENDING_RECOMPILE_LIMIT, _guard_module_hooks  # forward)
             # its config is per thread: the guards and the recompile limit the sessions attached
@@ -1018,6 +1019,10 @@ class FlopsPlugin(hookplug.Plugin):
             self._finalizer = None
         self._ended = True
         self._counting = False
+        exc, self._failure = self._failure, None
+        if exc is not None:  # kept for a hook that never came (a backward node that raised)
+            warnings.warn(f"hookplug plugin 'flops' stopped counting after an error: {type(exc).__name__}: "
+                          f"{exc}", RuntimeWarning, stacklevel=user_stacklevel())
         self._lease.release()
         self._clear_forward()
         recomputes, self._recomputes = self._recomputes, {}
@@ -1118,7 +1123,11 @@ class FlopsPlugin(hookplug.Plugin):
 
     def _report_failure(self, where: str) -> None:
         """:meth:`_raise_failure` where torch calls the plugin (a node hook): through
-        ``on_error`` here."""
+        ``on_error`` here (dropped once the session is gone: a retained graph's backward)."""
+        s = self._session_ref()
+        if s is None or s.removed:
+            self._failure = None
+            return
         try:
             self._raise_failure()
         except Exception as exc:  # noqa: BLE001 - the plugin's

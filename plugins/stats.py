@@ -287,6 +287,7 @@ class StatsPlugin(hookplug.Plugin):
     @hookimpl
     def hookplug_session_start(self, session):
         self.bank.on_error = functools.partial(_failed, weakref.ref(self), weakref.ref(session))
+        self.bank.broken = False  # (an error in an earlier session's ops stopped them)
         self._module_order = {n: i for i, n in enumerate(session.modules_of(self))}
         tag = next(n for n, p in session.plugins.items() if p is self)
         # The keys of the last session on this model first (see _LAST_KEYS), then the usual

@@ -153,3 +153,35 @@ def test_a_traceable_plugin_failing_in_compiled_code_warns_once():
     assert [str(w.message)[:32] for w in caught] == ["hookplug plugin 'bad' failed and"]
     for a, b in zip(got[0] + got[1], want[0] + want[1]):
         assert torch.equal(a, b)
+
+
+def test_a_plugin_instance_attached_again_after_a_failure_works_again():
+    """The same ``stats`` instance attached again after its compiled-backward op failed (and
+    stopped its bank's ops) in an earlier session records gradients again, and the same
+    ``flops`` instance after a counting error kept for a hook that never came (a backward
+    node that raised) starts clean: the error was warned about at that session's end."""
+    from hookplug_plugins.flops import FlopsPlugin
+    from hookplug_plugins.stats import StatsPlugin
+
+    stats = StatsPlugin(sites=("output", "grad"))
+    torch._dynamo.reset()
+    model = _model()
+    with pytest.warns(RuntimeWarning, match="'stats' failed"):
+        with hookplug.attach(model, "Linear", plugins=[stats], on_error="warn") as s:
+            _stats_backward_op(s, lambda: (_ for _ in ()).throw(RuntimeError("once")))
+            _train(model, s, compiled=True)
+    del stats.bank.accumulate_at  # (the injection: the bank's own method again)
+    torch._dynamo.reset()
+    model = _model()
+    with hookplug.attach(model, "Linear", plugins=[stats], on_error="warn") as s:
+        _train(model, s, compiled=True)
+        assert not s.disabled
+        assert all("grad" in sites for sites in stats.results().values())
+
+    flops = FlopsPlugin()
+    flops._failure = RuntimeError("kept from a node that raised")  # (as _fail leaves it)
+    with pytest.warns(RuntimeWarning, match="stopped counting after an error: RuntimeError: kept"):
+        with hookplug.attach(_model(), "Linear", plugins=[flops]):
+            assert flops._failure is None  # not the new session's
+            flops._failure = RuntimeError("kept from a node that raised")
+    assert flops._failure is None
