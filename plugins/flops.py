@@ -469,8 +469,13 @@ class _Dispatcher(TorchDispatchMode):
             packet = func
         else:
             packet = func._overloadpacket
-            if func is not _PRIM_DEVICE and _decomposes(func, args, kwargs) and not any(
-                    packet in p._formulas for p, _ in windows):
+            try:
+                decomposes = func is not _PRIM_DEVICE and _decomposes(func, args, kwargs) and not any(
+                    packet in p._formulas for p, _ in windows)
+            except Exception as exc:  # noqa: BLE001 - the counting's, never the op's
+                self._counting_failed(windows, func, exc)
+                return func(*args, **kwargs)
+            if decomposes:
                 if self.only_counting or not _runs_as_torch_does(func):
                     with self:  # count the matmuls inside, as FlopCounterMode does
                         return func._op_dk(_DK.CompositeImplicitAutograd, *args, **kwargs)
@@ -480,7 +485,10 @@ class _Dispatcher(TorchDispatchMode):
                 # the decomposition runs again, for the counts only.
                 with _ADINPLACE_AS_OUTSIDE():
                     out = func(*args, **kwargs)
-                self._count_decomposition(func, args, kwargs, windows)
+                try:
+                    self._count_decomposition(func, args, kwargs, windows)
+                except Exception as exc:  # noqa: BLE001 - the counting's, never the op's
+                    self._counting_failed(windows, func, exc)
                 return out
             out = func(*args, **kwargs)
         deferred = self.deferred
@@ -490,6 +498,13 @@ class _Dispatcher(TorchDispatchMode):
             else:  # a meta run: counted once it has run to its end
                 deferred.append((plugin, w, func, packet, args, kwargs, out))
         return out
+
+    @staticmethod
+    def _counting_failed(windows, func, exc: Exception) -> None:
+        """Counting ``func`` failed outside the plugins' own ``_count``: each plugin counting
+        it stops (its error, see ``FlopsPlugin._fail``); the op's result stands."""
+        for plugin, _ in windows:
+            plugin._fail(func, exc)
 
     def _count_decomposition(self, func, args, kwargs, windows) -> None:
         """Run ``func``'s decomposition for its ops' counts (the matmuls inside, as

@@ -185,3 +185,27 @@ def test_a_plugin_instance_attached_again_after_a_failure_works_again():
             assert flops._failure is None  # not the new session's
             flops._failure = RuntimeError("kept from a node that raised")
     assert flops._failure is None
+
+
+def test_flops_bookkeeping_around_an_op_failing_leaves_the_op_alone(monkeypatch):
+    """flops' own work in its dispatch mode around an op (is it a composite?) failing: the
+    op's result stands, one warning, flops disabled."""
+    import hookplug_plugins.flops as flops_module
+
+    calls = []
+
+    def boom(*a, **k):
+        calls.append(1)
+        raise RuntimeError("injected into _decomposes")
+
+    monkeypatch.setattr(flops_module, "_decomposes", boom)
+    want = _train(_model())
+    model = _model()
+    with pytest.warns(RuntimeWarning, match="'flops' failed") as caught:
+        with hookplug.attach(model, "Linear", plugins=["flops"], on_error="warn") as s:
+            got = _train(model, s)
+            assert list(s.disabled) == ["flops"]
+    assert len([w for w in caught if "flops" in str(w.message)]) == 1 and len(calls) == 1
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
+        assert torch.equal(a, b)
+    assert got[2] == [0, 0, 0]
