@@ -62,7 +62,7 @@ def empty_rows(n: int, bins: int, lo: float = 0.0, hi: float = 0.0,
     rows = torch.zeros(n, HEAD + bins, dtype=torch.float64, device=device)
     for col, value in ((MIN, math.inf), (MAX, -math.inf), (HIST_LO, lo), (HIST_HI, hi),
                        (FIRST_BAD, math.inf)):
-        if value != 0.0:
+        if value != 0.0 or math.copysign(1.0, value) < 0:  # (zeros already, but for -0.0)
             rows[:, col].fill_(value)
     return rows
 
