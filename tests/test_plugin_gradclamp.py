@@ -463,16 +463,21 @@ def test_a_parameter_untied_after_attach_is_steered_under_its_own_name(selector)
     assert all(p._backward_hooks in (None, {}) for p in model.parameters())
 
 
+def _tied_pair():
+    """Two bias-free Linears around a Tanh, ``2.weight`` tied to ``0.weight``; an input; a
+    plugin doubling parameter gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 4, bias=False))
+    model[2].weight = model[0].weight
+    return model, torch.randn(3, 4), DoubleParamGrads()
+
+
 def test_untying_the_first_owner_of_a_parameter_tied_to_the_selected_module():
     """``2.weight`` is ``0.weight``, only module 2 selected: untied by giving module 0 a new
     Parameter, module 2's (the old one) stays steered (under the name it was keyed by at
     attach) and module 0's new one is not (an unselected module); the hook was held through
     module 2, not through the first owner ``named_parameters()`` names."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 4, bias=False))
-    model[2].weight = model[0].weight
-    x = torch.randn(3, 4)
-    double = DoubleParamGrads()
+    model, x, double = _tied_pair()
     with hookplug.attach(model, "Linear:2", plugins=[double]) as s:
         model[0].weight = nn.Parameter(model[0].weight.detach().clone())
         s.step()
@@ -1317,11 +1322,7 @@ def test_a_parameter_tied_again_to_a_new_one_keeps_its_name():
     """Tied at attach, then both owners given one new shared Parameter (🤗
     ``resize_token_embeddings`` then ``tie_weights()``), only the second owner selected: the
     new Parameter is named as the old one was, by its first name, and steered once."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 4, bias=False))
-    model[2].weight = model[0].weight
-    x = torch.randn(3, 4)
-    double = DoubleParamGrads()
+    model, x, double = _tied_pair()
     with hookplug.attach(model, "Linear:2", plugins=[double]) as s:
         new = nn.Parameter(model[0].weight.detach().clone())
         model[0].weight = model[2].weight = new
