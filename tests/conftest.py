@@ -149,3 +149,25 @@ def no_warnings():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         yield
+
+
+class Interruptible(torch.nn.Module):
+    """A module whose forward raises ``KeyboardInterrupt`` (Ctrl-C: torch runs no post hook)
+    while ``stop`` is set; with ``depth`` it calls itself that many times more on ``x * 2``,
+    else returns ``x + 1``."""
+
+    stop = False
+
+    def forward(self, x, depth=0):
+        if self.stop:
+            raise KeyboardInterrupt
+        return self(x * 2, depth - 1) if depth else x + 1
+
+    def interrupted_call(self, model, *args):
+        """``model(*args)`` with this module stopping it by Ctrl-C (checked), then armed off."""
+        self.stop = True
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                model(*args)
+        finally:
+            self.stop = False

@@ -832,24 +832,14 @@ def test_calls_a_keyboard_interrupt_left_are_forgotten_at_the_next_call_without_
     context until a step() that never came. The module's next call drops them; a call of a
     module nested in itself keeps its outer calls'."""
     import torch.nn as nn
+    from conftest import Interruptible
 
-    class Interrupted(nn.Module):
-        armed = False
-
-        def forward(self, x, depth=0):
-            if self.armed:
-                raise KeyboardInterrupt
-            return self(x * 2, depth - 1) if depth else x + 1
-
-    inner = Interrupted()
+    inner = Interruptible()
     model = nn.Sequential(nn.Linear(4, 4), inner)
     with hookplug.attach(model, "*", plugins=("stats", {"sites": ("input", "output")})) as s:
         binding = s._bindings["1"]
         for _ in range(50):
-            inner.armed = True
-            with pytest.raises(KeyboardInterrupt):
-                model(torch.randn(3, 4))
-            inner.armed = False
+            inner.interrupted_call(model, torch.randn(3, 4))
             assert len(binding._pending) <= 1
             inner(torch.randn(3, 4), depth=3)  # nested in itself: each level's call ends whole
             assert not binding._pending

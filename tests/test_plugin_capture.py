@@ -15,6 +15,7 @@ from hookplug import PluginError
 from hookplug.models import MLP, resnet34_like
 from hookplug.structures import iter_tensors
 from hookplug_plugins.capture import CapturePlugin
+from conftest import Interruptible
 
 
 def conv_inputs_by_hand(model, x):
@@ -1088,23 +1089,12 @@ def test_skipped_counts_each_call_not_captured_once():
 def test_calls_stopped_by_ctrl_c_hold_nothing_past_the_step(keep):
     """A KeyboardInterrupt in forward (torch runs no post hook): the inputs the call set
     aside go back at the next session.step(), and nothing is held outside ``nbytes``."""
-    class Stops(nn.Module):
-        stop = False
-
-        def forward(self, x):
-            if self.stop:
-                raise KeyboardInterrupt
-            return x * 2
-
     plugin = CapturePlugin(keep=keep, inputs=True)
-    model = nn.Sequential(Stops())
-    with hookplug.attach(model, "Stops", plugins=plugin) as s:
+    model = nn.Sequential(Interruptible())
+    with hookplug.attach(model, "Interruptible", plugins=plugin) as s:
         model(torch.zeros(100))
         for _ in range(3):
-            model[0].stop = True
-            with pytest.raises(KeyboardInterrupt):
-                model(torch.ones(100))
-            model[0].stop = False
+            model[0].interrupted_call(model, torch.ones(100))
             s.step()
         assert not plugin._set_aside and not plugin._refused and not plugin._open
         inputs, features = plugin.inputs["0"], plugin.features["0"]
@@ -1119,23 +1109,12 @@ def test_calls_stopped_by_ctrl_c_hold_nothing_past_the_next_call_without_steps(k
     """No session.step() at all (serving, forward-only): each call Ctrl-C stopped kept its
     inputs (and what it set aside) for good, 200 calls 200 copies; the module's next call
     drops them. Calls of a module nested in itself keep their inputs."""
-    class Stops(nn.Module):
-        stop = False
-
-        def forward(self, x, depth=0):
-            if self.stop:
-                raise KeyboardInterrupt
-            return self(x * 2, depth - 1) if depth else x + 1
-
     plugin = CapturePlugin(keep=keep, inputs=True)
-    model = nn.Sequential(Stops())
-    with hookplug.attach(model, "Stops", plugins=plugin):
+    model = nn.Sequential(Interruptible())
+    with hookplug.attach(model, "Interruptible", plugins=plugin):
         model(torch.zeros(100))
         for i in range(20):
-            model[0].stop = True
-            with pytest.raises(KeyboardInterrupt):
-                model(torch.ones(100))
-            model[0].stop = False
+            model[0].interrupted_call(model, torch.ones(100))
             assert len(plugin._open) <= 1 and len(plugin._set_aside) <= 1
             x = torch.full((100,), float(i))
             model[0](x, depth=2)  # three nested calls, each captured whole
