@@ -389,6 +389,20 @@ def test_a_nonfinite_or_outlying_first_element_keeps_std(first, device):
             assert (st["std"], st["mean"]) == (0.0, float(c[1])), (n, dtype, first)
 
 
+@needs_ext
+@pytest.mark.parametrize("device", [on_cuda("cuda")])
+def test_cuda_float64_far_from_zero_keeps_its_std(device):
+    """The CUDA kernel merges ~100K thread partials by means relative to a shift
+    (stats_moments.h; tests/test_cuda_moments.py replays it on the host): 2M float64 values
+    at mean/std 1e8 keep their std to 1e-12 (absolute means lost ~2e-11 to 1e-10)."""
+    x = torch.randn(2_000_000, dtype=torch.float64, generator=gen(72)) + 1e8
+    st = ops.tensor_stats(x.to(device)).to_dict()
+    mean = float(x.mean())
+    std = float((x - mean).square().mean().sqrt())
+    assert st["std"] == pytest.approx(std, rel=1e-12)
+    assert st["mean"] == pytest.approx(mean, rel=1e-15)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("n", [100, 2048, 20_000, 1_000_000])  # a block, a block edge, chunks;
 def test_float64_halves_of_opposite_signs_near_the_largest(n, device):  # CUDA: threads see one sign

@@ -10,7 +10,7 @@
 // the histogram (log2, or linear with a given range) goes to shared memory: one private
 // copy per warp for log2, updates aggregated across the warp with __match_any_sync so
 // equal keys cost one atomic. A block reduces its threads with cub::BlockReduce (Chan's
-// merge), writes its partial and adds its histogram to the output with integer atomics;
+// merge of means relative to a shift, stats_moments.h), writes its partial and adds its histogram to the output with integer atomics;
 // the last block to finish (atomic counter + threadfence) merges the partials in block
 // order and writes the outputs. Everything is deterministic for a given device: integer
 // atomics commute and the float merges happen in a fixed order.
@@ -26,6 +26,7 @@
 
 #include "../stats_defs.h"
 #include "stats_cuda.h"
+#include "stats_moments.h"
 
 namespace hookplug {
 namespace cuda {
@@ -35,6 +36,7 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kBlocksPerSm = 3;  // resident blocks per SM (launch bounds: <= 85 registers)
 constexpr int64_t kSmemLinearBins = 8192;  // larger linear histograms use global atomics
+constexpr int kPartDoubles = 6;  // a block's partial in the workspace: n, shift, mean, m2, mn, mx
 
 // ---- element types -------------------------------------------------------------------
 struct F32 {
@@ -126,87 +128,8 @@ __device__ __forceinline__ void hist_add(unsigned* sh, unsigned long long* gl, i
 #endif
 }
 
-// ---- moments -------------------------------------------------------------------------
-struct Partial {
-  double n, mean, m2, mn, mx;
-  unsigned long long nan, inf, zero;
-};
-
-struct MergeOp {
-  __device__ __forceinline__ Partial operator()(const Partial& a, const Partial& b) const {
-    Moments m{a.n, a.mean, a.m2};
-    moments_merge(m, b.n, b.mean, b.m2);
-    Partial r;
-    r.n = m.n;
-    r.mean = m.mean;
-    r.m2 = m.m2;
-    r.mn = b.mn < a.mn ? b.mn : a.mn;
-    r.mx = b.mx > a.mx ? b.mx : a.mx;
-    r.nan = a.nan + b.nan;
-    r.inf = a.inf + b.inf;
-    r.zero = a.zero + b.zero;
-    return r;
-  }
-};
-
-__device__ __forceinline__ Partial empty_partial() {
-  Partial p;
-  p.n = p.mean = p.m2 = 0.0;
-  p.mn = __longlong_as_double(0x7ff0000000000000ll);   // +inf
-  p.mx = __longlong_as_double(static_cast<long long>(0xfff0000000000000ull));  // -inf
-  p.nan = p.inf = p.zero = 0;
-  return p;
-}
-
-template <class A>
-struct ThreadAcc {
-  double shift, s1, s2;
-  unsigned nf, nan, inf, zero;
-  A mn, mx;
-
-  __device__ __forceinline__ void init() {
-    shift = 0.0;
-    s1 = s2 = 0.0;
-    nf = nan = inf = zero = 0;
-    mn = static_cast<A>(__longlong_as_double(0x7ff0000000000000ll));
-    mx = -mn;
-  }
-  __device__ __forceinline__ void add(A x, bool valid) {
-    const bool is_nan = x != x;
-    const bool is_inf = isinf(x);
-    const bool fin = valid && !is_nan && !is_inf;
-    // The shift is the thread's first finite value: a constant sums to exactly 0, and as it
-    // is one of the thread's values, s1^2/n <= n * m2 whatever the tensor's first element
-    // (NaN, an outlier) or the data's offset: the cancellation in partial() stays bounded
-    // by the thread's count, a few elements per thread below ~1e8 elements.
-    if (fin && nf == 0) shift = static_cast<double>(x);
-    const double d = fin ? static_cast<double>(x) - shift : 0.0;
-    s1 += d;
-    s2 = fma(d, d, s2);
-    nf += fin;
-    nan += valid && is_nan;
-    inf += valid && is_inf;
-    zero += fin && x == A(0);
-    mn = fin && x < mn ? x : mn;
-    mx = fin && x > mx ? x : mx;
-  }
-  __device__ __forceinline__ Partial partial() const {
-    Partial p;
-    p.n = static_cast<double>(nf);
-    p.mean = nf ? shift + s1 / p.n : 0.0;
-    const double m2 = nf ? s2 - s1 * (s1 / p.n) : 0.0;  // (s1 / n first: s1^2 may overflow)
-    p.m2 = m2 > 0.0 ? m2 : 0.0;
-    p.mn = static_cast<double>(mn);
-    p.mx = static_cast<double>(mx);
-    p.nan = nan;
-    p.inf = inf;
-    p.zero = zero;
-    return p;
-  }
-};
-
 struct Work {
-  double* part_d;               // 5 per block: n, mean, m2, mn, mx
+  double* part_d;               // 6 per block: n, shift, mean, m2, mn, mx
   unsigned long long* part_c;   // 3 per block: nan, inf, zero
   unsigned long long* hist;     // nbins counters (zeroed per launch), folded into the row
   unsigned* done;               // blocks of pass 1 finished
@@ -274,38 +197,21 @@ __device__ __forceinline__ void for_each_element(const StatsLaunch& s, Visit& vi
   }
 }
 
-// float64 values spanning past the largest double overflow a thread's one-pass sums (a
-// deviation, or the sum of their squares): its values again, as the CPU kernel takes them
-// (rare: only such data pays it). The mean from values scaled by 2**-32, then halved
-// deviations from it: neither overflows; a sum of squared deviations past the largest
-// double is inf (std inf, as torch's), never inf - inf = NaN (which became 0).
+// A thread whose float64 sums overflowed reads its values twice more (see Rescue).
 template <class E, bool CONTIG>
 __device__ __forceinline__ void rescue_moments(const StatsLaunch& s, Partial* p) {
-  const double n = p->n;
-  double scaled = 0.0;
-  auto sum_scaled = [&](double x, bool valid) {
-    if (valid && isfinite(x)) scaled += x * 0x1p-32;
+  Rescue r;
+  r.init(p->n);
+  auto first = [&](double x, bool valid) {
+    if (valid) r.add_scaled(x);
   };
-  for_each_element<E, CONTIG>(s, sum_scaled);
-  const double mean = scaled / n * 0x1p32;
-  double c = 0.0, q = 0.0;
-  auto around = [&](double x, bool valid) {
-    if (valid && isfinite(x)) {
-      const double d = 0.5 * x - 0.5 * mean;
-      c += d;
-      q = fma(d, d, q);
-    }
+  for_each_element<E, CONTIG>(s, first);
+  r.center();
+  auto second = [&](double x, bool valid) {
+    if (valid) r.add_around(x);
   };
-  for_each_element<E, CONTIG>(s, around);
-  if (isfinite(c)) {
-    p->mean = mean + 2.0 * (c / n);
-    // (q finite: c^2 <= n * q, no overflow; q inf: c * (c / n) may be, and inf - inf is NaN)
-    const double m2 = isfinite(q) ? 4.0 * (q - c * (c / n)) : q;
-    p->m2 = m2 > 0.0 ? m2 : 0.0;
-  } else {  // same-signed halves past the largest double in a row (as the CPU kernel)
-    p->mean = mean;
-    p->m2 = __longlong_as_double(0x7ff0000000000000ll);  // +inf: the spread is past a double
-  }
+  for_each_element<E, CONTIG>(s, second);
+  r.finish(p);
 }
 
 // The histogram range columns of the row for a launch (0, 0: none, or not known yet).
@@ -367,7 +273,11 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     stats_pass1(const StatsLaunch s, const Work w, const double scale) {
   typedef typename E::acc A;
   typedef cub::BlockReduce<Partial, kThreads> Reduce;
-  __shared__ typename Reduce::TempStorage tmp;
+  typedef cub::BlockReduce<Counts, kThreads> CountReduce;
+  __shared__ union {
+    typename Reduce::TempStorage partial;
+    typename CountReduce::TempStorage counts;
+  } tmp;
   __shared__ bool last;
   extern __shared__ unsigned sh[];
 
@@ -397,44 +307,50 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 
   Partial mine = acc.partial();
   if constexpr (std::is_same<A, double>::value) {
-    if (acc.nf && !(isfinite(acc.s1) && isfinite(acc.s2))) rescue_moments<E, CONTIG>(s, &mine);
+    if (acc.overflowed()) rescue_moments<E, CONTIG>(s, &mine);
   }
-  const Partial bp = Reduce(tmp).Reduce(mine, MergeOp());
+  const Partial bp = Reduce(tmp.partial).Reduce(mine, MergeOp());
   if (MODE == 1) flush_hist(sh, kLog2Bins, kWarps, hgl);
   if (MODE == 2 && nsh) flush_hist(sh, nsh, 1, hgl);
 
   if (threadIdx.x == 0) {
-    double* d = w.part_d + 5 * static_cast<int64_t>(blockIdx.x);
+    double* d = w.part_d + kPartDoubles * static_cast<int64_t>(blockIdx.x);
     unsigned long long* c = w.part_c + 3 * static_cast<int64_t>(blockIdx.x);
     d[0] = bp.n;
-    d[1] = bp.mean;
-    d[2] = bp.m2;
-    d[3] = bp.mn;
-    d[4] = bp.mx;
+    d[1] = bp.shift;
+    d[2] = bp.mean;
+    d[3] = bp.m2;
+    d[4] = bp.mn;
+    d[5] = bp.mx;
     c[0] = bp.nan;
     c[1] = bp.inf;
     c[2] = bp.zero;
   }
   if (!finish_block(w.done, &last)) return;
 
-  // The last block: merge the partials in block order, fold them into the row.
+  // The last block: merge the partials in block order (their counts as 64-bit sums), fold
+  // them into the row.
   Partial p = empty_partial();
+  Counts k = {0, 0, 0};
   for (unsigned b = threadIdx.x; b < gridDim.x; b += kThreads) {
-    Partial q;
-    const double* d = w.part_d + 5 * static_cast<int64_t>(b);
+    Partial q = empty_partial();
+    const double* d = w.part_d + kPartDoubles * static_cast<int64_t>(b);
     const unsigned long long* c = w.part_c + 3 * static_cast<int64_t>(b);
     q.n = __ldcg(d);
-    q.mean = __ldcg(d + 1);
-    q.m2 = __ldcg(d + 2);
-    q.mn = __ldcg(d + 3);
-    q.mx = __ldcg(d + 4);
-    q.nan = __ldcg(c);
-    q.inf = __ldcg(c + 1);
-    q.zero = __ldcg(c + 2);
+    q.shift = __ldcg(d + 1);
+    q.mean = __ldcg(d + 2);
+    q.m2 = __ldcg(d + 3);
+    q.mn = __ldcg(d + 4);
+    q.mx = __ldcg(d + 5);
+    k.nan += __ldcg(c);
+    k.inf += __ldcg(c + 1);
+    k.zero += __ldcg(c + 2);
     p = MergeOp()(p, q);
   }
   __syncthreads();  // tmp is reused
-  const Partial t = Reduce(tmp).Reduce(p, MergeOp());
+  const Partial t = Reduce(tmp.partial).Reduce(p, MergeOp());
+  __syncthreads();
+  const Counts tc = CountReduce(tmp.counts).Reduce(k, CountSum());
   if (threadIdx.x == 0) {
     double lo, hi;
     range_columns(s, &lo, &hi);
@@ -443,11 +359,11 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     if (s.clock != nullptr) *s.clock = now + 1.0;
     Summary S;
     S.numel = static_cast<double>(s.numel);
-    S.nan = static_cast<double>(t.nan);
-    S.inf = static_cast<double>(t.inf);
-    S.zero = static_cast<double>(t.zero);
+    S.nan = static_cast<double>(tc.nan);
+    S.inf = static_cast<double>(tc.inf);
+    S.zero = static_cast<double>(tc.zero);
     S.n = t.n;
-    S.mean = t.mean;
+    S.mean = t.shift + t.mean;
     S.m2 = t.m2 > 0.0 ? t.m2 : 0.0;
     S.mn = t.mn;
     S.mx = t.mx;
@@ -496,7 +412,8 @@ int grid_size(const StatsLaunch& s) {
   const int64_t units = s.ndim == 0 ? (s.numel + vec - 1) / vec : s.numel;
   int64_t blocks = (units + kThreads - 1) / kThreads;
   const int64_t most = static_cast<int64_t>(s.num_sms > 0 ? s.num_sms : 1) * kBlocksPerSm;
-  if (blocks > most) blocks = most;
+  const int64_t least = (s.numel >> 31) + 1;  // under 2**32 elements a block (Partial's counts)
+  if (blocks > most) blocks = most > least ? most : least;
   return static_cast<int>(blocks < 1 ? 1 : blocks);
 }
 
@@ -539,14 +456,14 @@ cudaError_t launch_typed(const StatsLaunch& s, const Work& w, int grid, cudaStre
 }  // namespace
 
 size_t stats_workspace_bytes(const StatsLaunch& s) {
-  return (static_cast<size_t>(grid_size(s)) * 8 + static_cast<size_t>(s.nbins)) * 8 + 16;
+  return (static_cast<size_t>(grid_size(s)) * (kPartDoubles + 3) + static_cast<size_t>(s.nbins)) * 8 + 16;
 }
 
 cudaError_t launch_tensor_stats(const StatsLaunch& s, cudaStream_t stream) {
   const int grid = grid_size(s);
   Work w;
   w.part_d = static_cast<double*>(s.workspace);
-  w.part_c = reinterpret_cast<unsigned long long*>(w.part_d + 5 * static_cast<int64_t>(grid));
+  w.part_c = reinterpret_cast<unsigned long long*>(w.part_d + kPartDoubles * static_cast<int64_t>(grid));
   w.hist = w.part_c + 3 * static_cast<int64_t>(grid);
   w.done = reinterpret_cast<unsigned*>(w.hist + s.nbins);
   w.done2 = w.done + 1;
