@@ -978,6 +978,15 @@ _run_eagerly(_ModuleBinding.pre_hook, _ModuleBinding.post_hook, _output_grad_hoo
              _ParamBinding.__call__)
 
 
+def _no_hook(*args, **kwargs) -> None:
+    """A copied model's stand-in for a hook object of the session's that a copy still
+    reaches (through a handle kept on another module: see ``_HookFreeState``)."""
+
+
+def _inert_hook():
+    return _no_hook
+
+
 class _Rehook:
     """A module's ``load_state_dict`` post-hook: its parameters (new objects under
     ``assign=True``) get their gradient hooks before the next backward."""
@@ -986,6 +995,9 @@ class _Rehook:
 
     def __init__(self, bindings: List[_ParamBinding]):
         self.bindings = bindings
+
+    def __reduce__(self):  # (copies and pickles get no session)
+        return _inert_hook, ()
 
     def __call__(self, module, incompatible_keys) -> None:
         for pb in self.bindings:
@@ -1009,6 +1021,9 @@ class _Materialize:
         self.bindings = bindings
         self.handle = None
 
+    def __reduce__(self):  # (copies and pickles get no session)
+        return _inert_hook, ()
+
     def __call__(self, module, args) -> None:
         if _is_compiling():  # (no hook is registered in a trace: session.step() does it)
             return
@@ -1017,12 +1032,18 @@ class _Materialize:
             if pb.session._removed:
                 return
             param = pb.param()
-            if param is not None and unmaterialized(param):
-                pending = True
+            if param is not None and (unmaterialized(param) or _substituted(param)):
+                pending = True  # (the module's own Parameter is still to come)
             elif param is not None:
                 pb.hook()
         if not pending:
             self.handle.remove()
+
+
+def _substituted(param: torch.Tensor) -> bool:
+    """``param`` is a tensor ``torch.func.functional_call`` put in a Parameter's place (a
+    plain tensor, or one wrapped by ``vmap``/``grad``): not the model's, never hooked."""
+    return not isinstance(param, nn.Parameter) or torch._C._functorch.is_functorch_wrapped_tensor(param)
 
 
 def _sharded_by_fsdp2(param: torch.Tensor, model: Optional[nn.Module]) -> bool:

@@ -272,14 +272,39 @@ class _HookFreeState:
 
     def without_hooks(self, state: dict) -> dict:
         """``state`` (a module's ``__dict__`` or a copy, changed in place) without the guards
-        and the entries under ``hook_ids``."""
+        and the entries under ``hook_ids``. A handle kept in the state (a lazy module's
+        ``_initialize_hook``, a user's ``self.h = self.register_forward_hook(...)``) on a
+        hook dict left this way points at the copy's dict: copied as it was, its state is
+        the module's dict with hookplug's hooks, copied again beside the filtered one."""
         for name in _GUARDS:
             state.pop(name, None)
         ids = self.hook_ids
+        filtered: Dict[int, dict] = {}  # id of a hook dict of the module -> the copy's
         for key, value in list(state.items()):
             if isinstance(value, dict) and "hook" in key and not ids.isdisjoint(value):
-                state[key] = type(value)((k, v) for k, v in value.items() if k not in ids)
+                state[key] = filtered[id(value)] = type(value)(
+                    (k, v) for k, v in value.items() if k not in ids)
+        if filtered:
+            for key, value in list(state.items()):
+                if isinstance(value, RemovableHandle):
+                    state[key] = _on_filtered(value, filtered)
+                elif isinstance(value, (list, tuple)) and any(isinstance(v, RemovableHandle) for v in value):
+                    state[key] = type(value)(_on_filtered(v, filtered) if isinstance(v, RemovableHandle)
+                                             else v for v in value)
         return state
+
+
+def _on_filtered(handle: RemovableHandle, filtered: Dict[int, dict]) -> RemovableHandle:
+    """``handle``, or a handle of the same id on the filtered copies of its hook dicts."""
+    hooks = handle.hooks_dict_ref()
+    extras = [ref() for ref in handle.extra_dict_ref]
+    if id(hooks) not in filtered and not any(id(d) in filtered for d in extras):
+        return handle
+    copy_ = RemovableHandle.__new__(RemovableHandle)
+    copy_.id = handle.id
+    copy_.hooks_dict_ref = weakref.ref(filtered.get(id(hooks), hooks)) if hooks is not None else handle.hooks_dict_ref
+    copy_.extra_dict_ref = tuple(weakref.ref(filtered.get(id(d), d)) for d in extras if d is not None)
+    return copy_
 
 
 class _HookFreeCall:
@@ -327,6 +352,8 @@ class _HookFreeCall:
             rv = object.__reduce_ex__(module, 4)
         if isinstance(rv, str):  # (a global: copied as itself, as copy.deepcopy does)
             return module
+        if len(rv) > 2 and isinstance(rv[2], dict):
+            return _share_filtered_hooks(module, rv[2], memo)(copy._reconstruct(module, memo, *rv))
         return copy._reconstruct(module, memo, *rv)
 
     def _hook_free(self, module, method, *args):
@@ -338,6 +365,37 @@ class _HookFreeCall:
             return method(module, *args)
         finally:
             object.__setattr__(module, "__dict__", saved)
+
+
+def _share_filtered_hooks(module: nn.Module, state: dict, memo: dict) -> Callable[[Any], Any]:
+    """A deep copy of ``module`` from ``state``, in which hook dicts are filtered (see
+    ``_HookFreeState``): the module's own dict and the filtered one get one copy in ``memo``,
+    so a handle on the module's dict kept elsewhere in the model (``self.h =
+    self.fc.register_forward_hook(...)`` on a parent), copied before or after the module,
+    removes the hook from the copy's. Returns what to do with the copy once it is made."""
+    later = []
+    for key, value in state.items():
+        own = module.__dict__.get(key)
+        if value is own or not isinstance(value, dict) or not isinstance(own, dict):
+            continue
+        copied = memo.get(id(own))
+        if isinstance(copied, dict):  # copied before, through such a handle: filtered in place
+            for k in [k for k in copied if k not in value]:
+                del copied[k]
+            memo[id(value)] = copied
+            copy._keep_alive(value, memo)
+        elif copied is None:  # the copy of the filtered dict will be the module's dict's
+            later.append((key, own))
+
+    def done(copied_module):
+        for key, own in later:
+            copied = getattr(copied_module, "__dict__", {}).get(key)
+            if isinstance(copied, dict) and id(own) not in memo:
+                memo[id(own)] = copied
+                copy._keep_alive(own, memo)
+        return copied_module
+
+    return done
 
 
 # the instance attributes that keep hookplug's hooks out of copies and pickles of a module

@@ -130,6 +130,7 @@ from hookplug._bank import (LATE_CLOCK, ON_COMPILE_START, StatsBank, _is_compili
                             as_measured, check_hist_options,
                             check_max_pending, check_sites, dtensor_local, dynamo_disable, is_dtensor, merge_devices,
                             pad_rows, unmaterialized)
+from hookplug._binding import _inert_hook
 from hookplug._plugin import plugin_failed, plugin_off, user_stacklevel, warn_once
 from hookplug._selectors import clean_name, parameter_names
 from hookplug._telemetry import initialized_dist
@@ -178,6 +179,9 @@ class _Baseline:
         self.plugin_ref = weakref.ref(plugin)
         self.prs = prs
         self.handle = None
+
+    def __reduce__(self):  # (copies and pickles get no session)
+        return _inert_hook, ()
 
     def __call__(self, module, args) -> None:
         plugin = self.plugin_ref()
@@ -722,6 +726,7 @@ class ParamsPlugin(hookplug.Plugin):
             for mod, prs in owners.values():
                 baseline = _Baseline(self, prs)
                 baseline.handle = mod.register_forward_pre_hook(baseline)
+                session._keep_handle(mod, baseline.handle)  # (copies of the model leave it out)
                 baselines.append(baseline.handle)
         # a session dropped without remove(): torch's global hooks would keep this plugin (its
         # bank, the update copies) alive and called at every optimizer step of the process

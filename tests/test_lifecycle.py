@@ -872,3 +872,68 @@ def test_copies_on_several_threads_and_remove_meanwhile_leave_no_guard_behind():
         t.join()
     assert errors == []
     assert not any(k in vars(m) for m in model.modules() for k in ("__getstate__", "__deepcopy__", "__reduce_ex__"))
+
+
+def _lazy_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.LazyLinear(2))
+
+
+def _torch_save_load(model):
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize("how", [copy.deepcopy, _torch_save_load], ids=["deepcopy", "torch.save"])
+@pytest.mark.parametrize("plugins", [[("capture", {"inputs": True})], ["params"],
+                                     [("gradclamp", {"min": 0, "params": "*"})]],
+                         ids=["capture", "params", "gradclamp"])
+def test_copies_of_a_lazy_model_attached_before_its_first_forward(how, plugins):
+    """A lazy module keeps handles to its own hook dicts (``_initialize_hook``); their copied
+    state was the module's dict with the session's pre-hooks in it (the copy's second forward
+    raised, or the copy failed on a lock or a weak reference)."""
+    model = _lazy_mlp()
+    x = torch.randn(3, 5)
+    with hookplug.attach(model, "Linear", plugins=plugins):
+        copied = how(model)
+        for mod in copied.modules():
+            assert not [h for h in mod._forward_pre_hooks.values()
+                        if type(h).__module__.startswith(("hookplug", "hookplug_plugins"))], mod
+        torch.manual_seed(1)  # (the copy's initialization)
+        out = copied(x)
+        torch.testing.assert_close(copied(x), out, rtol=0, atol=0)
+        assert not copied[0]._forward_pre_hooks, "the lazy init hook took itself off the copy"
+    plain = _lazy_mlp()
+    torch.manual_seed(1)
+    torch.testing.assert_close(out, plain(x), rtol=0, atol=0)
+
+
+class _HandleKeeper(nn.Module):
+    """Keeps the handle of a hook on another module's dict, as user code often does."""
+
+    def __init__(self, target):
+        super().__init__()
+        self.seen = []
+        self.h = target.register_forward_hook(lambda m, i, o: self.seen.append(1))
+
+    def forward(self, x):
+        return x
+
+
+@pytest.mark.parametrize("keeper_first", [True, False])
+def test_a_copied_handle_on_another_modules_hooks_removes_the_copys_hook(keeper_first):
+    """A handle kept on one module for a hook on another's dict, copied before or after that
+    module: in the copy it is on the copy's dict, as without a session."""
+    fc = nn.Linear(4, 4)
+    keeper = _HandleKeeper(fc)
+    model = nn.Sequential(keeper, fc) if keeper_first else nn.Sequential(fc, keeper)
+    with hookplug.attach(model, "Linear", plugins="stats"):
+        copied = copy.deepcopy(model)
+    cfc, ckeeper = (copied[1], copied[0]) if keeper_first else (copied[0], copied[1])
+    assert ckeeper.h.hooks_dict_ref() is cfc._forward_hooks
+    assert list(cfc._forward_hooks) == [keeper.h.id]
+    ckeeper.h.remove()
+    assert not cfc._forward_hooks
+    assert list(fc._forward_hooks) == [keeper.h.id], "the original keeps its hook"

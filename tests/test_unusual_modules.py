@@ -562,3 +562,32 @@ def test_a_module_graph_with_a_cycle_attaches():
         got.sum().backward()
         assert set(s["stats"].results()) == {"0.lin", "1.lin"}
     assert torch.equal(got, want)
+
+
+def test_ensemble_on_a_meta_base_model_with_parameter_steering():
+    """torch.func's ensembling recipe (``stack_module_state``, a base model on ``meta``,
+    ``vmap(functional_call)``) with gradclamp ``params=`` on the base: the session waits for
+    the base's own Parameters, the substituted tensors are neither hooked nor steered (the
+    vmapped forward raised in ``requires_grad_``; a plain call's tensors were steered)."""
+    import copy
+
+    from torch.func import functional_call, stack_module_state, vmap
+
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)) for _ in range(3)]
+    x = torch.randn(3, 8)
+    params, buffers = stack_module_state(models)
+    want = torch.stack([m(x) for m in models])
+    base = copy.deepcopy(models[0]).to("meta")
+    with hookplug.attach(base, "Linear", plugins=("gradclamp", {"min": 0, "params": "*"})) as s:
+        got = vmap(lambda p, b, xx: functional_call(base, (p, b), (xx,)), in_dims=(0, 0, None))(
+            params, buffers, x)
+        torch.testing.assert_close(got, want)  # (vmap's batched matmul: not bitwise)
+        for _ in range(2):
+            p = {k: v.detach().clone().requires_grad_() for k, v in models[0].named_parameters()}
+            ref = {k: v.detach().clone().requires_grad_() for k, v in models[0].named_parameters()}
+            functional_call(base, p, (x,)).sum().backward()
+            functional_call(models[0], ref, (x,)).sum().backward()
+            assert not any(v._backward_hooks for v in p.values())
+            assert all(torch.equal(p[k].grad, ref[k].grad) for k in p)
+        assert s["gradclamp"].results() == {}
