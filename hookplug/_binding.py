@@ -878,6 +878,12 @@ class _ParamBinding:
         param = self.param()
         if param is None or is_lazy(param):
             return  # (a lazy module's: hooked once its forward materialized it, see _Materialize)
+        if not is_dtensor(param) and id(self.owner_ref()) in self.session._fsdp2_owners():
+            # FSDP2's unsharded copy between a forward and the reshard (the root group's
+            # after a no_grad forward): its hook would steer one backward, then FSDP2 puts the
+            # sharded DTensor back, whose hook never runs; hooked never, as the DTensor
+            self._warn_fsdp2()
+            return
         if self.seen != id(param):
             if self.seen is not None:  # replaced (also while tied to another binding's): the
                 self.session._param_replaced(self)  # plugins of its owners now
@@ -901,11 +907,15 @@ class _ParamBinding:
             else:
                 return
             self.session._handles[id(self.handle)] = self.handle
-            if not self.session._fsdp2_warned and _sharded_by_fsdp2(param, self.session.model):
-                self.session._fsdp2_warned = True  # once a session: it names the first one
-                _warn_fsdp2_param(self.name)
+            if _sharded_by_fsdp2(param, self.session.model):
+                self._warn_fsdp2()
         else:
             param._backward_hooks = hooks
+
+    def _warn_fsdp2(self) -> None:
+        if not self.session._fsdp2_warned:
+            self.session._fsdp2_warned = True  # once a session: it names the first one
+            _warn_fsdp2_param(self.name)
 
     def _hooked_by_another(self, param: torch.Tensor, hooks: dict) -> bool:
         """Another binding of the session hooks ``param`` (tied to it). A hook left by a
@@ -1050,9 +1060,17 @@ def _sharded_by_fsdp2(param: torch.Tensor, model: Optional[nn.Module]) -> bool:
     """``param`` is a DTensor of a model that ``fully_shard`` (FSDP2) manages."""
     if model is None or not is_dtensor(param):
         return False
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    cls = getattr(fsdp, "FSDPModule", None)
+    cls = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
     return cls is not None and any(isinstance(m, cls) for m in model.modules())
+
+
+def fsdp2_owners(model: Optional[nn.Module]) -> frozenset:
+    """Ids of the modules of ``model`` whose parameters ``fully_shard`` (FSDP2) manages:
+    every module under an ``FSDPModule``, itself included."""
+    cls = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    if cls is None or model is None:
+        return frozenset()
+    return frozenset(id(m) for top in model.modules() if isinstance(top, cls) for m in top.modules())
 
 
 def _warn_fsdp2_param(name: str) -> None:

@@ -214,16 +214,15 @@ def plugin_info() -> List[PluginSource]:
     return list(_discover().values())
 
 
-def create_plugin(name: str, options: Optional[Dict[str, Any]] = None):
-    """Build the plugin registered under ``name`` with ``options``.
+def check_plugin(name: str, options: Optional[Dict[str, Any]] = None) -> None:
+    """Raise what :func:`create_plugin` would for an unknown name, a plugin that fails to
+    import, or options its signature rejects, without building it (a trainer callback
+    checks at its construction what it attaches later)."""
+    _factory(name, dict(options or {}))
 
-    Raises :class:`PluginError` for an unknown name or options the plugin rejects (unknown,
-    missing or mistyped ones; a TypeError/ValueError from the factory when options were
-    given), and :class:`PluginLoadError` (naming the distribution) when the plugin fails to
-    import or to construct (any other error, or any error with no options given), or its
-    factory returns no plugin object (None, a class, an object with no hooks).
-    """
-    options = dict(options or {})
+
+def _factory(name: str, options: Dict[str, Any]):
+    """``(source, factory, options checked against the factory's signature)``."""
     if not isinstance(name, str):
         raise PluginError(f"a plugin name must be a str, got {type(name).__name__}")
     sources = _discover()
@@ -239,7 +238,19 @@ def create_plugin(name: str, options: Optional[Dict[str, Any]] = None):
         raise src.load_error()
     from ._options import check_options
 
-    options = check_options(name, factory, options)
+    return src, factory, check_options(name, factory, options)
+
+
+def create_plugin(name: str, options: Optional[Dict[str, Any]] = None):
+    """Build the plugin registered under ``name`` with ``options``.
+
+    Raises :class:`PluginError` for an unknown name or options the plugin rejects (unknown,
+    missing or mistyped ones; a TypeError/ValueError from the factory when options were
+    given), and :class:`PluginLoadError` (naming the distribution) when the plugin fails to
+    import or to construct (any other error, or any error with no options given), or its
+    factory returns no plugin object (None, a class, an object with no hooks).
+    """
+    src, factory, options = _factory(name, dict(options or {}))
     try:
         plugin = factory(**options)
     except (Exception, SystemExit) as exc:  # noqa: BLE001

@@ -29,11 +29,11 @@ from torch.utils.hooks import RemovableHandle
 from . import hookspecs
 from ._bank import ON_COMPILE_START, _is_compiling, dynamo_disable, unmaterialized
 from ._binding import (_EAGER_RUNNERS, HookContext, _Materialize, _ModuleBinding, _ParamBinding, _Rehook, _eager_reason,
-                       _get_ident, _make_eager_runner)
+                       _get_ident, _make_eager_runner, fsdp2_owners)
 from ._checkpoint import RecomputeMatcher
 from ._compile_guards import _RECOMPILE_LIMIT, _guard_module_hooks
 from ._config import _records_given, attach_options
-from ._manager import (PluginError, PluginLoadError, create_plugin, implements_hook, is_plugin_object,
+from ._manager import (PluginError, PluginLoadError, check_plugin, create_plugin, implements_hook, is_plugin_object,
                        new_plugin_manager)
 from ._options import is_int_at_least
 from ._pipelining import patch_pipelining
@@ -536,6 +536,19 @@ class _Entry:
         self.module_ids: Optional[set] = None  # ids of the modules under them (computed once)
 
 
+def _check_session_options(every, on_error, flush_every, start_step, distributed) -> None:
+    if on_error not in _ON_ERROR:
+        raise ValueError(f"on_error must be one of {_ON_ERROR}, got {on_error!r}")
+    if not is_int_at_least(every, 1):
+        raise ValueError(f"every must be an int >= 1, got {every!r}")
+    if flush_every is not None and not is_int_at_least(flush_every, 1):
+        raise ValueError(f"flush_every must be None or an int >= 1, got {flush_every!r}")
+    if not is_int_at_least(start_step, 0):
+        raise ValueError(f"start_step must be an int >= 0, got {start_step!r}")
+    if not isinstance(distributed, bool):
+        raise TypeError(f"distributed must be True or False, got {distributed!r}")
+
+
 class Session:
     """Plugins attached to a model. A context manager; ``remove()`` takes every hook off.
 
@@ -548,16 +561,7 @@ class Session:
                  distributed: bool = True):
         if not isinstance(model, nn.Module):
             raise TypeError(f"attach() expects a torch.nn.Module, got {type(model).__name__}")
-        if on_error not in _ON_ERROR:
-            raise ValueError(f"on_error must be one of {_ON_ERROR}, got {on_error!r}")
-        if not is_int_at_least(every, 1):
-            raise ValueError(f"every must be an int >= 1, got {every!r}")
-        if flush_every is not None and not is_int_at_least(flush_every, 1):
-            raise ValueError(f"flush_every must be None or an int >= 1, got {flush_every!r}")
-        if not is_int_at_least(start_step, 0):
-            raise ValueError(f"start_step must be an int >= 0, got {start_step!r}")
-        if not isinstance(distributed, bool):
-            raise TypeError(f"distributed must be True or False, got {distributed!r}")
+        _check_session_options(every, on_error, flush_every, start_step, distributed)
         # False: this session never communicates (attached on some ranks only); its
         # records hold this rank's statistics, and every sink it has gets them
         self.distributed = distributed
@@ -586,6 +590,7 @@ class Session:
         self._boundary = threading.RLock()
         self._boundary_pid = os.getpid()  # a forked child makes its own (see _turns)
         self._fsdp2_warned = False
+        self._fsdp2_owner_ids: Optional[frozenset] = None
         self._foreign_warned = False  # a hook copied onto another module ran (_ModuleBinding.foreign)
         self._attached = False  # attach() finished (a failed attach has no final flush to share)
         self._entries: Dict[str, _Entry] = {}  # plugins, then sinks, in attach order
@@ -1165,6 +1170,13 @@ class Session:
         binding = self._bindings.get(name)
         return None if binding is None else binding.module_tensors.get(phase)
 
+    def _fsdp2_owners(self) -> frozenset:
+        """Modules whose parameters FSDP2 managed when first asked (at attach; a model
+        sharded after attach has DTensor parameters, see ``_ParamBinding.hook``)."""
+        if self._fsdp2_owner_ids is None:
+            self._fsdp2_owner_ids = fsdp2_owners(self.model)
+        return self._fsdp2_owner_ids
+
     def _keep_handle(self, module: nn.Module, handle) -> None:
         """Keep ``handle`` for ``remove()``; copies and pickles of ``module`` leave its hook out."""
         self._handles[id(handle)] = handle
@@ -1381,6 +1393,44 @@ def _build_plugins(specs, on_error: str) -> List[Tuple[str, Any]]:
                 continue
         built.append((name, instance))
     return built
+
+
+def check_attach_arguments(who: str, selector: Any, plugins: Any, kwargs: Dict[str, Any]) -> None:
+    """Raise now what ``attach(model, selector, plugins, **kwargs)`` would refuse before it
+    looks at a model: an unknown keyword, a ``config=`` that cannot be read, no plugins,
+    option values out of range, unknown plugin names and options a plugin's signature
+    rejects (checked, not built). For trainer callbacks, which attach at the first batch;
+    errors start with ``who``."""
+    sig = inspect.signature(attach)
+    try:
+        bound = sig.bind(None, selector, plugins, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"{who}: {exc}") from None
+    given = frozenset(n for n, v in bound.arguments.items()
+                      if v is not None or sig.parameters[n].default is None)
+    bound.apply_defaults()
+    a = bound.arguments
+    try:
+        check_strict(who, a["strict"])
+        selector, plugins, every, sink, on_error, _, flush_every = attach_options(
+            a["config"], given, a["selector"], a["plugins"], every=a["every"], sink=a["sink"],
+            on_error=a["on_error"], strict=a["strict"], flush_every=a["flush_every"])
+        if isinstance(selector, dict):
+            specs = list(selector.values())
+        elif plugins is None:
+            raise PluginError("plugins= is required (a name, a list, or instances), or a "
+                              "config= file that names them")
+        else:
+            specs = [plugins]
+        _check_session_options(every, on_error, flush_every, a["start_step"], a["distributed"])
+        for spec in specs + [sink]:
+            for name, options, instance in _normalize_specs(spec, "sink" if spec is sink else "plugins"):
+                if instance is None:
+                    check_plugin(name, options)
+    except (ValueError, TypeError) as exc:  # (PluginError and ConfigError are ValueErrors)
+        if exc.args and isinstance(exc.args[0], str):  # (the same error, its fields kept)
+            exc.args = (f"{who}: {exc.args[0]}",) + exc.args[1:]
+        raise
 
 
 @_records_given

@@ -760,6 +760,13 @@ class _Union:
         return meta
 
 
+_FLUSH_ALIKE = (
+    "hookplug telemetry: a flush is a collective of the session's process group, so every "
+    "rank must attach the session and flush alike (the same number of session.step() calls "
+    "with flush_every=, of session.flush() and remove()); a session attached on some ranks "
+    "only takes distributed=False.")
+
+
 class _Layouts:
     """The ranks' layouts, agreed on in one ``all_gather_object`` per flush of
     ``(version, base step, layout or None, run_id)``: a rank sends its layout only when it
@@ -782,7 +789,12 @@ class _Layouts:
             self.version += 1
         run_id = getattr(session, "run_id", None) if rank == 0 and not self.run_id_agreed else None
         seen: List[Any] = [None] * world
-        dist.all_gather_object(seen, (self.version, local.base, desc if changed else None, run_id))
+        try:
+            dist.all_gather_object(seen, (self.version, local.base, desc if changed else None, run_id))
+        except RuntimeError as exc:  # (a timeout: some rank never came to this flush)
+            if hasattr(exc, "add_note"):  # Python 3.11+
+                exc.add_note(_FLUSH_ALIKE)
+            raise
         self.sent = desc
         for r, (version, _, layout, _) in enumerate(seen):
             if layout is not None:

@@ -612,11 +612,10 @@ class CapturePlugin(hookplug.Plugin):
 
     @hookimpl
     def hookplug_session_start(self, session):
-        # call indices start again: a call left unfinished is no other call's
+        # an instance attached again starts afresh, as a new one would (call indices start
+        # again: kept calls of the last session would mix with this one's by index)
         with self._lock:
-            self._refused.clear()
-            self._open.clear()
-            self._set_aside.clear()
+            self._reset()
 
     @hookimpl
     def hookplug_step(self):

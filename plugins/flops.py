@@ -236,7 +236,7 @@ def _does_arithmetic(func) -> bool:
     namespace, _, base = schema.name.partition("::")
     if namespace in _COMMUNICATION:
         return False  # collectives and FSDP2's gather/scatter copies: data movement
-    base = base.rstrip("_")
+    base = base.rstrip("_").removeprefix("_foreach_")  # (_foreach_copy_: FSDP2's copy-in)
     return base not in _DATA_MOVEMENT and base.removesuffix("_copy") not in _DATA_MOVEMENT
 
 

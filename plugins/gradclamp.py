@@ -489,6 +489,7 @@ class GradClampPlugin(hookplug.Plugin):
 
     @hookimpl
     def hookplug_session_start(self, session):
+        self.reset()  # an instance attached again starts afresh, as a new one would
         self._session_ref = weakref.ref(session)
         model = session.model
         self._model_ref = (lambda: None) if model is None else weakref.ref(model)

@@ -685,6 +685,8 @@ class ParamsPlugin(hookplug.Plugin):
 
     @hookimpl
     def hookplug_session_start(self, session):
+        self.bank.reset()  # an instance attached again starts afresh, as a new one would
+        self._last = None
         self._session_ref = weakref.ref(session)
         self._rank, self._world = 0, 1
         self._refresh_replicas()

@@ -286,6 +286,7 @@ class StatsPlugin(hookplug.Plugin):
 
     @hookimpl
     def hookplug_session_start(self, session):
+        self.reset()  # an instance attached again starts afresh, as a new one would
         self.bank.on_error = functools.partial(_failed, weakref.ref(self), weakref.ref(session))
         self.bank.broken = False  # (an error in an earlier session's ops stopped them)
         self._module_order = {n: i for i, n in enumerate(session.modules_of(self))}

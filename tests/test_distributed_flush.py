@@ -606,3 +606,24 @@ def test_cpu_rows_flush_through_an_nccl_only_group(fresh_python):
     """))
     got = json.loads(out)
     assert got["same"] and got["n"] >= 5
+
+
+@pytest.mark.skipif(not hasattr(BaseException, "add_note"), reason="exception notes: Python 3.11+")
+def test_a_failed_layout_exchange_says_every_rank_must_flush_alike():
+    """A rank that never comes to a flush (a session attached on one rank only, unequal
+    step counts) times the others out in the exchange: the error says what to check."""
+    from hookplug._telemetry import _Layouts
+
+    class Local:
+        base = 0
+
+        def describe(self):
+            return []
+
+    class TimedOut:
+        def all_gather_object(self, out, obj):
+            raise RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 60000ms")
+
+    with pytest.raises(RuntimeError, match="Timed out") as info:
+        _Layouts().agree(None, Local(), TimedOut(), 2, 1)
+    assert any("flush alike" in n and "distributed=False" in n for n in info.value.__notes__)

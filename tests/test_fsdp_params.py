@@ -15,6 +15,7 @@ import torch.nn as nn
 
 import hookplug
 from _gloo import Dump, spawn
+from hookplug._bank import is_dtensor
 from test_telemetry import _Block  # the identical block of the regional-compilation tests
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
@@ -30,10 +31,13 @@ def _fsdp2_gradclamp(rank, world, when):
 
     def shard():
         mesh = init_device_mesh("cpu", (world,))
-        for layer in (model[0], model[2]):
+        # "after_forward": model[2]'s parameters are the root group's, which FSDP2 leaves
+        # unsharded (plain Parameters) after a forward, until the backward
+        for layer in (model[0], model[2]) if when != "after_forward" else (model[0],):
             fsdp.fully_shard(layer, mesh=mesh)
         fsdp.fully_shard(model, mesh=mesh)
 
+    zeroed = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if when == "before":
@@ -41,12 +45,21 @@ def _fsdp2_gradclamp(rank, world, when):
             shard()
         else:
             shard()
+            if when == "after_forward":
+                with torch.no_grad():
+                    model(torch.randn(2, 6))
+                assert not is_dtensor(model[2].bias)
             session = hookplug.attach(model, "Linear", plugins=("gradclamp", opts))
         for _ in range(2):
             model(torch.randn(4, 6) + rank).sum().backward()
+            local = {n: p.grad.to_local() for n, p in model.named_parameters()}
+            zeroed.append([n for n, g in local.items() if g.numel() and not g.any()])  # (shards may be empty)
+            model.zero_grad()
             session.step()
+        changed = session.results()["gradclamp"]
         session.remove()
-    return {"warnings": [str(w.message) for w in caught if "FSDP2" in str(w.message)]}
+    return {"warnings": [str(w.message) for w in caught if "FSDP2" in str(w.message)],
+            "zeroed": zeroed, "changed": changed}
 
 
 def _fsdp1_params(rank, world, plain):
@@ -80,11 +93,14 @@ def test_params_under_fsdp1_flat_shards(tmp_path, plain):
             assert abs(l2 - float(p.detach().norm())) <= 1e-12 * max(1.0, l2)
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("when", ["before", "after", "after_forward"])
 def test_param_grad_hooks_under_fsdp2_warn_once(tmp_path, when):
+    """Whenever attached, FSDP2's parameters are never steered (attached after a forward the
+    root group's unsharded copies were, for one step) and the session warns once."""
     for got in spawn(_fsdp2_gradclamp, tmp_path, when):
         assert len(got["warnings"]) == 1, got
         assert "parameter '0.weight'" in got["warnings"][0]  # the first hooked one
+        assert got["zeroed"] == [[], []] and got["changed"] == {}, got
 
 
 def _fsdp2_regional(rank, world, variant):

@@ -937,3 +937,42 @@ def test_a_copied_handle_on_another_modules_hooks_removes_the_copys_hook(keeper_
     ckeeper.h.remove()
     assert not cfc._forward_hooks
     assert list(fc._forward_hooks) == [keeper.h.id], "the original keeps its hook"
+
+
+def test_plugin_instances_attached_again_start_afresh():
+    """A trainer's callback given plugin instances attaches them again at every ``fit()``:
+    each session's results are its own, as with new instances (capture's kept calls of the
+    last session mixed with the new ones by call index; stats, params and gradclamp summed
+    both sessions)."""
+    from hookplug_plugins.capture import CapturePlugin
+    from hookplug_plugins.gradclamp import GradClampPlugin
+    from hookplug_plugins.params import ParamsPlugin
+    from hookplug_plugins.stats import StatsPlugin
+
+    def make():
+        return [StatsPlugin(), CapturePlugin(inputs=True, keep="all"), ParamsPlugin(),
+                GradClampPlugin(max=0.01, params="*")]
+
+    def run(model, plugins, steps):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with hookplug.attach(model, "Linear", plugins=plugins) as s:
+            for i in range(steps):
+                model(torch.full((2, 4), i + 100.0 * steps)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                s.step()
+            r = s.results()
+            return ({m: {k: int(v[k].calls) for k in v} for m, v in r["stats"].items()},
+                    {m: {k: float(v[k].l2) for k in v} for m, v in r["params"].items()},
+                    {m: int(v["changed"]) for m, v in r["gradclamp"].items()},
+                    {m: [float(c[0][0, 0]) for c in v] for m, v in s["capture"].inputs.items()})
+
+    torch.manual_seed(0)
+    first = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    second = nn.Sequential(collections.OrderedDict(x=nn.Linear(4, 3), y=nn.Linear(3, 2)))
+    twin = copy.deepcopy(second)
+    plugins = make()
+    run(first, plugins, 3)
+    again, fresh = run(second, plugins, 1), run(twin, make(), 1)
+    assert again == fresh
+    assert fresh[3]["x"] == [100.0] and len(fresh[3]["y"]) == 1 and set(fresh[0]) == {"x", "y"}

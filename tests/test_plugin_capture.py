@@ -862,7 +862,8 @@ def test_a_call_over_max_bytes_drops_no_kept_inputs_and_counts_once(keep):
 def test_a_plugin_attached_again_captures_the_call_its_last_session_skipped_at_that_index():
     """The call skipped last (max_bytes) is remembered by module and call index, so that its
     output is not kept once its inputs were not; a second session counts calls from 0 again
-    and its call 0 was left out too, though it fit."""
+    and its call 0 was left out too, though it fit. (The instance starts afresh: its
+    ``skipped`` is the second session's.)"""
     m = nn.Sequential(nn.Linear(4, 4))
     plugin = CapturePlugin(inputs=True, max_bytes=100, keep="all")
     with warnings.catch_warnings():
@@ -873,7 +874,7 @@ def test_a_plugin_attached_again_captures_the_call_its_last_session_skipped_at_t
         x = torch.randn(1, 4)
         with hookplug.attach(m, "*:0", plugins=plugin):
             y = m(x)  # call 0 again: fits
-    assert plugin.skipped == 1
+    assert plugin.skipped == 0
     assert torch.equal(plugin.features["0"][0], y.detach()) and torch.equal(plugin.inputs["0"][0][0], x)
 
 

@@ -449,6 +449,9 @@ def test_uncounted_classified_from_tags_and_schemas():
                torch.ops._c10d_functional.all_reduce.default,
                torch.ops._c10d_functional.wait_tensor.default):
         assert not _does_arithmetic(op), op
+    # foreach copies are copies (FSDP2's all-gather copy-in); foreach arithmetic is not
+    assert not _does_arithmetic(aten._foreach_copy_.default)
+    assert _does_arithmetic(aten._foreach_add_.List) and _does_arithmetic(aten._foreach_mul.Scalar)
 
 
 class _Blocks(nn.Module):

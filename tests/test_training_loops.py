@@ -715,6 +715,49 @@ def test_trainer_writer_reaches_a_tensorboard_sink_named_in_the_config_file(tmp_
     assert _attach_kwargs_with_writer({"config": str(cfg)}, None) == {"config": str(cfg)}
 
 
+def test_the_trainer_writer_of_a_tensorboard_logger_subclass(tmp_path):
+    """A subclass of Lightning's ``TensorBoardLogger`` gives its writer to the sink too (it
+    went unnoticed: the sink wrote under ./runs)."""
+    pytest.importorskip("lightning.pytorch")
+    pytest.importorskip("tensorboard")
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from hookplug.integrations.lightning import _tensorboard_writer
+
+    class MyLogger(TensorBoardLogger):
+        pass
+
+    class Trainer:
+        loggers = [CSVLogger(str(tmp_path)), MyLogger(str(tmp_path))]
+
+    assert _tensorboard_writer(Trainer()) is Trainer.loggers[1].experiment
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({}, hookplug.PluginError, "plugins= is required"),
+    ({"plugins": ["statz"]}, hookplug.PluginError, "Did you mean 'stats'"),
+    ({"plugins": [("stats", {"bins": "x"})]}, hookplug.PluginError, "option 'bins'"),
+    ({"plugins": "stats", "flush_every": 0}, ValueError, "flush_every must be"),
+    ({"plugins": "stats", "sink": "jsonx"}, hookplug.PluginError, "Did you mean 'jsonl'"),
+    ({"plugins": "stats", "evry": 2}, TypeError, "unexpected keyword argument 'evry'"),
+    ({"plugins": "stats", "start_step": 3}, TypeError, "not a callback option"),
+])
+@pytest.mark.parametrize("which", ["lightning", "transformers"])
+def test_callback_arguments_are_checked_when_it_is_made(which, kwargs, error, match):
+    """Not at the first batch, after the trainer's setup and sanity check; the error names
+    the callback."""
+    if which == "lightning":
+        pytest.importorskip("lightning.pytorch")
+        from hookplug.integrations.lightning import HookplugCallback as cls
+    else:
+        pytest.importorskip("transformers")
+        from hookplug.integrations.transformers import HookplugTrainerCallback as cls
+    with pytest.raises(error, match=match) as info:
+        cls("Linear", **kwargs)
+    assert str(info.value).startswith(cls.__name__)
+    cls("Linear", "stats", every=2, sink="jsonl", flush_every=4)  # (fine ones pass)
+
+
 def test_lightning_wandb_logger_and_the_wandb_sink_share_one_run(tmp_path, monkeypatch):
     """``sink="wandb"`` logs into the run of the trainer's ``WandbLogger`` (offline), one row
     per optimizer step labelled with Lightning's step, and leaves that run open."""

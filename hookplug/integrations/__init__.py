@@ -74,10 +74,15 @@ def _guard_hooks_from_now() -> None:
     _guard_module_hooks()
 
 
-def _check_attach_kwargs(kwargs: Dict[str, Any]) -> Dict[str, Any]:
+def _check_attach_kwargs(who: str, selector: Any, plugins: Any, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The callback's ``attach()`` arguments, checked at its construction (not after the
+    trainer's setup, at the first batch)."""
     if "start_step" in kwargs:
-        raise TypeError("start_step= is not a callback option: the callback numbers the steps "
-                        "as the trainer logs them, from the trainer's global step")
+        raise TypeError(f"{who}: start_step= is not a callback option: the callback numbers "
+                        "the steps as the trainer logs them, from the trainer's global step")
+    from hookplug._session import check_attach_arguments
+
+    check_attach_arguments(who, selector, plugins, kwargs)
     return dict(kwargs)
 
 

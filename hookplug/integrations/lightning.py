@@ -65,8 +65,8 @@ def _batch_step(trainer, pl_module) -> int:
 
 def _tensorboard_writer(trainer) -> Optional[Any]:
     loggers = list(getattr(trainer, "loggers", None) or [])
-    for logger in loggers:
-        if type(logger).__name__ == "TensorBoardLogger":
+    for logger in loggers:  # (Lightning's, pytorch_lightning's, or a subclass of either)
+        if any(c.__name__ == "TensorBoardLogger" for c in type(logger).__mro__):
             return logger.experiment
     return None
 
@@ -79,7 +79,7 @@ class HookplugCallback(_pl.Callback):
         super().__init__()
         self.selector = selector
         self.plugins = plugins
-        self.attach_kwargs = _check_attach_kwargs(attach_kwargs)
+        self.attach_kwargs = _check_attach_kwargs(type(self).__name__, selector, plugins, attach_kwargs)
         _guard_hooks_from_now()
         self.session = None
         self._steps = _PendingStep()

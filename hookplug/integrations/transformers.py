@@ -94,7 +94,7 @@ class HookplugTrainerCallback(_trainer_callback.TrainerCallback):
         # None: attach()'s default ("*"), or the config file's when config= is given
         self.selector = selector
         self.plugins = plugins
-        self.attach_kwargs = _check_attach_kwargs(attach_kwargs)
+        self.attach_kwargs = _check_attach_kwargs(type(self).__name__, selector, plugins, attach_kwargs)
         _guard_hooks_from_now()
         self.session = None
         self._steps = _PendingStep()
