@@ -878,7 +878,7 @@ class _ParamBinding:
         param = self.param()
         if param is None or is_lazy(param):
             return  # (a lazy module's: hooked once its forward materialized it, see _Materialize)
-        if not is_dtensor(param) and id(self.owner_ref()) in self.session._fsdp2_owners():
+        if not is_dtensor(param) and (id(self.owner_ref()), self.attr) in self.session._fsdp2_owners():
             # FSDP2's unsharded copy between a forward and the reshard (the root group's
             # after a no_grad forward): its hook would steer one backward, then FSDP2 puts the
             # sharded DTensor back, whose hook never runs; hooked never, as the DTensor
@@ -1065,12 +1065,30 @@ def _sharded_by_fsdp2(param: torch.Tensor, model: Optional[nn.Module]) -> bool:
 
 
 def fsdp2_owners(model: Optional[nn.Module]) -> frozenset:
-    """Ids of the modules of ``model`` whose parameters ``fully_shard`` (FSDP2) manages:
-    every module under an ``FSDPModule``, itself included."""
+    """``(id(module), name)`` of the parameters of ``model`` that ``fully_shard`` (FSDP2)
+    manages (its param groups' ``FSDPParam``s; ``ignored_params`` are not among them). Where
+    torch's private layout differs: every parameter of a module under an ``FSDPModule``."""
     cls = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
     if cls is None or model is None:
         return frozenset()
-    return frozenset(id(m) for top in model.modules() if isinstance(top, cls) for m in top.modules())
+    out = set()
+    for top in model.modules():
+        if not isinstance(top, cls):
+            continue
+        try:
+            state = top._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:  # (torch < 2.12: one group or None)
+                group = getattr(state, "_fsdp_param_group", None)
+                groups = [group] if group is not None else []
+            for group in groups:
+                for fp in group.fsdp_params:
+                    info = fp._module_info
+                    out.add((id(info.module), info.param_name))
+                    out.update((id(m), n) for m, n in zip(info.shared_modules, info.shared_param_names))
+        except AttributeError:
+            out.update((id(m), n) for m in top.modules() for n, _ in m.named_parameters(recurse=False))
+    return frozenset(out)
 
 
 def _warn_fsdp2_param(name: str) -> None:

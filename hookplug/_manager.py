@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from types import FunctionType, ModuleType
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 from urllib.parse import unquote, urlparse
 
 import pluggy
@@ -217,12 +217,15 @@ def plugin_info() -> List[PluginSource]:
 def check_plugin(name: str, options: Optional[Dict[str, Any]] = None) -> None:
     """Raise what :func:`create_plugin` would for an unknown name, a plugin that fails to
     import, or options its signature rejects, without building it (a trainer callback
-    checks at its construction what it attaches later)."""
-    _factory(name, dict(options or {}))
+    checks at its construction what it attaches later). Options holding a one-shot
+    iterator are left to ``create_plugin`` (a check would consume it)."""
+    options = dict(options or {})
+    _factory(name, None if any(isinstance(v, Iterator) for v in options.values()) else options)
 
 
-def _factory(name: str, options: Dict[str, Any]):
-    """``(source, factory, options checked against the factory's signature)``."""
+def _factory(name: str, options: Optional[Dict[str, Any]]):
+    """``(source, factory, options checked against the factory's signature)`` (None: not
+    checked)."""
     if not isinstance(name, str):
         raise PluginError(f"a plugin name must be a str, got {type(name).__name__}")
     sources = _discover()
@@ -238,7 +241,7 @@ def _factory(name: str, options: Dict[str, Any]):
         raise src.load_error()
     from ._options import check_options
 
-    return src, factory, check_options(name, factory, options)
+    return src, factory, options if options is None else check_options(name, factory, options)
 
 
 def create_plugin(name: str, options: Optional[Dict[str, Any]] = None):

@@ -34,10 +34,11 @@ from ._checkpoint import RecomputeMatcher
 from ._compile_guards import _RECOMPILE_LIMIT, _guard_module_hooks
 from ._config import _records_given, attach_options
 from ._manager import (PluginError, PluginLoadError, check_plugin, create_plugin, implements_hook, is_plugin_object,
-                       new_plugin_manager)
+                       new_plugin_manager, warn_unmarked_hooks)
 from ._options import is_int_at_least
 from ._pipelining import patch_pipelining
-from ._plugin import user_stacklevel
+from ._plugin import Plugin, user_stacklevel
+from ._sink import Sink
 from ._selectors import (check_strict, named_modules, named_parameters, parameter_owners, qualified, replica_group,
                          select_terms, unwrap_model, warn_never_called)
 
@@ -91,6 +92,12 @@ def _normalize_specs(spec: PluginSpec, what: str = "plugins") -> List[Tuple[str,
                 )
             out.append((name, dict(opts or {}), None))
         return out
+    if (isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], dict)
+            and not isinstance(spec[0], (str, type)) and is_plugin_object(spec[0])):
+        raise PluginError(
+            f"{what}=: {_short(spec[0])} is an instance, built with its options already: give "
+            f"them to its constructor ({type(spec[0]).__name__}(...)); (name, {{options}}) pairs "
+            "are for registered names")
     if isinstance(spec, tuple) and len(spec) >= 2 and isinstance(spec[0], str) and isinstance(spec[1], dict):
         if len(spec) != 2:
             raise PluginError(f"{what}: a spec tuple is (name, options), got a tuple of {len(spec)} "
@@ -110,10 +117,16 @@ def _normalize_specs(spec: PluginSpec, what: str = "plugins") -> List[Tuple[str,
     if not is_plugin_object(spec):
         hint = (f"; pass a list ({'sinks' if what == 'sink' else 'plugins'} run in list order)"
                 if isinstance(spec, (set, frozenset)) else "")
+        unmarked = [a for a in dir(type(spec)) if a.startswith("hookplug_") and callable(getattr(spec, a, None))]
+        if unmarked:
+            hint += (f"; it has {', '.join(unmarked)} but no method marked @hookplug.hookimpl: "
+                     "add @hookplug.hookimpl above each hook")
         raise PluginError(
             f"{what}= takes a plugin name, (name, {{options}}), a list of these, a dict {{name: options}} "
             "or a plugin instance (a hookplug.Plugin or hookplug.Sink, or any object with "
             f"@hookplug.hookimpl methods); got {type(spec).__name__} {_short(spec)}{hint}")
+    if not isinstance(spec, (Plugin, Sink)):  # (their classes were checked when defined)
+        warn_unmarked_hooks(type(spec))
     name = getattr(spec, "name", None) or type(spec).__name__
     return [(name, {}, spec)]
 
@@ -288,7 +301,8 @@ class _HookFreeState:
             for key, value in list(state.items()):
                 if isinstance(value, RemovableHandle):
                     state[key] = _on_filtered(value, filtered)
-                elif isinstance(value, (list, tuple)) and any(isinstance(v, RemovableHandle) for v in value):
+                elif type(value) in (list, tuple) and any(isinstance(v, RemovableHandle) for v in value):
+                    # (exactly: a namedtuple or a list subclass is built otherwise; left as it is)
                     state[key] = type(value)(_on_filtered(v, filtered) if isinstance(v, RemovableHandle)
                                              else v for v in value)
         return state
@@ -353,7 +367,7 @@ class _HookFreeCall:
         if isinstance(rv, str):  # (a global: copied as itself, as copy.deepcopy does)
             return module
         if len(rv) > 2 and isinstance(rv[2], dict):
-            return _share_filtered_hooks(module, rv[2], memo)(copy._reconstruct(module, memo, *rv))
+            rv = (*rv[:2], _SeedingState(module, rv[2]), *rv[3:])
         return copy._reconstruct(module, memo, *rv)
 
     def _hook_free(self, module, method, *args):
@@ -367,35 +381,35 @@ class _HookFreeCall:
             object.__setattr__(module, "__dict__", saved)
 
 
-def _share_filtered_hooks(module: nn.Module, state: dict, memo: dict) -> Callable[[Any], Any]:
-    """A deep copy of ``module`` from ``state``, in which hook dicts are filtered (see
-    ``_HookFreeState``): the module's own dict and the filtered one get one copy in ``memo``,
-    so a handle on the module's dict kept elsewhere in the model (``self.h =
-    self.fc.register_forward_hook(...)`` on a parent), copied before or after the module,
-    removes the hook from the copy's. Returns what to do with the copy once it is made."""
-    later = []
-    for key, value in state.items():
-        own = module.__dict__.get(key)
-        if value is own or not isinstance(value, dict) or not isinstance(own, dict):
-            continue
-        copied = memo.get(id(own))
-        if isinstance(copied, dict):  # copied before, through such a handle: filtered in place
-            for k in [k for k in copied if k not in value]:
-                del copied[k]
+class _SeedingState(dict):
+    """A module's hook-free state (see ``_HookFreeState``) as ``copy._reconstruct`` deep-copies
+    it, after it put the module's copy in ``memo``: first each filtered hook dict is copied
+    and that copy stands in ``memo`` for the module's own dict too, so a handle on the
+    module's dict kept anywhere in the model (a parent's ``self.h =
+    self.fc.register_forward_hook(...)``, a child's, one in a dict attribute), copied before
+    or after, removes the hook from the copy's dict, as without a session."""
+
+    def __init__(self, module: nn.Module, state: dict):
+        super().__init__(state)
+        own = module.__dict__
+        self.pairs = [(own[k], v) for k, v in state.items()
+                      if isinstance(v, dict) and isinstance(own.get(k), dict) and own[k] is not v]
+
+    def __deepcopy__(self, memo):
+        for own, value in self.pairs:
+            copied = memo.get(id(own))
+            if isinstance(copied, dict):  # copied already, through such a handle: filtered
+                for k in [k for k in copied if k not in value]:
+                    del copied[k]
+            else:
+                copied = memo[id(own)] = type(value)()
+                copy._keep_alive(own, memo)
             memo[id(value)] = copied
             copy._keep_alive(value, memo)
-        elif copied is None:  # the copy of the filtered dict will be the module's dict's
-            later.append((key, own))
-
-    def done(copied_module):
-        for key, own in later:
-            copied = getattr(copied_module, "__dict__", {}).get(key)
-            if isinstance(copied, dict) and id(own) not in memo:
-                memo[id(own)] = copied
-                copy._keep_alive(own, memo)
-        return copied_module
-
-    return done
+            for k, v in value.items():
+                if k not in copied:
+                    copied[k] = copy.deepcopy(v, memo)
+        return {copy.deepcopy(k, memo): copy.deepcopy(v, memo) for k, v in self.items()}
 
 
 # the instance attributes that keep hookplug's hooks out of copies and pickles of a module
@@ -534,6 +548,10 @@ class _Entry:
         self.adapted: Dict[str, Callable] = {}  # per-call hook name -> the callable the core calls
         self.params: Optional[set] = None  # parameter names under its modules (computed once)
         self.module_ids: Optional[set] = None  # ids of the modules under them (computed once)
+
+
+# plugin instances (not sinks) in a session not removed yet: id -> that session, weakly
+_IN_USE: Dict[int, "weakref.ReferenceType[Session]"] = {}
 
 
 def _check_session_options(every, on_error, flush_every, start_step, distributed) -> None:
@@ -780,8 +798,8 @@ class Session:
             if res is None:
                 return
             if not isinstance(res, dict):  # a report would drop it silently
-                raise TypeError(f"hookplug_report_section must return a dict or None, got "
-                                f"{type(res).__name__}")
+                raise TypeError(f"hookplug plugin {name!r}: hookplug_report_section must return a "
+                                f"dict or None, got {type(res).__name__}")
             out[name] = res
         self._dispatch("hookplug_report_section", on_result=keep)
         return out
@@ -892,6 +910,10 @@ class Session:
             self._warn_replaced()
         self._removed = True
         _UNREMOVED.discard(self)
+        for entry in self._entries.values():
+            ref = _IN_USE.get(id(entry.plugin))
+            if ref is not None and ref() is self:
+                del _IN_USE[id(entry.plugin)]
         self._sampling = False
         self._recompute.clear()
         for h in self._handles.values():
@@ -1087,6 +1109,16 @@ class Session:
                               f"results and reports); {type(plugin).__name__} has name {name!r}")
         if name in self._entries:
             raise PluginError(f"plugin name {name!r} is used twice in one session")
+        if not sink:  # (a sink may serve several sessions: it only receives records)
+            ref = _IN_USE.get(id(plugin))
+            other = ref() if ref is not None else None
+            if other is not None and other._attached and not other._removed and getattr(
+                    other._entry_of.get(id(plugin)), "plugin", None) is plugin:
+                raise PluginError(
+                    f"plugin {name!r} ({type(plugin).__name__} instance) is attached to another "
+                    "session that is not removed; an instance serves one session at a time "
+                    "(remove() that one first, or give this session an instance of its own)")
+            _IN_USE[id(plugin)] = weakref.ref(self)
         entry = self._entries[name] = _Entry(name, plugin, list(module_names), sink)
         self._entry_of[id(plugin)] = entry
 
@@ -1406,27 +1438,39 @@ def check_attach_arguments(who: str, selector: Any, plugins: Any, kwargs: Dict[s
         bound = sig.bind(None, selector, plugins, **kwargs)
     except TypeError as exc:
         raise TypeError(f"{who}: {exc}") from None
-    given = frozenset(n for n, v in bound.arguments.items()
-                      if v is not None or sig.parameters[n].default is None)
+    for name, value in list(bound.arguments.items()):  # None: not set, as attach() takes it
+        default = sig.parameters[name].default
+        if value is None and default is not None and default is not sig.empty:
+            del bound.arguments[name]
+    given = frozenset(bound.arguments)
     bound.apply_defaults()
     a = bound.arguments
     try:
-        check_strict(who, a["strict"])
+        check_strict("attach()", a["strict"])
         selector, plugins, every, sink, on_error, _, flush_every = attach_options(
             a["config"], given, a["selector"], a["plugins"], every=a["every"], sink=a["sink"],
             on_error=a["on_error"], strict=a["strict"], flush_every=a["flush_every"])
         if isinstance(selector, dict):
-            specs = list(selector.values())
+            if plugins is not None:
+                raise PluginError("with a {selector: plugins} dict, leave plugins= unset")
+            groups = list(selector.items())
         elif plugins is None:
             raise PluginError("plugins= is required (a name, a list, or instances), or a "
                               "config= file that names them")
         else:
-            specs = [plugins]
+            groups = [(selector, plugins)]
         _check_session_options(every, on_error, flush_every, a["start_step"], a["distributed"])
-        for spec in specs + [sink]:
-            for name, options, instance in _normalize_specs(spec, "sink" if spec is sink else "plugins"):
+        for sel, spec in groups + [(None, sink)]:
+            specs = _normalize_specs(spec, "plugins" if sel is not None else "sink")
+            if sel is not None and not specs:
+                raise PluginError(f"no plugins given for selector {sel!r}")
+            for name, options, instance in specs:
                 if instance is None:
-                    check_plugin(name, options)
+                    try:
+                        check_plugin(name, options)
+                    except PluginLoadError:
+                        if on_error == "raise":  # (under "warn" attach() leaves it out)
+                            raise
     except (ValueError, TypeError) as exc:  # (PluginError and ConfigError are ValueErrors)
         if exc.args and isinstance(exc.args[0], str):  # (the same error, its fields kept)
             exc.args = (f"{who}: {exc.args[0]}",) + exc.args[1:]

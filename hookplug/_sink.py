@@ -25,6 +25,7 @@ This base supplies what every sink that writes somewhere repeats:
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional, Tuple
 
@@ -68,23 +69,34 @@ class Sink:
         warn_unmarked_hooks(cls)  # a hookplug_* method without @hookimpl is never called
 
     def __post_init__(self, *init_vars) -> None:
-        """A ``@dataclass`` sink's fields are checked as options are (see ``Plugin``)."""
+        """A ``@dataclass`` sink's fields are checked as options are (see ``Plugin``); its
+        ``path`` and ``all_ranks`` fields, where it declares them, are taken as
+        ``Sink.__init__`` takes them (the dataclass's ``__init__`` does not call it)."""
         from ._options import check_dataclass_fields
 
         check_dataclass_fields(self)
+        fields = {f.name for f in dataclasses.fields(self)}
+        if fields & {"path", "all_ranks"}:
+            Sink._take_path(self, getattr(self, "path", None) if "path" in fields else None,
+                            getattr(self, "all_ranks", False) if "all_ranks" in fields else False)
         after = getattr(super(), "__post_init__", None)  # (a dataclass mixin after this base)
         if after is not None:
             after(*init_vars)
 
     def __init__(self, path: "Optional[str | os.PathLike[str]]" = None, *, all_ranks: bool = False):
-        self.path_option = None if path is None else os.fspath(path)
-        if self.path_option is not None:
-            if not isinstance(self.path_option, str) or not self.path_option.strip():
+        self._take_path(path, all_ranks)
+
+    def _take_path(self, path, all_ranks) -> None:
+        option = None if path is None else os.fspath(path)
+        if option is not None:
+            if not isinstance(option, str) or not option.strip():
                 raise ValueError(f"{self.name} sink: path= expects a file or folder name (or None: "
                                  f"runs/<run-id>), got {path!r}")
-            self._check_placeholders(self.path_option)
-        self.all_ranks = bool(all_ranks)
-        self.path: Optional[str] = None  # the resolved path, once known
+            self._check_placeholders(option)
+        set_ = object.__setattr__  # (a frozen dataclass sink too)
+        set_(self, "path_option", option)
+        set_(self, "all_ranks", bool(all_ranks))
+        set_(self, "path", None)  # the resolved path, once known
 
     def _check_placeholders(self, path: str) -> None:
         allowed = ", ".join("{" + p + "}" for p in PLACEHOLDERS)

@@ -761,9 +761,10 @@ class _Union:
 
 
 _FLUSH_ALIKE = (
-    "hookplug telemetry: a flush is a collective of the session's process group, so every "
-    "rank must attach the session and flush alike (the same number of session.step() calls "
-    "with flush_every=, of session.flush() and remove()); a session attached on some ranks "
+    "hookplug telemetry: this was a flush's exchange of layouts between the ranks of the "
+    "session's process group. If it timed out, a rank did not come to this flush: every rank "
+    "must attach the session and flush alike (as many session.step() calls with "
+    "flush_every=, session.flush() and remove() calls); a session attached on some ranks "
     "only takes distributed=False.")
 
 

@@ -101,7 +101,10 @@ def hookplug_collect(session, step):
     ranks under ``torch.distributed``, copies it to the host in one non-blocking transfer
     and turns it into flat records for the sinks (rows no call touched, ``calls`` and ``numel`` 0, give no record); CPU
     rows are read at once. Either way the rows are free for the producer to refill once
-    this hook has returned (device rows: in stream order)."""
+    this hook has returned (device rows: in stream order). ``step`` is the number of the
+    step now running: the steps before it have ended (and at ``remove()`` the running one
+    too, with no ``hookplug_step`` call for it); a row's ``meta["step"]`` is the step it was
+    gathered in, as ``hookplug_step`` numbered it."""
 
 
 @hookspec

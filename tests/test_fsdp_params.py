@@ -33,9 +33,10 @@ def _fsdp2_gradclamp(rank, world, when):
         mesh = init_device_mesh("cpu", (world,))
         # "after_forward": model[2]'s parameters are the root group's, which FSDP2 leaves
         # unsharded (plain Parameters) after a forward, until the backward
-        for layer in (model[0], model[2]) if when != "after_forward" else (model[0],):
+        for layer in (model[0], model[2]) if when not in ("after_forward", "ignored") else (model[0],):
             fsdp.fully_shard(layer, mesh=mesh)
-        fsdp.fully_shard(model, mesh=mesh)
+        # "ignored": a parameter FSDP2 leaves alone is a plain one, steered as without FSDP2
+        fsdp.fully_shard(model, mesh=mesh, **({"ignored_params": {model[2].bias}} if when == "ignored" else {}))
 
     zeroed = []
     with warnings.catch_warnings(record=True) as caught:
@@ -52,7 +53,7 @@ def _fsdp2_gradclamp(rank, world, when):
             session = hookplug.attach(model, "Linear", plugins=("gradclamp", opts))
         for _ in range(2):
             model(torch.randn(4, 6) + rank).sum().backward()
-            local = {n: p.grad.to_local() for n, p in model.named_parameters()}
+            local = {n: p.grad.to_local() if is_dtensor(p.grad) else p.grad for n, p in model.named_parameters()}
             zeroed.append([n for n, g in local.items() if g.numel() and not g.any()])  # (shards may be empty)
             model.zero_grad()
             session.step()
@@ -93,14 +94,18 @@ def test_params_under_fsdp1_flat_shards(tmp_path, plain):
             assert abs(l2 - float(p.detach().norm())) <= 1e-12 * max(1.0, l2)
 
 
-@pytest.mark.parametrize("when", ["before", "after", "after_forward"])
+@pytest.mark.parametrize("when", ["before", "after", "after_forward", "ignored"])
 def test_param_grad_hooks_under_fsdp2_warn_once(tmp_path, when):
     """Whenever attached, FSDP2's parameters are never steered (attached after a forward the
-    root group's unsharded copies were, for one step) and the session warns once."""
+    root group's unsharded copies were, for one step) and the session warns once; one in
+    ``ignored_params`` is steered."""
     for got in spawn(_fsdp2_gradclamp, tmp_path, when):
         assert len(got["warnings"]) == 1, got
         assert "parameter '0.weight'" in got["warnings"][0]  # the first hooked one
-        assert got["zeroed"] == [[], []] and got["changed"] == {}, got
+        if when == "ignored":
+            assert got["zeroed"] == [["2.bias"], ["2.bias"]] and list(got["changed"]) == ["2.bias"], got
+        else:
+            assert got["zeroed"] == [[], []] and got["changed"] == {}, got
 
 
 def _fsdp2_regional(rank, world, variant):

@@ -976,3 +976,60 @@ def test_plugin_instances_attached_again_start_afresh():
     again, fresh = run(second, plugins, 1), run(twin, make(), 1)
     assert again == fresh
     assert fresh[3]["x"] == [100.0] and len(fresh[3]["y"]) == 1 and set(fresh[0]) == {"x", "y"}
+
+
+def test_a_plugin_instance_serves_one_session_at_a_time():
+    """Attached to a second model while its first session is not removed, an instance
+    refuses (the second attach emptied the first session's results); once removed, it may
+    be attached again; a sink instance may serve two sessions."""
+    from hookplug_plugins.stats import StatsPlugin
+
+    class Keep(hookplug.Sink):
+        def __init__(self):
+            self.records = []
+
+        @hookimpl
+        def hookplug_flush(self, session, records):
+            self.records.extend(records)
+
+    plugin, sink = StatsPlugin(), Keep()
+    a, b = nn.Sequential(nn.Linear(2, 2)), nn.Sequential(nn.Linear(2, 2))
+    first = hookplug.attach(a, "Linear", [plugin], sink=sink)
+    a(torch.randn(3, 2))
+    with pytest.raises(PluginError, match="'stats' .*another session that is not removed"):
+        hookplug.attach(b, "Linear", [plugin])
+    assert int(first["stats"].results()["0"]["output"].calls) == 1
+    assert not b[0]._forward_hooks, "the refused attach left no hook"
+    with hookplug.attach(b, "Linear", [StatsPlugin()], sink=sink) as second:  # a sink: shared
+        b(torch.randn(3, 2))
+        second.step()
+    first.step()
+    first.remove()
+    with hookplug.attach(b, "Linear", [plugin]) as again:  # removed: free again
+        b(torch.randn(3, 2))
+        assert int(again["stats"].results()["0"]["output"].calls) == 1
+    assert len(sink.records) == 2
+
+
+_Hooks = collections.namedtuple("_Hooks", "fwd pre")
+
+
+def _no_op(*args):
+    return None
+
+
+class _HandlesInATuple(nn.Linear):
+    def __init__(self):
+        super().__init__(2, 2)
+        self.hooks = _Hooks(self.register_forward_hook(_no_op), self.register_forward_pre_hook(_no_op))
+
+
+def test_copies_of_a_module_keeping_its_handles_in_a_namedtuple():
+    """A namedtuple (or a list subclass) of handles is left as it is (rebuilding it as
+    ``type(value)(items)`` raised in ``deepcopy`` and ``torch.save``)."""
+    model = nn.Sequential(_HandlesInATuple())
+    with hookplug.attach(model, "Linear", "stats"):
+        copied = copy.deepcopy(model)
+        torch.save(model, io.BytesIO())
+    assert isinstance(copied[0].hooks, _Hooks)
+    assert copied[0].hooks.fwd.hooks_dict_ref() is copied[0]._forward_hooks

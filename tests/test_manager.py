@@ -640,3 +640,96 @@ def test_plugin_specs_that_cannot_be_what_they_look_like_say_so():
         hookplug.attach(MLP(), "Linear", plugins=Numbered())
     with hookplug.attach(MLP(), "Linear", plugins=["capture", {"stats": None}]) as s:  # two plugins
         assert set(s.plugins) == {"capture", "stats"}
+
+
+def test_check_attach_arguments_agrees_with_attach(fake_eps, eps_of):
+    """What the trainer callbacks check when made is what attach() would do: None is "not
+    set", a plugin that fails to load is left out under on_error="warn", a one-shot iterator
+    option is not consumed by the check, and what attach() refuses is refused."""
+    from hookplug._session import check_attach_arguments
+
+    check_attach_arguments("CB", None, ["quiet"], {"every": None, "on_error": None, "strict": None,
+                                                  "distributed": None, "flush_every": None})
+    check_attach_arguments("CB", None, ["broken", "quiet"], {"on_error": "warn"})
+    with pytest.raises(_manager.PluginLoadError, match="^CB: .*thirdparty-broken"):
+        check_attach_arguments("CB", None, ["broken", "quiet"], {})
+    with pytest.raises(hookplug.PluginError, match=r"^CB: with a \{selector: plugins\} dict"):
+        check_attach_arguments("CB", {"Linear": "quiet"}, "quiet", {})
+    with pytest.raises(hookplug.PluginError, match="^CB: no plugins given for selector"):
+        check_attach_arguments("CB", "Linear", [], {})
+    with pytest.raises(TypeError, match="^CB: attach\\(\\): strict must be") as info:
+        check_attach_arguments("CB", None, "quiet", {"strict": 1})
+    assert str(info.value).count("CB") == 1
+    eps_of(needs=Needs)
+    sites = (s for s in ["a", "b"])
+    check_attach_arguments("CB", None, [("needs", {"level": 1.0, "tag": sites})], {})
+    assert list(sites) == ["a", "b"], "the check consumed the user's iterator"
+    with pytest.raises(hookplug.PluginError, match="option 'level'"):
+        check_attach_arguments("CB", None, [("needs", {"level": "high"})], {})
+
+
+def test_a_dataclass_sinks_path_and_all_ranks_fields(tmp_path):
+    """A ``@dataclass`` sink declaring ``path``/``all_ranks`` gets them as ``Sink.__init__``
+    gives them (its path was ignored: records went to runs/<run-id>; a bad placeholder was
+    not refused)."""
+    import dataclasses
+    import os
+    from typing import Optional
+
+    @dataclasses.dataclass
+    class Lines(hookplug.Sink):
+        name = "lines"
+        file_name = "out.txt"
+        path: Optional[str] = None
+        all_ranks: bool = False
+
+        @hookplug.hookimpl
+        def hookplug_flush(self, session, records):
+            self.wrote = self.resolve_path(session)
+
+    sink = Lines(path=str(tmp_path / "here"), all_ranks=True)
+    assert (sink.path_option, sink.all_ranks, sink.path) == (str(tmp_path / "here"), True, None)
+    model = MLP()
+    with hookplug.attach(model, "Linear", plugins="stats", sink=sink, flush_every=1) as s:
+        model(torch.randn(2, 32))
+        s.step()
+    assert sink.wrote == os.path.join(str(tmp_path / "here"), "out.txt")
+    with pytest.raises(ValueError, match=r"lines sink: path 'runs/\{step\}' has the placeholder \{step\}"):
+        Lines(path="runs/{step}")
+
+
+def test_plugin_author_mistakes_get_errors_that_say_what_to_do():
+    """A plain object's unmarked hook is warned about as a Plugin subclass's is; a plain
+    object with hooks but no mark, and ``(instance, {options})``, get errors saying what to
+    do; a report section that is not a dict names its plugin."""
+    class Half:
+        @hookplug.hookimpl
+        def hookplug_forward_output(self, ctx, output):
+            pass
+
+        def hookplug_step(self, session, step):  # (no mark: never called)
+            pass
+
+    class Unmarked:
+        def hookplug_forward_output(self, ctx, output):
+            pass
+
+    model = MLP()
+    with pytest.warns(RuntimeWarning, match=r"Half.hookplug_step is named like a hookplug hook but is not marked"):
+        hookplug.attach(model, "Linear", plugins=[Half()]).remove()
+    with pytest.raises(PluginError, match=r"it has hookplug_forward_output but no method marked @hookplug.hookimpl"):
+        hookplug.attach(model, "Linear", plugins=[Unmarked()])
+    with pytest.raises(PluginError, match=r"is an instance, built with its options already: give them to its "
+                                          r"constructor \(Half\(...\)\)"):
+        hookplug.attach(model, "Linear", plugins=(Half(), {"k": 2}))
+
+    class Texty(hookplug.Plugin):
+        name = "texty"
+
+        @hookplug.hookimpl
+        def hookplug_report_section(self, session):
+            return ["a", "list"]
+
+    with hookplug.attach(model, "Linear", plugins=[Texty()]) as s:
+        with pytest.raises(TypeError, match="hookplug plugin 'texty': hookplug_report_section must return"):
+            s.report_sections()

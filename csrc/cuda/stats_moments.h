@@ -21,7 +21,7 @@ HOOKPLUG_HD bool finite(double x) { return x - x == 0.0; }  // false for NaN and
 // within a factor 2 of each other, instead of the difference of two rounded absolute means
 // (float64 data at mean/std ~ 1e8 lost ~2e-10 of its std that way over 2M thread partials).
 // The counts are a block's at most: fewer than 2**32 elements a block (grid_size), and
-// 32-bit counts keep the kernels at 72 registers without spills (the last block adds the
+// 32-bit counts keep the kernels at 74-78 registers without spills (the last block adds the
 // blocks' counts as Counts).
 struct Partial {
   double n, shift, mean, m2, mn, mx;
