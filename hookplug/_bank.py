@@ -841,9 +841,10 @@ class StatsBank:
                 dev.gate.fill_(live)  # a device op: no sync; never inside a CUDA graph
 
     # -- step boundary and telemetry ---------------------------------------------------------
-    def end_step(self, step: int, *, warn_unflushed: bool = False) -> None:
+    def end_step(self, step: int, *, warn_unflushed: bool = False, final: bool = False) -> None:
         """Snapshot the step that ended and reset the bank in place (folded into the totals
-        in batches: see ``_DeviceRows.fold``)."""
+        in batches: see ``_DeviceRows.fold``). ``final``: the step running at ``remove()``,
+        kept beside ``max_pending_steps`` ended ones (it is often empty)."""
         if not self.live or not self._devices:
             return
         used = len(self.keys) + 1  # the meta row and every assigned row
@@ -851,8 +852,9 @@ class StatsBank:
         for device, dev in self._devices.items():
             snaps[device] = dev.end_step(used)
         self.pending.append((step, snaps))
-        if len(self.pending) > self.max_pending_steps:
-            del self.pending[: len(self.pending) - self.max_pending_steps]
+        keep = self.max_pending_steps + final
+        if len(self.pending) > keep:
+            del self.pending[: len(self.pending) - keep]
             if warn_unflushed and not self._warned:
                 self._warned = True
                 warnings.warn(
@@ -871,7 +873,7 @@ class StatsBank:
         the steps it ended before still reach the sinks."""
         if session.removed and not any(p is plugin for n, p in session.plugins.items()
                                        if n in session.disabled):
-            self.end_step(session.step_index)
+            self.end_step(session.step_index, final=True)
         return self.collect(meta) or None
 
     def collect(self, meta: Callable[[Tuple, int], Dict[str, Any]]) -> List[StatsBlock]:

@@ -293,8 +293,23 @@ def load_config(path: "str | os.PathLike[str]") -> Dict[str, Any]:
     except RecursionError:
         raise ConfigError(f"{name}: tables/arrays nested too deep") from None
     out = parse_config(data, path)
-    _paths_relative_to(os.path.dirname(os.path.abspath(path)), out.get("sink", {}))
+    folder = os.path.dirname(os.path.abspath(path))
+    _paths_relative_to(folder, out.get("sink", {}))
+    if isinstance(out.get("selector"), dict):  # a sink in [plugins.NAME] serves as a sink too
+        for plugins in out["selector"].values():
+            _paths_relative_to(folder, {n: o for n, o in plugins.items() if _is_sink(n)})
     return out
+
+
+def _is_sink(name: str) -> bool:
+    """Whether the plugin registered as ``name`` is a sink (its factory has ``hookplug_flush``)."""
+    from ._manager import PluginError, _factory
+
+    try:
+        factory = _factory(name, None)[1]
+    except PluginError:
+        return False  # (attach() says what is wrong with it)
+    return callable(getattr(factory, "hookplug_flush", None))
 
 
 def _paths_relative_to(folder: str, sinks: Dict[str, Dict[str, Any]]) -> None:

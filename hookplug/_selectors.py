@@ -143,7 +143,7 @@ def _split_terms(selector: str) -> List[Tuple[int, str]]:
         if not in_regex and ch == ":" and not seen_colon:
             seen_colon = True
             k = i + 1
-            while k < len(selector) and selector[k] == " ":
+            while k < len(selector) and selector[k].isspace():
                 k += 1
             if selector.startswith("re:", k):
                 in_regex = True
@@ -707,15 +707,19 @@ def select_terms(model: nn.Module, selector: str, *, strict: bool = False, stack
     known = list({k for _, m in named for k in type(m).__mro__})
     chosen: dict = {}
     containers = []  # the matches of terms that matched only containers no forward calls
+    unmatched = []  # terms that match no module (a typo in a name, a class this model lacks)
     for term in terms:
         class_ok = [_class_matcher(selector, p, known) for p in term.classes]
         name_ok = _name_matcher(selector, term)
         matched = []
+        hit = named_hit = False
         for name, mod in named:
             if not name_ok(name) and not any(name_ok(a) for a in aliases.get(id(mod), ())):
                 continue
+            named_hit = True
             if class_ok and not any(f(mod) for f in class_ok):
                 continue
+            hit = True
             if term.exclude:
                 chosen.pop(name, None)
             else:
@@ -723,13 +727,39 @@ def select_terms(model: nn.Module, selector: str, *, strict: bool = False, stack
                 matched.append((name, mod))
         if matched and all(_never_called(m) for _, m in matched):
             containers.append(matched)
+        if not hit:
+            unmatched.append((term, named_hit))
     result = [(n, m) for n, m in named if n in chosen]
     if not result:
         msg = f"selector {selector!r} matched no module of {type(model).__name__}"
         if strict:
             raise SelectorError(selector, 0, msg)
         warnings.warn(msg, stacklevel=stacklevel)
+    elif len(terms) > 1:  # (one term: the message above)
+        for term, named_hit in unmatched:
+            msg = _unmatched_term(selector, terms, term, model, [n for n, _ in named], named_hit)
+            if strict:
+                raise SelectorError(selector, term.column, msg)
+            warnings.warn(msg, stacklevel=stacklevel)
     return result, containers
+
+
+def _unmatched_term(selector: str, terms: List[_Term], term: _Term, model: nn.Module,
+                    names: List[str], named_hit: bool) -> str:
+    """The warning for a term of ``selector`` that matches no module, with close names
+    where its name pattern matches none (``named_hit``: it does, of other classes)."""
+    i = terms.index(term)
+    end = terms[i + 1].column if i + 1 < len(terms) else len(selector)
+    text = selector[term.column:end].strip().rstrip(",").strip()
+    msg = (f"selector {selector!r}: its term {text!r} matches no module of {type(model).__name__} "
+           f"({'nothing removed' if term.exclude else 'nothing added'})")
+    if named_hit:
+        msg += "; the modules its names match are of other classes"
+    elif term.name_kind == "glob" and term.name_pattern != "*":
+        close = difflib.get_close_matches(term.name_pattern, [n for n in names if n], n=3)
+        if close:
+            msg += f"; did you mean {' or '.join(repr(c) for c in close)}?"
+    return msg
 
 
 def _never_called(module: nn.Module) -> bool:

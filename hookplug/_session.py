@@ -131,6 +131,16 @@ def _normalize_specs(spec: PluginSpec, what: str = "plugins") -> List[Tuple[str,
     return [(name, {}, spec)]
 
 
+def _same_form(value):
+    """``value`` with its lists as tuples, to compare options given once as a list and once
+    as a tuple (equal options)."""
+    if isinstance(value, dict):
+        return {k: _same_form(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return tuple(_same_form(v) for v in value)
+    return value
+
+
 def _short(value, limit: int = 80) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
@@ -1454,6 +1464,8 @@ def check_attach_arguments(who: str, selector: Any, plugins: Any, kwargs: Dict[s
             if plugins is not None:
                 raise PluginError("with a {selector: plugins} dict, leave plugins= unset")
             groups = list(selector.items())
+            if not groups:
+                raise PluginError("the {selector: plugins} dict is empty: no module would be hooked")
         elif plugins is None:
             raise PluginError("plugins= is required (a name, a list, or instances), or a "
                               "config= file that names them")
@@ -1526,6 +1538,8 @@ def attach(
         if plugins is not None:
             raise PluginError("attach(): with a {selector: plugins} dict, leave plugins= unset")
         groups = list(selector.items())
+        if not groups:
+            raise PluginError("attach(): the {selector: plugins} dict is empty: no module would be hooked")
     else:
         if plugins is None:
             raise PluginError("attach(): plugins= is required (a name, a list, or instances)")
@@ -1556,7 +1570,7 @@ def attach(
             group_keys.add(key)
             if key in plan:
                 prev_instance, mods, prev_opts = plan[key]
-                if instance is not prev_instance or options != prev_opts:
+                if instance is not prev_instance or _same_form(options) != _same_form(prev_opts):
                     raise PluginError(
                         f"plugin {key!r} appears under two selectors with different options or "
                         "instances; give the second one its own instance with another name"

@@ -113,6 +113,22 @@ def test_select_a_factory_from_a_file_and_from_a_module(tmp_path, call):
     assert names == ["fc"]
 
 
+def test_select_counts_a_tied_parameter_once_and_hints_at_the_root(tmp_path, call):
+    (tmp_path / "tied.py").write_text(
+        "import torch.nn as nn\n"
+        "def make():\n"
+        "    m = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))\n"
+        "    m[1].weight = m[0].weight\n"
+        "    return m\n"
+        "def single():\n"
+        "    return nn.Linear(2, 3)\n"
+    )
+    out = ok(run("select", "tied.py:make", "Embedding, Linear", "--plain", cwd=tmp_path)).stdout
+    assert "40 of 40 parameters" in out, out  # (was 80 of 40: the tied weight twice)
+    err = run("select", "tied.py:single", "Linear", "--plain", cwd=tmp_path).stderr
+    assert "select tied.py:single \"*, *:\"" in err and "is the root" in err, err
+
+
 def test_select_names_a_submodule_compiled_in_place_as_the_plain_model(tmp_path, call):
     """``self.net = torch.compile(self.net)``: the tree and names have no ``_orig_mod``
     segment (they are select()'s names; the tree used to look them up in the raw

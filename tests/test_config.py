@@ -248,6 +248,24 @@ def test_a_relative_sink_path_in_a_file_is_relative_to_the_file(tmp_path, monkey
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_sink_in_a_plugins_table_takes_its_path_from_the_files_folder_too(tmp_path, monkeypatch):
+    """``[plugins.jsonl] path = "out"`` (a sink named among the plugins serves as the sink)
+    wrote under the working directory; a plugin's own options are left as they are."""
+    cfg_dir, elsewhere = tmp_path / "cfg", tmp_path / "elsewhere"
+    cfg_dir.mkdir()
+    elsewhere.mkdir()
+    path = cfg_dir / "t.toml"
+    path.write_text('select = "Linear"\nflush_every = 1\n[plugins.stats]\nbins = 0\n'
+                    '[plugins.jsonl]\npath = "out"\n')
+    monkeypatch.chdir(elsewhere)
+    groups = hookplug.load_config(str(path))["selector"]
+    assert groups == {"Linear": {"stats": {"bins": 0}, "jsonl": {"path": str(cfg_dir / "out")}}}
+    m = MLP()
+    with hookplug.attach(m, config=str(path)) as s:
+        _one_step(m, s)
+    assert (cfg_dir / "out" / "telemetry.jsonl").is_file() and not (elsewhere / "out").exists()
+
+
 def test_a_relative_sink_path_keeps_its_placeholders_and_the_folder_its_braces(tmp_path, monkeypatch):
     cfg_dir = tmp_path / "exp{1}"  # a folder name with braces is not a placeholder
     cfg_dir.mkdir()

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import hookplug
+from conftest import RecordSink
 from hookplug._stats import TensorStats
 from hookplug import PluginError
 from hookplug.models import MLP, resnet34_like, tiny_transformer
@@ -775,3 +776,18 @@ def test_a_linear_range_too_narrow_for_its_bins_is_refused_at_attach():
     with pytest.raises(ValueError, match=r"range must be finite with lo < hi .*\(hi - lo\) finite\), got \(0.0, 4e-310\)"):
         StatsPlugin(hist="linear", bins=4, range=(0.0, 4e-310))
     assert StatsPlugin(hist="linear", bins=4, range=(0.0, 1e-300)).bank is not None
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_remove_hands_the_last_max_pending_steps_to_the_sinks(n):
+    """With no flush, ``remove()`` ends the running (empty) step too: it pushed the oldest
+    of the ``max_pending_steps`` kept steps out (n=1: no step reached the sink)."""
+    lin = nn.Linear(3, 3)
+    sink = RecordSink()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (the not-collected warning)
+        with hookplug.attach(lin, "*:", plugins=("stats", {"max_pending_steps": n}), sink=sink) as s:
+            for _ in range(5):
+                lin(torch.randn(2, 3))
+                s.step()
+    assert sorted({r["step"] for r in sink.records}) == list(range(5 - n, 5))

@@ -389,3 +389,30 @@ def test_dotted_class_exported_lazily_with_two_candidates_is_ambiguous(lazy_pack
     # a model holding one of them: that one
     assert names(nn.Sequential(nn.ReLU(), _dup.Block(1, 1)), "hp_lazy_pkg.Block") == ["1"]
     assert not lazy_package.exists()
+
+
+@pytest.mark.parametrize("sel, term, close", [
+    ("Conv2d, *:fcc", "*:fcc", "'fc'"),  # a typo in an added name
+    ("Conv2d, -*:layer1.0.conv", "*:layer1.0.conv", "'layer1.0.conv1'"),  # in a removal
+    ("Conv2d, Linear:layer1.*", "Linear:layer1.*", None),  # a class the part lacks
+])
+def test_a_term_matching_no_module_warns_and_strict_refuses(resnet, sel, term, close):
+    """One term of several that matches nothing (the others do) was silent, also under
+    ``strict=True``: a typo in a name went unnoticed."""
+    with pytest.warns(UserWarning, match=re.escape(f"its term {term!r} matches no module")) as rec:
+        assert names(resnet, sel) == names(resnet, "Conv2d")
+    assert (close is None) == ("did you mean" not in str(rec[0].message))
+    if close:
+        assert close in str(rec[0].message)
+    with pytest.raises(SelectorError, match="matches no module") as info:
+        select(resnet, sel, strict=True)
+    assert sel[info.value.column:].lstrip("-").startswith(term)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        names(resnet, "Conv2d, *:fc")  # every term matches: no warning
+
+
+def test_any_whitespace_before_re_starts_the_regex():
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(12)])
+    for sel in ("*: re:1\\d{0,1}", "*:\tre:1\\d{0,1}", "Linear:\n    re:1\\d{0,1}"):
+        assert names(model, sel) == ["1", "10", "11"], sel

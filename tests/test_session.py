@@ -110,6 +110,18 @@ def test_selector_dict_gives_each_plugin_its_modules():
     assert list(s.modules_of("b")) == ["fc1", "fc3"]
 
 
+def test_selector_dict_edge_cases():
+    """An empty dict is refused (it hooked nothing, silently); one plugin under two
+    selectors with equal options given once as a list and once as a tuple is one plugin."""
+    m = MLP()
+    with pytest.raises(hookplug.PluginError, match=r"the \{selector: plugins\} dict is empty"):
+        hookplug.attach(m, {})
+    with hookplug.attach(m, {"*:fc1": ("stats", {"sites": ("output",)}),
+                             "*:fc3": ("stats", {"sites": ["output"]})}) as s:
+        m(torch.randn(2, 32))
+        assert list(s.modules_of("stats")) == ["fc1", "fc3"]
+
+
 # -- folding and context -----------------------------------------------------------------------------
 
 def test_fold_in_plugin_order():

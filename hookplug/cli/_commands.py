@@ -574,7 +574,7 @@ def cmd_select(args) -> int:
         raise UsageError(_selector_message(exc)) from None
     if not matched:
         raise UsageError(f"selector {args.selector!r} matched no module of {type(loaded.model).__name__}; "
-                         f"try '{PROG} select {args.model} \"*\"' to see its modules")
+                         f"try '{PROG} select {args.model} \"*, *:\"' to see its modules (\"*:\" is the root)")
     if args.names:
         error = _print_stdout(lambda: print("\n".join(name for name, _ in matched)))
     else:
@@ -609,7 +609,8 @@ def _tensorboard_writer(logdir: str, created: _Created):
 
 def _selector_message(exc: SelectorError, model_spec: Optional[str] = None) -> str:
     if "matched no module" in exc.reason:
-        hint = f"; try 'hookplug select {model_spec} \"*\"' to see its modules" if model_spec else ""
+        hint = (f"; try 'hookplug select {model_spec} \"*, *:\"' to see its modules (\"*:\" is the root)"
+                if model_spec else "")
         return f"{exc.reason}{hint}"
     return f"bad selector {exc.selector!r} (column {exc.column + 1}): {exc.reason}"
 

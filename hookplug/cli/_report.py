@@ -565,7 +565,7 @@ def print_selection(model, label: str, selector: str, names: Sequence[str], use_
     lines = selection_lines(model, names, file, mods)
     total_modules = len(mods)
     top = _top_level(list(names))
-    top_params = sum(p.numel() for n in top for p in mods[n].parameters())
+    top_params = sum(p.numel() for p in {id(p): p for n in top for p in mods[n].parameters()}.values())  # (tied: once)
     head = f"{type(model).__name__}" + (f" ({label})" if label != type(model).__name__ else "")
     summary = (f"{len(names)} of {total_modules} modules match {selector!r} · "
                f"{top_params:,} of {sum(p.numel() for p in model.parameters()):,} parameters")
