@@ -477,19 +477,36 @@ def _lazy_export(selector: str, pat: _ClassPattern, modname: str, rest: Sequence
     )
 
 
-def _class_matcher(selector: str, pat: _ClassPattern, known: Sequence[type]) -> Callable[[nn.Module], bool]:
+def _class_matcher(selector: str, pat: _ClassPattern, known: Sequence[type],
+                   module_names: Sequence[str] = ()) -> Callable[[nn.Module], bool]:
     if pat.dotted:
-        cls = _imported_class(selector, pat, known)
+        try:
+            cls = _imported_class(selector, pat, known)
+        except SelectorError as exc:
+            raise _as_name_hint(exc, pat.text, module_names) from None
         return lambda m, c=cls: isinstance(m, c)
     name = pat.text
     if not any(k.__name__ == name for k in known) and not isinstance(getattr(nn, name, None), type):
         candidates = sorted({k.__name__ for k in known} | {n for n in dir(nn) if n[:1].isupper()})
-        close = difflib.get_close_matches(name, candidates, n=3)
-        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-        raise SelectorError(
+        close = [c for c in candidates if c.lower() == name.lower()]  # (difflib is case-sensitive)
+        close += [c for c in difflib.get_close_matches(name, candidates, n=3) if c not in close]
+        hint = f"; did you mean {' or '.join(repr(c) for c in close[:3])}?" if close else ""
+        raise _as_name_hint(SelectorError(
             selector, pat.column, f"no class named {name!r} in the model or in torch.nn{hint}"
-        )
+        ), name, module_names)
     return lambda m: any(k.__name__ == name for k in type(m).__mro__)
+
+
+def _as_name_hint(exc: SelectorError, text: str, module_names: Sequence[str]) -> SelectorError:
+    """``exc`` for a class part that reads as a module name (``lm_head``, ``transformer.h``)
+    or a regex (``re``): it says how a name is written."""
+    if text == "re":
+        return SelectorError(exc.selector, exc.column, exc.reason + "; a regex over names is "
+                             "written after a colon: '*:re:...'")
+    if any(fnmatch.fnmatchcase(n, text) for n in module_names if n):
+        return SelectorError(exc.selector, exc.column, exc.reason + f"; {text!r} is a module "
+                             f"name here: a name is written after a colon, '*:{text}'")
+    return exc
 
 
 def _name_matcher(selector: str, term: _Term) -> Callable[[str], bool]:
@@ -705,11 +722,12 @@ def select_terms(model: nn.Module, selector: str, *, strict: bool = False, stack
     named = named_modules(model)
     aliases = module_aliases(model)
     known = list({k for _, m in named for k in type(m).__mro__})
+    module_names = [n for n, _ in named]
     chosen: dict = {}
     containers = []  # the matches of terms that matched only containers no forward calls
     unmatched = []  # terms that match no module (a typo in a name, a class this model lacks)
     for term in terms:
-        class_ok = [_class_matcher(selector, p, known) for p in term.classes]
+        class_ok = [_class_matcher(selector, p, known, module_names) for p in term.classes]
         name_ok = _name_matcher(selector, term)
         matched = []
         hit = named_hit = False

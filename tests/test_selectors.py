@@ -416,3 +416,15 @@ def test_any_whitespace_before_re_starts_the_regex():
     model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(12)])
     for sel in ("*: re:1\\d{0,1}", "*:\tre:1\\d{0,1}", "Linear:\n    re:1\\d{0,1}"):
         assert names(model, sel) == ["1", "10", "11"], sel
+
+
+@pytest.mark.parametrize("sel, hint", [
+    ("layer1", "'layer1' is a module name here: a name is written after a colon, '*:layer1'"),
+    ("re:layer1", "a regex over names is written after a colon: '*:re:...'"),
+    ("conv2D", "did you mean 'Conv2d'"),  # case: difflib alone missed it
+    ("RELU", "did you mean 'ReLU'"),
+])
+def test_a_class_part_that_is_a_name_or_in_another_case_says_so(resnet, sel, hint):
+    with pytest.raises(SelectorError) as info:
+        select(resnet, sel)
+    assert hint in info.value.reason, info.value.reason
