@@ -486,7 +486,8 @@ def _class_matcher(selector: str, pat: _ClassPattern, known: Sequence[type],
             raise _as_name_hint(exc, pat.text, module_names) from None
         return lambda m, c=cls: isinstance(m, c)
     name = pat.text
-    if not any(k.__name__ == name for k in known) and not isinstance(getattr(nn, name, None), type):
+    if (not any(k.__name__ == name for k in known) and not isinstance(getattr(nn, name, None), type)
+            and not _imported_class_named(name)):
         candidates = sorted({k.__name__ for k in known} | {n for n in dir(nn) if n[:1].isupper()})
         close = [c for c in candidates if c.lower() == name.lower()]  # (difflib is case-sensitive)
         close += [c for c in difflib.get_close_matches(name, candidates, n=3) if c not in close]
@@ -495,6 +496,17 @@ def _class_matcher(selector: str, pat: _ClassPattern, known: Sequence[type],
             selector, pat.column, f"no class named {name!r} in the model or in torch.nn{hint}"
         ), name, module_names)
     return lambda m: any(k.__name__ == name for k in type(m).__mro__)
+
+
+def _imported_class_named(name: str) -> bool:
+    """Whether an imported module has an ``nn.Module`` class ``name`` (``Conv1D`` on a BERT,
+    in transformers: one selector, ``Linear|Conv1D``, serves GPT-2 and BERT; it matches
+    nothing here, and a typo, which no module has, is still refused)."""
+    for module in list(sys.modules.values()):
+        obj = getattr(module, "__dict__", {}).get(name)
+        if isinstance(obj, type) and obj.__name__ == name and issubclass(obj, nn.Module):
+            return True
+    return False
 
 
 def _as_name_hint(exc: SelectorError, text: str, module_names: Sequence[str]) -> SelectorError:

@@ -428,3 +428,16 @@ def test_a_class_part_that_is_a_name_or_in_another_case_says_so(resnet, sel, hin
     with pytest.raises(SelectorError) as info:
         select(resnet, sel)
     assert hint in info.value.reason, info.value.reason
+
+
+class ElsewhereBlock(nn.Module):
+    """A class the test models do not use (as transformers' ``Conv1D`` is to a BERT)."""
+
+
+def test_a_class_of_another_imported_model_matches_nothing_a_typo_is_refused(resnet):
+    """One selector for several models (``Linear|Conv1D`` for GPT-2 and BERT): a class name
+    an imported module has matches nothing in a model without it (it was refused); a name
+    no module has is still refused with its suggestion."""
+    assert names(resnet, "Linear|ElsewhereBlock") == names(resnet, "Linear")
+    with pytest.raises(SelectorError, match="did you mean 'Linear'"):
+        select(resnet, "Linear|Linaer")
