@@ -765,27 +765,42 @@ def select_terms(model: nn.Module, selector: str, *, strict: bool = False, stack
         if strict:
             raise SelectorError(selector, 0, msg)
         warnings.warn(msg, stacklevel=stacklevel)
-    elif len(terms) > 1:  # (one term: the message above)
+    elif len(terms) > 1:  # (one term: the message above; a warning only, also under strict)
         for term, named_hit in unmatched:
-            msg = _unmatched_term(selector, terms, term, model, [n for n, _ in named], named_hit)
-            if strict:
-                raise SelectorError(selector, term.column, msg)
-            warnings.warn(msg, stacklevel=stacklevel)
+            msg = _unmatched_term(selector, terms, term, model, module_names, named_hit)
+            if msg:
+                warnings.warn(msg, stacklevel=stacklevel)
     return result, containers
 
 
 def _unmatched_term(selector: str, terms: List[_Term], term: _Term, model: nn.Module,
                     names: List[str], named_hit: bool) -> str:
     """The warning for a term of ``selector`` that matches no module, with close names
-    where its name pattern matches none (``named_hit``: it does, of other classes)."""
+    where its name pattern matches none (``named_hit``: it does, of other classes); '' for
+    the idioms that may match nothing: ``*`` (a model that is one module) and a subtree's
+    removal, ``-*:head.*``, where ``head`` has no children."""
+    glob = term.name_kind == "glob"
+    if glob and term.name_pattern == "*" and not term.classes:
+        return ""
+    if (glob and term.exclude and term.name_pattern.endswith(".*")
+            and any(fnmatch.fnmatchcase(n, term.name_pattern[:-2]) for n in names if n)):
+        return ""
     i = terms.index(term)
-    end = terms[i + 1].column if i + 1 < len(terms) else len(selector)
-    text = selector[term.column:end].strip().rstrip(",").strip()
+    span = selector[term.column:terms[i + 1].column] if i + 1 < len(terms) else selector[term.column:]
+    if i + 1 < len(terms) and "," in span:
+        span = span[:span.rfind(",")]  # (the comma before the next term)
+    text = span.strip()
+    if term.exclude and not text.startswith("-"):
+        text = "-" + text
     msg = (f"selector {selector!r}: its term {text!r} matches no module of {type(model).__name__} "
            f"({'nothing removed' if term.exclude else 'nothing added'})")
-    if named_hit:
+    if glob and term.name_pattern == "*":
+        known = list(type(model).__mro__)
+        if any(_class_matcher(selector, p, known)(model) for p in term.classes):
+            msg += f"; '*' never names the root: it is selected with '{text.lstrip('-')}:'"
+    elif named_hit:
         msg += "; the modules its names match are of other classes"
-    elif term.name_kind == "glob" and term.name_pattern != "*":
+    elif glob:
         close = difflib.get_close_matches(term.name_pattern, [n for n in names if n], n=3)
         if close:
             msg += f"; did you mean {' or '.join(repr(c) for c in close)}?"

@@ -92,7 +92,8 @@ def _normalize_specs(spec: PluginSpec, what: str = "plugins") -> List[Tuple[str,
                 )
             out.append((name, dict(opts or {}), None))
         return out
-    if (isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], dict)
+    if (isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], dict) and spec[1]
+            and not all(v is None or isinstance(v, dict) for v in spec[1].values())
             and not isinstance(spec[0], (str, type)) and is_plugin_object(spec[0])):
         raise PluginError(
             f"{what}=: {_short(spec[0])} is an instance, built with its options already: give "
@@ -562,6 +563,7 @@ class _Entry:
 
 # plugin instances (not sinks) in a session not removed yet: id -> that session, weakly
 _IN_USE: Dict[int, "weakref.ReferenceType[Session]"] = {}
+_IN_USE_LOCK = threading.Lock()
 
 
 def _check_session_options(every, on_error, flush_every, start_step, distributed) -> None:
@@ -920,10 +922,7 @@ class Session:
             self._warn_replaced()
         self._removed = True
         _UNREMOVED.discard(self)
-        for entry in self._entries.values():
-            ref = _IN_USE.get(id(entry.plugin))
-            if ref is not None and ref() is self:
-                del _IN_USE[id(entry.plugin)]
+        self._release_plugins()
         self._sampling = False
         self._recompute.clear()
         for h in self._handles.values():
@@ -1119,16 +1118,17 @@ class Session:
                               f"results and reports); {type(plugin).__name__} has name {name!r}")
         if name in self._entries:
             raise PluginError(f"plugin name {name!r} is used twice in one session")
-        if not sink:  # (a sink may serve several sessions: it only receives records)
-            ref = _IN_USE.get(id(plugin))
-            other = ref() if ref is not None else None
-            if other is not None and other._attached and not other._removed and getattr(
-                    other._entry_of.get(id(plugin)), "plugin", None) is plugin:
-                raise PluginError(
-                    f"plugin {name!r} ({type(plugin).__name__} instance) is attached to another "
-                    "session that is not removed; an instance serves one session at a time "
-                    "(remove() that one first, or give this session an instance of its own)")
-            _IN_USE[id(plugin)] = weakref.ref(self)
+        if not sink and not implements_hook(plugin, "hookplug_flush"):  # (a sink may serve
+            with _IN_USE_LOCK:                                       # several: it only receives)
+                ref = _IN_USE.get(id(plugin))
+                other = ref() if ref is not None else None
+                if other is not None and other is not self and not other._removed and getattr(
+                        other._entry_of.get(id(plugin)), "plugin", None) is plugin:
+                    raise PluginError(
+                        f"plugin {name!r} ({type(plugin).__name__} instance) is attached to another "
+                        "session that is not removed; an instance serves one session at a time "
+                        "(remove() that one first, or give this session an instance of its own)")
+                _IN_USE[id(plugin)] = weakref.ref(self)
         entry = self._entries[name] = _Entry(name, plugin, list(module_names), sink)
         self._entry_of[id(plugin)] = entry
 
@@ -1211,6 +1211,14 @@ class Session:
         ``_TracedContext``)."""
         binding = self._bindings.get(name)
         return None if binding is None else binding.module_tensors.get(phase)
+
+    def _release_plugins(self) -> None:
+        """This session's plugin instances may serve another session (see ``_IN_USE``)."""
+        with _IN_USE_LOCK:
+            for entry in self._entries.values():
+                ref = _IN_USE.get(id(entry.plugin))
+                if ref is not None and ref() is self:
+                    del _IN_USE[id(entry.plugin)]
 
     def _fsdp2_owners(self) -> frozenset:
         """Modules whose parameters FSDP2 managed when first asked (at attach; a model
@@ -1584,26 +1592,30 @@ def attach(
     for n in sorted(chosen, key=order.__getitem__):
         session._module_refs[n] = weakref.ref(chosen[n])
 
-    built = _build_plugins([(k, opts, inst) for k, (inst, _, opts) in plan.items()], on_error)
-    for key, instance in built:
-        session._add_plugin(key, instance, sorted(plan[key][1], key=order.__getitem__))
-    by_key = dict(built)
-    for sel, containers, spec in never_called:  # where a plugin works through module calls
-        group = [by_key.get(getattr(inst, "name", None) or name) for name, _, inst in _normalize_specs(spec)]
-        if any(p is not None and _needs_calls(p) for p in group):
-            warn_never_called(sel, containers, stacklevel=3)
-    if sink is None and flush_every is not None and not any(implements_hook(p, "hookplug_flush") for _, p in built):
-        sink = "jsonl"  # (a sink named in plugins= serves as the sink)
-    sink_specs = [(getattr(inst, "name", None) or n, o, inst) for n, o, inst in _normalize_specs(sink, "sink")]
-    for key, instance in _build_plugins(sink_specs, on_error):
-        if not implements_hook(instance, "hookplug_flush"):  # its records would go nowhere, silently
-            exc = PluginError(f"sink= got {key!r}, which is not a sink: it implements no "
-                              "@hookplug.hookimpl hookplug_flush (a plugin goes in plugins=)")
-            if on_error == "raise":
-                raise exc
-            _skip_plugin(exc)
-            continue
-        session._add_plugin(key, instance, [], sink=True)
+    try:  # (a failure here leaves no plugin claimed by a session that never attached)
+        built = _build_plugins([(k, opts, inst) for k, (inst, _, opts) in plan.items()], on_error)
+        for key, instance in built:
+            session._add_plugin(key, instance, sorted(plan[key][1], key=order.__getitem__))
+        by_key = dict(built)
+        for sel, containers, spec in never_called:  # where a plugin works through module calls
+            group = [by_key.get(getattr(inst, "name", None) or name) for name, _, inst in _normalize_specs(spec)]
+            if any(p is not None and _needs_calls(p) for p in group):
+                warn_never_called(sel, containers, stacklevel=3)
+        if sink is None and flush_every is not None and not any(implements_hook(p, "hookplug_flush") for _, p in built):
+            sink = "jsonl"  # (a sink named in plugins= serves as the sink)
+        sink_specs = [(getattr(inst, "name", None) or n, o, inst) for n, o, inst in _normalize_specs(sink, "sink")]
+        for key, instance in _build_plugins(sink_specs, on_error):
+            if not implements_hook(instance, "hookplug_flush"):  # its records would go nowhere, silently
+                exc = PluginError(f"sink= got {key!r}, which is not a sink: it implements no "
+                                  "@hookplug.hookimpl hookplug_flush (a plugin goes in plugins=)")
+                if on_error == "raise":
+                    raise exc
+                _skip_plugin(exc)
+                continue
+            session._add_plugin(key, instance, [], sink=True)
+    except BaseException:
+        session._release_plugins()
+        raise
     started: set = set()  # (set before the try: a failed _bind reads it too)
     try:
         repeats = session._bind(model)

@@ -78,7 +78,8 @@ class Sink:
         fields = {f.name for f in dataclasses.fields(self)}
         if fields & {"path", "all_ranks"}:
             Sink._take_path(self, getattr(self, "path", None) if "path" in fields else None,
-                            getattr(self, "all_ranks", False) if "all_ranks" in fields else False)
+                            getattr(self, "all_ranks", False) if "all_ranks" in fields else False,
+                            resolved="path" not in fields)  # (a field keeps what was given)
         after = getattr(super(), "__post_init__", None)  # (a dataclass mixin after this base)
         if after is not None:
             after(*init_vars)
@@ -86,7 +87,7 @@ class Sink:
     def __init__(self, path: "Optional[str | os.PathLike[str]]" = None, *, all_ranks: bool = False):
         self._take_path(path, all_ranks)
 
-    def _take_path(self, path, all_ranks) -> None:
+    def _take_path(self, path, all_ranks, resolved: bool = True) -> None:
         option = None if path is None else os.fspath(path)
         if option is not None:
             if not isinstance(option, str) or not option.strip():
@@ -96,7 +97,8 @@ class Sink:
         set_ = object.__setattr__  # (a frozen dataclass sink too)
         set_(self, "path_option", option)
         set_(self, "all_ranks", bool(all_ranks))
-        set_(self, "path", None)  # the resolved path, once known
+        if resolved:
+            set_(self, "path", None)  # the resolved path, once known
 
     def _check_placeholders(self, path: str) -> None:
         allowed = ", ".join("{" + p + "}" for p in PLACEHOLDERS)

@@ -125,6 +125,9 @@ def test_select_counts_a_tied_parameter_once_and_hints_at_the_root(tmp_path, cal
     )
     out = ok(run("select", "tied.py:make", "Embedding, Linear", "--plain", cwd=tmp_path)).stdout
     assert "40 of 40 parameters" in out, out  # (was 80 of 40: the tied weight twice)
+    doc = json.loads(ok(run("profile", "tied.py:make", "--select", "Embedding|Linear", "--input", "2x3",
+                            "--json", "-", "--plain", cwd=tmp_path)).stdout)
+    assert doc["totals"]["params"] == doc["model"]["params"] == 40, doc["totals"]
     err = run("select", "tied.py:single", "Linear", "--plain", cwd=tmp_path).stderr
     assert "select tied.py:single \"*, *:\"" in err and "is the root" in err, err
 

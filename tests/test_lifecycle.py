@@ -1009,6 +1009,23 @@ def test_a_plugin_instance_serves_one_session_at_a_time():
         b(torch.randn(3, 2))
         assert int(again["stats"].results()["0"]["output"].calls) == 1
     assert len(sink.records) == 2
+    # a sink given among the plugins serves two sessions too; (instance, {name: options}) is
+    # two specs, as in a list
+    other = nn.Sequential(nn.Linear(2, 2))
+    with hookplug.attach(a, "Linear", [StatsPlugin(), sink]), hookplug.attach(other, "Linear", [StatsPlugin(), sink]):
+        pass
+    with hookplug.attach(a, "Linear", (StatsPlugin(), {"capture": None})) as s:
+        assert sorted(s.plugins) == ["capture", "stats"]
+    # an attach that fails while adding its plugins leaves none of them claimed
+    from hookplug_plugins.capture import CapturePlugin
+
+    held = CapturePlugin()
+    blocker = hookplug.attach(other, "Linear", [plugin])
+    with pytest.raises(PluginError, match="another session"):
+        hookplug.attach(a, "Linear", [held, plugin])
+    with hookplug.attach(a, "Linear", [held]):
+        pass
+    blocker.remove()
 
 
 _Hooks = collections.namedtuple("_Hooks", "fwd pre")

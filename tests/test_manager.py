@@ -688,7 +688,9 @@ def test_a_dataclass_sinks_path_and_all_ranks_fields(tmp_path):
             self.wrote = self.resolve_path(session)
 
     sink = Lines(path=str(tmp_path / "here"), all_ranks=True)
-    assert (sink.path_option, sink.all_ranks, sink.path) == (str(tmp_path / "here"), True, None)
+    assert sink.path == str(tmp_path / "here") and sink.path_option == sink.path and sink.all_ranks
+    assert dataclasses.replace(sink, all_ranks=False).path_option == sink.path  # (the field kept)
+    assert sink != Lines(path=str(tmp_path / "there"))
     model = MLP()
     with hookplug.attach(model, "Linear", plugins="stats", sink=sink, flush_every=1) as s:
         model(torch.randn(2, 32))

@@ -391,25 +391,24 @@ def test_dotted_class_exported_lazily_with_two_candidates_is_ambiguous(lazy_pack
     assert not lazy_package.exists()
 
 
-@pytest.mark.parametrize("sel, term, close", [
-    ("Conv2d, *:fcc", "*:fcc", "'fc'"),  # a typo in an added name
-    ("Conv2d, -*:layer1.0.conv", "*:layer1.0.conv", "'layer1.0.conv1'"),  # in a removal
-    ("Conv2d, Linear:layer1.*", "Linear:layer1.*", None),  # a class the part lacks
+@pytest.mark.parametrize("sel, term, hint", [
+    ("Conv2d, *:fcc", "*:fcc", "did you mean 'fc'"),  # a typo in an added name
+    ("Conv2d, -*:layer1.0.conv", "-*:layer1.0.conv", "'layer1.0.conv1'"),  # in a removal
+    ("Conv2d, Linear:layer1.*, -*:fc", "Linear:layer1.*", "its names match are of other classes"),
+    ("Conv2d, ResNetLike", "ResNetLike", "it is selected with 'ResNetLike:'"),  # '*' skips the root
 ])
-def test_a_term_matching_no_module_warns_and_strict_refuses(resnet, sel, term, close):
-    """One term of several that matches nothing (the others do) was silent, also under
-    ``strict=True``: a typo in a name went unnoticed."""
+def test_a_term_matching_no_module_warns(resnet, sel, term, hint):
+    """One term of several that matches nothing (the others do) was silent: a typo in a
+    name went unnoticed. A warning (not an error, also under ``strict=True``: the selection
+    is not empty)."""
     with pytest.warns(UserWarning, match=re.escape(f"its term {term!r} matches no module")) as rec:
-        assert names(resnet, sel) == names(resnet, "Conv2d")
-    assert (close is None) == ("did you mean" not in str(rec[0].message))
-    if close:
-        assert close in str(rec[0].message)
-    with pytest.raises(SelectorError, match="matches no module") as info:
-        select(resnet, sel, strict=True)
-    assert sel[info.value.column:].lstrip("-").startswith(term)
+        assert names(resnet, sel, strict=True) == names(resnet, "Conv2d")
+    assert hint in str(rec[0].message), str(rec[0].message)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         names(resnet, "Conv2d, *:fc")  # every term matches: no warning
+        names(resnet, "Conv2d, -*:fc, -*:fc.*")  # a subtree's removal where it has no children
+        names(nn.Sequential(), "*, *:")  # '*' on a model that is one module
 
 
 def test_any_whitespace_before_re_starts_the_regex():

@@ -159,7 +159,8 @@ def build_document(session, records: Sequence[Dict[str, Any]], meta: Dict[str, A
             "primary": None if st is None else _primary_path(st),
         }
     top = _top_level(list(modules))
-    totals: Dict[str, Any] = {"modules": len(modules), "params": sum(modules[n]["params"] for n in top)}
+    held = {id(p): p.numel() for n in top for p in session.modules[n].parameters()}  # (tied: once)
+    totals: Dict[str, Any] = {"modules": len(modules), "params": sum(held.values())}
     if flops is not None:
         whole = _flops_total(sections)
         for k in ("flops", "macs", "backward_flops"):
