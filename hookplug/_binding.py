@@ -613,7 +613,8 @@ class _ModuleBinding:
             # the tuples of the step the call began in: a step() on another thread since
             # (every=N) must not run the output half of a call whose input half did not
             # run, or skip the output half of one whose input half did
-            step_impls = ctx._impls
+            step_impls, ctx._impls = ctx._impls, None  # (the context lives on in the output's
+            # grad hook, which must not hold the plugins' bound methods: see _session_ref)
             if step_impls is not self.impls:  # a step() or a plugin disabled since: the
                 # plugins of the call's step that are still enabled
                 step_impls = self.variants.get(step_impls[3], _NO_IMPLS)

@@ -145,7 +145,7 @@ def save_capture(
         prefix = _PREFIX[what]
         layout[what] = {}
         for name, value in store.items():
-            if isinstance(value, list):
+            if keep != "last":  # a list of calls (with keep="last", a list is one call's output)
                 layout[what][name] = {
                     "list": [
                         _encode(v, f"{name}/{i}/{prefix}", tensors, dropped) for i, v in enumerate(value)

@@ -7,6 +7,7 @@ structure with each tensor replaced. Both (and every other walker in hookplug) g
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
@@ -55,7 +56,13 @@ def rebuild(obj: Any, items: List[Tuple[Any, Any]]) -> Any:
             return type(obj)(values)
         except Exception:  # noqa: BLE001
             return tuple(values) if isinstance(obj, tuple) else values
-    return dataclasses.replace(obj, **dict(items))
+    try:
+        return dataclasses.replace(obj, **dict(items))
+    except Exception:  # noqa: BLE001 - a __post_init__ that cannot take these values (placeholders)
+        new = copy.copy(obj)  # the fields set as they are, without __init__/__post_init__
+        for key, value in items:
+            object.__setattr__(new, key, value)  # (a frozen dataclass too)
+        return new
 
 
 def iter_tensors(obj: Any, path: str = "output") -> Iterator[Tuple[str, torch.Tensor]]:

@@ -666,7 +666,8 @@ class CapturePlugin(hookplug.Plugin):
             self._open.pop((ctx.name, ctx.call_index), None)
         if output is None and _forward_raised(module):  # nothing to capture, the last capture stays
             if self.keep_inputs:
-                self._refused.pop((ctx.name, ctx.call_index), None)
+                if self._refused.pop((ctx.name, ctx.call_index), None) is not None:
+                    self.skipped -= 1  # (no call to skip: counted when its inputs did not fit)
                 self._discard("inputs", ctx.name, ctx.call_index)
             return
         # a call is captured whole or not at all: not its output when its inputs did not fit
@@ -780,7 +781,8 @@ class CapturePlugin(hookplug.Plugin):
         if self._events:
             self._wait()
         with self._lock:  # what is held now: forwards on other threads may go on meanwhile
-            stores = {k: ({n: (list(x) if isinstance(x, list) else x) for n, x in v.items()}
+            per_call = self.keep != "last"  # (else a list is one call's list output)
+            stores = {k: ({n: (list(x) if per_call else x) for n, x in v.items()}
                           if k == "features" else self._aligned(k))
                       for k, v in self._store.items() if v}
         left_out: List[str] = []
@@ -789,7 +791,7 @@ class CapturePlugin(hookplug.Plugin):
             if not any(
                 _unsavable(t)
                 for value in store.values()
-                for entry in (value if isinstance(value, list) else [value])
+                for entry in (value if per_call else [value])
                 for _, t in iter_tensors(entry)
             ):
                 continue
@@ -807,7 +809,7 @@ class CapturePlugin(hookplug.Plugin):
                 def fn(p, t, name=name):
                     return keep_or_none(p, t, name)
 
-                if isinstance(value, list):
+                if per_call:
                     out[name] = [map_tensors(fn, v, prefix) for v in value]
                 else:
                     out[name] = map_tensors(fn, value, prefix)
@@ -829,9 +831,10 @@ class CapturePlugin(hookplug.Plugin):
 
     def _report(self) -> str:
         rows = []
+        per_call = self.keep != "last"  # (else a list is one call's list output)
         for kind in _KINDS:
             for name, value in self._store[kind].items():
-                entries = value if isinstance(value, list) else [value]
+                entries = value if per_call else [value]
                 last = entries[-1] if entries else None
                 tensors = [t for _, t in iter_tensors(last)]
                 shapes = ", ".join(_shape_text(t) for t in tensors) or "-"
@@ -841,7 +844,7 @@ class CapturePlugin(hookplug.Plugin):
                 label = name or "<root>"
                 if kind != "features":
                     label += f" [{kind[:-1]}]"
-                if isinstance(value, list):
+                if per_call:
                     label += f" x{len(entries)}"
                 rows.append((label, shapes, dtypes, str(sum(_nbytes(e) for e in entries))))
         if not rows:

@@ -1326,3 +1326,99 @@ def test_a_call_spanning_a_step_boundary_is_captured_whole_or_not_at_all():
         assert [f[0].item() for f in feats] == [0.0, 2.0]
         assert [i[0][0].item() for i in ins] == [0.0, 1.0]
         assert plugin.nbytes == _held_bytes(plugin) == 4 * 4 * 4
+
+
+@pytest.mark.parametrize("plugins", [[("capture", {"inputs": True, "grads": True})],
+                                     [("capture", {"inputs": True}), ("stats", {"sites": ("output", "grad")})]],
+                         ids=["capture-grads", "capture+stats-grad"])
+def test_an_output_kept_after_remove_keeps_no_plugin_alive(plugins):
+    """A call with an input half (``inputs=True``) and a grad site: its context, held by
+    the output's gradient hook, kept the plugins' bound methods (and all they captured)
+    while the user kept the output."""
+    import gc
+    import weakref
+
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    s = hookplug.attach(m, "Linear|Tanh", plugins=plugins)
+    y = m(torch.randn(2, 4))  # kept, e.g. logits for a metric; no backward
+    alive = [weakref.ref(p) for p in s.plugins.values()] + [weakref.ref(s["capture"].features["0"])]
+    s.remove()
+    del s
+    gc.collect()
+    assert [r() is None for r in alive] == [True] * len(alive)
+    assert y.requires_grad
+
+
+@dataclasses.dataclass
+class _Measured:
+    logits: torch.Tensor
+
+    def __post_init__(self):
+        self.batch = self.logits.shape[0]  # reads the tensor: a placeholder has no shape
+
+
+class _MeasuredHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _Measured(self.lin(x))
+
+
+def test_grads_of_a_dataclass_output_whose_post_init_reads_its_fields():
+    """The grads' skeleton rebuilt the user's dataclass with placeholders, running its
+    ``__post_init__``: the training forward raised ``'_Slot' object has no attribute 'shape'``."""
+    m = nn.Sequential(_MeasuredHead())
+    x = torch.randn(2, 4)
+    with hookplug.attach(m, "*:0", plugins=("capture", {"grads": True})) as s:
+        out = m(x)
+        assert out.batch == 2
+        out.logits.sum().backward()
+        got = s["capture"].grads["0"]
+    assert isinstance(got, _Measured) and torch.equal(got.logits, torch.ones(2, 4))
+
+
+class _ListOut(nn.Module):
+    def forward(self, x):
+        return [x[:, :2], x.sum(1), x]
+
+
+def test_a_list_output_with_keep_last_is_one_call(tmp_path):
+    """With ``keep="last"`` a list output was read as a list of calls: the report showed
+    ``x3`` with the last element's shape, save() wrote per-call keys, plot_features drew the
+    last element."""
+    pytest.importorskip("safetensors")
+    m = nn.Sequential(_ListOut())
+    x = torch.randn(1, 3, 4, 4)
+    with hookplug.attach(m, "*:0", plugins="capture") as s:
+        m(x)
+        report = s["capture"].report()
+        s["capture"].save(tmp_path / "c.safetensors")
+    row = next(line for line in report.splitlines() if line.startswith("0 "))
+    assert " x3" not in row and "(1, 2, 4, 4), (1, 4, 4), (1, 3, 4, 4)" in row, report
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "c.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == ["0/output[0]", "0/output[1]", "0/output[2]"]
+    back = hookplug.load_capture(tmp_path / "c.safetensors")["0"]
+    assert [torch.equal(a, b) for a, b in zip(back, [x[:, :2], x.sum(1), x])] == [True] * 3
+    from hookplug.cli._plot import _features_of, _tensor_of
+
+    assert torch.equal(_tensor_of(_features_of(s["capture"])["0"], "'0'"), x[:, :2])
+
+
+class _Raises(nn.Module):
+    def forward(self, x):
+        raise ValueError("boom")
+
+
+@pytest.mark.parametrize("inputs", [False, True])
+def test_a_call_whose_forward_raised_is_not_counted_as_skipped(inputs):
+    m = nn.Sequential(_Raises())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (max_bytes reached)
+        with hookplug.attach(m, "*:0", plugins=("capture", {"inputs": inputs, "max_bytes": 0})) as s:
+            with pytest.raises(ValueError, match="boom"):
+                m(torch.randn(2, 4))
+            assert s["capture"].skipped == 0

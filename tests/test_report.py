@@ -484,6 +484,22 @@ def test_plot_features_from_a_tensor_and_a_capture(tmp_path):
     assert hookplug.plot_features(torch.randn(6, 8, 8), tmp_path / "n.png", ncols=3).exists()
 
 
+def test_plot_features_says_what_it_cannot_draw_and_skips_modules_without_a_tensor(tmp_path):
+    """Empty, nested, sparse and meta tensors (capture keeps them all) raised ZeroDivisionError
+    or torch internals; a module captured as None stopped a ``{module}`` run part way."""
+    pytest.importorskip("matplotlib")
+    nested = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)])
+    for t, match in ((torch.zeros(0, 8, 8), "is empty"), (torch.zeros(1, 0, 4, 4), "is empty"),
+                     (nested, "a nested tensor"), (torch.randn(4, 4).to_sparse(), "sparse"),
+                     (torch.empty(2, 3, 4, device="meta"), "a meta tensor")):
+        with pytest.raises(ValueError, match=match):
+            hookplug.plot_features(t, tmp_path / "x.png")
+    with pytest.warns(RuntimeWarning, match="no file for 'b'"):
+        paths = hookplug.plot_features({"a": torch.randn(3, 4, 4), "b": None, "c": torch.randn(2, 4, 4)},
+                                       tmp_path / "{module}.png")
+    assert [p.name for p in paths] == ["a.png", "c.png"]
+
+
 def test_plot_features_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)

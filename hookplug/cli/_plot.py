@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -28,19 +29,22 @@ def _matplotlib():
 
 
 def _features_of(source: Any) -> Optional[Dict[str, Any]]:
-    """``{module: value}`` from a capture plugin, a session holding one, or a dict; None for a tensor."""
+    """``{module: value}`` from a capture plugin, a session holding one, or a dict; None for a
+    tensor. From a plugin with ``keep="last"``, a list value is one call's list output: it is
+    wrapped as a list of that one call."""
     if isinstance(source, torch.Tensor):
         return None
     if isinstance(source, dict):
         return source
-    features = getattr(source, "features", None)
-    if isinstance(features, dict):
-        return features
-    try:  # a Session with a capture plugin
-        plugin = source["capture"]
-    except (KeyError, TypeError, IndexError):
-        plugin = None
+    plugin = source if isinstance(getattr(source, "features", None), dict) else None
+    if plugin is None:
+        try:  # a Session with a capture plugin
+            plugin = source["capture"]
+        except (KeyError, TypeError, IndexError):
+            plugin = None
     if plugin is not None and isinstance(getattr(plugin, "features", None), dict):
+        if getattr(plugin, "keep", None) == "last":
+            return {n: [v] if isinstance(v, list) else v for n, v in plugin.features.items()}
         return plugin.features
     raise TypeError(
         "plot_features expects a tensor, a capture plugin (session['capture']), a session with a "
@@ -62,6 +66,12 @@ def _tensor_of(value: Any, what: str) -> torch.Tensor:
 def _channels(t: torch.Tensor, sample: int) -> Tuple[torch.Tensor, str]:
     """``(C, H, W)`` float32 on the host, and a note on what was taken from ``t``."""
     t = t.detach()
+    if t.is_nested or t.layout != torch.strided or t.is_meta:
+        what = "a nested" if t.is_nested else ("a meta" if t.is_meta else f"a {t.layout}")
+        raise ValueError(f"plot_features: {what} tensor has no image to draw; pass a dense one "
+                         "(e.g. t.to_dense(), or one of a nested tensor's t.unbind())")
+    if t.numel() == 0:
+        raise ValueError(f"plot_features: the tensor of shape {tuple(t.shape)} is empty: nothing to draw")
     shape = "x".join(str(s) for s in t.shape)
     if t.dim() >= 4:
         if not -t.shape[0] <= sample < t.shape[0]:
@@ -186,11 +196,19 @@ def plot_features(
     if missing:
         raise KeyError(f"plot_features: no captured module {missing[0]!r}; captured: {', '.join(features)}")
     if "{module}" in path_text:
-        return [
-            _plot_one(_tensor_of(features[n], repr(n)), Path(path_text.replace("{module}", n or "root")),
-                      title=title or n or "(root)", **opts)
-            for n in names
-        ]
+        written, skipped = [], []
+        for n in names:
+            try:
+                t = _tensor_of(features[n], repr(n))
+            except ValueError:  # (a module whose output held no tensor: None, a number)
+                skipped.append(n or "<root>")
+                continue
+            written.append(_plot_one(t, Path(path_text.replace("{module}", n or "root")),
+                                     title=title or n or "(root)", **opts))
+        if skipped:
+            warnings.warn(f"plot_features: no file for {', '.join(map(repr, skipped))}: captured "
+                          "without a tensor", RuntimeWarning, stacklevel=2)
+        return written
     name = names[0]
     return _plot_one(_tensor_of(features[name], repr(name)), Path(path_text), title=title or name or "(root)",
                      **opts)
