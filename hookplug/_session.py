@@ -1445,6 +1445,20 @@ def _build_plugins(specs, on_error: str) -> List[Tuple[str, Any]]:
     return built
 
 
+def _plugin_groups(who: str, selector: Any, plugins: Any, where: str = "") -> List[Tuple[Any, Any]]:
+    """``[(selector, plugins)]`` of an ``attach()`` call: a ``{selector: plugins}`` dict's
+    items (not empty, and no ``plugins=`` beside it), else the one pair."""
+    if isinstance(selector, dict):
+        if plugins is not None:
+            raise PluginError(f"{who}with a {{selector: plugins}} dict, leave plugins= unset")
+        if not selector:
+            raise PluginError(f"{who}the {{selector: plugins}} dict is empty: no module would be hooked")
+        return list(selector.items())
+    if plugins is None:
+        raise PluginError(f"{who}plugins= is required (a name, a list, or instances){where}")
+    return [(selector, plugins)]
+
+
 def check_attach_arguments(who: str, selector: Any, plugins: Any, kwargs: Dict[str, Any]) -> None:
     """Raise now what ``attach(model, selector, plugins, **kwargs)`` would refuse before it
     looks at a model: an unknown keyword, a ``config=`` that cannot be read, no plugins,
@@ -1468,17 +1482,7 @@ def check_attach_arguments(who: str, selector: Any, plugins: Any, kwargs: Dict[s
         selector, plugins, every, sink, on_error, _, flush_every = attach_options(
             a["config"], given, a["selector"], a["plugins"], every=a["every"], sink=a["sink"],
             on_error=a["on_error"], strict=a["strict"], flush_every=a["flush_every"])
-        if isinstance(selector, dict):
-            if plugins is not None:
-                raise PluginError("with a {selector: plugins} dict, leave plugins= unset")
-            groups = list(selector.items())
-            if not groups:
-                raise PluginError("the {selector: plugins} dict is empty: no module would be hooked")
-        elif plugins is None:
-            raise PluginError("plugins= is required (a name, a list, or instances), or a "
-                              "config= file that names them")
-        else:
-            groups = [(selector, plugins)]
+        groups = _plugin_groups("", selector, plugins, " (or a config= file that names them)")
         _check_session_options(every, on_error, flush_every, a["start_step"], a["distributed"])
         for sel, spec in groups + [(None, sink)]:
             specs = _normalize_specs(spec, "plugins" if sel is not None else "sink")
@@ -1542,16 +1546,7 @@ def attach(
     session = Session(model, every=every, on_error=on_error, flush_every=flush_every,
                       start_step=start_step, distributed=distributed)
     session._replica_group = group
-    if isinstance(selector, dict):
-        if plugins is not None:
-            raise PluginError("attach(): with a {selector: plugins} dict, leave plugins= unset")
-        groups = list(selector.items())
-        if not groups:
-            raise PluginError("attach(): the {selector: plugins} dict is empty: no module would be hooked")
-    else:
-        if plugins is None:
-            raise PluginError("attach(): plugins= is required (a name, a list, or instances)")
-        groups = [(selector, plugins)]
+    groups = _plugin_groups("attach(): ", selector, plugins)
 
     chosen: Dict[str, nn.Module] = {}
     plan: Dict[str, Tuple[Any, List[str], Dict[str, Any]]] = {}
