@@ -56,13 +56,19 @@ def rebuild(obj: Any, items: List[Tuple[Any, Any]]) -> Any:
             return type(obj)(values)
         except Exception:  # noqa: BLE001
             return tuple(values) if isinstance(obj, tuple) else values
-    try:
-        return dataclasses.replace(obj, **dict(items))
-    except Exception:  # noqa: BLE001 - a __post_init__ that cannot take these values (placeholders)
-        new = copy.copy(obj)  # the fields set as they are, without __init__/__post_init__
-        for key, value in items:
-            object.__setattr__(new, key, value)  # (a frozen dataclass too)
-        return new
+    return dataclasses.replace(obj, **dict(items))
+
+
+def _rebuild_fields(obj: Any, items: List[Tuple[Any, Any]]) -> Any:
+    """:func:`rebuild`, a dataclass with every field in ``items`` set as it is (no
+    ``__init__``/``__post_init__``, which would compute fields from placeholders or
+    gradients, or need an InitVar)."""
+    if not (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
+        return rebuild(obj, items)
+    new = copy.copy(obj)
+    for key, value in items:
+        object.__setattr__(new, key, value)  # (a frozen dataclass too)
+    return new
 
 
 def iter_tensors(obj: Any, path: str = "output") -> Iterator[Tuple[str, torch.Tensor]]:
@@ -75,12 +81,15 @@ def iter_tensors(obj: Any, path: str = "output") -> Iterator[Tuple[str, torch.Te
 
 
 def map_tensors(fn: Callable[[str, Any], Any], obj: Any, path: str = "output",
-                leaf=torch.Tensor) -> Any:
+                leaf=torch.Tensor, fields: bool = False) -> Any:
     """``obj`` rebuilt with ``fn(path, x)`` in place of each ``leaf`` ``x`` (paths as
-    :func:`iter_tensors` gives them); other leaves are kept."""
+    :func:`iter_tensors` gives them); other leaves are kept. ``fields``: a dataclass's every
+    field is mapped and set as it is, without running its ``__init__``/``__post_init__``
+    (a record of the values, as capture keeps them: copies, placeholders, gradients)."""
     if isinstance(obj, leaf):
         return fn(path, obj)
-    kids = children(obj, path, init_only=True)
+    kids = children(obj, path, init_only=not fields)
     if kids is None:
         return obj
-    return rebuild(obj, [(k, map_tensors(fn, value, sub, leaf)) for k, sub, value in kids])
+    items = [(k, map_tensors(fn, value, sub, leaf, fields)) for k, sub, value in kids]
+    return _rebuild_fields(obj, items) if fields else rebuild(obj, items)

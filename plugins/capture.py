@@ -557,7 +557,7 @@ class CapturePlugin(hookplug.Plugin):
             return False
         if not self._room(kind, name, call, sum(_tensor_bytes(t) for _, t in tensors)):
             return False
-        value = map_tensors(lambda _p, t: self._copy(t), obj, prefix)
+        value = map_tensors(lambda _p, t: self._copy(t), obj, prefix, fields=True)
         if tensors:
             for dev in {t.device for _, t in tensors if t.device.type == "cuda"}:
                 self._after_copy(dev)
@@ -632,6 +632,7 @@ class CapturePlugin(hookplug.Plugin):
                 self._discard("inputs", *key)
             for key in [k for k, thread in self._refused.items() if thread == me]:
                 del self._refused[key]
+                self.skipped -= 1  # (a call Ctrl-C stopped is no call skipped, as a raised one)
 
     @hookimpl
     def hookplug_forward_input(self, ctx, module, args):
@@ -650,7 +651,8 @@ class CapturePlugin(hookplug.Plugin):
         for key in interrupted_calls(mine, module) if mine else ():
             if self._open.pop(key, None) is not None:
                 self._discard("inputs", *key)
-            self._refused.pop(key, None)
+            if self._refused.pop(key, None) is not None:
+                self.skipped -= 1  # (a call Ctrl-C stopped is no call skipped, as a raised one)
 
     def _forward_input(self, ctx, args) -> None:
         if self._capture("inputs", ctx.name, ctx.call_index, tuple(args), "input"):
@@ -702,7 +704,7 @@ class CapturePlugin(hookplug.Plugin):
     def _add_skeleton(self, name: str, call: int, output: Any) -> Any:
         """Remember the structure of a call's captured output, for its gradients (one per
         tensor)."""
-        skel = map_tensors(lambda p, _t: _Slot(p), output, "output")
+        skel = map_tensors(lambda p, _t: _Slot(p), output, "output", fields=True)
         self._skeletons[(name, call)] = skel
         self._skel_calls.setdefault(name, {})[call] = None
         if len(self._skeletons) > 4096:  # gradients that never came: forget the oldest
@@ -757,7 +759,7 @@ class CapturePlugin(hookplug.Plugin):
         parts = self._grad_parts.setdefault(key, {})
         parts[path] = self._copy(grad)
         self._after_copy(grad.device)
-        value = map_tensors(lambda _p, s: parts.get(s.path), skel, "output", leaf=_Slot)
+        value = map_tensors(lambda _p, s: parts.get(s.path), skel, "output", leaf=_Slot, fields=True)
         self._put("grads", name, call, value)
         # the parts of calls features moved past (keep="last"/N) are no longer held by the
         # store: drop them, so every part held is one counted in nbytes
@@ -810,9 +812,9 @@ class CapturePlugin(hookplug.Plugin):
                     return keep_or_none(p, t, name)
 
                 if per_call:
-                    out[name] = [map_tensors(fn, v, prefix) for v in value]
+                    out[name] = [map_tensors(fn, v, prefix, fields=True) for v in value]
                 else:
-                    out[name] = map_tensors(fn, value, prefix)
+                    out[name] = map_tensors(fn, value, prefix, fields=True)
             stores[kind] = out
         if left_out:
             shown = ", ".join(left_out[:5]) + (f" and {len(left_out) - 5} more" if len(left_out) > 5 else "")

@@ -1379,6 +1379,43 @@ def test_grads_of_a_dataclass_output_whose_post_init_reads_its_fields():
     assert isinstance(got, _Measured) and torch.equal(got.logits, torch.ones(2, 4))
 
 
+@dataclasses.dataclass
+class _Derived:
+    logits: torch.Tensor
+    scale: dataclasses.InitVar[float] = 1.0
+    probs: torch.Tensor = dataclasses.field(init=False)
+
+    def __post_init__(self, scale):
+        self.probs = torch.softmax(self.logits * scale, -1)
+
+
+class _DerivedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _Derived(self.lin(x), 2.0)
+
+
+def test_a_dataclass_output_with_derived_fields_is_kept_as_its_values():
+    """Each field is copied and set as it is (no ``__post_init__``): a field computed there
+    (``init=False``) is a detached copy, not the live tensor, and its gradient is its own
+    (``replace`` ran ``__post_init__`` on the gradients: ``grads.probs`` was
+    softmax(grad of logits); with an InitVar ``replace`` raised)."""
+    m = nn.Sequential(_DerivedHead())
+    x = torch.randn(2, 4)
+    with hookplug.attach(m, "*:0", plugins=("capture", {"grads": True})) as s:
+        out = m(x)
+        out.probs[:, 0].sum().backward()
+        feat, grad = s["capture"].features["0"], s["capture"].grads["0"]
+    assert feat.probs is not out.probs and not feat.probs.requires_grad
+    assert torch.equal(feat.probs, out.probs.detach()) and torch.equal(feat.logits, out.logits.detach())
+    want = torch.zeros(2, 4)
+    want[:, 0] = 1
+    assert torch.equal(grad.probs, want)
+
+
 class _ListOut(nn.Module):
     def forward(self, x):
         return [x[:, :2], x.sum(1), x]
@@ -1422,3 +1459,19 @@ def test_a_call_whose_forward_raised_is_not_counted_as_skipped(inputs):
             with pytest.raises(ValueError, match="boom"):
                 m(torch.randn(2, 4))
             assert s["capture"].skipped == 0
+
+
+@pytest.mark.parametrize("then", ["step", "next call"])
+def test_a_call_ctrl_c_stopped_is_not_counted_as_skipped(then):
+    """Its inputs did not fit (counted then), Ctrl-C stopped it: dropped at the step or at
+    the module's next call, the count is taken back, as for a forward that raised."""
+    m = Interruptible()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (max_bytes reached)
+        with hookplug.attach(m, "*:", plugins=("capture", {"inputs": True, "max_bytes": 0})) as s:
+            m.interrupted_call(m, torch.randn(2, 4))
+            if then == "step":
+                s.step()
+            else:
+                m(torch.randn(2, 4))  # (does not fit either: one skip, its own)
+            assert s["capture"].skipped == (0 if then == "step" else 1)

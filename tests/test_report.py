@@ -494,10 +494,12 @@ def test_plot_features_says_what_it_cannot_draw_and_skips_modules_without_a_tens
                      (torch.empty(2, 3, 4, device="meta"), "a meta tensor")):
         with pytest.raises(ValueError, match=match):
             hookplug.plot_features(t, tmp_path / "x.png")
-    with pytest.warns(RuntimeWarning, match="no file for 'b'"):
-        paths = hookplug.plot_features({"a": torch.randn(3, 4, 4), "b": None, "c": torch.randn(2, 4, 4)},
-                                       tmp_path / "{module}.png")
+    with pytest.warns(RuntimeWarning, match=r"no file for 'b' \('b' holds no tensor\); 'd' \(.*is empty"):
+        paths = hookplug.plot_features({"a": torch.randn(3, 4, 4), "b": None, "c": torch.randn(2, 4, 4),
+                                        "d": torch.zeros(0, 4, 4)}, tmp_path / "{module}.png")
     assert [p.name for p in paths] == ["a.png", "c.png"]
+    q = torch.quantize_per_tensor(torch.randn(2, 4, 4), 0.1, 0, torch.quint8)
+    assert hookplug.plot_features(q, tmp_path / "q.png").exists()
 
 
 def test_plot_features_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):

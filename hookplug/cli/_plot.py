@@ -72,6 +72,8 @@ def _channels(t: torch.Tensor, sample: int) -> Tuple[torch.Tensor, str]:
                          "(e.g. t.to_dense(), or one of a nested tensor's t.unbind())")
     if t.numel() == 0:
         raise ValueError(f"plot_features: the tensor of shape {tuple(t.shape)} is empty: nothing to draw")
+    if t.is_quantized:
+        t = t.dequantize()
     shape = "x".join(str(s) for s in t.shape)
     if t.dim() >= 4:
         if not -t.shape[0] <= sample < t.shape[0]:
@@ -198,16 +200,14 @@ def plot_features(
     if "{module}" in path_text:
         written, skipped = [], []
         for n in names:
-            try:
-                t = _tensor_of(features[n], repr(n))
-            except ValueError:  # (a module whose output held no tensor: None, a number)
-                skipped.append(n or "<root>")
-                continue
-            written.append(_plot_one(t, Path(path_text.replace("{module}", n or "root")),
-                                     title=title or n or "(root)", **opts))
+            try:  # (a module whose output holds no tensor, or none to draw: the others go on)
+                written.append(_plot_one(_tensor_of(features[n], repr(n)),
+                                         Path(path_text.replace("{module}", n or "root")),
+                                         title=title or n or "(root)", **opts))
+            except ValueError as exc:
+                skipped.append(f"{n or '<root>'!r} ({str(exc).removeprefix('plot_features: ')})")
         if skipped:
-            warnings.warn(f"plot_features: no file for {', '.join(map(repr, skipped))}: captured "
-                          "without a tensor", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"plot_features: no file for {'; '.join(skipped)}", RuntimeWarning, stacklevel=2)
         return written
     name = names[0]
     return _plot_one(_tensor_of(features[name], repr(name)), Path(path_text), title=title or name or "(root)",
