@@ -1198,6 +1198,10 @@ def count_flops(model: torch.nn.Module, *inputs, selector: str = "*, *:", backwa
     with hookplug.attach(model, selector, plugins=plugin):
         out = model(*inputs)
         if backward:
-            loss = sum(t.float().sum() for _, t in iter_tensors(out) if t.requires_grad)
-            loss.backward()
+            parts = [t.float().sum() for _, t in iter_tensors(out) if t.requires_grad]
+            if not parts:
+                raise ValueError("count_flops(backward=True): no output of the model requires grad "
+                                 "(frozen parameters, or run under no_grad/inference_mode): there is "
+                                 "no backward to count; pass backward=False")
+            sum(parts).backward()
     return plugin

@@ -820,3 +820,12 @@ def test_inference_mode_counts_a_composite_on_meta_copies_and_draws_no_random_nu
     with torch.inference_mode():
         run(_AfterTranspose().eval(), torch.randn(3, 16, 5), extra_formulas=False)
     assert reruns and all("gru" in r for r in reruns)
+
+
+def test_count_flops_backward_without_a_graph_says_so():
+    """A model whose outputs need no grad (frozen) raised ``'int' object has no attribute
+    'backward'``."""
+    model = nn.Linear(4, 3).requires_grad_(False)
+    with pytest.raises(ValueError, match=r"count_flops\(backward=True\): no output of the model requires grad"):
+        count_flops(model, torch.randn(2, 4), backward=True)
+    assert count_flops(model, torch.randn(2, 4)).total()["flops"] == 2 * 2 * 4 * 3
