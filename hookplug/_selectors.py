@@ -797,7 +797,8 @@ def _unmatched_term(selector: str, terms: List[_Term], term: _Term, model: nn.Mo
     if glob and term.name_pattern == "*":
         known = list(type(model).__mro__)
         if any(_class_matcher(selector, p, known)(model) for p in term.classes):
-            msg += f"; '*' never names the root: it is selected with '{'|'.join(p.text for p in term.classes)}:'"
+            form = f"{'-' if term.exclude else ''}{'|'.join(p.text for p in term.classes)}:"
+            msg += f"; '*' never names the root: it is {'removed' if term.exclude else 'selected'} with {form!r}"
     elif named_hit:
         msg += "; the modules its names match are of other classes"
     elif glob:

@@ -59,11 +59,18 @@ def rebuild(obj: Any, items: List[Tuple[Any, Any]]) -> Any:
     return dataclasses.replace(obj, **dict(items))
 
 
+def _holds(obj: Any, leaf) -> bool:
+    """Whether ``obj`` is or holds a ``leaf``."""
+    if isinstance(obj, leaf):
+        return True
+    return any(_holds(v, leaf) for _, _, v in children(obj) or ())
+
+
 def _rebuild_fields(obj: Any, items: List[Tuple[Any, Any]]) -> Any:
     """:func:`rebuild`, a dataclass with every field in ``items`` set as it is (no
     ``__init__``/``__post_init__``, which would compute fields from placeholders or
-    gradients, or need an InitVar)."""
-    if not (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
+    gradients, or need an InitVar). (A ``ModelOutput`` is a dict: :func:`rebuild`.)"""
+    if isinstance(obj, dict) or not (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
         return rebuild(obj, items)
     new = copy.copy(obj)
     for key, value in items:
@@ -91,5 +98,11 @@ def map_tensors(fn: Callable[[str, Any], Any], obj: Any, path: str = "output",
     kids = children(obj, path, init_only=not fields)
     if kids is None:
         return obj
+    if fields and not isinstance(obj, dict) and dataclasses.is_dataclass(obj):
+        # attributes its __post_init__ set beside the fields (``self.probs = ...``), when they
+        # hold tensors: mapped too, else the record would keep the live ones
+        names = {f.name for f in dataclasses.fields(obj)}
+        kids = kids + [(k, f"{path}.{k}", v) for k, v in getattr(obj, "__dict__", {}).items()
+                       if k not in names and _holds(v, leaf)]
     items = [(k, map_tensors(fn, value, sub, leaf, fields)) for k, sub, value in kids]
     return _rebuild_fields(obj, items) if fields else rebuild(obj, items)

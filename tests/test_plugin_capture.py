@@ -1475,3 +1475,57 @@ def test_a_call_ctrl_c_stopped_is_not_counted_as_skipped(then):
             else:
                 m(torch.randn(2, 4))  # (does not fit either: one skip, its own)
             assert s["capture"].skipped == (0 if then == "step" else 1)
+
+
+class _OutputsAModelOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        from transformers.modeling_outputs import BaseModelOutput
+
+        h = self.lin(x)
+        return BaseModelOutput(last_hidden_state=h, hidden_states=(h * 2,))
+
+
+def test_a_model_output_is_captured_as_copies_with_its_own_gradients():
+    """A ModelOutput is a dict as well as a dataclass: its items and attributes are the
+    copies, and its gradients its own (a rebuild by fields kept the live items)."""
+    pytest.importorskip("transformers")
+    m = _OutputsAModelOutput()
+    with hookplug.attach(m, "*:", plugins=("capture", {"grads": True})) as s:
+        out = m(torch.randn(2, 3))
+        out.last_hidden_state.sum().backward()
+        feat, grad = s["capture"].features[""], s["capture"].grads[""]
+    for value in (feat.last_hidden_state, feat["last_hidden_state"], feat.to_tuple()[0]):
+        assert value.grad_fn is None and torch.equal(value, out.last_hidden_state.detach())
+    assert torch.equal(grad.last_hidden_state, torch.ones(2, 3)) and torch.equal(grad["last_hidden_state"], torch.ones(2, 3))
+    assert grad.hidden_states == (None,)
+
+
+@dataclasses.dataclass
+class _WithAttribute:
+    logits: torch.Tensor
+
+    def __post_init__(self):
+        self.probs = self.logits.softmax(-1)  # an attribute, not a field
+
+
+class _WithAttributeHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _WithAttribute(self.lin(x))
+
+
+def test_a_tensor_attribute_set_beside_a_dataclasses_fields_is_copied_too():
+    m = nn.Sequential(_WithAttributeHead())
+    with hookplug.attach(m, "*:0", plugins=("capture", {"grads": True})) as s:
+        out = m(torch.randn(2, 4))
+        out.logits.sum().backward()
+        feat, grad = s["capture"].features["0"], s["capture"].grads["0"]
+    assert feat.probs is not out.probs and feat.probs.grad_fn is None and torch.equal(feat.probs, out.probs.detach())
+    assert grad.probs is None and torch.equal(grad.logits, torch.ones(2, 4))

@@ -498,6 +498,8 @@ def test_plot_features_says_what_it_cannot_draw_and_skips_modules_without_a_tens
         paths = hookplug.plot_features({"a": torch.randn(3, 4, 4), "b": None, "c": torch.randn(2, 4, 4),
                                         "d": torch.zeros(0, 4, 4)}, tmp_path / "{module}.png")
     assert [p.name for p in paths] == ["a.png", "c.png"]
+    with pytest.raises(ValueError, match="virdis"):  # a bad option is the caller's, not a module's
+        hookplug.plot_features({"a": torch.randn(3, 4, 4)}, tmp_path / "{module}.png", cmap="virdis")
     q = torch.quantize_per_tensor(torch.randn(2, 4, 4), 0.1, 0, torch.quint8)
     assert hookplug.plot_features(q, tmp_path / "q.png").exists()
 

@@ -201,11 +201,13 @@ def plot_features(
         written, skipped = [], []
         for n in names:
             try:  # (a module whose output holds no tensor, or none to draw: the others go on)
-                written.append(_plot_one(_tensor_of(features[n], repr(n)),
-                                         Path(path_text.replace("{module}", n or "root")),
-                                         title=title or n or "(root)", **opts))
+                t = _tensor_of(features[n], repr(n))
+                _channels(t, sample)
             except ValueError as exc:
                 skipped.append(f"{n or '<root>'!r} ({str(exc).removeprefix('plot_features: ')})")
+                continue
+            written.append(_plot_one(t, Path(path_text.replace("{module}", n or "root")),
+                                     title=title or n or "(root)", **opts))
         if skipped:
             warnings.warn(f"plot_features: no file for {'; '.join(skipped)}", RuntimeWarning, stacklevel=2)
         return written
