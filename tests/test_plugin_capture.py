@@ -1357,19 +1357,22 @@ class _Measured:
         self.batch = self.logits.shape[0]  # reads the tensor: a placeholder has no shape
 
 
-class _MeasuredHead(nn.Module):
-    def __init__(self):
+class _DataclassHead(nn.Module):
+    """A Linear whose output ``make`` wraps in a dataclass."""
+
+    def __init__(self, make):
         super().__init__()
         self.lin = nn.Linear(4, 4)
+        self.make = make
 
     def forward(self, x):
-        return _Measured(self.lin(x))
+        return self.make(self.lin(x))
 
 
 def test_grads_of_a_dataclass_output_whose_post_init_reads_its_fields():
     """The grads' skeleton rebuilt the user's dataclass with placeholders, running its
     ``__post_init__``: the training forward raised ``'_Slot' object has no attribute 'shape'``."""
-    m = nn.Sequential(_MeasuredHead())
+    m = nn.Sequential(_DataclassHead(_Measured))
     x = torch.randn(2, 4)
     with hookplug.attach(m, "*:0", plugins=("capture", {"grads": True})) as s:
         out = m(x)
@@ -1389,21 +1392,12 @@ class _Derived:
         self.probs = torch.softmax(self.logits * scale, -1)
 
 
-class _DerivedHead(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return _Derived(self.lin(x), 2.0)
-
-
 def test_a_dataclass_output_with_derived_fields_is_kept_as_its_values():
     """Each field is copied and set as it is (no ``__post_init__``): a field computed there
     (``init=False``) is a detached copy, not the live tensor, and its gradient is its own
     (``replace`` ran ``__post_init__`` on the gradients: ``grads.probs`` was
     softmax(grad of logits); with an InitVar ``replace`` raised)."""
-    m = nn.Sequential(_DerivedHead())
+    m = nn.Sequential(_DataclassHead(lambda h: _Derived(h, 2.0)))
     x = torch.randn(2, 4)
     with hookplug.attach(m, "*:0", plugins=("capture", {"grads": True})) as s:
         out = m(x)
@@ -1512,17 +1506,8 @@ class _WithAttribute:
         self.probs = self.logits.softmax(-1)  # an attribute, not a field
 
 
-class _WithAttributeHead(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return _WithAttribute(self.lin(x))
-
-
 def test_a_tensor_attribute_set_beside_a_dataclasses_fields_is_copied_too():
-    m = nn.Sequential(_WithAttributeHead())
+    m = nn.Sequential(_DataclassHead(_WithAttribute))
     with hookplug.attach(m, "*:0", plugins=("capture", {"grads": True})) as s:
         out = m(torch.randn(2, 4))
         out.logits.sum().backward()
