@@ -9,6 +9,8 @@ ignored. ``HOOKPLUG_DISABLE_PLUGIN_AUTOLOAD=1`` limits discovery to them.
 from __future__ import annotations
 
 import difflib
+import functools
+import inspect
 import json
 import os
 import re
@@ -321,17 +323,36 @@ def implements_hook(obj, hook: str) -> bool:
     return False
 
 
-def warn_unmarked_hooks(cls) -> None:
-    """Warn, naming each, about the methods ``cls`` defines with a hook's ``hookplug_`` prefix
-    but no ``@hookplug.hookimpl`` mark: pluggy never calls them (for a base's marked hook,
-    the override switches it off). Called at class creation by ``Plugin`` and ``Sink``."""
-    for attr, value in vars(cls).items():
-        if (attr.startswith("hookplug_") and isinstance(value, (FunctionType, staticmethod, classmethod))
-                and not is_hookimpl(cls, attr)):
-            warnings.warn(
-                f"{cls.__module__}.{cls.__qualname__}.{attr} is named like a hookplug hook but is not "
-                "marked @hookplug.hookimpl, so hookplug never calls it: add @hookplug.hookimpl above it",
-                RuntimeWarning, stacklevel=user_stacklevel())
+@functools.lru_cache(maxsize=None)
+def _hook_arguments() -> frozenset:
+    """Every argument name of the hook specs (``ctx``, ``session``, ``output``, ...)."""
+    return frozenset(p for name, f in vars(hookspecs).items() if name.startswith("hookplug_")
+                     and callable(f) for p in inspect.signature(f).parameters)
+
+
+def check_hook_methods(cls, inherited: bool = False) -> None:
+    """Check the methods ``cls`` defines (and, with ``inherited``, those of its bases) with a
+    hook's ``hookplug_`` prefix: one without ``@hookplug.hookimpl`` is never called (for a
+    base's marked hook, the override switches it off), a warning naming it; a marked one
+    written without ``self`` (``def hookplug_step(session, step)``) would get the plugin as
+    its first argument, a TypeError. Called at class creation by ``Plugin`` and ``Sink``, at
+    attach for other plugin objects."""
+    for owner in (cls.__mro__[:-1] if inherited else (cls,)):
+        for attr, value in vars(owner).items():
+            if not (attr.startswith("hookplug_") and isinstance(value, (FunctionType, staticmethod, classmethod))):
+                continue
+            if not is_hookimpl(cls, attr):
+                warnings.warn(
+                    f"{owner.__module__}.{owner.__qualname__}.{attr} is named like a hookplug hook but is not "
+                    "marked @hookplug.hookimpl, so hookplug never calls it: add @hookplug.hookimpl above it",
+                    RuntimeWarning, stacklevel=user_stacklevel())
+            elif isinstance(value, FunctionType) and getattr(cls, attr, None) is value:
+                first = next(iter(inspect.signature(value).parameters), None)
+                if first in _hook_arguments():
+                    raise TypeError(
+                        f"{owner.__qualname__}.{attr}({', '.join(inspect.signature(value).parameters)}) "
+                        f"has no self: as a method it would get the plugin as {first!r}; write "
+                        f"def {attr}(self, {first}, ...) (or make it a @staticmethod)")
 
 
 def new_plugin_manager() -> pluggy.PluginManager:

@@ -75,11 +75,11 @@ class Plugin:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        from ._manager import warn_unmarked_hooks
+        from ._manager import check_hook_methods
         from ._options import check_constructor
 
         check_constructor(cls)  # options of an instance built directly are checked too
-        warn_unmarked_hooks(cls)  # a hookplug_* method without @hookimpl is never called
+        check_hook_methods(cls)  # unmarked hooks (never called), hooks without self
 
     def __post_init__(self, *init_vars) -> None:
         """A ``@dataclass`` plugin's fields are checked as options are (a dataclass that

@@ -34,7 +34,7 @@ from ._checkpoint import RecomputeMatcher
 from ._compile_guards import _RECOMPILE_LIMIT, _guard_module_hooks
 from ._config import _records_given, attach_options
 from ._manager import (PluginError, PluginLoadError, check_plugin, create_plugin, implements_hook, is_plugin_object,
-                       new_plugin_manager, warn_unmarked_hooks)
+                       new_plugin_manager, check_hook_methods)
 from ._options import is_int_at_least
 from ._pipelining import patch_pipelining
 from ._plugin import Plugin, user_stacklevel
@@ -127,7 +127,7 @@ def _normalize_specs(spec: PluginSpec, what: str = "plugins") -> List[Tuple[str,
             "or a plugin instance (a hookplug.Plugin or hookplug.Sink, or any object with "
             f"@hookplug.hookimpl methods); got {type(spec).__name__} {_short(spec)}{hint}")
     if not isinstance(spec, (Plugin, Sink)):  # (their classes were checked when defined)
-        warn_unmarked_hooks(type(spec))
+        check_hook_methods(type(spec), inherited=True)
     name = getattr(spec, "name", None) or type(spec).__name__
     return [(name, {}, spec)]
 

@@ -132,6 +132,29 @@ def test_select_counts_a_tied_parameter_once_and_hints_at_the_root(tmp_path, cal
     assert "select tied.py:single \"*, *:\"" in err and "is the root" in err, err
 
 
+def test_select_shows_the_selectors_warnings_before_the_list(tmp_path, call):
+    """A term that matches nothing, or only containers no forward calls: `select` is where a
+    user checks a selector, so the warnings attach() would give are printed (they were hidden)."""
+    proc = ok(call("select", "cnn", "Conv2d:layer1.*, Linear:fcc", "--names"))
+    assert proc.stdout.split() == _expected_modules("cnn", "Conv2d:layer1.*")
+    assert "warning:" in proc.stderr and "'Linear:fcc'" in proc.stderr and "'fc'" in proc.stderr, proc.stderr
+    (tmp_path / "stack.py").write_text(
+        "import torch.nn as nn\n"
+        "class Stack(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.blocks = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])\n"
+        "    def forward(self, x):\n"
+        "        for b in self.blocks:\n"
+        "            x = b(x)\n"
+        "        return x\n")
+    proc = ok(call("select", "stack.py:Stack", "ModuleList", "--names", cwd=tmp_path))
+    assert proc.stdout.split() == ["blocks"]
+    assert "containers with no forward" in proc.stderr and "'*:blocks.*'" in proc.stderr, proc.stderr
+    quiet = ok(call("select", "cnn", "Conv2d:layer1.*, Linear", "--names"))
+    assert quiet.stderr == "", quiet.stderr
+
+
 def test_select_names_a_submodule_compiled_in_place_as_the_plain_model(tmp_path, call):
     """``self.net = torch.compile(self.net)``: the tree and names have no ``_orig_mod``
     segment (they are select()'s names; the tree used to look them up in the raw

@@ -445,6 +445,58 @@ def test_unmarked_hook_method_warns_when_the_class_is_defined():
                 pass
 
 
+def test_a_hook_written_without_self_is_refused_naming_the_fix():
+    """Without ``self`` pluggy takes the first parameter for it: ``ctx`` would be the plugin
+    and the hook would silently get fewer arguments. A staticmethod is fine."""
+    with pytest.raises(TypeError, match=r"NoSelf\.hookplug_forward_output\(ctx, output\) has no self: as a method it "
+                                        r"would get the plugin as 'ctx'; write def hookplug_forward_output\(self, ctx"):
+        class NoSelf(hookplug.Plugin):
+            @hookplug.hookimpl
+            def hookplug_forward_output(ctx, output):
+                pass
+
+    class Plain:  # a plain object: checked at attach, inherited hooks too
+        @hookplug.hookimpl
+        def hookplug_step(session, step):
+            pass
+
+    class Child(Plain):
+        pass
+
+    with pytest.raises(TypeError, match=r"Plain\.hookplug_step\(session, step\) has no self"):
+        hookplug.attach(MLP(), "Linear", plugins=[Child()])
+
+    seen = []
+
+    class Static(hookplug.Plugin):
+        name = "static"
+
+        @staticmethod
+        @hookplug.hookimpl
+        def hookplug_step(session, step):
+            seen.append(step)
+
+    model = MLP()
+    with hookplug.attach(model, "Linear", plugins=[Static()]) as s:
+        model(torch.randn(2, 32))
+        s.step()
+    assert seen == [0]
+
+
+def test_an_inherited_unmarked_hook_of_a_plain_object_is_warned_about():
+    class Base:
+        def hookplug_step(self, session, step):  # (no mark: never called)
+            pass
+
+    class Child(Base):
+        @hookplug.hookimpl
+        def hookplug_forward_output(self, ctx, output):
+            pass
+
+    with pytest.warns(RuntimeWarning, match=r"Base.hookplug_step is named like a hookplug hook but is not marked"):
+        hookplug.attach(MLP(), "Linear", plugins=[Child()]).remove()
+
+
 @pytest.mark.parametrize("made, got", [
     (lambda **options: Quiet, "the class Quiet, not an instance of it"),
     (lambda **options: {"level": 1}, "a dict with no @hookplug.hookimpl method"),

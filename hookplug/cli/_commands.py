@@ -567,12 +567,15 @@ def cmd_plugins(args) -> int:
 def cmd_select(args) -> int:
     loaded = load_model(args.model)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
             matched = select(loaded.model, args.selector)
     except SelectorError as exc:
         raise UsageError(_selector_message(exc)) from None
-    if not matched:
+    if matched:  # a term matching nothing, containers no forward calls: said before the list
+        for w in seen:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    else:  # (the error below says it)
         raise UsageError(f"selector {args.selector!r} matched no module of {type(loaded.model).__name__}; "
                          f"try '{PROG} select {args.model} \"*, *:\"' to see its modules (\"*:\" is the root)")
     if args.names:
