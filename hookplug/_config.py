@@ -47,6 +47,9 @@ unknown plugin or sink names, an empty sink ``path``, and plugin options (``hook
 types against the factory's type hints). Every
 error is a :class:`ConfigError` (a ``ValueError``) that names the file, the key and what
 was expected, e.g. ``telemetry.toml: [plugins.stats] bins: expected an int, got "x"``.
+Values only the plugin checks (a range, a path's placeholders) are refused when ``attach``
+builds it: a :class:`~hookplug.PluginError` starting with the file and table
+(``telemetry.toml: [plugins.stats]: plugin 'stats' rejected its options ...``).
 
 Nesting is bounded: tables and arrays nested more than ``MAX_DEPTH`` deep are refused with a
 :class:`ConfigError` before the TOML parser (which recurses) sees them.
@@ -351,7 +354,10 @@ def attach_options(config, given, selector, plugins, *, every, sink, on_error, s
     ``given`` (passed by the caller) wins over the file; plugins come from one or the other,
     not both (``attach`` adds the ``jsonl`` sink where ``flush_every`` is set and neither
     ``sink`` nor ``plugins`` names one).
-    Returns ``(selector, plugins, every, sink, on_error, strict, flush_every)``."""
+    Returns ``(selector, plugins, every, sink, on_error, strict, flush_every, origins)``:
+    ``origins`` names the file and table of each plugin and sink taken from the file
+    (``{"stats": "run.toml: [plugins.stats]"}``), for errors its options raise at attach."""
+    origins: Dict[str, str] = {}
     if config is not None:
         if not isinstance(config, (str, os.PathLike, dict)):
             raise TypeError(f"attach(): config= expects a path to a TOML file (str or os.PathLike) or a "
@@ -369,4 +375,9 @@ def attach_options(config, given, selector, plugins, *, every, sink, on_error, s
         sink = sink if "sink" in given else cfg.get("sink", sink)
         on_error = on_error if "on_error" in given else cfg.get("on_error", on_error)
         strict = strict if "strict" in given else cfg.get("strict", strict)
-    return selector, plugins, every, sink, on_error, strict, flush_every
+        file = "config=" if isinstance(config, dict) else (os.path.basename(os.fspath(config)) or os.fspath(config))
+        if isinstance(cfg_selector, dict):
+            origins.update((n, f"{file}: [plugins.{n}]") for group in cfg_selector.values() for n in group)
+        if "sink" not in given:
+            origins.update((n, f"{file}: [sinks.{n}]") for n in cfg.get("sink", {}))
+    return selector, plugins, every, sink, on_error, strict, flush_every, origins

@@ -1428,16 +1428,19 @@ def _skip_plugin(exc: PluginError) -> None:
     warnings.warn(f"{exc}; attached without it (on_error='warn')", RuntimeWarning, stacklevel=user_stacklevel())
 
 
-def _build_plugins(specs, on_error: str) -> List[Tuple[str, Any]]:
+def _build_plugins(specs, on_error: str, origins: Dict[str, str]) -> List[Tuple[str, Any]]:
     """Instances for ``[(name, options, instance_or_None)]``. A plugin that fails to load
-    raises under ``on_error="raise"``; under ``"warn"`` it is named in a warning and left out."""
+    raises under ``on_error="raise"``; under ``"warn"`` it is named in a warning and left out.
+    The error of a plugin from a config file starts with its file and table (``origins``)."""
     built = []
     for name, options, instance in specs:
         if instance is None:
             try:
                 instance = create_plugin(name, options)
-            except PluginLoadError as exc:
-                if on_error == "raise":
+            except PluginError as exc:
+                if name in origins and exc.args and isinstance(exc.args[0], str):
+                    exc.args = (f"{origins[name]}: {exc.args[0]}",) + exc.args[1:]
+                if on_error == "raise" or not isinstance(exc, PluginLoadError):
                     raise
                 _skip_plugin(exc)
                 continue
@@ -1479,7 +1482,7 @@ def check_attach_arguments(who: str, selector: Any, plugins: Any, kwargs: Dict[s
     a = bound.arguments
     try:
         check_strict("attach()", a["strict"])
-        selector, plugins, every, sink, on_error, _, flush_every = attach_options(
+        selector, plugins, every, sink, on_error, _, flush_every, _ = attach_options(
             a["config"], given, a["selector"], a["plugins"], every=a["every"], sink=a["sink"],
             on_error=a["on_error"], strict=a["strict"], flush_every=a["flush_every"])
         groups = _plugin_groups("", selector, plugins, " (or a config= file that names them)")
@@ -1535,7 +1538,7 @@ def attach(
     first step is 0, always sampled.
     """
     check_strict("attach()", strict)
-    selector, plugins, every, sink, on_error, strict, flush_every = attach_options(
+    selector, plugins, every, sink, on_error, strict, flush_every, origins = attach_options(
         config, _given, selector, plugins, every=every, sink=sink, on_error=on_error,
         strict=strict, flush_every=flush_every)
     patch_pipelining()  # a PipelineStage's metadata inference runs no hook (see _pipelining)
@@ -1588,7 +1591,7 @@ def attach(
         session._module_refs[n] = weakref.ref(chosen[n])
 
     try:  # (a failure here leaves no plugin claimed by a session that never attached)
-        built = _build_plugins([(k, opts, inst) for k, (inst, _, opts) in plan.items()], on_error)
+        built = _build_plugins([(k, opts, inst) for k, (inst, _, opts) in plan.items()], on_error, origins)
         for key, instance in built:
             session._add_plugin(key, instance, sorted(plan[key][1], key=order.__getitem__))
         by_key = dict(built)
@@ -1599,7 +1602,7 @@ def attach(
         if sink is None and flush_every is not None and not any(implements_hook(p, "hookplug_flush") for _, p in built):
             sink = "jsonl"  # (a sink named in plugins= serves as the sink)
         sink_specs = [(getattr(inst, "name", None) or n, o, inst) for n, o, inst in _normalize_specs(sink, "sink")]
-        for key, instance in _build_plugins(sink_specs, on_error):
+        for key, instance in _build_plugins(sink_specs, on_error, origins):
             if not implements_hook(instance, "hookplug_flush"):  # its records would go nowhere, silently
                 exc = PluginError(f"sink= got {key!r}, which is not a sink: it implements no "
                                   "@hookplug.hookimpl hookplug_flush (a plugin goes in plugins=)")

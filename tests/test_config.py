@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hookplug
-from hookplug._config import ConfigError
+from hookplug._config import ConfigError, _toml
 from hookplug.models import MLP
 
 
@@ -98,6 +98,24 @@ def test_a_dict_config_works_like_a_file():
     m = MLP()
     with hookplug.attach(m, config={"plugins": {"stats": {"bins": 0}}, "every": 4}) as s:
         assert s.every == 4 and s["stats"].bins == 0 and list(s.modules) == ["fc1", "fc2", "fc3"]
+
+
+@pytest.mark.parametrize("text, where", [
+    ('[plugins.stats]\nsites = ["outptu"]\n', r"telemetry\.toml: \[plugins\.stats\]: plugin 'stats' rejected its "
+                                              r"options \{'sites': \['outptu'\]\}: .*got \('outptu',\)"),
+    ('[plugins.capture]\nmax_bytes = -3\n', r"telemetry\.toml: \[plugins\.capture\]: plugin 'capture' rejected"),
+    ('[plugins.stats]\n[sinks.jsonl]\npath = "runs/{nope}.jsonl"\n', r"telemetry\.toml: \[sinks\.jsonl\]: .*nope"),
+])
+def test_values_a_plugin_refuses_at_attach_name_the_file_and_table(tmp_path, text, where):
+    """Values the file's schema cannot check (a plugin's own range checks) are refused when
+    attach() builds the plugin: the error names the file and table, as the schema's do."""
+    path = write(tmp_path, text)
+    with pytest.raises(hookplug.PluginError, match=where):
+        hookplug.attach(MLP(), config=path)
+    with pytest.raises(hookplug.PluginError, match=where.replace(r"telemetry\.toml", "config=")):
+        hookplug.attach(MLP(), config=_toml().loads(textwrap.dedent(text)))
+    with pytest.raises(hookplug.PluginError, match=r"^plugin 'stats' rejected"):  # (not from the file)
+        hookplug.attach(MLP(), "Linear", plugins=[("stats", {"bins": -3})], config={"every": 2})
 
 
 @pytest.mark.parametrize("text, message", [
