@@ -40,8 +40,12 @@ runs but its registry has no formula for get the formula of the other SDPA kerne
 ``aten._scaled_dot_product_flash_attention_for_cpu`` (what ``F.scaled_dot_product_attention``
 runs on CPU) and its backward, ``_scaled_dot_product_fused_attention_overrideable`` (+
 backward), ``_scaled_dot_product_attention_math_for_mps``,
-``_flash_attention_forward_no_dropout_inplace``, and ``_native_multi_head_attention`` (the
-inference fast path of ``nn.MultiheadAttention``: input/output projections + attention).
+``_flash_attention_forward_no_dropout_inplace``, ``_native_multi_head_attention`` (the
+inference fast path of ``nn.MultiheadAttention``: input/output projections + attention),
+``_transformer_encoder_layer_fwd`` (``nn.TransformerEncoderLayer``'s: attention + its two
+feed-forward matmuls), and ``linear`` on a strided nested tensor (its NestedTensor kernel);
+these three take nested inputs too (a ``TransformerEncoder`` given ``src_key_padding_mask``),
+each sequence counted as if run alone, padding left out.
 So an SDPA layer and the same layer written with ``softmax(q @ k.T) @ v`` count the same
 forward FLOPs. Backward differs by design of the formulas: torch's SDPA backward formula
 includes recomputing ``q @ k.T`` (5 matmuls), the eager backward runs 4.
@@ -201,7 +205,8 @@ _DATA_MOVEMENT = frozenset("""
     repeat roll flip tril triu fill zero copy _copy_from _copy_from_and_resize _unsafe_view
     _reshape_copy lift to_dense _to_dense _assert_async _assert_tensor_metadata record_stream
     unsafe_split unsafe_split_with_sizes unsafe_chunk slice_backward select_backward
-    diagonal_backward
+    diagonal_backward _nested_tensor_from_mask _nested_tensor_from_mask_left_aligned
+    to_padded_tensor _nested_from_padded _nested_tensor_from_tensor_list
 """.split())
 
 
@@ -259,6 +264,10 @@ def _backend_key(args, kwargs) -> Optional[str]:
                 return None
             key = key or t.device.type
     return key
+
+
+def _nested_input(args) -> bool:
+    return bool(args) and isinstance(args[0], torch.Tensor) and args[0].is_nested
 
 
 def _decomposes(func, args, kwargs) -> bool:
@@ -353,22 +362,65 @@ def _shift(formula: Callable, n: int = 1) -> Callable:
     return shifted
 
 
-def _native_mha_flop(query, key, value, embed_dim, num_head, *args, out_val=None, **kwargs) -> int:
-    """``aten._native_multi_head_attention``: q/k/v projections, attention, out projection,
-    composed from torch's ``mm`` and SDPA formulas."""
-    if query.dim() != 3 or key.dim() != 3 or value.dim() != 3 or query.is_nested:
-        raise NotImplementedError("only dense (batch, seq, embed) inputs are counted")
+def _rows(x) -> List[int]:
+    """The sequence length of each row of a ``(batch, seq, embed)`` input: ``seq`` for each
+    of a dense one's rows, each component's own for a nested one (padding left out)."""
+    if x.is_nested:
+        sizes = x._nested_tensor_size()
+        if sizes.dim() != 2 or sizes.shape[1] != 2:
+            raise NotImplementedError("only nested inputs of (seq, embed) components are counted")
+        return sizes[:, 0].tolist()
+    if x.dim() != 3:
+        raise NotImplementedError("only (batch, seq, embed) inputs are counted")
+    return [x.shape[1]] * x.shape[0]
+
+
+def _attention_flop(q_rows: List[int], k_rows: List[int], e: int, embed_dim: int, num_head: int) -> int:
+    """q/k/v projections, attention and out projection of rows of ``q_rows`` queries over
+    ``k_rows`` keys, composed from torch's ``mm`` and SDPA formulas (what the slow path runs)."""
     mm = _fc.flop_registry[aten.mm]
-    b, t, e = query.shape
-    s = key.shape[1]
     d = embed_dim // num_head
-    flops = mm((b * t, e), (e, embed_dim)) + 2 * mm((b * s, e), (e, embed_dim))
-    flops += _fc.sdpa_flop_count((b, num_head, t, d), (b, num_head, s, d), (b, num_head, s, d))
-    flops += mm((b * t, embed_dim), (embed_dim, embed_dim))
+    flops = 0
+    for (t, s), n in Counter(zip(q_rows, k_rows)).items():
+        flops += n * (mm((t, e), (e, embed_dim)) + 2 * mm((s, e), (e, embed_dim))
+                      + _fc.sdpa_flop_count((1, num_head, t, d), (1, num_head, s, d), (1, num_head, s, d))
+                      + mm((t, embed_dim), (embed_dim, embed_dim)))
     return flops
 
 
-_native_mha_flop._get_raw = True
+def _native_mha_flop(query, key, value, embed_dim, num_head, *args, out_val=None, **kwargs) -> int:
+    """``aten._native_multi_head_attention``, the inference fast path of
+    ``nn.MultiheadAttention`` (dense or nested inputs)."""
+    return _attention_flop(_rows(query), _rows(key), query.size(-1), embed_dim, num_head)
+
+
+def _encoder_layer_flop(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias,
+                        use_gelu, norm_first, eps, norm_weight_1, norm_bias_1, norm_weight_2, norm_bias_2,
+                        ffn_weight_1, *args, out_val=None, **kwargs) -> int:
+    """``aten._transformer_encoder_layer_fwd``, the inference fast path of
+    ``nn.TransformerEncoderLayer`` (dense or nested input): attention and the two
+    feed-forward matmuls, as the slow path counts them (norms and activations: 0)."""
+    mm = _fc.flop_registry[aten.mm]
+    rows = _rows(src)
+    ffn = ffn_weight_1.shape[0]
+    flops = _attention_flop(rows, rows, embed_dim, embed_dim, num_heads)
+    for t, n in Counter(rows).items():
+        flops += n * (mm((t, embed_dim), (embed_dim, ffn)) + mm((t, ffn), (ffn, embed_dim)))
+    return flops
+
+
+def _nested_linear_flop(input, weight, *args, out_val=None, **kwargs) -> int:
+    """``aten.linear`` on a nested input (its NestedTensor kernel, not decomposed): one
+    ``mm`` over every component's rows."""
+    rows = int(input._nested_tensor_size()[:, :-1].prod(dim=1).sum())
+    return _fc.flop_registry[aten.mm]((rows, weight.shape[-1]), (weight.shape[-1], weight.shape[0]))
+
+
+for _formula in (_native_mha_flop, _encoder_layer_flop, _nested_linear_flop):
+    _formula._get_raw = True
+# Ops whose kernel for a (strided) nested input does the matmuls inside, unseen by the mode;
+# counted by these formulas where such an input takes part (extra_formulas=True)
+_NESTED_FORMULAS = {aten.linear: _nested_linear_flop}
 
 
 def _extra_formulas() -> Dict[Any, Callable]:
@@ -395,6 +447,7 @@ def _extra_formulas() -> Dict[Any, Callable]:
     add("_flash_attention_forward_no_dropout_inplace", raw_flash and _shift(raw_flash))
     if hasattr(_fc, "sdpa_flop_count"):
         add("_native_multi_head_attention", _native_mha_flop)
+        add("_transformer_encoder_layer_fwd", _encoder_layer_flop)
     return out
 
 
@@ -1096,6 +1149,8 @@ class FlopsPlugin(hookplug.Plugin):
         """One op in one of this plugin's windows."""
         try:
             formula = self._formulas.get(packet)
+            if formula is None and self.extra_formulas and packet in _NESTED_FORMULAS and _nested_input(args):
+                formula = _NESTED_FORMULAS[packet]
             if formula is None:
                 if func not in self._quiet:
                     self._note_uncounted(func, packet)

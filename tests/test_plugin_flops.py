@@ -11,6 +11,7 @@ counts more than the module's own backward.
 import contextlib
 import copy
 import threading
+import warnings
 
 import pytest
 import torch
@@ -222,6 +223,55 @@ def test_native_multi_head_attention_fast_path():
     if "aten._native_multi_head_attention" not in {**plugin.by_op(), **plugin.uncounted()}:
         pytest.skip("this torch did not take the MultiheadAttention fast path")
     assert plugin.total()["flops"] == slow
+
+
+def _flops_of(model, *inputs, selector, extra_formulas=True, **kwargs):
+    """``(plugin, output)`` of one no-grad forward with keyword inputs (``run`` takes none)."""
+    plugin = FlopsPlugin(extra_formulas=extra_formulas)
+    with torch.no_grad(), hookplug.attach(model, selector, plugins=plugin):
+        out = model(*inputs, **kwargs)
+    return plugin, out
+
+
+def test_transformer_encoder_fast_path_counts_what_its_slow_path_does():
+    """Hooks on an ``nn.TransformerEncoderLayer`` turn off its inference fast path
+    (``aten._transformer_encoder_layer_fwd``, which runs its matmuls unseen): a selection
+    that leaves the layers unhooked counted it 0. It now counts what the slow path counts,
+    dense or nested (padding left out: each sequence as if run alone)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0)
+    enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    x = torch.randn(3, 7, 32)
+    fast, out = _flops_of(enc, x, selector="*:")
+    slow, _ = _flops_of(enc, x, selector="*, *:")
+    assert "aten._transformer_encoder_layer_fwd" in fast.by_op()  # (the fast path ran)
+    assert "aten._transformer_encoder_layer_fwd" not in slow.by_op()
+    assert fast.total()["flops"] == slow.total()["flops"] > 0 and not fast.uncounted()
+    with torch.no_grad():
+        assert torch.equal(out, enc(x))
+    plain, _ = _flops_of(enc, x, selector="*:", extra_formulas=False)  # as FlopCounterMode
+    assert plain.total()["flops"] == 0 and plain.uncounted() == {"aten._transformer_encoder_layer_fwd": 2}
+
+    lens = (7, 5, 3)
+    mask = torch.arange(7)[None, :] >= torch.tensor(lens)[:, None]
+    for selector in ("*:", "*, *:"):  # nested rows: linears and attention on a nested tensor
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The PyTorch API of nested tensors")
+            nested, out = _flops_of(enc, x, selector=selector, src_key_padding_mask=mask)
+        alone = sum(_flops_of(enc, x[i:i + 1, :n], selector=selector)[0].total()["flops"]
+                    for i, n in enumerate(lens))
+        assert nested.total()["flops"] == alone > 0, selector
+        assert not {"aten.linear", "aten._native_multi_head_attention (formula failed)",
+                    "aten._nested_tensor_from_mask", "aten.to_padded_tensor"} & set(nested.uncounted())
+        with torch.no_grad():
+            assert torch.equal(out, enc(x, src_key_padding_mask=mask))
+
+    mha = nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    q = torch.nested.nested_tensor([torch.randn(7, 32), torch.randn(5, 32)])
+    nested, _ = _flops_of(mha, q, q, q, selector="*:", need_weights=False)
+    alone = sum(_flops_of(mha, t, t, t, selector="*:", need_weights=False)[0].total()["flops"]
+                for t in (torch.randn(1, 7, 32), torch.randn(1, 5, 32)))
+    assert nested.total()["flops"] == alone > 0 and not nested.uncounted()
 
 
 def test_nested_selection_is_inclusive_and_not_double_counted():
