@@ -81,6 +81,17 @@ def interrupted_calls(open_calls: list, module) -> list:
 _FOREIGN = object()
 
 
+class _RecomputeMark:
+    """What a recompute's pre hook leaves in a binding's ``_pending`` (it has no context of
+    its own), tagged with its thread like a context: each thread takes only its own entries,
+    so a forward on one thread cannot take another thread's recompute mark, nor the reverse."""
+
+    __slots__ = ("_thread",)
+
+    def __init__(self, thread: int):
+        self._thread = thread
+
+
 def _NO_SESSION() -> None:
     """A context's session reference when it has none (benchmarks, tests)."""
     return None
@@ -467,7 +478,9 @@ class _ModuleBinding:
         self.variants: Dict[bool, Tuple[Tuple, Tuple, Tuple]] = {}
         # plugins told of a forward re-run inside backward (see Plugin._recompute_started)
         self.recompute: Tuple = ()
-        self._pending: List[HookContext] = []  # pushed by pre_hook, popped by post_hook
+        # pushed by pre_hook, taken by post_hook: every thread appends and takes only its
+        # own entries (by identity, one step under the GIL), never by position
+        self._pending: List[Any] = []  # HookContext, or _RecomputeMark
         # per phase (see _TracedContext): a graph guards on the table it reads, so the eval
         # rows made after the first eval pass must not change the training graph's table
         self.module_tensors: Dict[str, Dict[Any, torch.Tensor]] = {"train": {}, "eval": {}}
@@ -537,7 +550,7 @@ class _ModuleBinding:
             return _outside_graph(self.eager_reason, self.pre_hook, module, args, kwargs)
         if not compiling and _graph_task_id() != -1:  # a recompute (activation checkpointing)
             if self.has_post:
-                self._pending.append(None)
+                self._pending.append(_RecomputeMark(_get_ident()))
             for plugin in self.recompute:
                 plugin._recompute_started(self.name)
             return None
@@ -599,12 +612,11 @@ class _ModuleBinding:
                 return _outside_graph(self.eager_reason, self.post_hook, module, args, kwargs,
                                       output)
             return self._post_hook_compiled(module, args, kwargs, output)
-        pending = self._pending
-        if self.has_pre and pending:
-            # one pending call is this thread's own (each thread takes only its own); with
-            # more, calls of this module are nested or overlap on two threads
-            ctx = pending.pop() if len(pending) == 1 else self._own_pending()
-            if ctx is None:  # a recompute's mark
+        # this thread's own pending call (other threads append and take theirs meanwhile);
+        # None where it has none (a call whose pre hook left no context)
+        ctx = self._own_pending() if self.has_pre and self._pending else None
+        if ctx is not None:
+            if ctx.__class__ is _RecomputeMark:  # a recompute's mark
                 for plugin in self.recompute:
                     plugin._recompute_ended(self.name, output)
                 if not self.fwd_out and not self.out_grad:
@@ -735,21 +747,37 @@ class _ModuleBinding:
         """Drop this thread's pending contexts of calls that are no longer running: a
         ``BaseException`` (Ctrl-C) in ``forward`` runs no post hook, and a session that never
         steps (serving, forward-only) would keep one context per such call for good."""
-        me = _get_ident()
-        mine = [i for i, c in enumerate(self._pending) if c is not None and c._thread == me]
-        if mine:
-            for i in reversed(interrupted_calls(mine, module)):
-                del self._pending[i]
-
-    def _own_pending(self) -> Optional[HookContext]:
-        """Take the latest pending context of this thread's call (None: a recompute's)."""
         me, pending = _get_ident(), self._pending
-        for i in range(len(pending) - 1, -1, -1):
-            c = pending[i]
-            if c is None or c._thread == me:
-                del pending[i]
+        # a snapshot (one step), and removal by identity: other threads' entries come and go
+        # meanwhile, so a position read here may hold another thread's call by the time it is used
+        mine = [c for c in pending[:] if c._thread == me]
+        for c in mine:
+            if c.__class__ is _RecomputeMark:  # a recompute's that never ended: a forward on
+                pending.remove(c)  # this thread runs outside backward, so none is running
+        mine = [c for c in mine if c.__class__ is not _RecomputeMark]
+        if mine:
+            for c in interrupted_calls(mine, module):
+                pending.remove(c)
+
+    def _own_pending(self) -> Any:
+        """Take this thread's latest pending entry (a ``_RecomputeMark``: a recompute's), or
+        None where it has none. Only this thread removes its entries, so the one found is
+        still there for ``remove`` (by identity: neither class defines ``__eq__``)."""
+        me, pending = _get_ident(), self._pending
+        try:
+            c = pending[-1]
+        except IndexError:  # (emptied by other threads since the caller looked: none is ours)
+            return None
+        if c._thread == me:  # the usual case: this thread's latest entry is the last one
+            pending.remove(c)
+            return c
+        # a snapshot (one step): a list iterator stops early where other threads' removals
+        # shrink the list under it; this thread's entries in it are still in the list
+        for c in reversed(pending[:]):
+            if c._thread == me:
+                pending.remove(c)
                 return c
-        return pending.pop()
+        return None
 
     def _grad_sites(self, ctx, module, args, kwargs, output):
         """Compiled code: ``output`` with each tensor that needs a grad site passed through

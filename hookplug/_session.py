@@ -855,7 +855,9 @@ class Session:
                 if binding._pending:  # this thread's calls left by a BaseException (Ctrl-C:
                     # torch runs no post hook then), and recomputes' marks: no call of this
                     # thread is in progress between steps
-                    binding._pending[:] = [c for c in binding._pending if c is not None and c._thread != me]
+                    # (removed one by one: other threads append and take theirs meanwhile)
+                    for c in [c for c in binding._pending[:] if c._thread == me]:
+                        binding._pending.remove(c)
         if sampling != self._sampling:
             self._sampling = sampling
             self._apply_sampling()

@@ -1514,3 +1514,72 @@ def test_a_tensor_attribute_set_beside_a_dataclasses_fields_is_copied_too():
         feat, grad = s["capture"].features["0"], s["capture"].grads["0"]
     assert feat.probs is not out.probs and feat.probs.grad_fn is None and torch.equal(feat.probs, out.probs.detach())
     assert grad.probs is None and torch.equal(grad.logits, torch.ones(2, 4))
+
+
+class _CheckpointedNet(nn.Module):
+    """Linears run plain, in a non-reentrant and in a reentrant checkpoint."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.nr = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+        self.re = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        x = checkpoint(self.nr, self.inp(x), use_reentrant=False)
+        return self.out(checkpoint(self.re, x, use_reentrant=True))
+
+
+@pytest.mark.parametrize("step", [False, True])
+def test_keep_all_on_threads_with_checkpointing_keeps_each_forward_once(step):
+    """Threads share a module's list of pending calls. A post hook took another thread's
+    entry (a check and a pop apart; a recompute's untagged mark taken as its own), so a
+    forward was taken for a recompute or the reverse: calls lost, one too many, grads paired
+    with the wrong call, an IndexError out of forward (15% of rounds before the fix)."""
+    import sys
+    import threading
+    from collections import Counter
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(12):
+            model, truth, lock, errors = _CheckpointedNet(), Counter(), threading.Lock(), []
+
+            def count(module, args, output, name):
+                if torch._C._current_graph_task_id() == -1:  # a forward, not a recompute
+                    with lock:
+                        truth[name] += 1
+            for n, m in model.named_modules():
+                if isinstance(m, nn.Linear):
+                    m.register_forward_hook(lambda mod, a, o, n=n: count(mod, a, o, n))
+            with hookplug.attach(model, "Linear:*", plugins=[("capture", {"keep": "all", "grads": True,
+                                                                           "inputs": True})]) as s:
+                barrier = threading.Barrier(3)
+
+                def work():
+                    try:
+                        barrier.wait()
+                        for _ in range(5):
+                            model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+                            if step:
+                                s.step()
+                    except BaseException as exc:  # noqa: BLE001 - reported below
+                        errors.append(exc)
+
+                threads = [threading.Thread(target=work) for _ in range(3)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                cap = s["capture"]
+                assert not errors, errors
+                for name, n in truth.items():
+                    assert len(cap.features[name]) == len(cap.inputs[name]) == n == 15, (name, n)
+                    assert sorted(cap._calls["features"][name]) == list(range(n)), name
+                    assert all(g is not None for g in cap.grads[name]), name
+    finally:
+        sys.setswitchinterval(old)
