@@ -29,7 +29,8 @@ arithmetic; an RNN, many small ops, a tensor subclass, or SDPA on CPU with
 ``extra_formulas=False``, whose kernel is chosen by device: on the inputs again, its result
 dropped, the random state it drew restored), because inside a dispatch mode
 the same decomposition can take other kernels (``matmul`` of a non-contiguous batch and a
-weight: ``bmm`` in place of one folded ``mm``). So results and gradients are bitwise those
+weight: ``bmm`` in place of one folded ``mm``), and with autocast as outside the mode (torch
+turns it off inside: ``_AutocastWatch``). So results and gradients are bitwise those
 of the model without the plugin (in eager code; under
 ``torch.compile`` the plugin is ``traceable = False``: its hooks run outside the graph, a
 graph break per hooked call, so the compiled graphs are split there and their numerics are
@@ -120,6 +121,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch.nn.parameter import is_lazy
 import torch.utils.flop_counter as _fc
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hookplug
@@ -314,6 +316,64 @@ def _adinplace_as_outside():
 _ADINPLACE_AS_OUTSIDE = (_adinplace_as_outside if hasattr(torch._C, "_SetExcludeDispatchKeyGuard")
                          else contextlib.nullcontext)
 
+# Autocast inside the mode. Inside ``__torch_dispatch__`` torch also excludes the autocast keys
+# (``is_autocast_enabled()`` reads False there), so a composite op reaching the mode whole
+# (``einsum``, an RNN: under inference_mode no autograd key decomposes it first) would run its
+# inner matmuls without autocast. Where autocast is on, the mode re-enables its keys around
+# such an op, for the devices autocast was on for at the latest torch call (``_AutocastWatch``:
+# a model's own ``autocast(enabled=False)`` block inside the window must stay off).
+_AUTOCAST_KEYS = tuple((device, getattr(_DK, key)) for device, key in (
+    ("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA"), ("xpu", "AutocastXPU"), ("mps", "AutocastMPS"),
+    ("hpu", "AutocastHPU")) if hasattr(_DK, key)) if hasattr(torch._C, "_SetExcludeDispatchKeyGuard") else ()
+
+_AUTOCAST_KEY_OF = dict(_AUTOCAST_KEYS)
+
+
+def _autocast_keys_on() -> Tuple:
+    """The autocast dispatch keys of the devices autocast is on for (read outside the mode)."""
+    return tuple(key for device, key in _AUTOCAST_KEYS if torch.is_autocast_enabled(device))
+
+
+@contextlib.contextmanager
+def _as_outside(autocast_keys: Tuple):
+    """The dispatch keys an op passed before reaching the mode, back on for its inner ops:
+    ADInplaceOrView, and autocast's where it was on."""
+    with contextlib.ExitStack() as guards:
+        guards.enter_context(_ADINPLACE_AS_OUTSIDE())
+        for key in autocast_keys:
+            guards.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
+        yield
+
+
+class _AutocastWatch(TorchFunctionMode):
+    """On the torch-function stack while a dispatcher opened under ``inference_mode`` with
+    autocast on: notes at each torch call, where autocast can still be read, the devices it
+    is on for (see ``_AUTOCAST_KEYS``)."""
+
+    def __init__(self, dispatcher: "_Dispatcher"):
+        super().__init__()
+        self.dispatcher = dispatcher
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        d = self.dispatcher
+        if not d.dispatching:  # (inside the mode's own handler autocast reads off)
+            d.autocast = _autocast_keys_on()
+        return func(*args, **(kwargs or {}))
+
+
+def _drop_function_mode(mode) -> None:
+    """Take ``mode`` off this thread's torch-function stack, the modes above it kept."""
+    above = []
+    try:
+        while torch._C._len_torch_function_stack():
+            top = torch._C._pop_torch_function_stack()
+            if top is mode:
+                break
+            above.append(top)
+    finally:
+        for m in reversed(above):
+            torch._C._push_on_torch_function_stack(m)
+
 
 # Composite ops whose decomposition is many small ops (an RNN: a few per time step), counted
 # on the real inputs: on meta each op costs a Python meta kernel (23x the plain GRU, measured
@@ -327,9 +387,11 @@ _SDPA = torch.ops.aten.scaled_dot_product_attention
 _CPU_SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-def _meta_copies(args, kwargs):
-    """``(args, kwargs)`` with every tensor a ``meta`` tensor of its size, strides and dtype,
-    or None where one is a tensor subclass (a DTensor: its own dispatch)."""
+def _meta_copies(args, kwargs, cast: Optional[torch.dtype] = None):
+    """``(args, kwargs)`` with every tensor a ``meta`` tensor of its size, strides and dtype
+    (``cast`` for a floating one: autocast's, which no meta kernel applies, so that inputs
+    of mixed precision meet as they do under autocast), or None where one is a tensor
+    subclass (a DTensor: its own dispatch)."""
     def meta(a):
         if isinstance(a, (list, tuple)):
             return type(a)(meta(x) for x in a)
@@ -337,7 +399,8 @@ def _meta_copies(args, kwargs):
             return a
         if type(a) is not torch.Tensor and type(a) is not torch.nn.Parameter:
             raise TypeError
-        return torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device="meta")
+        dtype = cast if cast is not None and a.is_floating_point() else a.dtype
+        return torch.empty_strided(a.size(), a.stride(), dtype=dtype, device="meta")
     try:
         return meta(tuple(args)), {k: meta(v) for k, v in kwargs.items()}
     except TypeError:
@@ -503,6 +566,8 @@ class _Dispatcher(TorchDispatchMode):
         self.dispatching = 0  # inside __torch_dispatch__ we are off the stack for a moment
         self.only_counting = 0  # inside a decomposition run for its counts (result dropped)
         self.deferred: Optional[list] = None  # a meta run's counts, kept until it ends
+        self.autocast: Tuple = ()  # autocast keys on at the latest torch call (see _AutocastWatch)
+        self.watch: Optional[_AutocastWatch] = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.dispatching += 1
@@ -530,13 +595,15 @@ class _Dispatcher(TorchDispatchMode):
                 return func(*args, **kwargs)
             if decomposes:
                 if self.only_counting or not _runs_as_torch_does(func):
-                    with self:  # count the matmuls inside, as FlopCounterMode does
+                    with self, _as_outside(self.autocast) if self.autocast else contextlib.nullcontext():
+                        # count the matmuls inside, as FlopCounterMode does
                         return func._op_dk(_DK.CompositeImplicitAutograd, *args, **kwargs)
                 # The result is the op's as torch runs it outside the mode: run inside, its
                 # decomposition sees views without autograd (ADInplaceOrView is passed here)
-                # and takes other kernels (``matmul`` folded no batch into one ``mm``). Then
-                # the decomposition runs again, for the counts only.
-                with _ADINPLACE_AS_OUTSIDE():
+                # and takes other kernels (``matmul`` folded no batch into one ``mm``), and
+                # its inner ops no autocast. Then the decomposition runs again, for the
+                # counts only.
+                with _as_outside(self.autocast) if self.autocast else _ADINPLACE_AS_OUTSIDE():
                     out = func(*args, **kwargs)
                 try:
                     self._count_decomposition(func, args, kwargs, windows)
@@ -571,7 +638,7 @@ class _Dispatcher(TorchDispatchMode):
             rerun = packet in _RERUN_FOR_COUNTS or (
                 packet is _SDPA and args[0].device.type == "cpu"
                 and not all(_CPU_SDPA in p._formulas for p, _ in windows))
-            meta = None if rerun else _meta_copies(args, kwargs)
+            meta = None if rerun else _meta_copies(args, kwargs, self._autocast_dtype(args))
             if meta is not None:  # never nested: inside this run composite ops decompose inline
                 self.deferred = []
                 try:
@@ -586,10 +653,22 @@ class _Dispatcher(TorchDispatchMode):
                     for plugin, *count in counts:
                         plugin._count(*count)
                     return
-            with self, _restored_rng(func, args, kwargs):
+            with self, _restored_rng(func, args, kwargs), _as_outside(self.autocast):
                 func._op_dk(_DK.CompositeImplicitAutograd, *args, **kwargs)
         finally:
             self.only_counting -= 1
+
+    def _autocast_dtype(self, args) -> Optional[torch.dtype]:
+        """Autocast's dtype for the device of ``args``' first tensor where autocast is on
+        for it (see ``_AutocastWatch``), else None."""
+        if not self.autocast:
+            return None
+        for a in args:
+            t = a[0] if isinstance(a, (list, tuple)) and a else a
+            if isinstance(t, torch.Tensor):
+                device = t.device.type
+                return torch.get_autocast_dtype(device) if _AUTOCAST_KEY_OF.get(device) in self.autocast else None
+        return None
 
     def _live_windows(self) -> List[Tuple["FlopsPlugin", _Window]]:
         """``(plugin, window)``: the innermost open window of each plugin still counting."""
@@ -610,6 +689,11 @@ class _Dispatcher(TorchDispatchMode):
         if not self.entered:
             self.__enter__()
             self.entered = True
+            if self.watch is None and _AUTOCAST_KEYS and torch.is_inference_mode_enabled():
+                self.autocast = _autocast_keys_on()
+                if self.autocast:  # (without inference_mode autograd decomposes those ops first)
+                    self.watch = _AutocastWatch(self)
+                    torch._C._push_on_torch_function_stack(self.watch)
 
     def close(self, window: _Window) -> None:
         for i in range(len(self.windows) - 1, -1, -1):
@@ -626,6 +710,7 @@ class _Dispatcher(TorchDispatchMode):
         if stack and stack[-1] is self:
             self.__exit__(None, None, None)
             self.entered = False
+            self._drop_watch()
         elif not any(m is self for m in stack):
             self._forget()
         # else: a mode entered inside a window is still above us; we stay, passing through,
@@ -639,6 +724,12 @@ class _Dispatcher(TorchDispatchMode):
         _push_mode(self)
         self.__exit__(None, None, None)
         self.entered = False
+        self._drop_watch()
+
+    def _drop_watch(self) -> None:
+        watch, self.watch, self.autocast = self.watch, None, ()
+        if watch is not None:
+            _drop_function_mode(watch)
 
 
 _local = threading.local()

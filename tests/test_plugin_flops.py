@@ -836,6 +836,67 @@ def test_inference_mode_decomposition_leaves_results_bitwise():
     assert {n: r["flops"] for n, r in plain.results().items()} == {n: r["flops"] for n, r in res.items()}
 
 
+class _Composites(nn.Module):
+    """Composite ops that autocast does not cast but whose inner matmuls it does, one in a
+    block of the model's own with autocast off (as Llama's rotary embedding)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 16))
+        self.lin = nn.Linear(16, 16)
+        self.gru = nn.GRU(16, 16, batch_first=True)
+        self.bil = nn.Bilinear(16, 16, 8)
+
+    def forward(self, x):
+        y = torch.einsum("bi,ij->bj", x, self.w)
+        with torch.autocast(x.device.type, enabled=False):
+            z = torch.einsum("bi,ij->bj", x.float(), self.w)  # plain float32 here
+        t = torch.tensordot(x, self.w, dims=1)
+        g, _ = self.gru(x[:, None, :])
+        mixed = torch.einsum("bi,ij->bj", self.lin(x), self.w)  # bfloat16 and float32 inputs
+        return self.lin(y), z, t, g, self.bil(x, x), mixed
+
+
+def test_autocast_under_inference_mode_leaves_results_bitwise():
+    """Inside a dispatch mode torch excludes the autocast keys: a composite op reaching it
+    whole under inference_mode ran its matmuls in float32 (einsum's output float32 where the
+    plain model's is bfloat16). The autocast state at each torch call is noted outside the
+    mode and put back around the op; the model's own autocast(enabled=False) block stays off."""
+    torch.manual_seed(0)
+    model, x = _Composites().eval(), torch.randn(4, 16)
+
+    def forward():
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x)
+
+    ref = ref_autocast = forward()
+    assert ref[0].dtype == torch.bfloat16 and ref[1].dtype == torch.float32
+    stack = torch._C._len_torch_function_stack()
+    with hookplug.attach(model, ALL, plugins="flops") as session:
+        got = forward()
+        assert torch._C._len_torch_function_stack() == stack  # (the watch leaves with the window)
+    for a, b in zip(ref, got):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # autograd decomposes first
+        plain = run(model, x)
+    assert session["flops"].results() == plain.results() and session["flops"].total()["flops"] > 0
+    with torch.inference_mode():  # no autocast: no watch
+        ref = model(x)
+        with hookplug.attach(model, ALL, plugins="flops"):
+            assert all(torch.equal(a, b) for a, b in zip(ref, model(x)))
+
+    def interrupt(module, args, output):
+        raise KeyboardInterrupt
+
+    with hookplug.attach(model, ALL, plugins="flops"):  # a forward left by Ctrl-C: the watch
+        handle = model.gru.register_forward_hook(interrupt)  # leaves at the next window's end
+        with pytest.raises(KeyboardInterrupt):
+            forward()
+        handle.remove()
+        assert all(torch.equal(a, b) for a, b in zip(ref_autocast, forward()))
+        assert torch._C._len_torch_function_stack() == stack
+
+
 def test_inference_mode_counts_a_composite_on_meta_copies_and_draws_no_random_number(monkeypatch):
     """The decomposition counted after the op ran is run on ``meta`` copies of its inputs: no
     second matmul on the data, no random draw (a dropout in train mode under
