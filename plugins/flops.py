@@ -23,14 +23,14 @@ convolutions, attention kernels: the formulas ``FlopCounterMode`` uses) adds
 under ``inference_mode``) is counted through its decomposition, but only when its
 decomposition is the kernel torch would run anyway: unlike ``FlopCounterMode``, an op with a
 kernel of its own (``silu_backward``, ``gelu_backward``, ...) runs that kernel. And the
-decomposition gives no result: the op runs as torch runs it outside the mode, then its
+decomposition gives no result: the op runs as torch runs it outside the mode (autocast
+included, which torch turns off inside a mode: see ``_AutocastWatch``), then its
 decomposition runs for the counts only, on ``meta`` copies of the inputs (shapes, no
 arithmetic; an RNN, many small ops, a tensor subclass, or SDPA on CPU with
 ``extra_formulas=False``, whose kernel is chosen by device: on the inputs again, its result
 dropped, the random state it drew restored), because inside a dispatch mode
 the same decomposition can take other kernels (``matmul`` of a non-contiguous batch and a
-weight: ``bmm`` in place of one folded ``mm``), and with autocast as outside the mode (torch
-turns it off inside: ``_AutocastWatch``). So results and gradients are bitwise those
+weight: ``bmm`` in place of one folded ``mm``). So results and gradients are bitwise those
 of the model without the plugin (in eager code; under
 ``torch.compile`` the plugin is ``traceable = False``: its hooks run outside the graph, a
 graph break per hooked call, so the compiled graphs are split there and their numerics are
