@@ -164,6 +164,24 @@ def _module_call_frame():
     return f
 
 
+def _settle_when_returns(call: "_OpenCall", thread: int) -> None:
+    """The session ended on another thread while ``call`` (the outermost selected forward)
+    runs on ``thread``: the session's hooks are gone, so nothing of the plugin runs there
+    again, and that thread's dispatcher (on its own mode stack, which only it can leave)
+    leaves when the call returns, through a post hook that removes itself."""
+    module = call.frame.f_locals.get("self") if call.frame is not None else None
+    if not isinstance(module, torch.nn.Module):
+        return
+    handle = None
+
+    def settle(*_):
+        if threading.get_ident() == thread:
+            handle.remove()
+            _settle_this_thread()
+
+    handle = module.register_forward_hook(settle, always_call=True)
+
+
 def _running(frame) -> bool:
     """``frame`` is on the current thread's call stack (its function has not returned)."""
     if frame is None:
@@ -1182,7 +1200,10 @@ class FlopsPlugin(hookplug.Plugin):
         if exc is not None:  # kept for a hook that never came (a backward node that raised)
             warnings.warn(f"hookplug plugin 'flops' stopped counting after an error: {type(exc).__name__}: "
                           f"{exc}", RuntimeWarning, stacklevel=user_stacklevel())
+        calls, owner = self._calls, self._thread
         self._lease.release()
+        if calls and owner is not None and owner != threading.get_ident():
+            _settle_when_returns(calls[0], owner)
         self._clear_forward()
         recomputes, self._recomputes = self._recomputes, {}
         for rec in recomputes.values():

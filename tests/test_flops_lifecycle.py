@@ -4,6 +4,7 @@ or backward, balanced on every exit path (issue 13, items 1-5).
 References are plain torch: ``FlopCounterMode`` for the counts, the model run without any
 session for outputs and gradients.
 """
+import contextlib
 import gc
 import warnings
 
@@ -339,6 +340,43 @@ def test_flop_counter_mode_around_a_session_counts_as_alone():
 
 
 # -- item 4: a dropped session -----------------------------------------------------------------
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_remove_from_another_thread_mid_forward_leaves_no_mode_on_the_model_thread(autocast):
+    """``remove()`` on a timer thread while a forward runs: the model thread's dispatcher
+    (and, under autocast with inference_mode, its torch-function watch) stayed on that
+    thread's stacks for good, every op of the plain model through Python. It leaves when
+    the forward returns, by a post hook that removes itself."""
+    import threading
+
+    go, removed = threading.Event(), threading.Event()
+
+    class Slow(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.wait = nn.Linear(8, 8), False
+
+        def forward(self, x):
+            y = self.fc(x)
+            if self.wait:
+                go.set()
+                removed.wait(10)  # the other thread removes the session meanwhile
+            return y * 2
+
+    model = nn.Sequential(Slow(), nn.Linear(8, 2))
+    hooks_before = {n: dict(m._forward_hooks) for n, m in model.named_modules()}
+    session = hookplug.attach(model, "*", plugins="flops")
+    remover = threading.Thread(target=lambda: (go.wait(10), session.remove(), removed.set()))
+    remover.start()
+    model[0].wait = True
+    with (torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()), \
+            torch.inference_mode():
+        model(torch.randn(4, 8))
+    remover.join()
+    assert session.removed
+    assert _get_current_dispatch_mode_stack() == [] and torch._C._len_torch_function_stack() == 0
+    assert {n: dict(m._forward_hooks) for n, m in model.named_modules()} == hooks_before
+
 
 def test_dropped_session_leaves_no_mode():
     model, x = mlp(), torch.randn(4, 4)
