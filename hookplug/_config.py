@@ -355,9 +355,10 @@ def attach_options(config, given, selector, plugins, *, every, sink, on_error, s
     not both (``attach`` adds the ``jsonl`` sink where ``flush_every`` is set and neither
     ``sink`` nor ``plugins`` names one).
     Returns ``(selector, plugins, every, sink, on_error, strict, flush_every, origins)``:
-    ``origins`` names the file and table of each plugin and sink taken from the file
-    (``{"stats": "run.toml: [plugins.stats]"}``), for errors its options raise at attach."""
-    origins: Dict[str, str] = {}
+    ``origins`` names the file and table of each plugin and sink taken from the file,
+    ``{"plugins": {"stats": "run.toml: [plugins.stats]"}, "sink": {...}}``, for errors
+    their options raise at attach."""
+    origins: Dict[str, Dict[str, str]] = {"plugins": {}, "sink": {}}
     if config is not None:
         if not isinstance(config, (str, os.PathLike, dict)):
             raise TypeError(f"attach(): config= expects a path to a TOML file (str or os.PathLike) or a "
@@ -377,7 +378,7 @@ def attach_options(config, given, selector, plugins, *, every, sink, on_error, s
         strict = strict if "strict" in given else cfg.get("strict", strict)
         file = "config=" if isinstance(config, dict) else (os.path.basename(os.fspath(config)) or os.fspath(config))
         if isinstance(cfg_selector, dict):
-            origins.update((n, f"{file}: [plugins.{n}]") for group in cfg_selector.values() for n in group)
+            origins["plugins"] = {n: f"{file}: [plugins.{n}]" for group in cfg_selector.values() for n in group}
         if "sink" not in given:
-            origins.update((n, f"{file}: [sinks.{n}]") for n in cfg.get("sink", {}))
+            origins["sink"] = {n: f"{file}: [sinks.{n}]" for n in cfg.get("sink", {})}
     return selector, plugins, every, sink, on_error, strict, flush_every, origins

@@ -341,13 +341,17 @@ def check_hook_methods(cls, inherited: bool = False) -> None:
         for attr, value in vars(owner).items():
             if not (attr.startswith("hookplug_") and isinstance(value, (FunctionType, staticmethod, classmethod))):
                 continue
+            if value is not inspect.getattr_static(cls, attr, None):
+                continue  # overridden below: the definition used is the one judged
             if not is_hookimpl(cls, attr):
                 warnings.warn(
                     f"{owner.__module__}.{owner.__qualname__}.{attr} is named like a hookplug hook but is not "
                     "marked @hookplug.hookimpl, so hookplug never calls it: add @hookplug.hookimpl above it",
                     RuntimeWarning, stacklevel=user_stacklevel())
-            elif isinstance(value, FunctionType) and getattr(cls, attr, None) is value:
-                first = next(iter(inspect.signature(value).parameters), None)
+            elif isinstance(value, FunctionType):
+                params = list(inspect.signature(value).parameters.values())
+                first = params[0].name if params and params[0].kind in (
+                    inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) else None
                 if first in _hook_arguments():
                     raise TypeError(
                         f"{owner.__qualname__}.{attr}({', '.join(inspect.signature(value).parameters)}) "

@@ -561,8 +561,9 @@ class _Entry:
         self.module_ids: Optional[set] = None  # ids of the modules under them (computed once)
 
 
-# plugin instances (not sinks) in a session not removed yet: id -> that session, weakly
-_IN_USE: Dict[int, "weakref.ReferenceType[Session]"] = {}
+# plugin instances (not sinks) in a session not removed yet: id -> that session, weakly (the
+# entry of a session dropped without remove() leaves with it)
+_IN_USE: "weakref.WeakValueDictionary[int, Session]" = weakref.WeakValueDictionary()
 _IN_USE_LOCK = threading.Lock()
 
 
@@ -1122,15 +1123,14 @@ class Session:
             raise PluginError(f"plugin name {name!r} is used twice in one session")
         if not sink and not implements_hook(plugin, "hookplug_flush"):  # (a sink may serve
             with _IN_USE_LOCK:                                       # several: it only receives)
-                ref = _IN_USE.get(id(plugin))
-                other = ref() if ref is not None else None
+                other = _IN_USE.get(id(plugin))
                 if other is not None and other is not self and not other._removed and getattr(
                         other._entry_of.get(id(plugin)), "plugin", None) is plugin:
                     raise PluginError(
                         f"plugin {name!r} ({type(plugin).__name__} instance) is attached to another "
                         "session that is not removed; an instance serves one session at a time "
                         "(remove() that one first, or give this session an instance of its own)")
-                _IN_USE[id(plugin)] = weakref.ref(self)
+                _IN_USE[id(plugin)] = self
         entry = self._entries[name] = _Entry(name, plugin, list(module_names), sink)
         self._entry_of[id(plugin)] = entry
 
@@ -1218,9 +1218,8 @@ class Session:
         """This session's plugin instances may serve another session (see ``_IN_USE``)."""
         with _IN_USE_LOCK:
             for entry in self._entries.values():
-                ref = _IN_USE.get(id(entry.plugin))
-                if ref is not None and ref() is self:
-                    del _IN_USE[id(entry.plugin)]
+                if _IN_USE.get(id(entry.plugin)) is self:
+                    _IN_USE.pop(id(entry.plugin), None)
 
     def _fsdp2_owners(self) -> frozenset:
         """Modules whose parameters FSDP2 managed when first asked (at attach; a model
@@ -1593,7 +1592,8 @@ def attach(
         session._module_refs[n] = weakref.ref(chosen[n])
 
     try:  # (a failure here leaves no plugin claimed by a session that never attached)
-        built = _build_plugins([(k, opts, inst) for k, (inst, _, opts) in plan.items()], on_error, origins)
+        built = _build_plugins([(k, opts, inst) for k, (inst, _, opts) in plan.items()], on_error,
+                               origins["plugins"])
         for key, instance in built:
             session._add_plugin(key, instance, sorted(plan[key][1], key=order.__getitem__))
         by_key = dict(built)
@@ -1604,7 +1604,7 @@ def attach(
         if sink is None and flush_every is not None and not any(implements_hook(p, "hookplug_flush") for _, p in built):
             sink = "jsonl"  # (a sink named in plugins= serves as the sink)
         sink_specs = [(getattr(inst, "name", None) or n, o, inst) for n, o, inst in _normalize_specs(sink, "sink")]
-        for key, instance in _build_plugins(sink_specs, on_error, origins):
+        for key, instance in _build_plugins(sink_specs, on_error, origins["sink"]):
             if not implements_hook(instance, "hookplug_flush"):  # its records would go nowhere, silently
                 exc = PluginError(f"sink= got {key!r}, which is not a sink: it implements no "
                                   "@hookplug.hookimpl hookplug_flush (a plugin goes in plugins=)")

@@ -24,7 +24,7 @@ under ``inference_mode``) is counted through its decomposition, but only when it
 decomposition is the kernel torch would run anyway: unlike ``FlopCounterMode``, an op with a
 kernel of its own (``silu_backward``, ``gelu_backward``, ...) runs that kernel. And the
 decomposition gives no result: the op runs as torch runs it outside the mode (autocast
-included, which torch turns off inside a mode: see ``_AutocastWatch``), then its
+included, which torch turns off inside a mode: see ``_AUTOCAST_KEYS``), then its
 decomposition runs for the counts only, on ``meta`` copies of the inputs (shapes, no
 arithmetic; an RNN, many small ops, a tensor subclass, or SDPA on CPU with
 ``extra_formulas=False``, whose kernel is chosen by device: on the inputs again, its result
@@ -121,7 +121,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch.nn.parameter import is_lazy
 import torch.utils.flop_counter as _fc
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hookplug
@@ -337,19 +336,29 @@ _ADINPLACE_AS_OUTSIDE = (_adinplace_as_outside if hasattr(torch._C, "_SetExclude
 # Autocast inside the mode. Inside ``__torch_dispatch__`` torch also excludes the autocast keys
 # (``is_autocast_enabled()`` reads False there), so a composite op reaching the mode whole
 # (``einsum``, an RNN: under inference_mode no autograd key decomposes it first) would run its
-# inner matmuls without autocast. Where autocast is on, the mode re-enables its keys around
-# such an op, for the devices autocast was on for at the latest torch call (``_AutocastWatch``:
-# a model's own ``autocast(enabled=False)`` block inside the window must stay off).
+# inner matmuls without autocast. Autocast's state is noted where it can be read (a window
+# opening, each selected module's hooks) with autocast's nesting count; an op that finds the
+# count unchanged since (no autocast context entered or left in between) runs with the keys
+# noted turned back on, else as before (off). A TorchFunctionMode noting it at every torch
+# call would be exact, but any such mode on the stack turns off torch's own fast paths
+# (``has_torch_function``: MultiheadAttention's, which then refuses nested tensors).
 _AUTOCAST_KEYS = tuple((device, getattr(_DK, key)) for device, key in (
     ("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA"), ("xpu", "AutocastXPU"), ("mps", "AutocastMPS"),
-    ("hpu", "AutocastHPU")) if hasattr(_DK, key)) if hasattr(torch._C, "_SetExcludeDispatchKeyGuard") else ()
-
+    ("hpu", "AutocastHPU")) if hasattr(_DK, key)) if (
+    hasattr(torch._C, "_SetExcludeDispatchKeyGuard") and hasattr(torch, "autocast_increment_nesting")) else ()
 _AUTOCAST_KEY_OF = dict(_AUTOCAST_KEYS)
 
 
 def _autocast_keys_on() -> Tuple:
     """The autocast dispatch keys of the devices autocast is on for (read outside the mode)."""
     return tuple(key for device, key in _AUTOCAST_KEYS if torch.is_autocast_enabled(device))
+
+
+def _autocast_nesting() -> int:
+    """How many autocast contexts (of any device, on or off) this thread is inside."""
+    n = torch.autocast_increment_nesting()
+    torch.autocast_decrement_nesting()
+    return n - 1
 
 
 @contextlib.contextmanager
@@ -363,36 +372,6 @@ def _as_outside(autocast_keys: Tuple):
         yield
 
 
-class _AutocastWatch(TorchFunctionMode):
-    """On the torch-function stack while a dispatcher opened under ``inference_mode`` with
-    autocast on: notes at each torch call, where autocast can still be read, the devices it
-    is on for (see ``_AUTOCAST_KEYS``)."""
-
-    def __init__(self, dispatcher: "_Dispatcher"):
-        super().__init__()
-        self.dispatcher = dispatcher
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        d = self.dispatcher
-        if not d.dispatching:  # (inside the mode's own handler autocast reads off)
-            d.autocast = _autocast_keys_on()
-        return func(*args, **(kwargs or {}))
-
-
-def _drop_function_mode(mode) -> None:
-    """Take ``mode`` off this thread's torch-function stack, the modes above it kept."""
-    above = []
-    try:
-        while torch._C._len_torch_function_stack():
-            top = torch._C._pop_torch_function_stack()
-            if top is mode:
-                break
-            above.append(top)
-    finally:
-        for m in reversed(above):
-            torch._C._push_on_torch_function_stack(m)
-
-
 # Composite ops whose decomposition is many small ops (an RNN: a few per time step), counted
 # on the real inputs: on meta each op costs a Python meta kernel (23x the plain GRU, measured
 # on the CPU; 6x running it again).
@@ -403,6 +382,19 @@ _RERUN_FOR_COUNTS = {getattr(torch.ops.aten, n) for n in ("gru", "lstm", "rnn_ta
 # does): then it runs again on the inputs (the attention computed twice, counting only)
 _SDPA = torch.ops.aten.scaled_dot_product_attention
 _CPU_SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _autocast_dtype(args, autocast: Tuple) -> Optional[torch.dtype]:
+    """Autocast's dtype for the device of ``args``' first tensor where ``autocast`` (keys)
+    holds that device's, else None."""
+    if not autocast:
+        return None
+    for a in args:
+        t = a[0] if isinstance(a, (list, tuple)) and a else a
+        if isinstance(t, torch.Tensor):
+            device = t.device.type
+            return torch.get_autocast_dtype(device) if _AUTOCAST_KEY_OF.get(device) in autocast else None
+    return None
 
 
 def _meta_copies(args, kwargs, cast: Optional[torch.dtype] = None):
@@ -491,9 +483,11 @@ def _encoder_layer_flop(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_we
 
 
 def _nested_linear_flop(input, weight, *args, out_val=None, **kwargs) -> int:
-    """``aten.linear`` on a nested input (its NestedTensor kernel, not decomposed): one
-    ``mm`` over every component's rows."""
-    rows = int(input._nested_tensor_size()[:, :-1].prod(dim=1).sum())
+    """``aten.linear`` on a nested input (strided: its NestedTensor kernel, not decomposed;
+    jagged under inference_mode): one ``mm`` over every component's rows."""
+    values = getattr(input, "_values", None)  # a jagged one's (a subclass), else strided
+    rows = (values.shape[:-1].numel() if isinstance(values, torch.Tensor)
+            else int(input._nested_tensor_size()[:, :-1].prod(dim=1).sum()))
     return _fc.flop_registry[aten.mm]((rows, weight.shape[-1]), (weight.shape[-1], weight.shape[0]))
 
 
@@ -584,8 +578,7 @@ class _Dispatcher(TorchDispatchMode):
         self.dispatching = 0  # inside __torch_dispatch__ we are off the stack for a moment
         self.only_counting = 0  # inside a decomposition run for its counts (result dropped)
         self.deferred: Optional[list] = None  # a meta run's counts, kept until it ends
-        self.autocast: Tuple = ()  # autocast keys on at the latest torch call (see _AutocastWatch)
-        self.watch: Optional[_AutocastWatch] = None
+        self.noted: Tuple[Tuple, int] = ((), -1)  # autocast keys on, nesting count (see _AUTOCAST_KEYS)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.dispatching += 1
@@ -612,8 +605,9 @@ class _Dispatcher(TorchDispatchMode):
                 self._counting_failed(windows, func, exc)
                 return func(*args, **kwargs)
             if decomposes:
+                autocast = self.autocast()
                 if self.only_counting or not _runs_as_torch_does(func):
-                    with self, _as_outside(self.autocast) if self.autocast else contextlib.nullcontext():
+                    with self, _as_outside(autocast) if autocast else contextlib.nullcontext():
                         # count the matmuls inside, as FlopCounterMode does
                         return func._op_dk(_DK.CompositeImplicitAutograd, *args, **kwargs)
                 # The result is the op's as torch runs it outside the mode: run inside, its
@@ -621,10 +615,10 @@ class _Dispatcher(TorchDispatchMode):
                 # and takes other kernels (``matmul`` folded no batch into one ``mm``), and
                 # its inner ops no autocast. Then the decomposition runs again, for the
                 # counts only.
-                with _as_outside(self.autocast) if self.autocast else _ADINPLACE_AS_OUTSIDE():
+                with _as_outside(autocast) if autocast else _ADINPLACE_AS_OUTSIDE():
                     out = func(*args, **kwargs)
                 try:
-                    self._count_decomposition(func, args, kwargs, windows)
+                    self._count_decomposition(func, args, kwargs, windows, autocast)
                 except Exception as exc:  # noqa: BLE001 - the counting's, never the op's
                     self._counting_failed(windows, func, exc)
                 return out
@@ -644,7 +638,21 @@ class _Dispatcher(TorchDispatchMode):
         for plugin, _ in windows:
             plugin._fail(func, exc)
 
-    def _count_decomposition(self, func, args, kwargs, windows) -> None:
+    def note_autocast(self) -> None:
+        """Note autocast's state (read outside the mode) for the composite ops that follow;
+        only under inference_mode, where they reach the mode whole."""
+        if _AUTOCAST_KEYS and torch.is_inference_mode_enabled():
+            keys = _autocast_keys_on()
+            self.noted = (keys, _autocast_nesting() if keys else -1)
+        else:
+            self.noted = ((), -1)
+
+    def autocast(self) -> Tuple:
+        """The autocast keys noted, if no autocast context was entered or left since."""
+        keys, nesting = self.noted
+        return keys if keys and _autocast_nesting() == nesting else ()
+
+    def _count_decomposition(self, func, args, kwargs, windows, autocast: Tuple = ()) -> None:
         """Run ``func``'s decomposition for its ops' counts (the matmuls inside, as
         FlopCounterMode counts them; the formulas read shapes only) and drop its result: on
         ``meta`` copies of the inputs (no arithmetic, no random draw), else (a tensor
@@ -656,7 +664,7 @@ class _Dispatcher(TorchDispatchMode):
             rerun = packet in _RERUN_FOR_COUNTS or (
                 packet is _SDPA and args[0].device.type == "cpu"
                 and not all(_CPU_SDPA in p._formulas for p, _ in windows))
-            meta = None if rerun else _meta_copies(args, kwargs, self._autocast_dtype(args))
+            meta = None if rerun else _meta_copies(args, kwargs, _autocast_dtype(args, autocast))
             if meta is not None:  # never nested: inside this run composite ops decompose inline
                 self.deferred = []
                 try:
@@ -671,22 +679,10 @@ class _Dispatcher(TorchDispatchMode):
                     for plugin, *count in counts:
                         plugin._count(*count)
                     return
-            with self, _restored_rng(func, args, kwargs), _as_outside(self.autocast):
+            with self, _restored_rng(func, args, kwargs), _as_outside(autocast):
                 func._op_dk(_DK.CompositeImplicitAutograd, *args, **kwargs)
         finally:
             self.only_counting -= 1
-
-    def _autocast_dtype(self, args) -> Optional[torch.dtype]:
-        """Autocast's dtype for the device of ``args``' first tensor where autocast is on
-        for it (see ``_AutocastWatch``), else None."""
-        if not self.autocast:
-            return None
-        for a in args:
-            t = a[0] if isinstance(a, (list, tuple)) and a else a
-            if isinstance(t, torch.Tensor):
-                device = t.device.type
-                return torch.get_autocast_dtype(device) if _AUTOCAST_KEY_OF.get(device) in self.autocast else None
-        return None
 
     def _live_windows(self) -> List[Tuple["FlopsPlugin", _Window]]:
         """``(plugin, window)``: the innermost open window of each plugin still counting."""
@@ -707,11 +703,7 @@ class _Dispatcher(TorchDispatchMode):
         if not self.entered:
             self.__enter__()
             self.entered = True
-            if self.watch is None and _AUTOCAST_KEYS and torch.is_inference_mode_enabled():
-                self.autocast = _autocast_keys_on()
-                if self.autocast:  # (without inference_mode autograd decomposes those ops first)
-                    self.watch = _AutocastWatch(self)
-                    torch._C._push_on_torch_function_stack(self.watch)
+        self.note_autocast()
 
     def close(self, window: _Window) -> None:
         for i in range(len(self.windows) - 1, -1, -1):
@@ -728,7 +720,6 @@ class _Dispatcher(TorchDispatchMode):
         if stack and stack[-1] is self:
             self.__exit__(None, None, None)
             self.entered = False
-            self._drop_watch()
         elif not any(m is self for m in stack):
             self._forget()
         # else: a mode entered inside a window is still above us; we stay, passing through,
@@ -742,12 +733,6 @@ class _Dispatcher(TorchDispatchMode):
         _push_mode(self)
         self.__exit__(None, None, None)
         self.entered = False
-        self._drop_watch()
-
-    def _drop_watch(self) -> None:
-        watch, self.watch, self.autocast = self.watch, None, ()
-        if watch is not None:
-            _drop_function_mode(watch)
 
 
 _local = threading.local()
@@ -1047,6 +1032,8 @@ class FlopsPlugin(hookplug.Plugin):
             self._window = self._lease.window = _Window(self, None)
             self._window_lo = seq
             _dispatcher().open(self._window)
+        else:
+            _dispatcher().note_autocast()
         self._calls.append(_OpenCall(ctx, _module_call_frame()))
         self._set_active(seq)
         return None
@@ -1068,6 +1055,8 @@ class FlopsPlugin(hookplug.Plugin):
             self._roots.extend(t.grad_fn for _, t in iter_tensors(output) if t.grad_fn is not None)
         if not calls:
             self._end_forward(hook_backward=True)
+        else:  # back in the caller (a child's autocast block, if any, has ended)
+            _dispatcher().note_autocast()
         return None
 
     # -- windows ----------------------------------------------------------------------------------

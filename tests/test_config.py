@@ -116,6 +116,9 @@ def test_values_a_plugin_refuses_at_attach_name_the_file_and_table(tmp_path, tex
         hookplug.attach(MLP(), config=_toml().loads(textwrap.dedent(text)))
     with pytest.raises(hookplug.PluginError, match=r"^plugin 'stats' rejected"):  # (not from the file)
         hookplug.attach(MLP(), "Linear", plugins=[("stats", {"bins": -3})], config={"every": 2})
+    with pytest.raises(hookplug.PluginError, match=r"^plugin 'jsonl' rejected"):  # a sink's name in plugins=
+        hookplug.attach(MLP(), "Linear", plugins=["stats", ("jsonl", {"path": str(tmp_path / "{nope}")})],
+                        config={"sinks": {"jsonl": {"path": str(tmp_path / "ok.jsonl")}}})
 
 
 @pytest.mark.parametrize("text, message", [

@@ -1026,6 +1026,18 @@ def test_a_plugin_instance_serves_one_session_at_a_time():
     with hookplug.attach(a, "Linear", [held]):
         pass
     blocker.remove()
+    # a session dropped without remove() leaves no claim behind (the registry grew by one
+    # entry per plugin of each such session)
+    from hookplug._session import _IN_USE
+
+    before = len(_IN_USE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(5):
+            dropped = hookplug.attach(nn.Sequential(nn.Linear(2, 2)), "Linear", ["stats", "capture"])
+            del dropped
+        gc.collect()
+    assert len(_IN_USE) == before
 
 
 _Hooks = collections.namedtuple("_Hooks", "fwd pre")

@@ -496,6 +496,29 @@ def test_an_inherited_unmarked_hook_of_a_plain_object_is_warned_about():
     with pytest.warns(RuntimeWarning, match=r"Base.hookplug_step is named like a hookplug hook but is not marked"):
         hookplug.attach(MLP(), "Linear", plugins=[Child()]).remove()
 
+    class Marked:
+        @hookplug.hookimpl
+        def hookplug_step(self, session, step):
+            pass
+
+        @hookplug.hookimpl
+        def hookplug_session_start(self, session):
+            pass
+
+    class Override(Marked):  # the unmarked override switches the base's hook off: it is named
+        def hookplug_step(self, session, step):
+            pass
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        hookplug.attach(MLP(), "Linear", plugins=[Override()]).remove()
+
+        class Star(hookplug.Plugin):  # (*args takes no plugin for a hook argument)
+            @hookplug.hookimpl
+            def hookplug_step(*args):
+                pass
+    assert [str(w.message).split(" is named")[0].rsplit(".", 2)[-2:] for w in seen] == [["Override", "hookplug_step"]]
+
 
 @pytest.mark.parametrize("made, got", [
     (lambda **options: Quiet, "the class Quiet, not an instance of it"),

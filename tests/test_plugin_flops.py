@@ -273,6 +273,16 @@ def test_transformer_encoder_fast_path_counts_what_its_slow_path_does():
                 for t in (torch.randn(1, 7, 32), torch.randn(1, 5, 32)))
     assert nested.total()["flops"] == alone > 0 and not nested.uncounted()
 
+    lin = nn.Linear(16, 8)  # linear on a nested tensor, strided or jagged: 2 * rows * in * out
+    for layout in (torch.strided, torch.jagged):
+        x = torch.nested.nested_tensor([torch.randn(5, 16), torch.randn(2, 16)], layout=layout)
+        for mode in (torch.no_grad, torch.inference_mode):
+            plugin = FlopsPlugin()
+            with warnings.catch_warnings(), mode(), hookplug.attach(lin, "*:", plugins=plugin):
+                warnings.simplefilter("error")  # (no "formula failed")
+                lin(x)
+            assert plugin.total()["flops"] == 2 * 7 * 16 * 8 and not plugin.uncounted(), (layout, mode)
+
 
 def test_nested_selection_is_inclusive_and_not_double_counted():
     torch.manual_seed(0)
@@ -860,8 +870,8 @@ class _Composites(nn.Module):
 def test_autocast_under_inference_mode_leaves_results_bitwise():
     """Inside a dispatch mode torch excludes the autocast keys: a composite op reaching it
     whole under inference_mode ran its matmuls in float32 (einsum's output float32 where the
-    plain model's is bfloat16). The autocast state at each torch call is noted outside the
-    mode and put back around the op; the model's own autocast(enabled=False) block stays off."""
+    plain model's is bfloat16). Autocast's state, noted in the selected modules' hooks, is put
+    back around the op; the model's own autocast(enabled=False) block stays off."""
     torch.manual_seed(0)
     model, x = _Composites().eval(), torch.randn(4, 16)
 
@@ -874,7 +884,7 @@ def test_autocast_under_inference_mode_leaves_results_bitwise():
     stack = torch._C._len_torch_function_stack()
     with hookplug.attach(model, ALL, plugins="flops") as session:
         got = forward()
-        assert torch._C._len_torch_function_stack() == stack  # (the watch leaves with the window)
+        assert torch._C._len_torch_function_stack() == stack  # (no mode of its own there)
     for a, b in zip(ref, got):
         assert a.dtype == b.dtype and torch.equal(a, b)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # autograd decomposes first
@@ -885,11 +895,40 @@ def test_autocast_under_inference_mode_leaves_results_bitwise():
         with hookplug.attach(model, ALL, plugins="flops"):
             assert all(torch.equal(a, b) for a, b in zip(ref, model(x)))
 
+    # torch's fast paths stay on (a TorchFunctionMode on the stack turned MultiheadAttention's
+    # off: other numerics, and nested inputs refused)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    nested = torch.nested.nested_tensor([torch.randn(5, 16), torch.randn(3, 16)])
+    for q in (torch.randn(2, 5, 16), nested):
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            want = mha(q, q, q, need_weights=False)[0]
+            with hookplug.attach(mha, "*:", plugins="flops"):
+                got = mha(q, q, q, need_weights=False)[0]
+        if q.is_nested:
+            want, got = torch.cat(want.unbind()), torch.cat(got.unbind())
+        assert torch.equal(want, got)
+
+    class Inner(nn.Module):  # autocast entered inside the window, around a selected module
+        def __init__(self):
+            super().__init__()
+            self.body = _Composites()
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.body(x)
+
+    inner = Inner().eval()
+    with torch.inference_mode():
+        want = inner(x)
+        with hookplug.attach(inner, ALL, plugins="flops"):
+            got = inner(x)
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(want, got))
+
     def interrupt(module, args, output):
         raise KeyboardInterrupt
 
-    with hookplug.attach(model, ALL, plugins="flops"):  # a forward left by Ctrl-C: the watch
-        handle = model.gru.register_forward_hook(interrupt)  # leaves at the next window's end
+    with hookplug.attach(model, ALL, plugins="flops"):  # a forward left by Ctrl-C
+        handle = model.gru.register_forward_hook(interrupt)
         with pytest.raises(KeyboardInterrupt):
             forward()
         handle.remove()

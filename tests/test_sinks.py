@@ -1,6 +1,7 @@
 """Telemetry sinks: jsonl (appends whole lines), tensorboard (read back with TensorBoard's own
 event reader), prometheus (scraped over 127.0.0.1), third-party sinks by instance and by
 entry point, and the optional-dependency errors."""
+import gc
 import json
 import math
 import os
@@ -10,6 +11,7 @@ import threading
 import urllib.error
 import urllib.request
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -497,6 +499,35 @@ def test_prometheus_endpoint_scraped_over_loopback():
     s.remove()
     with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
         urllib.request.urlopen(url, timeout=2)
+
+
+def test_prometheus_sink_shared_by_two_sessions_serves_until_the_last_ends():
+    """A sink may serve several sessions: removing (or dropping) one stopped the endpoint the
+    other still flushed to. Serving stops with the last; the sink is freed without the
+    cyclic collector (its registry's collector held it)."""
+    pytest.importorskip("prometheus_client")
+    sink = _manager.create_plugin("prometheus", {"port": 0})
+    model = MLP()
+    a = hookplug.attach(MLP(), "Linear", plugins="stats", sink=sink, flush_every=1)
+    b = hookplug.attach(model, "Linear", plugins="stats", sink=sink, flush_every=1)
+    url = sink.url
+    a.remove()
+    assert "hookplug_step" not in scrape(url)  # (nothing flushed yet) but still serving
+    model(torch.randn(2, 32))
+    b.step()
+    assert scrape(url)["hookplug_step"].samples[0].value == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ("never removed")
+        c = hookplug.attach(MLP(), "Linear", plugins="stats", sink=sink)
+        del c  # dropped without remove(), collected: b still served
+        gc.collect()
+    assert scrape(url)["hookplug_step"].samples[0].value == 0
+    b.remove()
+    with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+        urllib.request.urlopen(url, timeout=2)
+    alive = weakref.ref(sink)
+    del sink, a, b
+    assert alive() is None
 
 
 def test_prometheus_textfile_and_no_server(tmp_path):

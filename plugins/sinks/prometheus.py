@@ -71,10 +71,29 @@ if hasattr(os, "register_at_fork"):  # POSIX
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _close_if_alive(sink_ref) -> None:
+def _stop_server(server, thread, pid: int) -> None:
+    """Stop serving and free the port. In a process that did not start the server (a forked
+    child) only the inherited socket is closed: ``shutdown()`` would wait forever for a
+    serving thread that does not run there (and on the serving thread itself, where a
+    collection may run this, it is left to another thread)."""
+    if pid != os.getpid():
+        server.server_close()
+    elif threading.current_thread() is thread:
+        threading.Thread(target=_stop_server, args=(server, thread, pid), daemon=True).start()
+    else:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def _session_dropped(sink_ref, session_id: int) -> None:
+    """A session the sink served was collected without ``remove()`` (the serving thread keeps
+    the sink alive): it stops serving, freeing the port, once no session it serves is left."""
     sink = sink_ref()
     if sink is not None:
-        sink.close()
+        sink._served.pop(session_id, None)
+        if not sink._served:
+            sink.close()
 
 
 def _client():
@@ -87,11 +106,13 @@ class _Collector:
     """Builds the metric families from the sink's latest snapshot at scrape time."""
 
     def __init__(self, sink: "PrometheusSink"):
-        self.sink = sink
+        self.sink = weakref.ref(sink)  # (the sink holds the registry that holds this: no cycle)
 
     def collect(self):
         _, core = _client()
-        sink = self.sink
+        sink = self.sink()
+        if sink is None:
+            return
         ns = sink.namespace
         labels = ["module", "site", "phase", "rank"]
         with sink._lock:
@@ -159,6 +180,9 @@ class PrometheusSink(hookplug.Sink):
         self._nonfinite: Dict[Tuple[str, str, str, str], int] = {}
         self._step: Optional[int] = None
         self._ended = False  # a session ended: the next one starts its own series
+        # the sessions served now (a sink may serve several at once), each with the finalizer
+        # that frees the port if it is dropped without remove(): serving stops with the last
+        self._served: Dict[int, weakref.finalize] = {}
 
     # -- serving -------------------------------------------------------------------------------
 
@@ -170,12 +194,12 @@ class PrometheusSink(hookplug.Sink):
             self._ended = False
         if self.path_option is not None:
             self.path = self.resolve_path(session)
-        if self.requested_port is None or self._server is not None:
-            return
         rank = self.current_rank()
-        if not self.writes_on(rank, session):
-            return
-        port = self.requested_port + rank if self.requested_port else 0
+        if self.requested_port is not None and self._server is None and self.writes_on(rank, session):
+            self._serve(self.requested_port + rank if self.requested_port else 0)
+        self._served[id(session)] = weakref.finalize(session, _session_dropped, weakref.ref(self), id(session))
+
+    def _serve(self, port: int) -> None:
         try:
             started = self._prom.start_http_server(port, addr=self.addr, registry=self.registry)
         except OSError as exc:  # e.g. the port is taken: say which
@@ -188,9 +212,9 @@ class PrometheusSink(hookplug.Sink):
         self._server_pid = os.getpid()
         self.port = self._server.server_address[1]
         _SERVING.add(self)
-        # a session dropped without remove(): the serving thread keeps this sink alive, so it
-        # stops (and frees the port) when the session is collected
-        self._stopper = weakref.finalize(session, _close_if_alive, weakref.ref(self))
+        # the sink collected while serving (dropped with the session that made it): the
+        # server holds no reference to the sink, so it stops then
+        self._stop = weakref.finalize(self, _stop_server, self._server, self._thread, self._server_pid)
 
     @property
     def url(self) -> Optional[str]:
@@ -237,20 +261,24 @@ class PrometheusSink(hookplug.Sink):
         if self._server is not None:
             self._server.server_close()
 
+    @hookplug.hookimpl
+    def hookplug_session_end(self, session) -> None:
+        """Serving (and the metrics' series) end with the last session the sink serves."""
+        stopper = self._served.pop(id(session), None)
+        if stopper is not None:
+            stopper.detach()
+        if not self._served:
+            super().hookplug_session_end(session)
+
     def close(self) -> None:
-        """Stop serving. In a process that did not start the server (a forked child) only
-        the inherited socket is closed: ``shutdown()`` would wait forever for a serving
-        thread that does not run there. The metrics stay readable (``exposition()``) until
-        the next session the sink serves starts."""
+        """Stop serving (see ``_stop_server``). The metrics stay readable (``exposition()``)
+        until the next session the sink serves starts."""
         self._ended = True
+        for stopper in self._served.values():
+            stopper.detach()
+        self._served.clear()
         if self._server is not None:
-            self._stopper.detach()
-            if self._server_pid == os.getpid():
-                self._server.shutdown()
-                self._server.server_close()
-                self._thread.join(timeout=5)
-            else:
-                self._server.server_close()
+            self._stop()
             self._server = self._thread = None
             _SERVING.discard(self)
 
