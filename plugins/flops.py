@@ -168,10 +168,7 @@ def _settle_when_returns(call: "_OpenCall", thread: int) -> None:
     runs on ``thread``: the session's hooks are gone, so nothing of the plugin runs there
     again, and that thread's dispatcher (on its own mode stack, which only it can leave)
     leaves when the call returns, through a post hook that removes itself."""
-    module = call.frame.f_locals.get("self") if call.frame is not None else None
-    if not isinstance(module, torch.nn.Module):
-        return
-    handle = None
+    module, handle = call.module, None
 
     def settle(*_):
         if threading.get_ident() == thread:
@@ -865,10 +862,10 @@ def _note_owners(seqs: List[int], owners: List[Tuple[str, ...]], seq: int,
 class _OpenCall:
     """A selected module's forward that has started and not returned."""
 
-    __slots__ = ("ctx", "name", "frame")
+    __slots__ = ("ctx", "name", "frame", "module")
 
-    def __init__(self, ctx, frame):
-        self.ctx, self.name, self.frame = ctx, ctx.name, frame
+    def __init__(self, ctx, frame, module):
+        self.ctx, self.name, self.frame, self.module = ctx, ctx.name, frame, module
 
 
 # -- the plugin -----------------------------------------------------------------------------------
@@ -1012,7 +1009,7 @@ class FlopsPlugin(hookplug.Plugin):
     # -- per-call hooks ---------------------------------------------------------------------------
 
     @hookimpl
-    def hookplug_forward_input(self, ctx):
+    def hookplug_forward_input(self, ctx, module):
         if not self._counting or _in_backward():
             return None
         if threading.get_ident() != self._thread:
@@ -1034,7 +1031,7 @@ class FlopsPlugin(hookplug.Plugin):
             _dispatcher().open(self._window)
         else:
             _dispatcher().note_autocast()
-        self._calls.append(_OpenCall(ctx, _module_call_frame()))
+        self._calls.append(_OpenCall(ctx, _module_call_frame(), module))
         self._set_active(seq)
         return None
 
