@@ -167,15 +167,18 @@ def _settle_when_returns(call: "_OpenCall", thread: int) -> None:
     """The session ended on another thread while ``call`` (the outermost selected forward)
     runs on ``thread``: the session's hooks are gone, so nothing of the plugin runs there
     again, and that thread's dispatcher (on its own mode stack, which only it can leave)
-    leaves when the call returns, through a post hook that removes itself."""
-    module, handle = call.module, None
+    leaves when the call returns, through a post hook that removes itself (or, where the
+    call ended by Ctrl-C, which runs no post hook, at the module's next call there)."""
+    module, handles = call.module, []
 
     def settle(*_):
         if threading.get_ident() == thread:
-            handle.remove()
+            for h in handles:
+                h.remove()
             _settle_this_thread()
 
-    handle = module.register_forward_hook(settle, always_call=True)
+    handles.append(module.register_forward_hook(settle, always_call=True))
+    handles.append(module.register_forward_pre_hook(settle))
 
 
 def _running(frame) -> bool:
@@ -333,10 +336,10 @@ _ADINPLACE_AS_OUTSIDE = (_adinplace_as_outside if hasattr(torch._C, "_SetExclude
 # Autocast inside the mode. Inside ``__torch_dispatch__`` torch also excludes the autocast keys
 # (``is_autocast_enabled()`` reads False there), so a composite op reaching the mode whole
 # (``einsum``, an RNN: under inference_mode no autograd key decomposes it first) would run its
-# inner matmuls without autocast. Autocast's state is noted where it can be read (a window
-# opening, each selected module's hooks) with autocast's nesting count; an op that finds the
-# count unchanged since (no autocast context entered or left in between) runs with the keys
-# noted turned back on, else as before (off). A TorchFunctionMode noting it at every torch
+# inner matmuls without autocast. Autocast's state is noted where it can be read (each
+# selected forward's start) with autocast's nesting count; an op that finds the count of the
+# running call's note (see _Dispatcher.autocast) runs with the keys noted turned back on,
+# else as before (off). A TorchFunctionMode noting it at every torch
 # call would be exact, but any such mode on the stack turns off torch's own fast paths
 # (``has_torch_function``: MultiheadAttention's, which then refuses nested tensors).
 _AUTOCAST_KEYS = tuple((device, getattr(_DK, key)) for device, key in (
@@ -356,6 +359,17 @@ def _autocast_nesting() -> int:
     n = torch.autocast_increment_nesting()
     torch.autocast_decrement_nesting()
     return n - 1
+
+
+def _autocast_back(autocast_keys: Tuple):
+    """Autocast's keys back on (only those: an op that passed ADInplaceOrView must not pass
+    it twice)."""
+    if len(autocast_keys) == 1:
+        return torch._C._SetExcludeDispatchKeyGuard(autocast_keys[0], False)
+    guards = contextlib.ExitStack()
+    for key in autocast_keys:
+        guards.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
+    return guards
 
 
 @contextlib.contextmanager
@@ -619,7 +633,12 @@ class _Dispatcher(TorchDispatchMode):
                 except Exception as exc:  # noqa: BLE001 - the counting's, never the op's
                     self._counting_failed(windows, func, exc)
                 return out
-            out = func(*args, **kwargs)
+            if self.noted[0]:  # its kernel may call other ops: with autocast as outside too
+                autocast = self.autocast()
+                with _autocast_back(autocast) if autocast else contextlib.nullcontext():
+                    out = func(*args, **kwargs)
+            else:
+                out = func(*args, **kwargs)
         deferred = self.deferred
         for plugin, w in windows:
             if deferred is None:
@@ -645,7 +664,11 @@ class _Dispatcher(TorchDispatchMode):
             self.noted = ((), -1)
 
     def autocast(self) -> Tuple:
-        """The autocast keys noted, if no autocast context was entered or left since."""
+        """The autocast keys noted, where the nesting count is the one noted. A note is taken
+        at a selected call's start and stands while that call runs (restored when a call
+        inside it returns): a block entered before the call cannot be left while it runs,
+        so an equal count there means the same blocks, the same state (a direct
+        ``torch.set_autocast_enabled`` call aside)."""
         keys, nesting = self.noted
         return keys if keys and _autocast_nesting() == nesting else ()
 
@@ -862,10 +885,11 @@ def _note_owners(seqs: List[int], owners: List[Tuple[str, ...]], seq: int,
 class _OpenCall:
     """A selected module's forward that has started and not returned."""
 
-    __slots__ = ("ctx", "name", "frame", "module")
+    __slots__ = ("ctx", "name", "frame", "module", "noted")
 
-    def __init__(self, ctx, frame, module):
+    def __init__(self, ctx, frame, module, noted):
         self.ctx, self.name, self.frame, self.module = ctx, ctx.name, frame, module
+        self.noted = noted  # autocast's state at its start (see _Dispatcher.note_autocast)
 
 
 # -- the plugin -----------------------------------------------------------------------------------
@@ -1031,7 +1055,7 @@ class FlopsPlugin(hookplug.Plugin):
             _dispatcher().open(self._window)
         else:
             _dispatcher().note_autocast()
-        self._calls.append(_OpenCall(ctx, _module_call_frame(), module))
+        self._calls.append(_OpenCall(ctx, _module_call_frame(), module, _dispatcher().noted))
         self._set_active(seq)
         return None
 
@@ -1052,8 +1076,8 @@ class FlopsPlugin(hookplug.Plugin):
             self._roots.extend(t.grad_fn for _, t in iter_tensors(output) if t.grad_fn is not None)
         if not calls:
             self._end_forward(hook_backward=True)
-        else:  # back in the caller (a child's autocast block, if any, has ended)
-            _dispatcher().note_autocast()
+        else:  # back in the caller: its note holds again (a note is trusted only while the
+            _dispatcher().noted = calls[-1].noted  # call it was taken at runs: see autocast())
         return None
 
     # -- windows ----------------------------------------------------------------------------------

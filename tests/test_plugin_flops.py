@@ -924,6 +924,37 @@ def test_autocast_under_inference_mode_leaves_results_bitwise():
             got = inner(x)
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(want, got))
 
+    class AmpAdapter(nn.Module):  # a selected Linear run in an autocast block of its own...
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(16, 16)
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.proj(x)
+
+    class Rotary(nn.Module):  # ...then, at the same nesting depth, a block with autocast off
+        def forward(self, x):
+            with torch.autocast("cpu", enabled=False):
+                return torch.einsum("bi,ij->bj", x.float(), torch.ones(16, 4)).cos()
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ad, self.rot = AmpAdapter(), Rotary()
+            self.enc = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True, dropout=0.0)
+
+        def forward(self, x):  # (the encoder layer, unhooked, takes its fast path)
+            h = self.ad(x)
+            return self.rot(h), self.enc(h[:, None, :].float()).squeeze(1)
+
+    layer = Layer().eval()
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = layer(x)
+        with hookplug.attach(layer, "*:, Linear:ad.*", plugins="flops"):
+            got = layer(x)
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(want, got))
+
     def interrupt(module, args, output):
         raise KeyboardInterrupt
 
