@@ -557,12 +557,13 @@ class _Window:
     plugin's running modules count) or one autograd node's backward (``owners``: the modules
     whose forward created the node)."""
 
-    __slots__ = ("plugin_ref", "owners", "dispatcher")
+    __slots__ = ("plugin_ref", "owners", "dispatcher", "noted_before")
 
     def __init__(self, plugin: "FlopsPlugin", owners: Optional[Tuple[str, ...]]):
         self.plugin_ref = weakref.ref(plugin)  # the mode stack never keeps a plugin alive
         self.owners = owners
         self.dispatcher: Optional[_Dispatcher] = None
+        self.noted_before: Tuple[Tuple, int] = ((), -1)  # the note it found (see _Dispatcher.open)
 
     def close(self) -> None:
         """Close this window if it is open on the calling thread; elsewhere stop it counting
@@ -600,8 +601,10 @@ class _Dispatcher(TorchDispatchMode):
 
     def _dispatch(self, func, args, kwargs):
         windows = self._live_windows()
-        if not windows:
-            return func(*args, **kwargs)  # windows ended while we dispatched (see settle)
+        if not windows:  # windows ended while we dispatched (see settle), or on another thread
+            autocast = self.autocast() if self.noted[0] else ()
+            with _autocast_back(autocast) if autocast else contextlib.nullcontext():
+                return func(*args, **kwargs)
         if func in _PASS_THROUGH:
             return NotImplemented
         if isinstance(func, _HOP):
@@ -719,6 +722,7 @@ class _Dispatcher(TorchDispatchMode):
         if self.entered and not self.dispatching and not any(m is self for m in _mode_stack()):
             self._forget()  # autograd dropped us with the TLS of a node that raised
         window.dispatcher = self
+        window.noted_before = self.noted
         self.windows.append(window)
         if not self.entered:
             self.__enter__()
@@ -729,6 +733,7 @@ class _Dispatcher(TorchDispatchMode):
         for i in range(len(self.windows) - 1, -1, -1):
             if self.windows[i] is window:
                 del self.windows[i]
+                self.noted = window.noted_before  # (another plugin's call, still running, noted it)
                 break
         self.settle()
 

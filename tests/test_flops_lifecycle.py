@@ -361,18 +361,24 @@ def test_remove_from_another_thread_mid_forward_leaves_no_mode_on_the_model_thre
             if self.wait:
                 go.set()
                 removed.wait(10)  # the other thread removes the session meanwhile
-            return y * 2
+            return torch.einsum("bi,ij->bj", y, self.fc.weight) * 2  # (bfloat16 and float32 under autocast)
 
-    model = nn.Sequential(Slow(), nn.Linear(8, 2))
+    model, x = nn.Sequential(Slow(), nn.Linear(8, 2)), torch.randn(4, 8)
     hooks_before = {n: dict(m._forward_hooks) for n, m in model.named_modules()}
+
+    def forward():
+        with (torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()), \
+                torch.inference_mode():
+            return model(x)
+
+    want = forward()
     session = hookplug.attach(model, "*", plugins="flops")
     remover = threading.Thread(target=lambda: (go.wait(10), session.remove(), removed.set()))
     remover.start()
     model[0].wait = True
-    with (torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()), \
-            torch.inference_mode():
-        model(torch.randn(4, 8))
+    got = forward()  # (the ops after the removal ran with autocast as outside: no dtype error)
     remover.join()
+    assert got.dtype == want.dtype and torch.equal(got, want)
     assert session.removed
     assert _get_current_dispatch_mode_stack() == [] and torch._C._len_torch_function_stack() == 0
     assert {n: dict(m._forward_hooks) for n, m in model.named_modules()} == hooks_before

@@ -955,6 +955,24 @@ def test_autocast_under_inference_mode_leaves_results_bitwise():
             got = layer(x)
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(want, got))
 
+    class Island(nn.Module):  # two flops plugins, one on the Linear only: its window's note
+        def __init__(self):  # (autocast on, in the model's own block) ends with its window
+            super().__init__()
+            self.w, self.lin = nn.Parameter(torch.randn(16, 16)), nn.Linear(16, 16)
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                h = self.lin(x)
+            with torch.autocast("cpu", enabled=False):  # a float32 island
+                return torch.mm(h.float(), self.w)
+
+    island = Island().eval()
+    with torch.inference_mode():
+        want = island(x)
+        with hookplug.attach(island, "*:", plugins="flops"), hookplug.attach(island.lin, "*:", plugins="flops"):
+            got = island(x)
+    assert want.dtype == got.dtype == torch.float32 and torch.equal(want, got)
+
     def interrupt(module, args, output):
         raise KeyboardInterrupt
 
