@@ -368,10 +368,18 @@ def check_hist_options(who: str, bins, hist, range):  # noqa: A002 - the op's ow
     return bins, hist, range
 
 
-def check_max_pending(who: str, max_pending_steps: int) -> None:
-    """``max_pending_steps`` (ended steps kept for telemetry) must be >= 1."""
+#: The default bound on the memory (the device's, where the rows live) of the ended steps a
+#: bank keeps for telemetry: with no sink and no flush a 16,000-row bank kept 1024 steps, 19 GB
+MAX_PENDING_BYTES = 256 * 2**20
+
+
+def check_max_pending(who: str, max_pending_steps: int, max_pending_bytes: Optional[int] = None) -> None:
+    """``max_pending_steps`` (ended steps kept for telemetry) must be >= 1, and
+    ``max_pending_bytes`` None or >= 1."""
     if max_pending_steps < 1:
         raise ValueError(f"{who}: max_pending_steps must be >= 1, got {max_pending_steps!r}")
+    if max_pending_bytes is not None and max_pending_bytes < 1:
+        raise ValueError(f"{who}: max_pending_bytes must be None or >= 1, got {max_pending_bytes!r}")
 
 
 def host_copy(t: torch.Tensor):
@@ -572,11 +580,13 @@ class StatsBank:
 
     def __init__(self, *, bins: Optional[int] = None, hist: str = "log2",
                  range: Optional[Sequence[float]] = None,  # noqa: A002 - the op's own name
-                 max_pending_steps: int = 1024, who: str = "stats", clock_base: float = 0.0):
+                 max_pending_steps: int = 1024, max_pending_bytes: Optional[int] = MAX_PENDING_BYTES,
+                 who: str = "stats", clock_base: float = 0.0):
         from . import ops
 
         self.who = who
         self.max_pending_steps = max_pending_steps
+        self.max_pending_bytes = max_pending_bytes
         self.clock_base = clock_base
         self.op_args = ops.hist_args(bins, hist, range)  # (bins, hist_mode, lo, hi)
         nb = ops.buckets(self.op_args[0], hist)
@@ -852,15 +862,20 @@ class StatsBank:
         for device, dev in self._devices.items():
             snaps[device] = dev.end_step(used)
         self.pending.append((step, snaps))
-        keep = self.max_pending_steps + final
-        if len(self.pending) > keep:
-            del self.pending[: len(self.pending) - keep]
+        keep, size = self.max_pending_steps, 0
+        if self.max_pending_bytes is not None:  # (a step's rows; at least one step is kept)
+            size = sum(t.numel() * t.element_size() for t in snaps.values())
+            keep = min(keep, max(1, self.max_pending_bytes // max(size, 1)))
+        if len(self.pending) > keep + final:
+            del self.pending[: len(self.pending) - keep - final]
             if warn_unflushed and not self._warned:
                 self._warned = True
+                bound = (f"max_pending_steps={self.max_pending_steps}" if keep == self.max_pending_steps else
+                         f"max_pending_bytes={self.max_pending_bytes} at {size} bytes a step")
                 warnings.warn(
-                    f"hookplug plugin {self.who!r}: more than {self.max_pending_steps} steps of "
-                    "stats were not collected by telemetry (no session.flush()); older steps are "
-                    "kept in results() only. Set flush_every= or call session.flush().",
+                    f"hookplug plugin {self.who!r}: more than {keep} steps of stats were not "
+                    f"collected by telemetry ({bound}); older steps are kept in results() only. "
+                    "Set flush_every= (or a smaller one), call session.flush(), or raise the bound.",
                     RuntimeWarning, stacklevel=user_stacklevel())
         for dev in self._devices.values():  # after the step is pending: see _DeviceRows.lock
             dev.fold_due()

@@ -20,7 +20,7 @@ Options (keyword-only):
   (their children's included), named as in the unwrapped model; a tied parameter
   (``lm_head.weight`` is ``wte.weight``) is matched by any of its names and named by the
   first that matches. A glob list that matches none warns.
-- ``bins``, ``hist``, ``range``, ``max_pending_steps``: as for ``stats``.
+- ``bins``, ``hist``, ``range``, ``max_pending_steps``, ``max_pending_bytes``: as for ``stats``.
 - ``optimizer=None``: by default every ``torch.optim.Optimizer`` that holds a selected
   parameter is observed through torch's global optimizer step hooks; pass an optimizer (or
   a list) to observe only those (a wrapper that is no initialized optimizer, accelerate's
@@ -126,7 +126,7 @@ from torch.nn.parameter import is_lazy
 
 import hookplug
 from hookplug import hookimpl
-from hookplug._bank import (LATE_CLOCK, ON_COMPILE_START, StatsBank, _is_compiling, _outside_inference_mode,
+from hookplug._bank import (LATE_CLOCK, MAX_PENDING_BYTES, ON_COMPILE_START, StatsBank, _is_compiling, _outside_inference_mode,
                             as_measured, check_hist_options,
                             check_max_pending, check_sites, dtensor_local, dynamo_disable, is_dtensor, merge_devices,
                             pad_rows, unmaterialized)
@@ -342,6 +342,7 @@ class ParamsPlugin(hookplug.Plugin):
         max_pending_steps: int = 1024,
         optimizer: Union[None, torch.optim.Optimizer, Sequence[torch.optim.Optimizer]] = None,
         plain_tensors: Optional[Literal["replicated", "distinct"]] = None,
+        max_pending_bytes: Optional[int] = MAX_PENDING_BYTES,
     ):
         sites = check_sites("params", sites, _SITES)
         params = (params,) if isinstance(params, str) else tuple(params)
@@ -349,7 +350,7 @@ class ParamsPlugin(hookplug.Plugin):
             raise ValueError("params: params must be a glob or a non-empty list of globs on "
                              "parameter names")
         bins, hist, range = check_hist_options("params", bins, hist, range)
-        check_max_pending("params", max_pending_steps)
+        check_max_pending("params", max_pending_steps, max_pending_bytes)
         if optimizer is not None:
             optimizer = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
             optimizer = [_hooked_optimizer(o) for o in optimizer]
@@ -364,7 +365,8 @@ class ParamsPlugin(hookplug.Plugin):
         # state and the parameters alive
         self._optimizers = None if optimizer is None else [weakref.ref(o) for o in optimizer]
         self.bank = StatsBank(bins=bins, hist=hist, range=range, max_pending_steps=max_pending_steps,
-                              who=self.name, clock_base=LATE_CLOCK)  # measured after activations
+                              max_pending_bytes=max_pending_bytes, who=self.name,
+                              clock_base=LATE_CLOCK)  # measured after activations
         self._params: List[_Param] = []
         self._by_id: Dict[int, _Param] = {}
         # id -> (ref, its parameters' ids, our params among them, their tensors' ids)

@@ -18,6 +18,8 @@ Options (keyword-only):
   its fixed range (required: per-call histograms are merged into one row).
 - ``max_pending_steps=1024``: how many ended steps wait for telemetry (``hookplug_collect``)
   when nobody flushes; older ones stay in ``results()`` only (one warning if a sink exists).
+  ``max_pending_bytes=256 MiB`` (None: no bound) bounds their memory too (the device's,
+  where the rows live): a model with many modules keeps fewer steps (at least one).
 - ``nonfinite="record"|"raise"``: ``"record"`` (default) reports the first NaN/Inf of a
   step through telemetry (``first_nonfinite`` records, ``session.nonfinite``); ``"raise"``
   also raises ``FloatingPointError`` at ``session.step()`` naming the module, site, phase
@@ -86,7 +88,7 @@ import torch
 import hookplug
 from hookplug import hookimpl
 from hookplug._plugin import plugin_failed, plugin_off, user_stacklevel
-from hookplug._bank import (MEASURED_AS, StatsBank, _is_compiling, accumulate_by_key_op, as_measured, check_hist_options,
+from hookplug._bank import (MAX_PENDING_BYTES, MEASURED_AS, StatsBank, _is_compiling, accumulate_by_key_op, as_measured, check_hist_options,
                             check_max_pending, check_sites, dtensor_local, host_copy, is_dtensor,
                             param_device)
 from hookplug._func import is_batched
@@ -134,10 +136,11 @@ class StatsPlugin(hookplug.Plugin):
         range: Optional[Tuple[float, float]] = None,  # noqa: A002 - the op's own name
         max_pending_steps: int = 1024,
         nonfinite: Literal["record", "raise"] = "record",
+        max_pending_bytes: Optional[int] = MAX_PENDING_BYTES,
     ):
         sites = check_sites("stats", sites, _SITES)
         bins, hist, range = check_hist_options("stats", bins, hist, range)
-        check_max_pending("stats", max_pending_steps)
+        check_max_pending("stats", max_pending_steps, max_pending_bytes)
         self.sites = sites
         # hookplug_output_grad can be traced into a compiled backward (no graph break per
         # module) where this torch can keep the by-key op in a graph
@@ -148,8 +151,9 @@ class StatsPlugin(hookplug.Plugin):
         self.hist = hist
         self.range = range
         self.max_pending_steps = max_pending_steps
-        self.bank = StatsBank(bins=bins, hist=hist, range=range,
-                              max_pending_steps=max_pending_steps, who=self.name)
+        self.max_pending_bytes = max_pending_bytes
+        self.bank = StatsBank(bins=bins, hist=hist, range=range, max_pending_steps=max_pending_steps,
+                              max_pending_bytes=max_pending_bytes, who=self.name)
         # Switch off the hooks of sites not asked for, so the core registers no torch hook
         # for them (pluggy ignores an instance attribute that is not a function).
         if "input" not in sites:

@@ -459,6 +459,35 @@ def test_pending_steps_bounded_with_a_sink_never_flushed():
         assert_stats_match(st, torch.cat([lin(x) for x in xs]))
 
 
+@pytest.mark.parametrize("plugin", ["stats", "params"])
+def test_pending_steps_bounded_by_bytes(plugin):
+    """Ended steps wait for telemetry on the device: 1024 steps of a 16,000-row bank were
+    19 GB. ``max_pending_bytes`` bounds them (at least one step is kept); the warning (with
+    a sink) names the bound; totals stay exact; a flush hands out the steps kept."""
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)])
+    probe = hookplug.attach(model, "Linear", plugins=plugin)
+    model(torch.randn(2, 4)).sum().backward()
+    probe.step()
+    step_bytes = sum(t.numel() * t.element_size() for t in probe[plugin].bank.pending[0][1].values())
+    probe.remove()
+    opts = {"max_pending_bytes": 2 * step_bytes + 1}
+    xs = [torch.randn(2, 4) for _ in range(6)]
+    with hookplug.attach(model, "Linear", plugins=(plugin, opts), sink=NullSink()) as s:
+        with pytest.warns(RuntimeWarning, match=r"more than 2 steps .*max_pending_bytes=\d+ at \d+ bytes a step"):
+            for x in xs:
+                model(x).sum().backward()
+                s.step()
+        assert len(s[plugin].bank.pending) == 2
+        assert sorted({r["step"] for r in s.flush()}) == [4, 5]
+    with pytest.raises(hookplug.PluginError, match="max_pending_bytes must be None or >= 1"):
+        hookplug.attach(model, "Linear", plugins=(plugin, {"max_pending_bytes": 0}))
+    with hookplug.attach(model, "Linear", plugins=(plugin, {"max_pending_bytes": None})) as s:
+        for x in xs:
+            model(x).sum().backward()
+            s.step()
+        assert len(s[plugin].bank.pending) == 6
+
+
 def test_without_telemetry_steps_fold_into_totals_silently():
     """No sink and no flush: each step() folds the bank into the totals with one merge
     (nothing piles up per call or per step, no warning); totals stay exact."""
