@@ -449,7 +449,7 @@ class _DeviceRows:
             self._snapshot = ops.snapshot_rows()
 
     @_outside_inference_mode
-    def end_step(self, used: int) -> torch.Tensor:
+    def end_step(self, used: int, fold_every: int = _FOLD_EVERY) -> torch.Tensor:
         """Snapshot and reset the first ``used`` rows of ``acc`` in place (no other row was
         written); the snapshot waits in ``unfolded`` (see :meth:`fold_due`). While the set
         of rows stays the same,
@@ -473,7 +473,7 @@ class _DeviceRows:
         else:
             slots, i = self._block, self._next
             if slots is None or i == len(slots):  # slots up to the next fold
-                count = max(1, _FOLD_EVERY - len(self.unfolded))
+                count = max(1, fold_every - len(self.unfolded))
                 slots = self._block = acc.new_empty((count, *acc.shape)).unbind(0)
                 i = 0
             self._next = i + 1
@@ -487,10 +487,10 @@ class _DeviceRows:
             self.unfolded.append(snap)
         return snap
 
-    def fold_due(self) -> None:
-        """Fold once ``_FOLD_EVERY`` snapshots wait (``StatsBank.end_step`` calls it after
+    def fold_due(self, fold_every: int = _FOLD_EVERY) -> None:
+        """Fold once ``fold_every`` snapshots wait (``StatsBank.end_step`` calls it after
         noting the ended step in ``pending``)."""
-        if len(self.unfolded) >= _FOLD_EVERY:
+        if len(self.unfolded) >= fold_every:
             self.fold()
 
     @_outside_inference_mode
@@ -618,6 +618,7 @@ class StatsBank:
         self.broken = False
         self.live = True
         self._warned = False
+        self._collected = False
         self.rows: Dict[Tuple, int] = {}
         self.keys: List[Tuple] = []  # row r holds keys[r - 1]
         self.pending: List[Tuple[int, Dict[torch.device, torch.Tensor]]] = []
@@ -858,27 +859,29 @@ class StatsBank:
         if not self.live or not self._devices:
             return
         used = len(self.keys) + 1  # the meta row and every assigned row
+        # a step's rows; the steps that fit the byte bound (at least one) are all that are
+        # kept, for telemetry and for the fold batch alike (a kept snapshot is a slot of a
+        # fold batch's block, which lives while any of its slots does)
+        size = sum(used * dev.acc.shape[1] * dev.acc.element_size() for dev in self._devices.values())
+        fit = self.max_pending_steps if self.max_pending_bytes is None else max(1, self.max_pending_bytes // size)
+        keep, fold_every = min(self.max_pending_steps, fit), min(_FOLD_EVERY, fit)
         snaps = {}
         for device, dev in self._devices.items():
-            snaps[device] = dev.end_step(used)
+            snaps[device] = dev.end_step(used, fold_every)
         self.pending.append((step, snaps))
-        keep, size = self.max_pending_steps, 0
-        if self.max_pending_bytes is not None:  # (a step's rows; at least one step is kept)
-            size = sum(t.numel() * t.element_size() for t in snaps.values())
-            keep = min(keep, max(1, self.max_pending_bytes // max(size, 1)))
         if len(self.pending) > keep + final:
             del self.pending[: len(self.pending) - keep - final]
-            if warn_unflushed and not self._warned:
+            if (warn_unflushed or self._collected) and not self._warned:
                 self._warned = True
                 bound = (f"max_pending_steps={self.max_pending_steps}" if keep == self.max_pending_steps else
                          f"max_pending_bytes={self.max_pending_bytes} at {size} bytes a step")
                 warnings.warn(
-                    f"hookplug plugin {self.who!r}: more than {keep} steps of stats were not "
+                    f"hookplug plugin {self.who!r}: more ended steps than the {keep} kept were not "
                     f"collected by telemetry ({bound}); older steps are kept in results() only. "
-                    "Set flush_every= (or a smaller one), call session.flush(), or raise the bound.",
-                    RuntimeWarning, stacklevel=user_stacklevel())
+                    "Set flush_every= (or a smaller one), call session.flush() more often, or "
+                    "raise the bound.", RuntimeWarning, stacklevel=user_stacklevel())
         for dev in self._devices.values():  # after the step is pending: see _DeviceRows.lock
-            dev.fold_due()
+            dev.fold_due(fold_every)
 
     def collect_for(self, plugin, session, meta: Callable[[Tuple, int], Dict[str, Any]]
                     ) -> Optional[List[StatsBlock]]:
@@ -895,6 +898,7 @@ class StatsBank:
         """The ended steps not yet collected, one block per step and device; ``meta(key,
         step)`` describes a row."""
         pending, self.pending = self.pending, []
+        self._collected = True  # (steps dropped before a later flush are warned about)
         n = len(self.keys)
         out = []
         try:

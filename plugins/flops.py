@@ -163,13 +163,15 @@ def _module_call_frame():
     return f
 
 
-def _settle_when_returns(call: "_OpenCall", thread: int) -> None:
-    """The session ended on another thread while ``call`` (the outermost selected forward)
-    runs on ``thread``: the session's hooks are gone, so nothing of the plugin runs there
-    again, and that thread's dispatcher (on its own mode stack, which only it can leave)
-    leaves when the call returns, through a post hook that removes itself (or, where the
-    call ended by Ctrl-C, which runs no post hook, at the module's next call there)."""
-    module, handles = call.module, []
+def _settle_when_returns(calls: List["_OpenCall"], thread: int, dispatcher: "_Dispatcher") -> None:
+    """The session ended on another thread while ``calls`` (selected forwards, outermost
+    first) run on ``thread``: the session's hooks are gone, so nothing of the plugin runs
+    there again, and that thread's dispatcher, on a mode stack only that thread can leave,
+    leaves at the first of these calls to return (a post hook) or to be called again (a pre
+    hook: a forward left by Ctrl-C runs no post hook); every hook then removes itself. Until
+    then its ops run with the innermost call's autocast note, which holds while it runs."""
+    dispatcher.noted = calls[-1].noted
+    handles = []
 
     def settle(*_):
         if threading.get_ident() == thread:
@@ -177,8 +179,9 @@ def _settle_when_returns(call: "_OpenCall", thread: int) -> None:
                 h.remove()
             _settle_this_thread()
 
-    handles.append(module.register_forward_hook(settle, always_call=True))
-    handles.append(module.register_forward_pre_hook(settle))
+    for module in {id(c.module): c.module for c in calls}.values():
+        handles.append(module.register_forward_hook(settle, always_call=True))
+        handles.append(module.register_forward_pre_hook(settle))
 
 
 def _running(frame) -> bool:
@@ -557,13 +560,15 @@ class _Window:
     plugin's running modules count) or one autograd node's backward (``owners``: the modules
     whose forward created the node)."""
 
-    __slots__ = ("plugin_ref", "owners", "dispatcher", "noted_before")
+    __slots__ = ("plugin_ref", "owners", "dispatcher", "noted_before", "noted")
 
     def __init__(self, plugin: "FlopsPlugin", owners: Optional[Tuple[str, ...]]):
         self.plugin_ref = weakref.ref(plugin)  # the mode stack never keeps a plugin alive
         self.owners = owners
         self.dispatcher: Optional[_Dispatcher] = None
-        self.noted_before: Tuple[Tuple, int] = ((), -1)  # the note it found (see _Dispatcher.open)
+        # the autocast notes it found and made when it opened (see _Dispatcher.open/close)
+        self.noted_before: Tuple[Tuple, int] = ((), -1)
+        self.noted: Tuple[Tuple, int] = ((), -1)
 
     def close(self) -> None:
         """Close this window if it is open on the calling thread; elsewhere stop it counting
@@ -575,6 +580,8 @@ class _Window:
             d.close(self)
         else:
             d.windows = [w for w in d.windows if w is not self]
+            if not d.windows:  # its thread's ops until the forward returns: no hook of ours
+                d.noted = self.noted  # restores a note there, so the window's own (see autocast())
 
 
 class _Dispatcher(TorchDispatchMode):
@@ -660,11 +667,9 @@ class _Dispatcher(TorchDispatchMode):
     def note_autocast(self) -> None:
         """Note autocast's state (read outside the mode) for the composite ops that follow;
         only under inference_mode, where they reach the mode whole."""
-        if _AUTOCAST_KEYS and torch.is_inference_mode_enabled():
-            keys = _autocast_keys_on()
-            self.noted = (keys, _autocast_nesting() if keys else -1)
-        else:
-            self.noted = ((), -1)
+        keys = _autocast_keys_on() if _AUTOCAST_KEYS and torch.is_inference_mode_enabled() else ()
+        # a new tuple each time: a window tells its own note from a later equal one (see close)
+        self.noted = tuple([keys, _autocast_nesting() if keys else -1])
 
     def autocast(self) -> Tuple:
         """The autocast keys noted, where the nesting count is the one noted. A note is taken
@@ -728,12 +733,14 @@ class _Dispatcher(TorchDispatchMode):
             self.__enter__()
             self.entered = True
         self.note_autocast()
+        window.noted = self.noted
 
     def close(self, window: _Window) -> None:
         for i in range(len(self.windows) - 1, -1, -1):
             if self.windows[i] is window:
                 del self.windows[i]
-                self.noted = window.noted_before  # (another plugin's call, still running, noted it)
+                if self.noted is window.noted:  # its note still in force: the one it found
+                    self.noted = window.noted_before  # (a call still running around it made it)
                 break
         self.settle()
 
@@ -1216,9 +1223,10 @@ class FlopsPlugin(hookplug.Plugin):
             warnings.warn(f"hookplug plugin 'flops' stopped counting after an error: {type(exc).__name__}: "
                           f"{exc}", RuntimeWarning, stacklevel=user_stacklevel())
         calls, owner = self._calls, self._thread
+        dispatcher = self._window.dispatcher if self._window is not None else None
         self._lease.release()
-        if calls and owner is not None and owner != threading.get_ident():
-            _settle_when_returns(calls[0], owner)
+        if calls and dispatcher is not None and owner is not None and owner != threading.get_ident():
+            _settle_when_returns(calls, owner, dispatcher)
         self._clear_forward()
         recomputes, self._recomputes = self._recomputes, {}
         for rec in recomputes.values():

@@ -383,6 +383,30 @@ def test_remove_from_another_thread_mid_forward_leaves_no_mode_on_the_model_thre
     assert _get_current_dispatch_mode_stack() == [] and torch._C._len_torch_function_stack() == 0
     assert {n: dict(m._forward_hooks) for n, m in model.named_modules()} == hooks_before
 
+    class Island(nn.Module):  # removed inside a selected call in an autocast block: the ops
+        def __init__(self):  # after it, in a float32 block, keep autocast off
+            super().__init__()
+            self.inner, self.w = Slow(), nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                h = self.inner(x)
+            with torch.autocast("cpu", enabled=False):
+                return torch.mm(h.float(), self.w)
+
+    island = Island().eval()
+    go.clear(), removed.clear()
+    with torch.inference_mode():
+        want = island(x)
+    session = hookplug.attach(island, "*:, *:inner", plugins="flops")
+    remover = threading.Thread(target=lambda: (go.wait(10), session.remove(), removed.set()))
+    remover.start()
+    island.inner.wait = True
+    with torch.inference_mode():
+        got = island(x)
+    remover.join()
+    assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
+
 
 def test_dropped_session_leaves_no_mode():
     model, x = mlp(), torch.randn(4, 4)

@@ -969,9 +969,14 @@ def test_autocast_under_inference_mode_leaves_results_bitwise():
     island = Island().eval()
     with torch.inference_mode():
         want = island(x)
-        with hookplug.attach(island, "*:", plugins="flops"), hookplug.attach(island.lin, "*:", plugins="flops"):
-            got = island(x)
-    assert want.dtype == got.dtype == torch.float32 and torch.equal(want, got)
+        for outer in ("*:", "*:, *:lin"):  # (the Linear's own call noted by the outer plugin too)
+            for first in (0, 1):  # (hooks run in attach order: windows close out of order)
+                with contextlib.ExitStack() as sessions:
+                    for i in ((0, 1) if first == 0 else (1, 0)):
+                        sessions.enter_context(hookplug.attach(*((island, outer) if i == 0 else (island.lin, "*:")),
+                                                               plugins="flops"))
+                    got = island(x)
+                assert want.dtype == got.dtype == torch.float32 and torch.equal(want, got), (outer, first)
 
     def interrupt(module, args, output):
         raise KeyboardInterrupt

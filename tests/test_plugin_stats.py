@@ -473,12 +473,27 @@ def test_pending_steps_bounded_by_bytes(plugin):
     opts = {"max_pending_bytes": 2 * step_bytes + 1}
     xs = [torch.randn(2, 4) for _ in range(6)]
     with hookplug.attach(model, "Linear", plugins=(plugin, opts), sink=NullSink()) as s:
-        with pytest.warns(RuntimeWarning, match=r"more than 2 steps .*max_pending_bytes=\d+ at \d+ bytes a step"):
+        with pytest.warns(RuntimeWarning, match=r"than the 2 kept .*max_pending_bytes=\d+ at \d+ bytes a step"):
             for x in xs:
                 model(x).sum().backward()
                 s.step()
-        assert len(s[plugin].bank.pending) == 2
+        bank = s[plugin].bank
+        assert len(bank.pending) == 2
+        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # (snapshots are
+                for _, snaps in bank.pending for t in snaps.values()}  # slots of a fold batch's block)
+        held.update((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                    for dev in bank._devices.values() for t in dev.unfolded)
+        assert sum(held.values()) <= 2 * opts["max_pending_bytes"], held
         assert sorted({r["step"] for r in s.flush()}) == [4, 5]
+    with hookplug.attach(model, "Linear", plugins=(plugin, opts)) as s:  # no sink, flush() read:
+        for x in xs[:3]:  # steps dropped between two reads are warned about
+            model(x).sum().backward()
+            s.step()
+        s.flush()
+        with pytest.warns(RuntimeWarning, match="than the 2 kept"):
+            for x in xs:
+                model(x).sum().backward()
+                s.step()
     with pytest.raises(hookplug.PluginError, match="max_pending_bytes must be None or >= 1"):
         hookplug.attach(model, "Linear", plugins=(plugin, {"max_pending_bytes": 0}))
     with hookplug.attach(model, "Linear", plugins=(plugin, {"max_pending_bytes": None})) as s:
