@@ -635,6 +635,7 @@ class StatsBank:
         for dev in self._devices.values():
             dev.reset()
         self.pending = []
+        self._warned = self._collected = False
 
     def row_of(self, key: Tuple) -> int:
         row = self.rows.get(key)

@@ -168,16 +168,18 @@ def _settle_when_returns(calls: List["_OpenCall"], thread: int, dispatcher: "_Di
     first) run on ``thread``: the session's hooks are gone, so nothing of the plugin runs
     there again, and that thread's dispatcher, on a mode stack only that thread can leave,
     leaves at the first of these calls to return (a post hook) or to be called again (a pre
-    hook: a forward left by Ctrl-C runs no post hook); every hook then removes itself. Until
-    then its ops run with the innermost call's autocast note, which holds while it runs."""
-    dispatcher.noted = calls[-1].noted
+    hook: a forward left by Ctrl-C runs no post hook); the hooks then remove themselves.
+    Until then its ops run with the innermost call's autocast note, which holds while it runs."""
+    if not dispatcher.windows or any(dispatcher.noted is c.noted for c in calls):
+        dispatcher.noted = calls[-1].noted  # (not over another session's window still open)
     handles = []
 
     def settle(*_):
         if threading.get_ident() == thread:
-            for h in handles:
-                h.remove()
             _settle_this_thread()
+            if not dispatcher.entered:  # (a user's mode above it, another session's window:
+                for h in handles:  # it stays, and the next of these hooks tries again)
+                    h.remove()
 
     for module in {id(c.module): c.module for c in calls}.values():
         handles.append(module.register_forward_hook(settle, always_call=True))

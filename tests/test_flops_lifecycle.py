@@ -407,6 +407,53 @@ def test_remove_from_another_thread_mid_forward_leaves_no_mode_on_the_model_thre
     remover.join()
     assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
 
+    class UserMode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class Wrapped(nn.Module):  # the first open call to return does so under a user's mode:
+        def __init__(self):  # the dispatcher leaves at the next one (the root's)
+            super().__init__()
+            self.inner = Slow()
+
+        def forward(self, x):
+            with UserMode():
+                h = self.inner(x)
+            return h * 2
+
+    class Root(nn.Module):  # another session's window (on `inner`) still open: its note stays
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.inner(x)
+
+    wrapped = Wrapped()
+    for model, sessions in ((wrapped, lambda: [hookplug.attach(wrapped, "*:, *:inner", plugins="flops")]),
+                            (Root(Slow()), None)):
+        if sessions is None:
+            sessions = lambda m=model: [hookplug.attach(m, "*:", plugins="flops"),  # noqa: E731
+                                        hookplug.attach(m.inner, "*:", plugins="flops")]
+        go.clear(), removed.clear()
+        model.inner.wait = False
+        with torch.inference_mode():
+            want = model(x)
+        hooks_before = {n: (dict(m._forward_hooks), dict(m._forward_pre_hooks)) for n, m in model.named_modules()}
+        attached = sessions()
+        remover = threading.Thread(target=lambda: (go.wait(10), attached[0].remove(), removed.set()))
+        remover.start()
+        model.inner.wait = True
+        with torch.inference_mode():
+            got = model(x)
+        remover.join()
+        for other in attached[1:]:
+            other.remove()
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        assert _get_current_dispatch_mode_stack() == []
+        assert {n: (dict(m._forward_hooks), dict(m._forward_pre_hooks)) for n, m in model.named_modules()} == hooks_before
+
 
 def test_dropped_session_leaves_no_mode():
     model, x = mlp(), torch.randn(4, 4)

@@ -494,6 +494,17 @@ def test_pending_steps_bounded_by_bytes(plugin):
             for x in xs:
                 model(x).sum().backward()
                 s.step()
+    with hookplug.attach(model, "Linear", plugins=(plugin, opts)) as s:  # read once, then
+        model(xs[0]).sum().backward()  # the instance attached again and never read: silent,
+        s.step()  # as a new instance would be
+        s.flush()
+        instance = s[plugin]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with hookplug.attach(model, "Linear", plugins=[instance]) as s:
+            for x in xs:
+                model(x).sum().backward()
+                s.step()
     with pytest.raises(hookplug.PluginError, match="max_pending_bytes must be None or >= 1"):
         hookplug.attach(model, "Linear", plugins=(plugin, {"max_pending_bytes": 0}))
     with hookplug.attach(model, "Linear", plugins=(plugin, {"max_pending_bytes": None})) as s:
