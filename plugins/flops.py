@@ -381,10 +381,7 @@ def _autocast_back(autocast_keys: Tuple):
 def _as_outside(autocast_keys: Tuple):
     """The dispatch keys an op passed before reaching the mode, back on for its inner ops:
     ADInplaceOrView, and autocast's where it was on."""
-    with contextlib.ExitStack() as guards:
-        guards.enter_context(_ADINPLACE_AS_OUTSIDE())
-        for key in autocast_keys:
-            guards.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
+    with _ADINPLACE_AS_OUTSIDE(), _autocast_back(autocast_keys) if autocast_keys else contextlib.nullcontext():
         yield
 
 
@@ -611,9 +608,7 @@ class _Dispatcher(TorchDispatchMode):
     def _dispatch(self, func, args, kwargs):
         windows = self._live_windows()
         if not windows:  # windows ended while we dispatched (see settle), or on another thread
-            autocast = self.autocast() if self.noted[0] else ()
-            with _autocast_back(autocast) if autocast else contextlib.nullcontext():
-                return func(*args, **kwargs)
+            return self._run(func, args, kwargs)
         if func in _PASS_THROUGH:
             return NotImplemented
         if isinstance(func, _HOP):
@@ -645,12 +640,7 @@ class _Dispatcher(TorchDispatchMode):
                 except Exception as exc:  # noqa: BLE001 - the counting's, never the op's
                     self._counting_failed(windows, func, exc)
                 return out
-            if self.noted[0]:  # its kernel may call other ops: with autocast as outside too
-                autocast = self.autocast()
-                with _autocast_back(autocast) if autocast else contextlib.nullcontext():
-                    out = func(*args, **kwargs)
-            else:
-                out = func(*args, **kwargs)
+            out = self._run(func, args, kwargs)
         deferred = self.deferred
         for plugin, w in windows:
             if deferred is None:
@@ -665,6 +655,15 @@ class _Dispatcher(TorchDispatchMode):
         it stops (its error, see ``FlopsPlugin._fail``); the op's result stands."""
         for plugin, _ in windows:
             plugin._fail(func, exc)
+
+    def _run(self, func, args, kwargs):
+        """``func`` with autocast's keys back on where the note holds (its kernel may call
+        other ops, which would run without autocast inside the mode)."""
+        autocast = self.autocast() if self.noted[0] else ()
+        if not autocast:
+            return func(*args, **kwargs)
+        with _autocast_back(autocast):
+            return func(*args, **kwargs)
 
     def note_autocast(self) -> None:
         """Note autocast's state (read outside the mode) for the composite ops that follow;
