@@ -1,6 +1,7 @@
 """Telemetry sinks: jsonl (appends whole lines), tensorboard (read back with TensorBoard's own
 event reader), prometheus (scraped over 127.0.0.1), third-party sinks by instance and by
 entry point, and the optional-dependency errors."""
+import copy
 import gc
 import json
 import math
@@ -220,6 +221,29 @@ def test_jsonl_sink_reused_across_sessions_writes_edges_in_each_file(tmp_path):
         assert raw[0]["hist_edges"] and len(raw[0]["hist_edges"]) == len(raw[0]["hist"]) + 1
         assert read_jsonl(sink.path)[0]["hist_edges"] == raw[0]["hist_edges"]
     assert paths[0] != paths[1]
+
+
+def test_jsonl_sink_shared_by_two_live_sessions_gives_each_run_its_edges(tmp_path):
+    """A model and its copy (same module names) attached at once with one sink: each run's
+    records read back with their hist_edges (the edges written were remembered per module
+    and site only, so the second run's first records had none)."""
+    from hookplug_plugins.sinks.jsonl import JsonlSink, read_jsonl
+
+    a = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    b = copy.deepcopy(a)
+    sink = JsonlSink(str(tmp_path / "shared"))
+    sa = hookplug.attach(a, "Linear", plugins="stats", sink=sink, flush_every=1)
+    sb = hookplug.attach(b, "Linear", plugins="stats", sink=sink, flush_every=1)
+    for _ in range(2):
+        for m, s in ((a, sa), (b, sb)):
+            m(torch.randn(3, 4))
+            s.step()
+    sa.remove()
+    sb.remove()
+    for s in (sa, sb):
+        mine = read_jsonl(str(tmp_path / "shared"), run_id=s.run_id)
+        assert len(mine) == 4
+        assert all(r["hist"] and len(r["hist_edges"]) == len(r["hist"]) + 1 for r in mine)
 
 
 def test_jsonl_flush_interrupted_by_ctrl_c_is_rolled_back_and_written_once_when_handed_over_again(

@@ -218,13 +218,14 @@ class JsonlSink(hookplug.Sink):
 
     def encode_line(self, record: Dict[str, Any]) -> bytes:
         """One record as a UTF-8 JSON line (with its newline): ``run_id`` added, ``hist_edges``
-        only where they changed for the record's ``(module, site)``."""
+        only where they changed for the record's ``(run_id, module, site)``, as
+        :func:`read_jsonl` carries them forward (a sink shared by two sessions at once)."""
         out = dict(record)
         if "run_id" not in out and self.run_id is not None:
             out["run_id"] = self.run_id
         edges = out.pop("hist_edges", None)
         if edges:
-            key = (record.get("module"), record.get("site"))
+            key = (out.get("run_id"), record.get("module"), record.get("site"))  # (read back per run)
             last = self._edges.get(key)
             if last is not edges and last != edges:
                 self._edges[key] = edges
