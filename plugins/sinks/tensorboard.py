@@ -6,21 +6,29 @@ Writes through ``torch.utils.tensorboard.SummaryWriter`` into ``path`` (the log 
 unset: ``runs/<run-id>``; ``{rank}``/``{run_id}`` are filled in), or through an existing
 writer (``writer=``, e.g. a Lightning ``TensorBoardLogger``'s ``experiment``; it is flushed,
 never closed, by the sink). The layout (``hookplug profile --tensorboard`` attaches this
-sink) groups one statistic across layers: one ``add_scalar`` per statistic under
+sink) groups one statistic across layers: one scalar per statistic under
 ``hookplug/<stat>/<module>/<site>`` (``hookplug_eval/...`` for eval-phase records; ``stats=``
 picks which: by default ``min, max, mean, std, absmax, rms, zero_fraction, nan_count,
-inf_count``, no constant ``numel``) and, when the record has a histogram, one
-``add_histogram_raw`` under ``hookplug/hist/<module>/<site>`` built from its buckets
-(``bucket_limits`` = the right edges; ``sum``/``sum_squares`` from the finite mean and std).
+inf_count``, no constant ``numel``) and, when the record has a histogram, a histogram under ``hookplug/hist/<module>/<site>`` built from its buckets
+(``bucket_limit`` = the right edges, each run of empty buckets written as one and none
+before the first value or after the last: the same histogram in ~12 buckets where log2 has
+131; ``sum``/``sum_squares`` from the finite mean and std).
 ``histogram=False`` leaves the histograms out. ``global_step`` is the record's step and
 ``walltime`` its time.
 
-The sink runs on the training thread (``session.step()`` hands it each flush), so the writer
-it opens queues up to ``max_queue=10000`` events for its own writing thread (the
-``SummaryWriter`` default, 10, makes every 10 events wait for that thread) and writes them
-to disk every ``flush_secs=30`` seconds and when the session ends, not at every telemetry
-flush: TensorBoard sees the data at most ``flush_secs`` late. A ``writer=`` given to it is
-used as it is and flushed after every telemetry flush, as before.
+The sink runs on the training thread (``session.step()`` hands it each flush). Through a
+``SummaryWriter`` (torch's, or tensorboardX's: ``_get_file_writer()``) it writes the values
+of one step in events of up to 1000 values, not one event per value; any other ``writer=``
+gets ``add_scalar``/``add_histogram_raw`` calls. The writer it opens queues up to
+``max_queue=10000`` events for its own writing thread and writes them to disk every
+``flush_secs=30`` seconds and when the session ends, not at every telemetry flush:
+TensorBoard sees the data at most ``flush_secs`` late. A ``writer=`` given to it is used as
+it is and flushed after every telemetry flush. TensorBoard's writer checksums each event
+with a pure-Python CRC-32C (~5 MB/s, holding the GIL); with ``google-crc32c`` installed
+(the ``tensorboard`` extra) the sink has it use that C implementation instead (the same
+checksums; for every TensorBoard writer of the process). A flush of 6000 records
+(2000 modules, 3 sites) took ~7 s of the training thread and slowed the steps after it
+while the writing thread caught up; now ~0.4 s and nothing after (``benchmarks/RESULTS.md``).
 Rank 0 writes; ``all_ranks=True`` makes every rank write (put ``{rank}`` in ``path``).
 
 Needs the ``tensorboard`` package: ``pip install hookplug[tensorboard]``.
@@ -41,6 +49,7 @@ from ._tags import DEFAULT_SCALARS, ROOT_NAME, hist_tag, scalar_tag  # noqa: F40
 __all__ = ["TensorBoardSink"]
 
 STATS = hookplug.STAT_FIELDS  # what stats= may name
+_VALUES_PER_EVENT = 1000  # values in one event (one record of the file, checksummed whole)
 
 
 def _summary_writer():
@@ -49,6 +58,31 @@ def _summary_writer():
                             feature="the hookplug 'tensorboard' sink", extra="tensorboard",
                             package="tensorboard")
     return tb.SummaryWriter
+
+
+def _fast_checksums() -> None:
+    """TensorBoard's event writer checksums every record it writes with a pure-Python
+    CRC-32C (~5 MB/s, on its writing thread, holding the GIL: a big flush slowed the
+    training loop for seconds after it). With ``google-crc32c`` (the ``tensorboard`` extra)
+    its C implementation computes the same checksums (checked here on sample data before
+    use); TensorBoard's writer module then uses it for every writer of the process."""
+    try:
+        import google_crc32c
+        from tensorboard.summary.writer import record_writer
+    except ImportError:
+        return
+    pure = record_writer.masked_crc32c
+    if getattr(pure, "hookplug_fast", False) or google_crc32c.implementation != "c":
+        return
+
+    def masked_crc32c(data: bytes) -> int:
+        x = google_crc32c.value(bytes(data))
+        return ((((x >> 15) | (x << 17)) & 0xFFFFFFFF) + 0xA282EAD8) & 0xFFFFFFFF
+
+    samples = (b"", b"hookplug", bytes(range(256)) * 3)
+    if all(masked_crc32c(d) == pure(d) for d in samples):
+        masked_crc32c.hookplug_fast = True
+        record_writer.masked_crc32c = masked_crc32c
 
 
 class TensorBoardSink(hookplug.Sink):
@@ -85,6 +119,7 @@ class TensorBoardSink(hookplug.Sink):
             self.path = None if log_dir is None else os.fspath(log_dir)
 
     def _open(self, session, rank: int):
+        _fast_checksums()
         if self.writer is None:
             self.path = self.resolve_path(session, rank)
             self.writer = self._writer_cls(log_dir=self.path, flush_secs=self.flush_secs,
@@ -99,22 +134,65 @@ class TensorBoardSink(hookplug.Sink):
         if not records:
             return
         w = self._open(session, records[0].get("rank", 0))
-        for rec in records:
-            module, site, phase = rec["module"], rec["site"], rec.get("phase", "train")
-            step, walltime = rec["step"], rec.get("time")
-            for stat in self.stats:
-                w.add_scalar(scalar_tag(stat, module, site, phase), rec[stat], global_step=step,
-                             walltime=walltime)
-            counts = rec.get("hist")
-            edges = rec.get("hist_edges")
-            if self.histogram and counts and edges:
-                self._histogram(w, hist_tag(module, site, phase), rec, counts, edges, step,
-                                walltime)
+        file_writer = getattr(w, "_get_file_writer", None)  # torch's SummaryWriter, tensorboardX's
+        if file_writer is not None:
+            self._write_batched(file_writer(), records)
+        else:  # another writer: through its public calls, one value at a time
+            for rec in records:
+                step, walltime = rec["step"], rec.get("time")
+                for tag, value in self._scalars(rec):
+                    w.add_scalar(tag, value, global_step=step, walltime=walltime)
+                hist = self._histogram(rec)
+                if hist is not None:
+                    tag, h = hist
+                    w.add_histogram_raw(tag, min=h["min"], max=h["max"], num=h["num"], sum=h["sum"],
+                                        sum_squares=h["sum_squares"], bucket_limits=h["bucket_limit"],
+                                        bucket_counts=h["bucket"], global_step=step, walltime=walltime)
         if not self._own_writer:  # (its own writer: every flush_secs and at close)
             w.flush()
 
-    @staticmethod
-    def _histogram(w, tag, rec, counts, edges, step, walltime) -> None:
+    def _write_batched(self, file_writer, records) -> None:
+        """The values of records sharing a step and time in one event (up to
+        ``_VALUES_PER_EVENT``): the writer thread checksums and writes each event, and one
+        event per value (``add_scalar``) made a big flush hold the training thread (6000
+        records: ~7 s) and slowed the loop while the thread caught up."""
+        from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
+
+        values: list = []
+        at = None
+
+        def emit():
+            for i in range(0, len(values), _VALUES_PER_EVENT):
+                file_writer.add_summary(Summary(value=values[i:i + _VALUES_PER_EVENT]),
+                                        global_step=at[0], walltime=at[1])
+            values.clear()
+
+        for rec in records:
+            key = (rec["step"], rec.get("time"))
+            if key != at:
+                if values:
+                    emit()
+                at = key
+            values.extend(Summary.Value(tag=tag, simple_value=value) for tag, value in self._scalars(rec))
+            hist = self._histogram(rec)
+            if hist is not None:
+                values.append(Summary.Value(tag=hist[0], histo=HistogramProto(**hist[1])))
+        if values:
+            emit()
+
+    def _scalars(self, rec):
+        """``(tag, value)`` of each statistic written."""
+        module, site, phase = rec["module"], rec["site"], rec.get("phase", "train")
+        return [(scalar_tag(stat, module, site, phase), float(rec[stat])) for stat in self.stats]
+
+    def _histogram(self, rec):
+        """``(tag, fields of a HistogramProto)``, or None. Runs of empty buckets are written
+        as one empty bucket, and none before the first or after the last value: the same
+        histogram (a bucket's left edge is the limit before it, the first's the min), in
+        ~12 buckets where a log2 histogram has 131."""
+        counts, edges = rec.get("hist"), rec.get("hist_edges")
+        if not (self.histogram and counts and edges):
+            return None
         n_finite = rec["numel"] - rec["nan_count"] - rec["inf_count"]
         mean, std = rec["mean"], rec["std"]
         if n_finite > 0 and math.isfinite(mean) and math.isfinite(std):
@@ -130,9 +208,24 @@ class TensorBoardSink(hookplug.Sink):
             limits, counts = [edges[0]] + limits, [below] + counts
         if above:
             limits, counts = limits + [hi], counts + [above]
-        w.add_histogram_raw(tag, min=lo, max=hi, num=int(sum(counts)), sum=total,
-                            sum_squares=sum_squares, bucket_limits=limits,
-                            bucket_counts=counts, global_step=step, walltime=walltime)
+        kept_limits, kept_counts = [], []
+        for limit, count in zip(limits, counts):
+            if count:
+                kept_limits.append(limit)
+                kept_counts.append(count)
+            elif kept_counts and kept_counts[-1]:  # the first empty bucket after a value:
+                kept_limits.append(limit)          # extended over the run (below)
+                kept_counts.append(0)
+            elif kept_counts:
+                kept_limits[-1] = limit
+        if kept_counts and not kept_counts[-1]:
+            kept_limits.pop()
+            kept_counts.pop()
+        if not kept_counts:  # no finite value: one empty bucket
+            kept_limits, kept_counts = [limits[-1]], [0]
+        return hist_tag(rec["module"], rec["site"], rec.get("phase", "train")), dict(
+            min=lo, max=hi, num=int(sum(kept_counts)), sum=total, sum_squares=sum_squares,
+            bucket_limit=kept_limits, bucket=kept_counts)
 
     def close(self) -> None:
         """Close the writer the sink opened (a ``writer=`` given to it is only flushed)."""
