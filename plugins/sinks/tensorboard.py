@@ -16,10 +16,10 @@ before the first value or after the last: the same histogram in ~12 buckets wher
 ``histogram=False`` leaves the histograms out. ``global_step`` is the record's step and
 ``walltime`` its time.
 
-The sink runs on the training thread (``session.step()`` hands it each flush). Through a
-``SummaryWriter`` (torch's, or tensorboardX's: ``_get_file_writer()``) it writes the values
-of one step in events of up to 1000 values, not one event per value; any other ``writer=``
-gets ``add_scalar``/``add_histogram_raw`` calls. The writer it opens queues up to
+The sink runs on the training thread (``session.step()`` hands it each flush). Through
+torch's ``SummaryWriter`` it writes the values of one step in events of up to 1000 values,
+not one event per value; another ``writer=`` (tensorboardX's) gets
+``add_scalar``/``add_histogram_raw`` calls. The writer it opens queues up to
 ``max_queue=10000`` events for its own writing thread and writes them to disk every
 ``flush_secs=30`` seconds and when the session ends, not at every telemetry flush:
 TensorBoard sees the data at most ``flush_secs`` late. A ``writer=`` given to it is used as
@@ -134,9 +134,8 @@ class TensorBoardSink(hookplug.Sink):
         if not records:
             return
         w = self._open(session, records[0].get("rank", 0))
-        file_writer = getattr(w, "_get_file_writer", None)  # torch's SummaryWriter, tensorboardX's
-        if file_writer is not None:
-            self._write_batched(file_writer(), records)
+        if isinstance(w, self._batched_writer_cls()):  # (tensorboard's protos: torch's writer)
+            self._write_batched(w._get_file_writer(), records)
         else:  # another writer: through its public calls, one value at a time
             for rec in records:
                 step, walltime = rec["step"], rec.get("time")
@@ -150,6 +149,12 @@ class TensorBoardSink(hookplug.Sink):
                                         bucket_counts=h["bucket"], global_step=step, walltime=walltime)
         if not self._own_writer:  # (its own writer: every flush_secs and at close)
             w.flush()
+
+    @staticmethod
+    def _batched_writer_cls():
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter
 
     def _write_batched(self, file_writer, records) -> None:
         """The values of records sharing a step and time in one event (up to
