@@ -12,8 +12,9 @@ Options (keyword-only):
 - ``to=None|"cpu"``: keep on the tensor's device, or copy to the host; from CUDA the copy is
   non-blocking into pinned memory (``features`` waits for it when read).
 - ``clone=True``: copy what is captured, so a later in-place op (``ReLU(inplace=True)``,
-  ``x += ...``) cannot change it. ``clone=False`` keeps detached views (no copy, no memory,
-  but a later in-place op shows through). With ``to="cpu"`` there is always a copy.
+  ``x += ...``) cannot change it. ``clone=False`` keeps detached views (no copy, but a
+  later in-place op shows through, and a view keeps its base's whole storage alive: counted
+  so in ``nbytes``/``max_bytes``). With ``to="cpu"`` there is always a copy.
 - ``max_bytes=None``: a bound on the bytes held. A call whose tensors would go over it, once
   what it replaces is freed (``keep="last"``/``N``: the oldest call kept), is not captured
   and is counted once in ``skipped``; later calls that fit are captured. A gradient that does
@@ -23,7 +24,8 @@ Options (keyword-only):
 - ``grads=False``: also keep the gradient of each output in ``grads[name]``, in the output's
   structure (``None`` where no gradient arrived); with ``keep="last"`` that of the last call.
 - ``inputs=False``: also keep the positional arguments in ``inputs[name]`` (a tuple), read
-  before ``forward`` runs.
+  before ``forward`` runs (as torch's forward pre-hooks get them; keyword arguments holding
+  tensors, e.g. an HF attention's ``hidden_states=``, are not kept: it warns once).
 
 ``results()`` is ``features``. ``save(path)`` writes a safetensors file (never pickle): keys
 ``"<module>/output"``, ``"<module>/output[1]"``, ``"<module>/3/output"`` (call 3 of a list),
@@ -80,7 +82,7 @@ from hookplug._plugin import user_stacklevel
 from hookplug._func import is_batched as _is_batched
 from hookplug._func import outside_transforms as _outside_transforms
 from hookplug._func import unwrapped as _unwrapped
-from hookplug.structures import children, iter_tensors, map_tensors, rebuild
+from hookplug.structures import _rebuild_fields, children, iter_tensors, map_tensors
 
 __all__ = ["CapturePlugin"]
 
@@ -109,25 +111,29 @@ def _objects_as_dicts(obj: Any, found: List[str], depth: int = 0) -> Any:
     """``obj`` with every object that holds tensors but is no container (an HF cache) replaced
     by a dict of its tensor-holding (and plain) attributes; ``obj`` itself when nothing
     changes. The class names replaced are appended to ``found``."""
-    if isinstance(obj, (torch.Tensor, *_PLAIN)) or depth > _MAX_OBJECT_DEPTH:
+    if isinstance(obj, (torch.Tensor, *_PLAIN)):
         return obj
-    kids = children(obj, init_only=True)
+    kids = children(obj)
     if kids is not None:
         new = [(k, _objects_as_dicts(v, found, depth + 1)) for k, _, v in kids]
         if all(n is v for (_, n), (_, _, v) in zip(new, kids)):
             return obj
-        return rebuild(obj, new)
+        return _rebuild_fields(obj, new)  # (a dataclass: no __init__/__post_init__ again)
     if isinstance(obj, _OPAQUE):
         return obj
+    if depth > _MAX_OBJECT_DEPTH:  # (or a cycle): not kept live, with its graph
+        found.append(type(obj).__name__)
+        return None
     attrs = _attributes(obj)
     if attrs is None:
         return obj
     out: Dict[str, Any] = {}
     holds_tensors = False
-    for key, value in attrs.items():
-        value = _objects_as_dicts(value, found, depth + 1)
-        if next(iter_tensors(value), None) is not None:
-            out[key] = value
+    for key, attr in attrs.items():
+        replaced = len(found)
+        value = _objects_as_dicts(attr, found, depth + 1)
+        if len(found) > replaced or next(iter_tensors(value), None) is not None:
+            out[key] = value  # (or an object in it replaced: one too deep is None)
             holds_tensors = True
         elif isinstance(value, (str, int, float, bool)) or value is None:
             out[key] = value
@@ -210,8 +216,8 @@ _CALL_IMPL = torch.nn.Module._call_impl.__code__
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
-    """The bytes ``t`` holds: a sparse tensor its indices and values (not its dense size), a
-    meta tensor none."""
+    """The bytes ``t`` holds: a view the whole storage it keeps alive, a sparse tensor its
+    indices and values (not its dense size), a meta tensor none."""
     if t.is_meta:
         return 0
     layout = t.layout
@@ -222,7 +228,13 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     elif layout in (torch.sparse_csc, torch.sparse_bsc):
         parts = (t.ccol_indices(), t.row_indices(), t.values())
     else:
-        return t.numel() * t.element_size()
+        size = t.numel() * t.element_size()
+        if layout is torch.strided and not t.is_nested:  # a view (clone=False) keeps its
+            try:                                          # base's whole storage alive
+                return max(size, t.untyped_storage().nbytes())
+            except (RuntimeError, NotImplementedError):  # (subclasses without one)
+                pass
+        return size
     return sum(u.numel() * u.element_size() for u in parts)
 
 
@@ -308,6 +320,7 @@ class CapturePlugin(hookplug.Plugin):
         self._set_aside: Dict[tuple, List[tuple]] = {}
         self._warned = False
         self._warned_objects = False
+        self._warned_kwargs = False
         self._warned_batched = False
 
     def _wait(self) -> None:
@@ -548,7 +561,8 @@ class CapturePlugin(hookplug.Plugin):
                 warnings.warn(
                     f"hookplug plugin 'capture': the {prefix} of {name or '<root>'!r} holds "
                     f"{', '.join(sorted(set(found)))} object(s) (an HF cache?); their tensors are "
-                    "captured as a dict of the object's attributes, not the live object",
+                    "captured as a dict of the object's attributes, not the live object (one "
+                    f"nested more than {_MAX_OBJECT_DEPTH} objects deep as None)",
                     RuntimeWarning, stacklevel=user_stacklevel(),
                 )
         tensors = list(iter_tensors(obj, prefix))
@@ -635,11 +649,11 @@ class CapturePlugin(hookplug.Plugin):
                 self.skipped -= 1  # (a call Ctrl-C stopped is no call skipped, as a raised one)
 
     @hookimpl
-    def hookplug_forward_input(self, ctx, module, args):
+    def hookplug_forward_input(self, ctx, module, args, kwargs):
         with self._lock:
             if self._open or self._refused:  # (rare: nested or overlapping calls, or ones Ctrl-C left)
                 self._drop_interrupted(ctx.name, module)
-            self._forward_input(ctx, args)
+            self._forward_input(ctx, args, kwargs)
 
     def _drop_interrupted(self, name: str, module) -> None:
         """Drop this thread's open calls of ``name`` that are no longer running (their
@@ -654,7 +668,14 @@ class CapturePlugin(hookplug.Plugin):
             if self._refused.pop(key, None) is not None:
                 self.skipped -= 1  # (a call Ctrl-C stopped is no call skipped, as a raised one)
 
-    def _forward_input(self, ctx, args) -> None:
+    def _forward_input(self, ctx, args, kwargs=None) -> None:
+        if kwargs and not self._warned_kwargs and next(iter_tensors(kwargs), None) is not None:
+            self._warned_kwargs = True
+            warnings.warn(
+                f"hookplug plugin 'capture': inputs=True keeps the positional arguments; "
+                f"{ctx.name or '<root>'!r} was called with keyword arguments holding tensors "
+                f"({', '.join(map(str, kwargs))}), which are not kept (stats' 'input' site "
+                "measures them)", RuntimeWarning, stacklevel=user_stacklevel())
         if self._capture("inputs", ctx.name, ctx.call_index, tuple(args), "input"):
             self._open[(ctx.name, ctx.call_index)] = threading.get_ident()  # until its output
 

@@ -1583,3 +1583,135 @@ def test_keep_all_on_threads_with_checkpointing_keeps_each_forward_once(step):
                     assert all(g is not None for g in cap.grads[name]), name
     finally:
         sys.setswitchinterval(old)
+
+
+class _CacheLike:
+    """A plain object holding tensors, as an HF cache (no container)."""
+
+    def __init__(self, t):
+        self.keys = [t]
+
+
+@dataclasses.dataclass
+class _OutWithCache:
+    hidden: torch.Tensor
+    cache: object
+    n_layers: int = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        _POST_INIT_SEEN.append(type(self.cache).__name__)
+        self.n_layers = len(self.cache.keys)  # reads the cache object
+
+
+_POST_INIT_SEEN: list = []
+
+
+def test_a_dataclass_output_holding_a_cache_object_is_captured_without_running_post_init():
+    """The cache object became a dict through ``dataclasses.replace``, which ran
+    ``__post_init__`` again on the dict: the model's forward raised under capture."""
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return _OutWithCache(self.fc(x), _CacheLike(self.fc(x) * 2))
+
+    m, x = M(), torch.randn(2, 4)
+    want = m(x)
+    _POST_INIT_SEEN.clear()
+    with pytest.warns(RuntimeWarning, match="_CacheLike object"):
+        with hookplug.attach(m, "*:", plugins="capture") as s:
+            out = m(x)
+    assert _POST_INIT_SEEN == ["_CacheLike"]  # the model's own, once
+    assert isinstance(out.cache, _CacheLike) and out.n_layers == 1
+    got = s["capture"].features[""]
+    assert isinstance(got, _OutWithCache) and got.n_layers == 1
+    assert torch.equal(got.hidden, want.hidden) and got.hidden is not out.hidden
+    assert torch.equal(got.cache["keys"][0], want.cache.keys[0])
+
+
+def test_an_object_nested_past_the_depth_limit_is_not_kept_live():
+    """An object holding tensors more than 8 objects deep was kept as the live object (its
+    tensor requiring grad, with the graph) without a warning; it is None now, with one."""
+
+    class Node:
+        def __init__(self, child):
+            self.child = child
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.fc(x)
+            node = y
+            for _ in range(12):
+                node = Node(node)
+            return y, node
+
+    m = M()
+    with pytest.warns(RuntimeWarning, match="Node object.*as None"):
+        with hookplug.attach(m, "*:", plugins="capture") as s:
+            m(torch.randn(2, 4))
+    kept = s["capture"].features[""][1]
+    live = [t for _, t in iter_tensors(kept)]
+    assert live == []
+    depth, node = 0, kept
+    while isinstance(node, dict):
+        node, depth = node["child"], depth + 1
+    assert node is None and depth >= 8
+
+
+def test_views_kept_with_clone_false_count_the_storage_they_keep_alive():
+    """``clone=False`` keeps views; ``nbytes`` counted the view's own bytes, so a last-token
+    view of a big activation held 512x what ``max_bytes`` allowed."""
+
+    class Pool(torch.nn.Module):
+        def forward(self, h):
+            return h[:, -1]
+
+    m = torch.nn.Sequential(Pool())
+    h = torch.randn(2, 64, 16)
+    with hookplug.attach(m, "*:0", plugins=("capture", {"clone": False, "keep": "all"})) as s:
+        for _ in range(3):
+            m(h.clone())
+    cap = s["capture"]
+    assert cap.nbytes == 3 * h.numel() * h.element_size()
+    assert all(f._base is not None or f.untyped_storage().nbytes() == h.numel() * 4 for f in cap.features["0"])
+    bound = 2 * h.numel() * h.element_size() + 1
+    with pytest.warns(RuntimeWarning, match="max_bytes"):
+        with hookplug.attach(m, "*:0", plugins=("capture", {"clone": False, "keep": "all",
+                                                            "max_bytes": bound})) as s:
+            for _ in range(3):
+                m(h.clone())
+    assert len(s["capture"].features["0"]) == 2 and s["capture"].skipped == 1
+    with hookplug.attach(m, "*:0", plugins=("capture", {"keep": "all"})) as s:  # copies: their size
+        m(h)
+    assert s["capture"].nbytes == 2 * 16 * 4
+
+
+def test_inputs_warns_once_that_keyword_tensors_are_not_kept():
+    class Attn(torch.nn.Module):
+        def forward(self, hidden_states=None, scale=1.0):
+            return hidden_states * scale
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = Attn()
+
+        def forward(self, x):
+            return self.attn(hidden_states=x, scale=2.0) + self.attn(x)
+
+    m = M()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with hookplug.attach(m, "*:attn", plugins=("capture", {"inputs": True, "keep": "all"})) as s:
+            m(torch.randn(2, 3))
+            m(torch.randn(2, 3))
+    msgs = [str(w.message) for w in seen if "keyword arguments" in str(w.message)]
+    assert len(msgs) == 1 and "'attn'" in msgs[0] and "hidden_states" in msgs[0]
+    assert [len(a) for a in s["capture"].inputs["attn"]] == [0, 1, 0, 1]
