@@ -13,8 +13,9 @@ Options (keyword-only):
   non-blocking into pinned memory (``features`` waits for it when read).
 - ``clone=True``: copy what is captured, so a later in-place op (``ReLU(inplace=True)``,
   ``x += ...``) cannot change it. ``clone=False`` keeps detached views (no copy, but a
-  later in-place op shows through, and a view keeps its base's whole storage alive: counted
-  so in ``nbytes``/``max_bytes``). With ``to="cpu"`` there is always a copy.
+  later in-place op shows through, and a view keeps its base's whole storage alive, which
+  ``nbytes``/``max_bytes`` do not count: they count the view's elements). With ``to="cpu"``
+  there is always a copy.
 - ``max_bytes=None``: a bound on the bytes held. A call whose tensors would go over it, once
   what it replaces is freed (``keep="last"``/``N``: the oldest call kept), is not captured
   and is counted once in ``skipped``; later calls that fit are captured. A gradient that does
@@ -121,9 +122,11 @@ def _objects_as_dicts(obj: Any, found: List[str], depth: int = 0) -> Any:
         return _rebuild_fields(obj, new)  # (a dataclass: no __init__/__post_init__ again)
     if isinstance(obj, _OPAQUE):
         return obj
-    if depth > _MAX_OBJECT_DEPTH:  # (or a cycle): not kept live, with its graph
+    if depth > _MAX_OBJECT_DEPTH:  # (or a cycle)
+        if not _reaches_tensor(obj, set()):
+            return obj
         found.append(type(obj).__name__)
-        return None
+        return None  # not the live object, with its tensors' graph
     attrs = _attributes(obj)
     if attrs is None:
         return obj
@@ -146,6 +149,19 @@ def _objects_as_dicts(obj: Any, found: List[str], depth: int = 0) -> Any:
         return obj
     found.append(type(obj).__name__)
     return out
+
+
+def _reaches_tensor(obj: Any, seen: set) -> bool:
+    """Whether a tensor is reachable from ``obj`` through containers and attributes (each
+    object visited once: cycles end)."""
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, (*_PLAIN, *_OPAQUE)) or id(obj) in seen:
+        return False
+    seen.add(id(obj))
+    kids = children(obj)
+    values = [v for _, _, v in kids] if kids is not None else list((_attributes(obj) or {}).values())
+    return any(_reaches_tensor(v, seen) for v in values)
 
 
 def _attributes(obj: Any) -> Optional[Dict[str, Any]]:
@@ -216,8 +232,8 @@ _CALL_IMPL = torch.nn.Module._call_impl.__code__
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
-    """The bytes ``t`` holds: a view the whole storage it keeps alive, a sparse tensor its
-    indices and values (not its dense size), a meta tensor none."""
+    """The bytes ``t`` holds: a sparse tensor its indices and values (not its dense size), a
+    meta tensor none (a view its own elements: not the base it keeps alive)."""
     if t.is_meta:
         return 0
     layout = t.layout
@@ -228,13 +244,7 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     elif layout in (torch.sparse_csc, torch.sparse_bsc):
         parts = (t.ccol_indices(), t.row_indices(), t.values())
     else:
-        size = t.numel() * t.element_size()
-        if layout is torch.strided and not t.is_nested:  # a view (clone=False) keeps its
-            try:                                          # base's whole storage alive
-                return max(size, t.untyped_storage().nbytes())
-            except (RuntimeError, NotImplementedError):  # (subclasses without one)
-                pass
-        return size
+        return t.numel() * t.element_size()
     return sum(u.numel() * u.element_size() for u in parts)
 
 

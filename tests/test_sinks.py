@@ -9,6 +9,7 @@ import os
 import sys
 import textwrap
 import threading
+import types
 import urllib.error
 import urllib.request
 import warnings
@@ -531,10 +532,30 @@ def test_tensorboard_sink_writes_through_a_writer_without_a_file_writer(tmp_path
                     rec["step"]) in calls
         (hist,) = [c for c in calls if c[0] == "hist" and c[-1] == rec["step"]
                    and c[1] == f"hookplug/hist/{rec['module']}/{rec['site']}"]
-        occupied = [(rec["hist_edges"][i + 1], c) for i, c in enumerate(rec["hist"]) if c]
-        assert [(lim, c) for lim, c in zip(hist[2], hist[3]) if c] == occupied
+        assert_same_histogram(types.SimpleNamespace(bucket_limit=hist[2], bucket=hist[3]),
+                              rec["hist"], rec["hist_edges"])
         assert hist[4] == sum(rec["hist"])
     assert calls.count(("flush",)) >= 2
+
+
+def test_tensorboard_sink_calls_a_summary_writer_subclass_that_overrides_add_scalar(tmp_path):
+    """A SummaryWriter subclass with its own add_scalar/add_histogram_raw gets the calls (the
+    batched events went around them)."""
+    pytest.importorskip("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    calls = []
+
+    class Mine(SummaryWriter):
+        def add_scalar(self, tag, value, *args, **kwargs):
+            calls.append(tag)
+            super().add_scalar(tag, value, *args, **kwargs)
+
+    writer = Mine(log_dir=str(tmp_path / "mine"))
+    truth, s, _ = run_steps(_manager.create_plugin("tensorboard", {"writer": writer}), steps=2)
+    s.remove()
+    writer.close()
+    assert len(calls) == len(truth) * len(TB_STATS)
 
 
 def test_tensorboard_sink_uses_a_given_writer_and_tags_eval(tmp_path):

@@ -18,8 +18,8 @@ before the first value or after the last: the same histogram in ~12 buckets wher
 
 The sink runs on the training thread (``session.step()`` hands it each flush). Through
 torch's ``SummaryWriter`` it writes the values of one step in events of up to 1000 values,
-not one event per value; another ``writer=`` (tensorboardX's) gets
-``add_scalar``/``add_histogram_raw`` calls. The writer it opens queues up to
+not one event per value; another ``writer=`` (tensorboardX's, or a subclass overriding
+them) gets ``add_scalar``/``add_histogram_raw`` calls. The writer it opens queues up to
 ``max_queue=10000`` events for its own writing thread and writes them to disk every
 ``flush_secs=30`` seconds and when the session ends, not at every telemetry flush:
 TensorBoard sees the data at most ``flush_secs`` late. A ``writer=`` given to it is used as
@@ -134,7 +134,7 @@ class TensorBoardSink(hookplug.Sink):
         if not records:
             return
         w = self._open(session, records[0].get("rank", 0))
-        if isinstance(w, self._batched_writer_cls()):  # (tensorboard's protos: torch's writer)
+        if self._writes_batched(w):
             self._write_batched(w._get_file_writer(), records)
         else:  # another writer: through its public calls, one value at a time
             for rec in records:
@@ -151,10 +151,14 @@ class TensorBoardSink(hookplug.Sink):
             w.flush()
 
     @staticmethod
-    def _batched_writer_cls():
+    def _writes_batched(w) -> bool:
+        """Whether ``w`` is torch's ``SummaryWriter`` (tensorboard's protos) with its own
+        ``add_scalar``/``add_histogram_raw``: a subclass overriding them gets the calls."""
         from torch.utils.tensorboard import SummaryWriter
 
-        return SummaryWriter
+        cls = type(w)
+        return (issubclass(cls, SummaryWriter) and cls.add_scalar is SummaryWriter.add_scalar
+                and cls.add_histogram_raw is SummaryWriter.add_histogram_raw)
 
     def _write_batched(self, file_writer, records) -> None:
         """The values of records sharing a step and time in one event (up to
