@@ -189,6 +189,33 @@ def accumulate_by_row_op():
     return _by_row_op or None
 
 
+def _row_for_trace(bank_id: int, module: str, path: str, phase: str) -> int:
+    """The row of a key for traced code, run as it is while dynamo traces (marked a constant
+    result: the graph holds the row; dynamo neither traces the assignment nor guards on the
+    bank's tables, and a trace inside an activation checkpoint, where dynamo refuses such
+    side effects, assigns it too. Rows never change once assigned and bank ids are never
+    reused; the graph guards on the bank's id). The module's new row tensors are held back
+    until the step ends (see :func:`_hold_for_trace`)."""
+    bank = _BANKS[bank_id]
+    bank.held_modules.add(module)
+    return bank.row_of((module, path, phase))
+
+
+def _hold_for_trace(bank_id: int, module: str) -> int:
+    """Called while dynamo traces a module's hook that found no row tensor in its table: no
+    new row tensor goes into that table until the step ends (``make_row_tensors``), so a
+    recompute of the graph in the step's backward (an activation checkpoint around a
+    compiled block) finds the table as the trace did, and runs the same graph (another
+    graph, with other saved tensors, failed the checkpoint's check). (A constant result,
+    as :func:`_row_for_trace`.)"""
+    _BANKS[bank_id].held_modules.add(module)
+    return 0
+
+
+_row_for_trace._dynamo_marked_constant = True  # torch._dynamo.assume_constant_result, no import
+_hold_for_trace._dynamo_marked_constant = True
+
+
 def _register_ordered_effect(op) -> None:
     """Mark ``op`` an ordered side effect (private torch APIs: there is no public one).
     Also mark torch's ``with_effects`` (the node such an op becomes in a graph) a side
@@ -621,6 +648,7 @@ class StatsBank:
         self._collected = False
         self.rows: Dict[Tuple, int] = {}
         self.keys: List[Tuple] = []  # row r holds keys[r - 1]
+        self.held_modules: set = set()  # traced without a row tensor in this step
         self.pending: List[Tuple[int, Dict[torch.device, torch.Tensor]]] = []
         self.id = next(_bank_ids)  # what stats_accumulate_by_key finds it by (see prepare)
         # the id as the by-row op takes it (a graph input: see accumulate_by_row_op)
@@ -735,7 +763,10 @@ class StatsBank:
         compiling = _is_compiling()
         if not compiling and not self.live and not gated:
             return  # an unsampled step (eager); traced code reads the device gate instead
-        row = self.rows.get(key) or self.row_of(key)
+        if compiling:
+            row = _row_for_trace(self.id, *key)
+        else:
+            row = self.rows.get(key) or self.row_of(key)
         dev = self._devices.get(t.device) or self.device_rows(t.device)
         if dev is None:  # the meta device
             return
@@ -783,6 +814,8 @@ class StatsBank:
         tensors = ctx._module_tensors
         row = tensors.get(self._table_entry(path, ctx.phase, t.device))
         if row is None or self._by_row is None:
+            if _is_compiling():
+                _hold_for_trace(self.id, ctx.name)
             return self.accumulate_by_key(t, (ctx.name, path, ctx.phase))
         self._by_row(t.detach(), tensors[self.tag], row)
 
@@ -813,28 +846,34 @@ class StatsBank:
         ``module_tensors``), under :meth:`_table_entry`: what compiled code passes
         the op instead of a constant row; and the bank's ``token`` under its ``tag`` (what
         the by-row op takes instead of a constant bank id). Outside traced code only (``at_compile_start``:
-        dynamo's compile-start callback, compiling but not tracing); costs nothing when no
-        key or device was added since the last call."""
+        dynamo's compile-start callback, compiling but not tracing; a module traced without a
+        row tensor in this step gets its new ones at the step's end, see
+        :func:`_hold_for_trace`); costs nothing when no key or device was added since the
+        last call."""
         if self.before_trace is not None and not at_compile_start and "torch._dynamo" in sys.modules:
             hook_compile_start()  # again after a torch._dynamo.reset(), which drops it
         made = (len(self.keys), len(self._devices))
         if self.table_of is None or made == self._tables_made or (_is_compiling() and not at_compile_start):
             return
+        held = self.held_modules if at_compile_start else ()
+        devices, done = list(self._devices)[:made[1]], True
         for key in self.keys[:made[0]]:
             row, table = self.rows.get(key), self.table_of(key)
-            if row is None:  # another thread is assigning it (keys first, then rows)
-                made = (0, 0)  # not done: again next time
+            if row is None or key[0] in held:  # another thread is assigning it (keys first,
+                done = False  # then rows), or traced in this step: again next time
                 continue
             if table is None:
                 continue
             if self.tag not in table:  # the bank, as the by-row op takes it (a graph input)
                 table[self.tag] = self.token
-            for device in list(self._devices)[:made[1]]:
+            for device in devices:
                 entry = self._table_entry(*key[1:], device)
                 if entry not in table:
                     # a fill, not torch.tensor([row], device=): no host copy (a stream sync)
                     table[entry] = torch.full((1,), row, dtype=torch.int64, device=device)
-        self._tables_made = made
+        self._tables_made = made if done else (0, 0)
+        if not at_compile_start:
+            self.held_modules.clear()
 
     def accumulate_by_key(self, t: torch.Tensor, key: Tuple[str, str, str]) -> None:
         """``accumulate`` as one op that names the bank and key, no bank tensor: what a

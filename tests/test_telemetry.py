@@ -1363,6 +1363,75 @@ def test_keys_first_seen_while_tracing_share_the_graph_from_the_next_step():
     _stat_fields_equal(eager, compiled)
 
 
+@pytest.mark.parametrize("how", ["whole-model", "per-block"])
+def test_keys_first_seen_inside_a_checkpoint_while_tracing_compile(how):
+    """A hooked layer returning a tuple inside activation-checkpointed blocks, no step run
+    eagerly first: its ``output[0]``/``output[1]`` rows are first needed while dynamo traces
+    the checkpoint. Whole model compiled (``fullgraph=True``): the row was assigned in the
+    trace, a side effect dynamo refuses inside a checkpoint (the whole model ran eagerly;
+    with fullgraph it raised). Blocks compiled one by one and checkpointed from eager code
+    (outputs and gradients): the row tensors made at the next block's compile start made
+    the first block's recompute, in backward, trace another graph (CheckpointError: the
+    recomputed values differ). Records equal eager."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Pair(nn.Module):  # (outputs not computed from each other: see the README on
+        def __init__(self):  # a compiled grad site of such an output)
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return h * 2, torch.sigmoid(h)
+
+    class Block(_TupleBlock):
+        def __init__(self):
+            super().__init__()
+            self.inner = Pair()
+
+    class Net(nn.Module):
+        def __init__(self, inside):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(3))
+            self.inside = inside
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=False) if self.inside else block(x)
+            return x
+
+    def run(compiled):
+        torch.manual_seed(0)
+        net = Net(inside=how == "whole-model")
+        x = torch.randn(4, 8, requires_grad=True)
+        sink, runs, frames = ListSink(), [0], [0]
+        with hookplug.attach(net, "Pair", plugins=("stats", {"sites": ("output", "grad")}),
+                             sink=sink, flush_every=1) as s:
+            model = net
+            if compiled and how == "whole-model":
+                model = torch.compile(net, backend=_counting_backend(runs, frames), fullgraph=True)
+            elif compiled:
+                _compile_each(net.blocks, runs, frames)
+            for _ in range(3):
+                runs[0] = 0
+                if compiled and how == "per-block":
+                    h = x
+                    for block in net.blocks:
+                        h = checkpoint(block, h, use_reentrant=False)
+                else:
+                    h = model(x)
+                h.sum().backward()
+                s.step()
+                if compiled:
+                    assert runs[0] >= 1  # compiled code ran (not the eager fallback)
+        _uncompile(net.blocks)
+        return by_key(sink.records)
+
+    compiled, eager = run(True), run(False)
+    assert len(eager) == 3 * 3 * 4  # steps x blocks x (output[0], output[1], grad[0], grad[1])
+    _stat_fields_equal(eager, compiled)
+
+
 @pytest.mark.parametrize("whole", [False, True], ids=["per-block", "whole-model"])
 def test_a_session_attached_again_runs_the_graphs_compiled_for_the_last_one(whole):
     """A session attached for a few steps, again and again, to a compiled model (a debugging
