@@ -188,6 +188,19 @@ def _number(name: str, v):
     return v
 
 
+def _constant(value):
+    """A function returning ``value``, marked a constant result for dynamo: a float read in
+    traced code is a symbolic graph input under ``torch.compile(dynamic=True)``, which a
+    traced backward (the grad site's) cannot take ("lift_tracked_freevar_to_input should
+    not be called on root SubgraphTracer"); the marked call is run while tracing and its
+    result kept as a constant."""
+    def get():
+        return value
+
+    get._dynamo_marked_constant = True  # torch._dynamo.assume_constant_result, no import
+    return get
+
+
 class GradClampPlugin(hookplug.Plugin):
     """Clamp / clip / NaN-guard gradients of module outputs and (with ``params=``) of
     parameters. See the module docstring for the options."""
@@ -250,6 +263,8 @@ class GradClampPlugin(hookplug.Plugin):
         # min/max as each floating dtype holds them, made here: compiled code reads the
         # dict and must find it unchanged (a traced insert would recompile the next call)
         self._dtype_bounds: Dict[torch.dtype, tuple] = {}
+        self._max_norm = _constant(self.max_norm)  # (see _constant)
+        self._min_max = _constant((self.min, self.max))
         for dtype in _FLOATS:
             self._bounds(dtype)
         self.reset()
@@ -329,8 +344,9 @@ class GradClampPlugin(hookplug.Plugin):
             lo, hi = self._bounds(grad.dtype)
         else:  # unscaled bounds: times the scale, as tensors in the gradient's dtype (a float32
             # bound would promote a 0-d float16 gradient to float32)
-            lo = None if self.min is None or self.min == -math.inf else amp * self.min
-            hi = None if self.max is None or self.max == math.inf else amp * self.max
+            mn, mx = self._min_max()
+            lo = None if mn is None or mn == -math.inf else amp * mn
+            hi = None if mx is None or mx == math.inf else amp * mx
             lo, hi = (None if b is None else b.to(grad.dtype) for b in (lo, hi))
         g = grad
         if self.nan == "zero":
@@ -338,14 +354,15 @@ class GradClampPlugin(hookplug.Plugin):
         if lo is not None or hi is not None:
             c = torch.clamp(g, min=lo, max=hi)
             g = c if amp is None else torch.where(torch.isinf(g), g, c)  # the scaler's to see
-        if self.max_norm is not None:
+        max_norm = self._max_norm()
+        if max_norm is not None:
             low = g.dtype in (torch.float16, torch.bfloat16)
             norm = torch.linalg.vector_norm(g, dtype=torch.float32 if low else None)
             if amp is not None:
                 norm = norm / amp.to(norm.dtype)
-            scale = self.max_norm / (norm + 1e-6)
+            scale = max_norm / (norm + 1e-6)
             scale = torch.where(
-                torch.isfinite(norm) & (norm > self.max_norm), scale, torch.ones_like(scale)
+                torch.isfinite(norm) & (norm > max_norm), scale, torch.ones_like(scale)
             )
             # a low-precision gradient is scaled in float32: the scale itself, cast to
             # float16, is subnormal for a large norm (max_norm / norm < 6e-5) and lost its

@@ -869,7 +869,7 @@ _W_NAN[[1, 6]] = float("nan")  # NaN in two columns of fc3's output gradient
 
 
 def _sgd(base, x, *, plugins=None, backend=None, steps=3, loss=None, scaler=False, read=None,
-         fullgraph=True, device="cpu", weights=_W):
+         fullgraph=True, device="cpu", weights=_W, dynamic=None):
     """``steps`` SGD steps of a copy of ``base``, compiled with a counting ``backend`` (or
     eager), gradclamp/stats attached to every Linear by ``plugins(scaler)`` (``scaler``: a
     ``GradScaler`` on the CPU scales the loss, steps and updates). Returns the parameter
@@ -883,7 +883,7 @@ def _sgd(base, x, *, plugins=None, backend=None, steps=3, loss=None, scaler=Fals
     model, x, w = copy.deepcopy(base).to(device), x.to(device), weights.to(device)
     loss = loss or (lambda out: (out * w).sum())
     frames = [0]
-    run = (torch.compile(model, backend=_counting(backend, frames), fullgraph=fullgraph)
+    run = (torch.compile(model, backend=_counting(backend, frames), fullgraph=fullgraph, dynamic=dynamic)
            if backend else model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     amp = torch.amp.GradScaler(device, init_scale=2.0**10) if scaler else None
@@ -963,6 +963,29 @@ def test_compiled_output_steering_has_no_graph_break_and_equals_eager(case, back
     for a, b in zip(eager["grads"], compiled["grads"]):
         close(a, b)
     close(dict(enumerate(eager["params"])), dict(enumerate(compiled["params"])))
+
+
+@pytest.mark.parametrize("case", ["max_norm", "scaler", "scaler_max_norm", "min_max"])
+def test_compiled_steering_with_dynamic_shapes_equals_eager(case):
+    """``torch.compile(dynamic=True)``: dynamo made the plugin's float options symbolic
+    graph inputs, which the traced backward could not take (max_norm raised "lift_tracked_
+    freevar_to_input should not be called on root SubgraphTracer" at the first call). They
+    are constants of the graph now; steering equals eager."""
+    opts, kw = _COMPILED_CASES[case]
+    torch.manual_seed(0)
+    base = MLP()
+    x = torch.randn(8, 32)
+    kw = dict(kw)
+
+    def plugins(amp):
+        return ("gradclamp", {**opts, "scaler": amp} if amp is not None else opts)
+
+    eager = _sgd(base, x, plugins=plugins, read=_changed, **kw)
+    compiled = _sgd(base, x, plugins=plugins, backend="aot_eager", read=_changed, dynamic=True, **kw)
+    assert eager["read"] == compiled["read"] and sum(eager["read"].values()) > 0
+    for a, b in zip(eager["grads"], compiled["grads"]):
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("first", ["gradclamp", "stats"])
