@@ -178,9 +178,9 @@ class TensorBoardSink(hookplug.Sink):
 
         for rec in records:
             key = (rec["step"], rec.get("time"))
-            if key != at:
-                if values:
-                    emit()
+            if key != at or len(values) >= _VALUES_PER_EVENT:  # (written as they fill: few
+                if values:                                     # objects live long enough
+                    emit()                                     # for the cyclic GC to scan)
                 at = key
             values.extend(Summary.Value(tag=tag, simple_value=value) for tag, value in self._scalars(rec))
             hist = self._histogram(rec)
