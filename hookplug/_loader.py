@@ -317,6 +317,16 @@ def _jit_build_dir() -> str:
     return path
 
 
+def _jit_built() -> bool:
+    """Whether the JIT build directory of this torch already holds a built module (ninja
+    then only checks it is up to date)."""
+    try:
+        return any(name.startswith("hookplug_C") and name.endswith((".so", ".pyd"))
+                   for name in os.listdir(_jit_build_dir()))
+    except OSError:
+        return False
+
+
 def jit_build() -> Any:
     """Build the sources for the running torch with ``torch.utils.cpp_extension.load``
     (ninja); returns the module. Raises :class:`BuildError` with a one-line message."""
@@ -371,8 +381,12 @@ def load(allow_jit: bool = True,
         errors.append(str(e))
         if not _stale_logged.is_set():
             _stale_logged.set()
-            _log.warning("hookplug: %s; %s", e, "rebuilding it for this torch with the JIT (once)"
-                         if csrc_dir() else f"no sources to rebuild it: {_FIX}")
+            if not csrc_dir():
+                _log.warning("hookplug: %s; no sources to rebuild it: %s", e, _FIX)
+            elif _jit_built():  # (every process said it rebuilds)
+                _log.info("hookplug: %s; using the JIT build for this torch made before", e)
+            else:
+                _log.warning("hookplug: %s; rebuilding it for this torch with the JIT (once)", e)
     except ImportError as e:
         errors.append(f"import hookplug._C failed: {e}")
     if not allow_jit:

@@ -220,6 +220,7 @@ def other_torch_build(monkeypatch):
     """hookplug._C claims to be built for torch 0.0.0; the loader's one-time log is reset."""
     monkeypatch.setattr(_loader, "built_for", lambda: "0.0.0")
     monkeypatch.setattr(_loader, "_stale_logged", type(_loader._stale_logged)())
+    monkeypatch.setattr(_loader, "_jit_built", lambda: False)  # (no JIT build made before)
 
 
 def test_stale_build_is_rebuilt_not_imported(other_torch_build, caplog):
@@ -231,6 +232,18 @@ def test_stale_build_is_rebuilt_not_imported(other_torch_build, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "hookplug.build"]
     assert len(lines) == 1, f"expected one log line about the stale build, got {lines}"
     assert "0.0.0" in lines[0] and torch.__version__ in lines[0] and "\n" not in lines[0], lines[0]
+
+
+def test_stale_build_with_a_jit_build_made_before_logs_at_info(other_torch_build, caplog, monkeypatch):
+    """Every process meeting a stale ``_C`` warned that it rebuilds "once", also when it only
+    loads the JIT build an earlier process made: that is INFO now."""
+    sentinel = object()
+    monkeypatch.setattr(_loader, "_jit_built", lambda: True)
+    with caplog.at_level(logging.INFO, logger="hookplug.build"):
+        assert _loader.load(allow_jit=True, build=lambda: sentinel) == (sentinel, "jit")
+    records = [r for r in caplog.records if r.name == "hookplug.build"]
+    assert [r.levelno for r in records] == [logging.INFO]
+    assert "made before" in records[0].getMessage()
 
 
 def test_stale_build_that_cannot_rebuild_fails_in_one_line(other_torch_build, monkeypatch):
