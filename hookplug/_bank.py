@@ -194,11 +194,20 @@ def _row_for_trace(bank_id: int, module: str, path: str, phase: str) -> int:
     result: the graph holds the row; dynamo neither traces the assignment nor guards on the
     bank's tables, and a trace inside an activation checkpoint, where dynamo refuses such
     side effects, assigns it too. Rows never change once assigned and bank ids are never
-    reused; the graph guards on the bank's id). The module's new row tensors are held back
-    until the step ends (see :func:`_hold_for_trace`)."""
+    reused; the graph guards on the bank's id). Traced with autograd on, the module's new
+    row tensors are held back until the step ends (see :func:`_hold_for_trace`)."""
     bank = _BANKS[bank_id]
-    bank.held_modules.add(module)
-    return bank.row_of((module, path, phase))
+    if torch.is_grad_enabled():  # (as the traced code runs: no backward, no recompute, else)
+        bank.held_modules.add(module)
+    key = (module, path, phase)
+    if key not in bank.rows and len(bank.keys) + 1 >= bank._capacity:
+        # the bank must grow, and this trace holds its rows tensor as a graph input already:
+        # grow now (with room to spare) and have dynamo trace the frame again
+        bank.reserve(2 * (len(bank.keys) + 1) + 64)
+        from torch._dynamo.exc import RestartAnalysis
+
+        raise RestartAnalysis(restart_reason="hookplug: the stats bank grew while tracing")
+    return bank.row_of(key)
 
 
 def _hold_for_trace(bank_id: int, module: str) -> int:

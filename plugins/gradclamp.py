@@ -188,17 +188,27 @@ def _number(name: str, v):
     return v
 
 
-def _constant(value):
-    """A function returning ``value``, marked a constant result for dynamo: a float read in
-    traced code is a symbolic graph input under ``torch.compile(dynamic=True)``, which a
-    traced backward (the grad site's) cannot take ("lift_tracked_freevar_to_input should
-    not be called on root SubgraphTracer"); the marked call is run while tracing and its
-    result kept as a constant."""
-    def get():
-        return value
+def _text(x: Optional[float]) -> str:
+    return "" if x is None else repr(float(x))
 
-    get._dynamo_marked_constant = True  # torch._dynamo.assume_constant_result, no import
-    return get
+
+def _option(name: str):
+    """A float option kept as its exact ``repr`` (``""``: None) and read back with
+    ``float``: traced code reads a string attribute as a constant, guarded by its value (a
+    session attached again with other options recompiles), where a float attribute is a
+    symbolic graph input under ``torch.compile(dynamic=True)``, which the traced backward
+    of a grad site cannot take ("lift_tracked_freevar_to_input should not be called on
+    root SubgraphTracer")."""
+    attr = f"_{name}_text"
+
+    def get(self) -> Optional[float]:
+        text = getattr(self, attr)
+        return float(text) if text else None
+
+    def set_(self, value: Optional[float]) -> None:
+        setattr(self, attr, _text(value))
+
+    return property(get, set_)
 
 
 class GradClampPlugin(hookplug.Plugin):
@@ -207,6 +217,9 @@ class GradClampPlugin(hookplug.Plugin):
 
     name = "gradclamp"
     sampled = False  # steering gradients must not stop on the steps `every=N` skips
+    min = _option("min")  # (floats kept as text: see _option)
+    max = _option("max")
+    max_norm = _option("max_norm")
 
     def __init__(
         self,
@@ -263,8 +276,6 @@ class GradClampPlugin(hookplug.Plugin):
         # min/max as each floating dtype holds them, made here: compiled code reads the
         # dict and must find it unchanged (a traced insert would recompile the next call)
         self._dtype_bounds: Dict[torch.dtype, tuple] = {}
-        self._max_norm = _constant(self.max_norm)  # (see _constant)
-        self._min_max = _constant((self.min, self.max))
         for dtype in _FLOATS:
             self._bounds(dtype)
         self.reset()
@@ -344,9 +355,8 @@ class GradClampPlugin(hookplug.Plugin):
             lo, hi = self._bounds(grad.dtype)
         else:  # unscaled bounds: times the scale, as tensors in the gradient's dtype (a float32
             # bound would promote a 0-d float16 gradient to float32)
-            mn, mx = self._min_max()
-            lo = None if mn is None or mn == -math.inf else amp * mn
-            hi = None if mx is None or mx == math.inf else amp * mx
+            lo = None if self.min is None or self.min == -math.inf else amp * self.min
+            hi = None if self.max is None or self.max == math.inf else amp * self.max
             lo, hi = (None if b is None else b.to(grad.dtype) for b in (lo, hi))
         g = grad
         if self.nan == "zero":
@@ -354,7 +364,7 @@ class GradClampPlugin(hookplug.Plugin):
         if lo is not None or hi is not None:
             c = torch.clamp(g, min=lo, max=hi)
             g = c if amp is None else torch.where(torch.isinf(g), g, c)  # the scaler's to see
-        max_norm = self._max_norm()
+        max_norm = self.max_norm
         if max_norm is not None:
             low = g.dtype in (torch.float16, torch.bfloat16)
             norm = torch.linalg.vector_norm(g, dtype=torch.float32 if low else None)
@@ -372,7 +382,7 @@ class GradClampPlugin(hookplug.Plugin):
             return None, None
         if not count:
             return g, None
-        if self.max_norm is None and self.nan != "zero" and amp is None:
+        if max_norm is None and self.nan != "zero" and amp is None:
             # only the clamp changed anything: count what it moved (NaN compares false, stays NaN)
             if lo is not None and hi is not None:
                 n = torch.logical_or(grad < lo, grad > hi).sum()

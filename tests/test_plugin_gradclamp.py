@@ -988,6 +988,35 @@ def test_compiled_steering_with_dynamic_shapes_equals_eager(case):
             torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "scaler"])
+@pytest.mark.parametrize("dynamic", [None, True])
+@pytest.mark.parametrize("opts", [({"max_norm": 1e-3}, {"max_norm": 1e3}),
+                                  ({"min": -1e-3, "max": 1e-3}, {"min": -1e3, "max": 1e3})])
+def test_compiled_model_attached_again_with_other_bounds_steers_with_the_new_ones(opts, dynamic, scaled):
+    """A compiled model, gradclamp attached, removed, and attached again with other bounds:
+    the second session's backward uses its own (the options are graph constants guarded by
+    their values; read as marked constants they were guarded by the code alone, and the
+    second session ran with the first one's bounds). Gradients equal eager's."""
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(8, 32)
+    compiled = torch.compile(model, backend="aot_eager", dynamic=dynamic)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4) if scaled else None
+    try:
+        for opt in opts:
+            opt = {**opt, "scaler": scaler} if scaled else opt
+            got, want = [], []
+            for run, out in ((compiled, got), (model, want)):
+                with hookplug.attach(model, "Linear", plugins=("gradclamp", opt)):
+                    model.zero_grad(set_to_none=True)
+                    loss = run(x).sum()
+                    (scaler.scale(loss) if scaled else loss).backward()
+                    out.append([p.grad.clone() for p in model.parameters()])
+            for a, b in zip(got[0], want[0]):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("first", ["gradclamp", "stats"])
 def test_compiled_steering_and_measuring_one_output_keep_the_eager_order(first):
     """gradclamp and stats' grad site on the same modules, both traced into the compiled

@@ -1432,6 +1432,48 @@ def test_keys_first_seen_inside_a_checkpoint_while_tracing_compile(how):
     _stat_fields_equal(eager, compiled)
 
 
+def test_keys_first_seen_while_tracing_past_the_banks_room_compile_fullgraph():
+    """Two hooked modules returning 100-tuples: the rows first needed while tracing outgrow
+    the room reserved at attach; the bank grows and dynamo traces the frame again (growing
+    in the trace replaced the rows tensor the graph had taken: "Guard failed on the same
+    frame it was created"). The compiled model runs; records equal eager."""
+
+    class Many(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return tuple(h * (i + 1) for i in range(100))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = Many(), Many()
+
+        def forward(self, x):
+            return sum(self.a(x)) + sum(self.b(x))
+
+    def run(compiled):
+        torch.manual_seed(0)
+        net, x = Net(), torch.randn(4, 8)
+        sink, runs, frames = ListSink(), [0], [0]
+        with hookplug.attach(net, "Many", plugins="stats", sink=sink, flush_every=1) as s:
+            f = torch.compile(net, backend=_counting_backend(runs, frames), fullgraph=True) if compiled else net
+            for _ in range(2):
+                runs[0] = 0
+                f(x)
+                s.step()
+                assert runs[0] == (1 if compiled else 0)
+        torch._dynamo.reset()
+        return by_key(sink.records)
+
+    compiled, eager = run(True), run(False)
+    assert len(eager) == 2 * 2 * 100
+    _stat_fields_equal(eager, compiled)
+
+
 @pytest.mark.parametrize("whole", [False, True], ids=["per-block", "whole-model"])
 def test_a_session_attached_again_runs_the_graphs_compiled_for_the_last_one(whole):
     """A session attached for a few steps, again and again, to a compiled model (a debugging
