@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from html.parser import HTMLParser
 from pathlib import Path
@@ -129,7 +130,7 @@ def test_select_counts_a_tied_parameter_once_and_hints_at_the_root(tmp_path, cal
                             "--json", "-", "--plain", cwd=tmp_path)).stdout)
     assert doc["totals"]["params"] == doc["model"]["params"] == 40, doc["totals"]
     err = run("select", "tied.py:single", "Linear", "--plain", cwd=tmp_path).stderr
-    assert "select tied.py:single \"*, *:\"" in err and "is the root" in err, err
+    assert "`hookplug select tied.py:single \"*, *:\"`" in err and "is the root" in err, err
 
 
 def test_select_shows_the_selectors_warnings_before_the_list(tmp_path, call):
@@ -550,3 +551,66 @@ def test_a_failed_profile_leaves_nothing_behind(args, call, tmp_path):
     proc = call(*args, "--tensorboard", "old", cwd=tmp_path)
     assert proc.returncode == 2
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["old", "old/keep.txt"]
+
+
+def test_a_model_file_that_exits_or_parses_its_own_arguments(tmp_path, call):
+    """A script's unguarded ``sys.exit(main())`` ran as a success with no table (rc 0); a
+    factory calling ``sys.exit("...")`` gave rc 1 and no message; a top-level argparse read
+    hookplug's own arguments. Now: one error line and status 2, and the file sees
+    ``sys.argv == [file]`` as under ``python file.py``."""
+    (tmp_path / "script.py").write_text(textwrap.dedent("""
+        import sys, torch.nn as nn
+        def make():
+            return nn.Sequential(nn.Linear(4, 2))
+        sys.exit(0)
+        """))
+    (tmp_path / "fexit.py").write_text(textwrap.dedent("""
+        import sys
+        def make():
+            sys.exit("cannot build: missing weights")
+        """))
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import argparse, sys, torch.nn as nn
+        ARGV = list(sys.argv)
+        args = argparse.ArgumentParser().parse_args()
+        def make():
+            assert len(ARGV) == 1 and ARGV[0].endswith("train.py"), ARGV
+            return nn.Sequential(nn.Linear(4, 2))
+        """))
+    got = call("profile", "script.py:make", "--input", "2x4", "--plain", cwd=tmp_path)
+    assert got.returncode == 2 and "called sys.exit(0)" in got.stderr and got.stdout == "", got.stderr
+    got = call("select", "fexit.py:make", "*", cwd=tmp_path)
+    assert got.returncode == 2 and "cannot build: missing weights" in got.stderr, got.stderr
+    got = call("profile", "train.py:make", "--input", "2x4", "--plain", cwd=tmp_path)
+    assert got.returncode == 0 and "0" in got.stdout, got.stderr
+
+
+def test_a_plugin_that_cannot_attach_is_an_error_and_one_failing_in_the_run_exits_1(tmp_path, call):
+    """gradclamp with nothing to do, or a sink whose folder is a file, was dropped with a
+    warning and the run exited 0: now status 2 before the run; a sink failing during the
+    run (its warnings as before) makes the exit status 1 once the reports are written."""
+    (tmp_path / "afile").write_text("x")
+    got = call("profile", "mlp", "--plain", "--backward", "--plugins", "gradclamp", cwd=tmp_path)
+    assert got.returncode == 2 and "nothing to do" in got.stderr and "attached without it" not in got.stderr, got.stderr
+    got = call("profile", "mlp", "--plain", "--plugins", 'stats,jsonl(path="afile")', cwd=tmp_path)
+    assert got.returncode == 2 and "a file is where a folder must be" in got.stderr, got.stderr
+    target = tmp_path / "gone"
+    target.mkdir()
+
+    def vanish(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    import hookplug_plugins.sinks.jsonl as jsonl
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(jsonl.JsonlSink, "_open", vanish)  # (the hook itself, as the disk fills)
+        got = call("profile", "mlp", "--plain", "--json", "run.json", "--plugins",
+                   f'stats,jsonl(path="{target}")', cwd=tmp_path)
+    assert got.returncode == 1 and "failed during the run" in got.stderr, got.stderr
+    assert "'jsonl' failed and is disabled" in got.stderr, got.stderr
+    assert (tmp_path / "run.json").exists()  # the reports are written first
+
+
+def test_json_and_html_on_one_file_is_refused(tmp_path, call):
+    got = call("profile", "mlp", "--json", "same.out", "--html", "same.out", cwd=tmp_path)
+    assert got.returncode == 2 and "the same file" in got.stderr and not (tmp_path / "same.out").exists()

@@ -19,6 +19,7 @@ import importlib
 import importlib.util
 import os
 import re
+import shlex
 import sys
 import time
 import warnings
@@ -272,11 +273,18 @@ def _import_module_or_file(spec: str, target: str) -> Any:
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[mod_name] = module
         sys.path.insert(0, str(path.resolve().parent))  # so the file's own local imports work
+        argv, sys.argv = sys.argv, [str(path)]  # as `python file.py` (an argparse at the top)
         try:
             module_spec.loader.exec_module(module)
+        except SystemExit as exc:
+            sys.modules.pop(mod_name, None)
+            raise UsageError(f"model {spec!r}: running {target!r} called sys.exit({exc.code!r}); "
+                             "put its script part under `if __name__ == \"__main__\":`") from None
         except Exception as exc:  # noqa: BLE001 - the user's file: report, don't trace back
             sys.modules.pop(mod_name, None)
             raise UsageError(f"model {spec!r}: running {target!r} failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            sys.argv = argv
         return module
     if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", target):
         raise UsageError(f"model {spec!r}: {target!r} is neither a module path (package.module) nor a .py file")
@@ -290,6 +298,8 @@ def _import_module_or_file(spec: str, target: str) -> Any:
                 f"model {spec!r}: cannot import module {target!r} (no module named {exc.name!r})"
             ) from None
         raise UsageError(f"model {spec!r}: importing {target!r} failed: {exc}") from exc
+    except SystemExit as exc:
+        raise UsageError(f"model {spec!r}: importing {target!r} called sys.exit({exc.code!r})") from None
     except Exception as exc:  # noqa: BLE001
         raise UsageError(f"model {spec!r}: importing {target!r} failed: {type(exc).__name__}: {exc}") from exc
 
@@ -335,6 +345,8 @@ def load_model(spec: str) -> LoadedModel:
     elif callable(obj):
         try:
             model = obj(*args, **kwargs)
+        except SystemExit as exc:
+            raise UsageError(f"model {spec!r}: the factory called sys.exit({exc.code!r})") from None
         except Exception as exc:  # noqa: BLE001 - the user's factory: report, don't trace back
             raise UsageError(f"model {spec!r}: calling the factory failed: {type(exc).__name__}: {exc}") from exc
     else:
@@ -577,7 +589,7 @@ def cmd_select(args) -> int:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     else:  # (the error below says it)
         raise UsageError(f"selector {args.selector!r} matched no module of {type(loaded.model).__name__}; "
-                         f"try '{PROG} select {args.model} \"*, *:\"' to see its modules (\"*:\" is the root)")
+                         f"try {_select_all(args.model)} to see its modules (\"*:\" is the root)")
     if args.names:
         error = _print_stdout(lambda: print("\n".join(name for name, _ in matched)))
     else:
@@ -610,9 +622,14 @@ def _tensorboard_writer(logdir: str, created: _Created):
     return created.writer
 
 
+def _select_all(model_spec: str) -> str:
+    """The command listing every module of the model, quoted for a shell."""
+    return f"`{PROG} select {shlex.quote(model_spec)} \"*, *:\"`"
+
+
 def _selector_message(exc: SelectorError, model_spec: Optional[str] = None) -> str:
     if "matched no module" in exc.reason:
-        hint = (f"; try 'hookplug select {model_spec} \"*, *:\"' to see its modules (\"*:\" is the root)"
+        hint = (f"; try {_select_all(model_spec)} to see its modules (\"*:\" is the root)"
                 if model_spec else "")
         return f"{exc.reason}{hint}"
     return f"bad selector {exc.selector!r} (column {exc.column + 1}): {exc.reason}"
@@ -625,7 +642,13 @@ def cmd_profile(args) -> int:
     except Exception:  # a failed run leaves nothing behind (a Ctrl-C keeps its steps' TensorBoard events)
         created.undo()
         raise
-    return _write_reports(args, doc, json_path, html_path)
+    status = _write_reports(args, doc, json_path, html_path)
+    failed = getattr(args, "failed_plugins", None)
+    if failed and status == 0:  # a plugin switched off in the run (warned): not a clean run
+        print(f"{PROG}: error: plugin(s) {', '.join(map(repr, failed))} failed during the run "
+              "(see the warnings above)", file=sys.stderr)
+        return 1
+    return status
 
 
 def _run_profile(args, created: _Created) -> Tuple[Dict[str, Any], Optional[Path], Optional[Path]]:
@@ -642,6 +665,8 @@ def _run_profile(args, created: _Created) -> Tuple[Dict[str, Any], Optional[Path
     device = _parse_device(args.device)
     json_path = _output_path("--json", args.json, created)
     html_path = _output_path("--html", args.html, created)
+    if json_path is not None and html_path is not None and json_path.resolve() == html_path.resolve():
+        raise UsageError(f"--json and --html name the same file {args.json!r}; give each its own")
     tb_writer = _tensorboard_writer(args.tensorboard, created) if args.tensorboard is not None else None
     file_tensors = _read_input_file(args.input_file) if args.input_file else None
 
@@ -693,12 +718,25 @@ def _run_profile(args, created: _Created) -> Tuple[Dict[str, Any], Optional[Path
     try:
         # one process, never a rank of a job: a RANK left in the environment (a torchrun
         # worker's) must not turn its sinks off as on a rank other than 0
-        session = hookplug.attach(model, args.select, plugins=plugin_specs, sink=sinks, flush_every=1,
-                                  on_error="warn", strict=True, distributed=False)
+        with warnings.catch_warnings(record=True) as attach_warnings:
+            warnings.simplefilter("always")
+            session = hookplug.attach(model, args.select, plugins=plugin_specs, sink=sinks, flush_every=1,
+                                      on_error="warn", strict=True, distributed=False)
     except SelectorError as exc:
         raise UsageError(_selector_message(exc, args.model)) from None
     except (PluginError, TypeError, ValueError) as exc:  # unknown plugin, bad options
         raise UsageError(str(exc).splitlines()[0]) from None
+    # a plugin asked for that could not be made or started (gradclamp with nothing to do, a
+    # sink whose folder is a file) is an error of the command, not a warning of the run
+    lost = [n for n in plugin_names if n not in session.plugins or n in session.disabled]
+    if lost:
+        session.remove()
+        said = [str(w.message).split("; attached without it")[0] for w in attach_warnings
+                if f"plugin {lost[0]!r}" in str(w.message)]
+        raise UsageError(session.disabled.get(lost[0]) and f"plugin {lost[0]!r}: {session.disabled[lost[0]]}"
+                         or (said[0] if said else f"plugin {lost[0]!r} could not be attached"))
+    for w in attach_warnings:
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
     step_times: List[float] = []
     input_desc = ""
@@ -739,6 +777,7 @@ def _run_profile(args, created: _Created) -> Tuple[Dict[str, Any], Optional[Path
                       "source": args.input_file or "random"},
             "selector": args.select, "plugins": plugin_names, "device": str(device), "seed": args.seed,
             "steps": args.steps, "backward": bool(args.backward), "step_seconds": step_times})
+        args.failed_plugins = dict(session.disabled)  # (in the run: exit status 1, below)
     finally:
         session.remove()
         if tb_writer is not None:
