@@ -283,7 +283,7 @@ def load_config(path: "str | os.PathLike[str]") -> Dict[str, Any]:
     toml = _toml()
     name = os.path.basename(path) or path
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # (a byte-order mark, as some Windows editors write)
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{name}: not UTF-8 text: {exc}") from None
     depth = _text_depth(text)
@@ -319,10 +319,13 @@ def _paths_relative_to(folder: str, sinks: Dict[str, Dict[str, Any]]) -> None:
     """Make each sink's relative ``path`` (read from a file: the tables are this module's
     own) relative to ``folder``, the file's, as an absolute path; the folder's braces are
     doubled so they are not taken for the path's ``{rank}``/``{run_id}`` placeholders. A
-    URL (``s3://bucket/x``, a third-party sink's) is left as it is."""
+    leading ``~`` is the home folder; a URL (``s3://bucket/x``, a third-party sink's) is
+    left as it is."""
     template = folder.replace("{", "{{").replace("}", "}}")
     for opts in sinks.values():
         value = opts.get("path")
+        if isinstance(value, str) and value.startswith("~"):  # the home folder, as a shell
+            value = opts["path"] = os.path.expanduser(value)  # reads it (not a folder "~")
         if isinstance(value, str) and not os.path.isabs(value) and "://" not in value:
             opts["path"] = os.path.join(template, value)
 

@@ -339,3 +339,14 @@ def test_a_selector_that_cannot_parse_is_an_error_of_the_file(tmp_path, text, wh
     path.write_text(text)
     with pytest.raises(ConfigError, match=f"telemetry.toml: {where}: "):
         hookplug.load_config(path)
+
+
+def test_a_config_file_with_a_byte_order_mark_and_a_home_path(tmp_path, monkeypatch):
+    """A UTF-8 byte-order mark (Windows editors) was "invalid TOML at line 1, column 1"; a
+    sink path "~/x" became a folder named "~" beside the file."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cfg = tmp_path / "c.toml"
+    cfg.write_bytes(b"\xef\xbb\xbf" + b'plugins = ["stats"]\n[sinks.jsonl]\npath = "~/runs/x"\n')
+    got = hookplug.load_config(cfg)
+    assert got["sink"] == {"jsonl": {"path": str(tmp_path / "home" / "runs" / "x")}}, got
+    assert got["selector"] == {"*": {"stats": {}}}
