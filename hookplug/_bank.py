@@ -200,9 +200,11 @@ def _row_for_trace(bank_id: int, module: str, path: str, phase: str) -> int:
     if torch.is_grad_enabled():  # (as the traced code runs: no backward, no recompute, else)
         bank.held_modules.add(module)
     key = (module, path, phase)
-    if key not in bank.rows and len(bank.keys) + 1 >= bank._capacity:
-        # the bank must grow, and this trace holds its rows tensor as a graph input already:
-        # grow now (with room to spare) and have dynamo trace the frame again
+    if (key not in bank.rows and len(bank.keys) + 1 >= bank._capacity
+            and torch._guards.TracingContext.try_get() is not None):
+        # the bank must grow, and this trace (on this thread: is_compiling() is true for the
+        # whole process during a compile, also in another thread's eager hooks) holds its rows
+        # tensor as a graph input already: grow now, with room to spare, and trace again
         bank.reserve(2 * (len(bank.keys) + 1) + 64)
         from torch._dynamo.exc import RestartAnalysis
 

@@ -207,6 +207,11 @@ def _option(name: str):
 
     def set_(self, value: Optional[float]) -> None:
         setattr(self, attr, _text(value))
+        bounds = self.__dict__.get("_dtype_bounds")
+        if bounds is not None and name != "max_norm":  # min/max as each dtype holds them, again
+            bounds.clear()
+            for dtype in _FLOATS:
+                self._bounds(dtype)
 
     return property(get, set_)
 

@@ -614,3 +614,15 @@ def test_a_plugin_that_cannot_attach_is_an_error_and_one_failing_in_the_run_exit
 def test_json_and_html_on_one_file_is_refused(tmp_path, call):
     got = call("profile", "mlp", "--json", "same.out", "--html", "same.out", cwd=tmp_path)
     assert got.returncode == 2 and "the same file" in got.stderr and not (tmp_path / "same.out").exists()
+
+
+def test_attach_warnings_follow_the_warning_filters(tmp_path):
+    """Warnings raised while the CLI attaches are recorded and shown after its checks: under
+    ``PYTHONWARNINGS=ignore`` they stay silent (recording them with "always" and replaying
+    them went around the filters)."""
+    args = ("profile", "cnn", "--plain", "--backward", "--plugins",
+            "stats,gradclamp(max=1.0,params='nomatch*')")
+    loud = run(*args, cwd=tmp_path, env={"PYTHONWARNINGS": "default"})
+    quiet = run(*args, cwd=tmp_path, env={"PYTHONWARNINGS": "ignore"})  # (the tests' ENV's)
+    assert loud.returncode == quiet.returncode == 0, (loud.stderr, quiet.stderr)
+    assert "nomatch" in loud.stderr and "nomatch" not in quiet.stderr, (loud.stderr, quiet.stderr)

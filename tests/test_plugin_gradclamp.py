@@ -1403,3 +1403,16 @@ def test_reloading_every_parameter_with_assign_rebinds_once(monkeypatch):
         got = run(model, x)
     want = run(model, x)
     assert all(torch.equal(got[k], want[k] * 2) for k in want)
+
+
+def test_bounds_set_after_construction_apply_without_a_scaler():
+    """``min``/``max`` set on the plugin after it was made: the scaler-free path read the
+    bounds cached per dtype at construction (the scaler path read the new ones)."""
+    from hookplug_plugins.gradclamp import GradClampPlugin
+
+    plugin = GradClampPlugin(min=-1.0, max=1.0)
+    plugin.min, plugin.max = -0.01, 0.01
+    model = nn.Sequential(nn.Linear(4, 4))
+    with hookplug.attach(model, "Linear", plugins=[plugin]):
+        (model(torch.randn(2, 4)) * 3.0).sum().backward()
+    torch.testing.assert_close(model[0].bias.grad, torch.full((4,), 0.02))  # 2 rows x 0.01

@@ -1474,6 +1474,54 @@ def test_keys_first_seen_while_tracing_past_the_banks_room_compile_fullgraph():
     _stat_fields_equal(eager, compiled)
 
 
+def test_eager_hooks_on_another_thread_during_a_compile_grow_the_bank():
+    """torch holds ``is_compiling()`` true for the whole process while a frame compiles, so
+    eager hooks on another thread take the traced path; a key there that needs the bank to
+    grow grows it (the retrace request, meant for dynamo, reached the eager hook: the
+    plugin was switched off)."""
+    import threading
+
+    session_context = getattr(torch.compiler, "_compile_session_context", None)
+    if session_context is None:
+        pytest.skip("this torch has no compile-session flag")
+
+    class Many(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return tuple(self.fc(x) * (i + 1) for i in range(100))
+
+    net = nn.Sequential(Many(), Many())
+    net.forward = lambda x: (sum(net[0](x)), sum(net[1](x)))
+    with hookplug.attach(net, "Many", plugins="stats", on_error="warn") as s:
+        compiling, done, errors = threading.Event(), threading.Event(), []
+
+        def compiler():
+            with session_context():
+                compiling.set()
+                done.wait()
+
+        def eager():
+            try:
+                net[0](torch.randn(4, 8))
+                net[1](torch.randn(4, 8))
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        t = threading.Thread(target=compiler)
+        t.start()
+        compiling.wait()
+        e = threading.Thread(target=eager)
+        e.start()
+        e.join()
+        done.set()
+        t.join()
+        assert errors == [] and s.disabled == {}
+        assert len(s["stats"].results()) == 2
+
+
 @pytest.mark.parametrize("whole", [False, True], ids=["per-block", "whole-model"])
 def test_a_session_attached_again_runs_the_graphs_compiled_for_the_last_one(whole):
     """A session attached for a few steps, again and again, to a compiled model (a debugging

@@ -622,6 +622,12 @@ def _tensorboard_writer(logdir: str, created: _Created):
     return created.writer
 
 
+def _show(recorded) -> None:
+    """Show warnings recorded (under the filters in force) as they would have been."""
+    for w in recorded:
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+
+
 def _select_all(model_spec: str) -> str:
     """The command listing every module of the model, quoted for a shell."""
     return f"`{PROG} select {shlex.quote(model_spec)} \"*, *:\"`"
@@ -665,7 +671,8 @@ def _run_profile(args, created: _Created) -> Tuple[Dict[str, Any], Optional[Path
     device = _parse_device(args.device)
     json_path = _output_path("--json", args.json, created)
     html_path = _output_path("--html", args.html, created)
-    if json_path is not None and html_path is not None and json_path.resolve() == html_path.resolve():
+    if args.json == args.html == "-" or (
+            json_path is not None and html_path is not None and json_path.resolve() == html_path.resolve()):
         raise UsageError(f"--json and --html name the same file {args.json!r}; give each its own")
     tb_writer = _tensorboard_writer(args.tensorboard, created) if args.tensorboard is not None else None
     file_tensors = _read_input_file(args.input_file) if args.input_file else None
@@ -718,25 +725,29 @@ def _run_profile(args, created: _Created) -> Tuple[Dict[str, Any], Optional[Path
     try:
         # one process, never a rank of a job: a RANK left in the environment (a torchrun
         # worker's) must not turn its sinks off as on a rank other than 0
+        # (recorded as the filters in force let them through, shown below)
         with warnings.catch_warnings(record=True) as attach_warnings:
-            warnings.simplefilter("always")
             session = hookplug.attach(model, args.select, plugins=plugin_specs, sink=sinks, flush_every=1,
                                       on_error="warn", strict=True, distributed=False)
     except SelectorError as exc:
+        _show(attach_warnings)
         raise UsageError(_selector_message(exc, args.model)) from None
     except (PluginError, TypeError, ValueError) as exc:  # unknown plugin, bad options
+        _show(attach_warnings)
         raise UsageError(str(exc).splitlines()[0]) from None
+    except BaseException:
+        _show(attach_warnings)
+        raise
     # a plugin asked for that could not be made or started (gradclamp with nothing to do, a
     # sink whose folder is a file) is an error of the command, not a warning of the run
     lost = [n for n in plugin_names if n not in session.plugins or n in session.disabled]
+    said = [w for w in attach_warnings if lost and f"plugin {lost[0]!r}" in str(w.message)]
+    _show([w for w in attach_warnings if w not in said])
     if lost:
         session.remove()
-        said = [str(w.message).split("; attached without it")[0] for w in attach_warnings
-                if f"plugin {lost[0]!r}" in str(w.message)]
         raise UsageError(session.disabled.get(lost[0]) and f"plugin {lost[0]!r}: {session.disabled[lost[0]]}"
-                         or (said[0] if said else f"plugin {lost[0]!r} could not be attached"))
-    for w in attach_warnings:
-        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+                         or (str(said[0].message).split("; attached without it")[0] if said
+                             else f"plugin {lost[0]!r} could not be attached"))
 
     step_times: List[float] = []
     input_desc = ""
@@ -777,9 +788,9 @@ def _run_profile(args, created: _Created) -> Tuple[Dict[str, Any], Optional[Path
                       "source": args.input_file or "random"},
             "selector": args.select, "plugins": plugin_names, "device": str(device), "seed": args.seed,
             "steps": args.steps, "backward": bool(args.backward), "step_seconds": step_times})
-        args.failed_plugins = dict(session.disabled)  # (in the run: exit status 1, below)
     finally:
         session.remove()
+        args.failed_plugins = dict(session.disabled)  # (in the run or at its end: status 1)
         if tb_writer is not None:
             tb_writer.close()
 
