@@ -223,8 +223,27 @@ def _hold_for_trace(bank_id: int, module: str) -> int:
     return 0
 
 
+def _device_rows_for_trace(bank_id: int, device: torch.device) -> int:
+    """Make the bank's rows on ``device`` while dynamo traces (a model with no parameters
+    compiled before any eager call: its device was not known at attach). Run as it is
+    (a constant result, as :func:`_row_for_trace`): the lock that guards the making is no
+    graph break. Traced code taking a constant row (:meth:`StatsBank.accumulate`, which
+    guards on the bank's id already) calls it before every read of the bank's device
+    table, so the trace, started again after new rows (the table may have been read
+    already), takes the same path."""
+    bank = _BANKS[bank_id]
+    if device in bank._devices:
+        return 0
+    if bank.device_rows(device) is not None and torch._guards.TracingContext.try_get() is not None:
+        from torch._dynamo.exc import RestartAnalysis
+
+        raise RestartAnalysis(restart_reason="hookplug: a stats bank for a new device while tracing")
+    return 0
+
+
 _row_for_trace._dynamo_marked_constant = True  # torch._dynamo.assume_constant_result, no import
 _hold_for_trace._dynamo_marked_constant = True
+_device_rows_for_trace._dynamo_marked_constant = True
 
 
 def _register_ordered_effect(op) -> None:
@@ -778,6 +797,8 @@ class StatsBank:
             row = _row_for_trace(self.id, *key)
         else:
             row = self.rows.get(key) or self.row_of(key)
+        if compiling:
+            _device_rows_for_trace(self.id, t.device)
         dev = self._devices.get(t.device) or self.device_rows(t.device)
         if dev is None:  # the meta device
             return
@@ -815,7 +836,7 @@ class StatsBank:
     def accumulate_at(self, t: torch.Tensor, row: torch.Tensor, skip_recompute: bool = False) -> None:
         """Merge ``t`` into the row whose index ``row`` holds (on ``t``'s device; gated), as
         the by-row op does when a compiled backward runs it."""
-        dev = self._devices.get(t.device) or self.device_rows(t.device)
+        dev = self._devices.get(t.device) or self.device_rows(t.device)  # (a row tensor's device has rows)
         if dev is not None:
             self._accumulate_at(t.detach(), dev.acc, row, dev.gate, *self.op_args, skip_recompute)
 

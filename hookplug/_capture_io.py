@@ -45,8 +45,8 @@ def _json_key(k: Any):
 def _encode(obj: Any, key: str, tensors: Dict[str, torch.Tensor], dropped: Optional[List[str]] = None) -> Any:
     """A JSON-able description of ``obj``; its tensors go into ``tensors``, keyed from ``key``."""
     if isinstance(obj, torch.Tensor):
-        # two paths can read alike ({"a.b": x, "a": {"b": y}} both give "output.a.b"): the
-        # later one gets a key of its own, else it would overwrite the first in the file
+        # should two paths ever read alike, the later one gets a key of its own, else it
+        # would overwrite the first in the file
         unique, n = key, 1
         while unique in tensors:
             unique, n = f"{key}#{n}", n + 1

@@ -129,7 +129,9 @@ class _Ctx:
 
 # -- plugin options: hookplug._options checks them -------------------------------------------
 
-def _check_options(ctx: _Ctx, table: str, name: str, options: Dict[str, Any]) -> None:
+def _check_options(ctx: _Ctx, table: str, name: str, options: Dict[str, Any]) -> Any:
+    """Refuse an unknown plugin name or options its factory rejects; the factory (None: it
+    failed to load, which attach() reports)."""
     from ._manager import _discover
     from ._options import OptionError, check_options
 
@@ -142,11 +144,12 @@ def _check_options(ctx: _Ctx, table: str, name: str, options: Dict[str, Any]) ->
                         f"{', '.join(sources) or 'none'}")
     factory = src.load()  # a broken plugin has warned already; attach() will skip it
     if factory is None:
-        return
+        return None
     try:
         check_options(name, factory, options, show=_show)
     except OptionError as exc:
         raise ctx.error(f"[{table}.{name}] {exc.option}", exc.problem) from None
+    return factory
 
 
 # -- the schema ---------------------------------------------------------------------------------
@@ -256,7 +259,10 @@ def parse_config(data: Dict[str, Any], path: str = "<config>") -> Dict[str, Any]
         out["selector"] = default_sel
     sinks = _plugin_tables(ctx, "sinks", data.get("sinks", {}))
     for name, opts in sinks.items():
-        _check_options(ctx, "sinks", name, opts)
+        factory = _check_options(ctx, "sinks", name, opts)
+        if factory is not None and not callable(getattr(factory, "hookplug_flush", None)):
+            raise ctx.error(f"[sinks.{name}]", f"expected a sink (a plugin that writes telemetry); {name!r} "
+                            f"is a plugin: put it under [plugins.{name}]")
         path_value = opts.get("path")
         # refused here as the sink refuses it: a file's "" would be joined to its folder (taken
         # silently as that folder) before the sink could see it

@@ -1550,7 +1550,8 @@ def attach(
     session = Session(model, every=every, on_error=on_error, flush_every=flush_every,
                       start_step=start_step, distributed=distributed)
     session._replica_group = group
-    groups = _plugin_groups("attach(): ", selector, plugins)
+    groups = _plugin_groups("attach(): ", selector, plugins,
+                            "" if config is None else f"; config={config!r} names none ([plugins.NAME] tables)")
 
     chosen: Dict[str, nn.Module] = {}
     plan: Dict[str, Tuple[Any, List[str], Dict[str, Any]]] = {}

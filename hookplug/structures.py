@@ -22,8 +22,7 @@ def children(obj: Any, path: str = "output",
     namedtuple, dataclass instance; ``init_only``: only the dataclass fields that
     :func:`rebuild` can set); None for anything else (a leaf)."""
     if isinstance(obj, dict):  # also HF ModelOutput (an OrderedDict subclass)
-        return [(k, f"{path}.{k}" if isinstance(k, str) else f"{path}[{k!r}]", v)
-                for k, v in obj.items()]
+        return [(k, f"{path}.{k}" if _plain_key(k) else f"{path}[{k!r}]", v) for k, v in obj.items()]
     if isinstance(obj, (list, tuple)):
         return [(i, f"{path}[{i}]", v) for i, v in enumerate(obj)]
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
@@ -31,6 +30,13 @@ def children(obj: Any, path: str = "output",
         return [(f.name, f"{path}.{f.name}", getattr(obj, f.name))
                 for f in dataclasses.fields(obj) if (f.init or not init_only) and hasattr(obj, f.name)]
     return None
+
+
+def _plain_key(key: Any) -> bool:
+    """Whether a dict key reads as ``.key`` in a path: a non-empty str with no ``.``, ``[``,
+    ``]`` or quote (``{"a.b": x}`` is ``output['a.b']``, not ``output.a.b``, the path of
+    ``{"a": {"b": x}}``: two tensors would share one key)."""
+    return isinstance(key, str) and bool(key) and not any(c in key for c in ".[]'\"")
 
 
 def rebuild(obj: Any, items: List[Tuple[Any, Any]]) -> Any:

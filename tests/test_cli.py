@@ -85,6 +85,23 @@ def test_plugins_lists_first_party_with_status(call):
     by_name = {r["name"]: r for r in rows}
     assert {"name", "origin", "status", "entry_point", "description"} <= set(rows[0])
     assert by_name["stats"]["origin"] == "first-party" and by_name["stats"]["status"] == "ok"
+    # a docstring's first paragraph as plain text: no Sphinx roles or literal marks, no
+    # sentence cut where the docstring's line ended, no pointer to the module docstring
+    assert by_name["stats"]["description"].startswith("Per module and site, a hookplug.TensorStats of every")
+    assert by_name["capture"]["description"].endswith("inputs and output gradients).")
+    for row in rows:
+        assert not re.search(r":\w+:`|``|module docstring", row["description"]), row
+
+
+def test_plugin_descriptions_unmark_sphinx_roles():
+    from hookplug.cli._commands import _doc_summary
+
+    doc = """A :class:`~torch.nn.Module` wrapper, :func:`x.f <x.f>` and ``opts``
+        over two lines (see the module docstring).
+
+        Details not shown."""
+    assert _doc_summary(doc) == "A Module wrapper, x.f and opts over two lines."
+    assert _doc_summary(None) == ""
 
 
 # -- select ---------------------------------------------------------------------------------

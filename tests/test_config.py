@@ -350,3 +350,26 @@ def test_a_config_file_with_a_byte_order_mark_and_a_home_path(tmp_path, monkeypa
     got = hookplug.load_config(cfg)
     assert got["sink"] == {"jsonl": {"path": str(tmp_path / "home" / "runs" / "x")}}, got
     assert got["selector"] == {"*": {"stats": {}}}
+
+
+def test_a_plugin_under_sinks_is_refused_naming_the_file_and_table(tmp_path):
+    """``[sinks.stats]`` (a plugin, not a sink) passed the file's checks and failed at
+    attach with a PluginError that named neither the file nor the table: a ConfigError
+    now, at load, naming both and where the table belongs. Nothing is attached."""
+    path = tmp_path / "telemetry.toml"
+    path.write_text('[plugins]\nstats = {}\n[sinks.stats]\n')
+    m = MLP()
+    with pytest.raises(ConfigError, match=r"^telemetry\.toml: \[sinks\.stats\]: expected a sink .* "
+                                          r"put it under \[plugins\.stats\]"):
+        hookplug.attach(m, config=path)
+    assert not m._forward_hooks and all(not x._forward_hooks for x in m.modules())
+    assert hookplug.load_config(_jsonl_config(tmp_path, "x"))["sink"]  # a real sink still passes
+
+
+def test_a_config_file_that_names_no_plugins_says_so(tmp_path):
+    """A config file with no plugin tables and no ``plugins=``: the error names the file,
+    not only the missing argument."""
+    path = tmp_path / "telemetry.toml"
+    path.write_text("every = 2\n")
+    with pytest.raises(hookplug.PluginError, match=r"plugins= is required .*telemetry\.toml.* names none"):
+        hookplug.attach(MLP(), config=path)

@@ -746,8 +746,8 @@ def test_compiled_after_attach_in_a_fresh_process_counts_calls(fresh_python):
 
 
 def test_save_keeps_tensors_whose_paths_read_alike(tmp_path):
-    # {"a.b": x, "a": {"b": y}}: both tensors' paths read "output.a.b"; the file held one
-    # tensor under that key and both loaded back as y
+    # {"a.b": x, "a": {"b": y}}: both tensors' paths read "output.a.b" once (now
+    # "output['a.b']"); the file held one tensor under that key and both loaded back as y
     pytest.importorskip("safetensors")
 
     class Dotted(nn.Module):

@@ -260,6 +260,24 @@ def test_structured_outputs_keyed_by_path(kind, paths):
         assert_stats_match(res[p], leaves[p])
 
 
+def test_dict_keys_that_read_as_paths_get_keys_of_their_own():
+    """``{"a.b": x, "a": {"b": y}}``: both tensors' paths read ``output.a.b`` and their
+    statistics were merged into one key (counted twice as many elements). A key holding
+    ``.``, ``[``, ``]`` or a quote, or an empty one, reads as ``output['a.b']``."""
+    class Odd(nn.Module):
+        def forward(self, x):
+            return {"a.b": x, "a": {"b": x * 3 + 1}, "": -x, "c[0]": x + 2}
+
+    m = nn.Sequential(Odd())
+    x = torch.randn(4, 5)
+    with hookplug.attach(m, "Odd", plugins="stats") as s:
+        out = m(x)
+    res = s["stats"].results()["0"]
+    assert list(res) == ["output['a.b']", "output.a.b", "output['']", "output['c[0]']"]
+    for path, tensor in zip(res, (out["a.b"], out["a"]["b"], out[""], out["c[0]"])):
+        assert_stats_match(res[path], tensor)
+
+
 def test_grad_site_equals_true_output_gradient(true_output_grads):
     model = MLP()
     x = torch.randn(6, 32)

@@ -2595,3 +2595,37 @@ def test_remove_while_a_timer_threads_step_is_delivering_sends_each_step_once(tm
     assert collections.Counter(slow.got) == want
     with open(path) as f:
         assert collections.Counter((r["step"], r["module"]) for r in map(json.loads, f)) == want
+
+
+def test_a_model_with_no_parameters_compiled_before_any_eager_call_fullgraph():
+    """A model with no parameters (its device unknown at attach) compiled before any eager
+    call, with stats on outputs and gradients: the bank's rows on the input's device were
+    made in the trace under a lock (a graph break; ``fullgraph=True`` raised). The rows are
+    made while tracing and dynamo traces the frame again. One graph; records equal eager."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.act, self.out = nn.GELU(), nn.Tanh()
+
+        def forward(self, x):
+            return self.out(self.act(x) * 3)
+
+    def run(compiled):
+        torch.manual_seed(0)
+        net, x = Net(), torch.randn(4, 8, requires_grad=True)
+        sink, runs, frames = ListSink(), [0], [0]
+        with hookplug.attach(net, "*", plugins=("stats", {"sites": ("output", "grad")}),
+                             sink=sink, flush_every=1) as s:
+            f = torch.compile(net, backend=_counting_backend(runs, frames), fullgraph=True) if compiled else net
+            for _ in range(2):
+                runs[0] = 0
+                f(x).sum().backward()
+                s.step()
+                assert runs[0] == (1 if compiled else 0)
+        torch._dynamo.reset()
+        return by_key(sink.records)
+
+    compiled, eager = run(True), run(False)
+    assert {key[2] for key in eager} == {"output", "grad"}, sorted(eager)
+    _stat_fields_equal(eager, compiled)

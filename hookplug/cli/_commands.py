@@ -550,6 +550,23 @@ def _progress(total: int, enabled: bool, use_rich: bool):
 
 # -- commands -----------------------------------------------------------------------------
 
+def _doc_summary(doc: Optional[str]) -> str:
+    """A plugin's docstring as one line of plain text: its first paragraph, Sphinx roles
+    (``:class:`~a.B``` -> ``B``) and literals unmarked, pointers to the module docstring
+    dropped."""
+    import inspect
+
+    text = " ".join(inspect.cleandoc(doc or "").split("\n\n")[0].split())
+
+    def role(match):
+        target = match.group(1).strip()
+        return target.rsplit(".", 1)[-1] if target.startswith("~") else target
+
+    text = re.sub(r":[\w:.+-]+:`([^`<]*?)(?:\s*<[^>]*>)?`", role, text).replace("``", "")
+    text = re.sub(r"\s*\(see the module docstring[^)]*\)", "", text, flags=re.IGNORECASE)
+    return re.sub(r"\s*See the module docstring\b.*$", "", text).strip()
+
+
 def cmd_plugins(args) -> int:
     rows = []
     for src in plugin_info():
@@ -557,13 +574,12 @@ def cmd_plugins(args) -> int:
             warnings.simplefilter("ignore")
             factory = src.load()
         status = "ok" if factory is not None and src.error is None else f"failed: {src.error}"
-        doc = (getattr(factory, "__doc__", None) or "").strip().splitlines()
         rows.append({
             "name": src.name,
             "origin": src.origin,
             "status": status,
             "entry_point": getattr(src.entry_point, "value", ""),
-            "description": doc[0] if doc else "",
+            "description": _doc_summary(getattr(factory, "__doc__", None)),
         })
     if args.json:
         import json
