@@ -57,6 +57,15 @@ def hookplug_step(session, step):
     just ended. Result ignored."""
 
 
+@hookspec
+def hookplug_sampling(session):
+    """Called when ``session.sampled`` turns on within a step, for what runs until the next
+    ``step()``: a trainer integration's evaluation that follows a step ``every=N`` did not
+    sample is recorded (evaluations are rare; a validation run every epoch of a multiple of
+    N steps was never recorded). A plugin that keeps a flag of its own from
+    ``session.sampled`` (set in ``hookplug_step``) sets it here too. Result ignored."""
+
+
 # -- forward phase (per module call) ---------------------------------------------------
 
 @hookspec

@@ -1024,7 +1024,7 @@ class FlopsPlugin(hookplug.Plugin):
         self._thread = threading.get_ident()
         self._warned_thread = False
         self._ended = False
-        self._counting = session.step_index % session.every == 0
+        self._counting = session.sampled
         if _peek_seq is None:
             warnings.warn("flops: this torch has no autograd sequence numbers; backward FLOPs "
                           "are not counted", RuntimeWarning, stacklevel=user_stacklevel())
@@ -1041,7 +1041,12 @@ class FlopsPlugin(hookplug.Plugin):
         self._raise_failure()
         self._prune_stale_calls()
         _settle_this_thread()
-        self._counting = not self._ended and session.step_index % session.every == 0
+        self._counting = not self._ended and session.sampled
+
+    @hookimpl
+    def hookplug_sampling(self, session):
+        """An evaluation after an unsampled step is counted (see the hookspec)."""
+        self._counting = not self._ended and session.sampled
 
     # -- per-call hooks ---------------------------------------------------------------------------
 

@@ -341,6 +341,11 @@ class StatsPlugin(hookplug.Plugin):
             ended = self.bank.pending[-1] if self.bank.pending else None
             self._check_nonfinite(ended if ended is not before else None)
 
+    @hookimpl
+    def hookplug_sampling(self, session):
+        """An evaluation after an unsampled step is measured (see the hookspec)."""
+        self.bank.set_live(session.sampled)
+
     def _before_trace(self, session) -> None:
         """Dynamo starts compiling a frame (an error here is the plugin's: the bank's
         ``on_error``, see ``_on_compile_start``): every key gets its twin in the other phase (the

@@ -997,7 +997,9 @@ def test_transformers_callback_as_a_context_manager_removes_the_session():
 def test_transformers_every_and_eval_on_start_follow_the_trainer_steps(tmp_path, eval_on_start):
     """``every=2`` samples the Trainer's steps 2, 4 (step 1, the session's first, is not
     taken); ``eval_on_start=True`` records the evaluation before training at step 0, where the
-    Trainer logs it."""
+    Trainer logs it. Every evaluation is recorded, also the one after step 5, which
+    ``every=2`` does not sample (it was dropped: the evaluation ran with the step's
+    sampling)."""
     transformers = pytest.importorskip("transformers")
     from hookplug.integrations.transformers import HookplugTrainerCallback
 
@@ -1022,7 +1024,7 @@ def test_transformers_every_and_eval_on_start_follow_the_trainer_steps(tmp_path,
     evals = [0, 2, 4, 5] if eval_on_start else [2, 4, 5]
     assert evaluated == evals
     assert results[1] == ([1, 2, 3, 4, 5], evals, {8 * 8 * 32})  # one eval run each
-    assert results[2] == ([2, 4], [s for s in evals if s % 2 == 0], {8 * 8 * 32})
+    assert results[2] == ([2, 4], evals, {8 * 8 * 32})
 
 
 def _lightning_step_logger(pl, key):
@@ -1406,3 +1408,29 @@ def test_lightning_fabric_setup_model_is_named_as_the_model():
         assert s["stats"].results()["2"]["output"].numel == y.numel()
         got = s["params"].results()["2.weight"]["grad"].l2
         assert math.isclose(float(got), float(g.double().norm()), rel_tol=1e-6)
+
+
+def test_lightning_every_n_records_each_validation_after_an_unsampled_step():
+    """``every=4`` with a validation every 4 batches: Lightning validates after steps 3 and
+    7, which ``every=4`` does not sample; each validation is recorded (``phase="eval"``,
+    the step it follows, both of its batches), the training steps by the rule (0, 4). The
+    validations were dropped (they ran with their step's sampling: no eval record at all)."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from hookplug.integrations.lightning import HookplugCallback
+
+    model = _lightning_regression(pl)
+    type(model).validation_step = lambda self, batch, idx: self.net(batch[0]).sum()
+    sink = Collect()
+    cb = HookplugCallback("Linear", ["stats", "flops"], sink=sink, flush_every=1, every=4)
+    pl.Trainer(max_steps=8, val_check_interval=4, limit_val_batches=2, num_sanity_val_steps=0,
+               callbacks=[cb], logger=False, enable_checkpointing=False, **_LIGHTNING_QUIET).fit(
+        model, DataLoader(TensorDataset(torch.randn(40, 8)), batch_size=4),
+        DataLoader(TensorDataset(torch.randn(16, 8)), batch_size=4))
+    steps = {phase: sorted({r["step"] for r in sink.records if r["phase"] == phase}) for phase in ("train", "eval")}
+    assert steps == {"train": [0, 4], "eval": [3, 7]}
+    assert {r["numel"] for r in sink.records if r["phase"] == "eval" and r["module"] == "net.0"} == {2 * 4 * 8}
+    # flops counted the two sampled training steps and both validations (forward only)
+    per_sample = 2 * 8 * 8
+    assert cb.session["flops"].results()["net.0"]["flops"] == (2 * 4 + 2 * 2 * 4) * per_sample

@@ -117,6 +117,15 @@ class _PendingStep:
     def end(self, label: int) -> None:
         self.pending = label
 
+    def evaluation_starts(self) -> None:
+        """An evaluation runs before the next step: sampled also after a step ``every=N``
+        did not sample (recorded with the step it follows, ``phase="eval"``). Only right
+        after a step ended: one in the middle of a step (a validation between the batches of
+        an accumulation window) would make the rest of that step's training a partial
+        record."""
+        if self.pending is not None and self.session is not None and not self.session.removed:
+            self.session._sample_until_step()
+
     def commit(self, next_step: Optional[int] = None) -> None:
         """End the pending step; ``next_step``: the number of the one starting now, where it
         is not the ended one's plus one."""

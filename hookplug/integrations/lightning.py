@@ -21,7 +21,8 @@
   ``every=N`` samples steps ``0, N, 2N...`` from the first one on, also when resuming from a
   checkpoint (saved after a batch, or at the end of a mid-epoch validation). The step is ended when the
   next batch starts or training ends, so validation run right after it is recorded with the
-  same step and ``phase="eval"`` (Lightning puts the module in eval mode; the core tags it);
+  same step and ``phase="eval"`` (Lightning puts the module in eval mode; the core tags it),
+  also when ``every=N`` did not sample that step (an evaluation is always recorded);
 - a ``"tensorboard"`` sink given no ``path``/``writer`` (in ``sink=`` or the ``config=``
   file) writes through the trainer's
   TensorBoard ``SummaryWriter`` (``trainer.logger.experiment`` of a ``TensorBoardLogger``),
@@ -124,6 +125,10 @@ class HookplugCallback(_pl.Callback):
             # was sampled by (stepping every k batches, that count advances k per step)
             self._steps.end(g - 1 if pl_module.automatic_optimization else self._first_batch_step)
             self._first_batch_step = None
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if getattr(trainer, "training", False) or getattr(trainer.state, "fn", None) == "fit":
+            self._steps.evaluation_starts()
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._steps.commit()

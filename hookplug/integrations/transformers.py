@@ -12,7 +12,8 @@
   ``gradient_accumulation_steps`` micro-batches), numbered ``state.global_step`` (1..N, as
   the Trainer logs). The step is ended when the next one begins or training ends, so an
   evaluation run right after step N is recorded with step N and ``phase="eval"`` (the
-  Trainer puts the model in eval mode; the core tags it). The session's first step is
+  Trainer puts the model in eval mode; the core tags it), also when ``every=N`` did not
+  sample step N (an evaluation is always recorded). The session's first step is
   numbered before it runs (``attach(start_step=...)``), so ``every=N`` samples steps
   ``N, 2N, ...`` from the first one on (a resumed run too); ``eval_on_start=True``: the
   evaluation before training is recorded with the global step it ran at (0, or the resumed
@@ -33,9 +34,11 @@ or use the callback as a context manager, ``with cb: trainer.train()``.
 
 TensorBoard: the Trainer's own ``SummaryWriter`` lives inside its ``TensorBoardCallback``
 and is created in that callback's ``on_train_begin``; it is not handed to other callbacks,
-so hookplug does not write through it. Point a ``tensorboard`` sink at
-``args.logging_dir`` (its own event file in the same folder: TensorBoard shows both as one
-run) or pass ``writer=`` a ``SummaryWriter`` you own.
+so hookplug does not write through it. Point a ``tensorboard`` sink at the folder that
+writer uses (its own event file in the same folder: TensorBoard shows both as one run):
+with transformers 5, set ``TENSORBOARD_LOGGING_DIR`` and give the sink the same ``path``
+(unset, the Trainer picks ``output_dir/runs/<time>_<host>`` at train start); with
+transformers 4, ``args.logging_dir``. Or pass ``writer=`` a ``SummaryWriter`` you own.
 
 Needs ``transformers``: ``pip install 'hookplug[transformers]'``.
 """
@@ -115,6 +118,8 @@ class HookplugTrainerCallback(_trainer_callback.TrainerCallback):
                                        **self.attach_kwargs)
         self._steps = _PendingStep()
         self._steps.session = self.session
+        if getattr(args, "eval_on_start", False):  # the step in progress holds only that
+            self.session._sample_until_step()      # evaluation: recorded whatever every=N says
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._commit()
@@ -131,6 +136,16 @@ class HookplugTrainerCallback(_trainer_callback.TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self._steps.end(state.global_step)
+        self._evaluation_next(control)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._evaluation_next(control)
+
+    def _evaluation_next(self, control) -> None:
+        """The Trainer's flow callback (first in its list) has decided whether an evaluation
+        follows: it is recorded also after a step ``every=N`` did not sample."""
+        if getattr(control, "should_evaluate", False):
+            self._steps.evaluation_starts()
 
     def on_evaluate(self, args, state, control, **kwargs):
         # eval_on_start: an evaluation in the step numbered with the current global step,
