@@ -26,6 +26,7 @@ This base supplies what every sink that writes somewhere repeats:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 from typing import Optional, Tuple
 
@@ -36,6 +37,34 @@ from .hookspecs import hookimpl
 __all__ = ["Sink", "current_rank"]
 
 PLACEHOLDERS = ("rank", "run_id")
+
+
+def check_writable(path: str, who: str, folder: bool = False) -> None:
+    """Raise ``OSError`` (its message starting with ``who``, naming the path) if a file
+    (``folder``: a folder to write files in) cannot be created or appended at ``path``,
+    creating nothing: the path itself if it exists, else its nearest existing ancestor, must
+    be a writable folder. A sink calls it at attach (``hookplug_session_start``) so a bad
+    path fails before training, not at the first flush with the run's telemetry lost."""
+    if os.path.isdir(path) and not folder:
+        raise IsADirectoryError(errno.EISDIR, f"{who}: a folder is where the file must be", path)
+    if os.path.exists(path):
+        if folder and not os.path.isdir(path):
+            raise NotADirectoryError(errno.ENOTDIR, f"{who}: a file is where the folder must be", path)
+        if not os.access(path, os.W_OK | (os.X_OK if folder else 0)):
+            raise PermissionError(errno.EACCES, f"{who}: the {'folder' if folder else 'file'} is "
+                                  "not writable", path)
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        up = os.path.dirname(parent)
+        if up == parent:
+            break
+        parent = up
+    if not os.path.isdir(parent):
+        raise NotADirectoryError(errno.ENOTDIR, f"{who}: a file is where a folder must be", parent)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, f"{who}: cannot create the {'folder' if folder else 'file'}, "
+                              "the folder is not writable", parent)
 
 
 def current_rank() -> int:

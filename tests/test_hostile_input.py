@@ -199,6 +199,31 @@ def test_item14_folder_where_the_file_must_be(tmp_path):
         _attach_jsonl(tmp_path / "t.jsonl")
 
 
+@pytest.mark.parametrize("blocked", ["under-a-file", "is-a-file"])
+def test_item14_tensorboard_folder_that_cannot_be_made_fails_at_attach(tmp_path, blocked):
+    """The tensorboard sink made its folder at the first flush (NotADirectoryError from
+    inside TensorBoard's writer: the run's telemetry lost, or an error mid-training with
+    ``flush_every``); refused at attach now, as jsonl's path is, nothing created."""
+    pytest.importorskip("tensorboard")
+    (tmp_path / "blocker").write_text("x")
+    path = tmp_path / "blocker" / "tb" if blocked == "under-a-file" else tmp_path / "blocker"
+    m = MLP()
+    with pytest.raises(NotADirectoryError, match=r"^.*tensorboard sink: a file is where (a|the) folder must be") as info:
+        hookplug.attach(m, "Linear", plugins="stats", sink=("tensorboard", {"path": str(path)}), flush_every=1)
+    assert str(tmp_path / "blocker") in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blocker"] and (tmp_path / "blocker").is_file()
+    assert all(not x._forward_hooks for x in m.modules())
+
+
+@pytest.mark.parametrize("option", [{"flush_secs": 0}, {"flush_secs": -1}, {"max_queue": 0}])
+def test_item14_tensorboard_queue_options_out_of_range_are_refused(tmp_path, option):
+    """``flush_secs=0`` kept TensorBoard's writer thread spinning a core; ``max_queue=0`` or
+    less was taken as given. Both refused when the sink is built, naming the option."""
+    pytest.importorskip("tensorboard")
+    with pytest.raises(hookplug.PluginError, match=f"tensorboard sink: {next(iter(option))} must be"):
+        hookplug.attach(MLP(), "Linear", plugins="stats", sink=("tensorboard", {"path": str(tmp_path), **option}))
+
+
 def test_item14_unwritable_folder_fails_at_attach(tmp_path, monkeypatch):
     ro = tmp_path / "ro"
     ro.mkdir()

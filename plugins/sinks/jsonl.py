@@ -52,6 +52,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import hookplug
 from hookplug._plugin import user_stacklevel
+from hookplug._sink import check_writable
 from hookplug._stats import COUNT_COLUMNS
 from hookplug._telemetry import RECORD_KEYS, on_interrupt
 
@@ -82,28 +83,6 @@ def _locked(fd: int):
         yield
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
-
-
-def _check_writable(path: str) -> None:
-    """Raise ``OSError`` naming ``path`` if a file cannot be created or appended there (without
-    creating anything): the nearest existing ancestor must be a writable folder."""
-    if os.path.isdir(path):
-        raise IsADirectoryError(errno.EISDIR, "jsonl sink: a folder is where the file must be", path)
-    if os.path.exists(path):
-        if not os.access(path, os.W_OK):
-            raise PermissionError(errno.EACCES, "jsonl sink: the file is not writable", path)
-        return
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        up = os.path.dirname(parent)
-        if up == parent:
-            break
-        parent = up
-    if not os.path.isdir(parent):
-        raise NotADirectoryError(errno.ENOTDIR, "jsonl sink: a file is where a folder must be", parent)
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise PermissionError(errno.EACCES, "jsonl sink: cannot create the file, the folder is not "
-                              "writable", parent)
 
 
 def _clean(value: Any) -> Any:
@@ -197,7 +176,7 @@ class JsonlSink(hookplug.Sink):
         self.run_id = getattr(session, "run_id", None)
         rank = self.current_rank()
         if self.writes_on(rank, session):
-            _check_writable(self.resolve_path(session, rank))
+            check_writable(self.resolve_path(session, rank), "jsonl sink")
 
     def _end_torn_line(self, fd: int) -> None:
         """A file left ending in a partial line (a run that stopped mid-write) gets a newline,

@@ -42,6 +42,8 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import hookplug
 from hookplug._optional import optional_import
+from hookplug._options import is_int_at_least
+from hookplug._sink import check_writable
 from hookplug._stats import hist_outside
 
 from ._tags import DEFAULT_SCALARS, ROOT_NAME, hist_tag, scalar_tag  # noqa: F401
@@ -98,6 +100,11 @@ class TensorBoardSink(hookplug.Sink):
         unknown = [s for s in stats if s not in STATS]
         if unknown:
             raise ValueError(f"tensorboard sink: unknown stats {unknown}; choose from {list(STATS)}")
+        if not (isinstance(flush_secs, (int, float)) and not isinstance(flush_secs, bool) and flush_secs > 0):
+            raise ValueError(f"tensorboard sink: flush_secs must be a number of seconds > 0, got {flush_secs!r}"
+                             " (0 keeps the writer's thread spinning)")
+        if not is_int_at_least(max_queue, 1):
+            raise ValueError(f"tensorboard sink: max_queue must be an int >= 1, got {max_queue!r}")
         if writer is not None:
             if path is not None:
                 raise ValueError("tensorboard sink: give path= or writer=, not both")
@@ -117,6 +124,13 @@ class TensorBoardSink(hookplug.Sink):
         if writer is not None:
             log_dir = getattr(writer, "log_dir", None) or getattr(writer, "logdir", None)
             self.path = None if log_dir is None else os.fspath(log_dir)
+
+    @hookplug.hookimpl
+    def hookplug_session_start(self, session) -> None:
+        """Check at attach that the event folder can be written (creates nothing)."""
+        rank = self.current_rank()
+        if self.writer is None and self.writes_on(rank, session):
+            check_writable(self.resolve_path(session, rank), "tensorboard sink", folder=True)
 
     def _open(self, session, rank: int):
         _fast_checksums()
