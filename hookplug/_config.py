@@ -58,12 +58,13 @@ TOML is read with ``tomllib`` (Python 3.11+) or, on 3.9/3.10, the ``tomli`` pack
 """
 from __future__ import annotations
 
-import difflib
 import functools
 import inspect
 import os
 import sys
 from typing import Any, Dict
+
+from ._options import close_matches
 
 __all__ = ["load_config", "ConfigError"]
 
@@ -138,7 +139,7 @@ def _check_options(ctx: _Ctx, table: str, name: str, options: Dict[str, Any]) ->
     sources = _discover()
     src = sources.get(name)
     if src is None:
-        close = difflib.get_close_matches(name, list(sources), n=1)
+        close = close_matches(name, sources)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ctx.error(f"[{table}.{name}]", f"unknown plugin {name!r}.{hint} Available: "
                         f"{', '.join(sources) or 'none'}")
@@ -225,7 +226,7 @@ def parse_config(data: Dict[str, Any], path: str = "<config>") -> Dict[str, Any]
     _check_depth(ctx, data)
     for key in data:
         if key not in _TOP_KEYS:
-            close = difflib.get_close_matches(key, _TOP_KEYS, n=1)
+            close = close_matches(key, _TOP_KEYS)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ctx.error(key, f"unknown key{hint}; expected one of {', '.join(_TOP_KEYS)}")
     out: Dict[str, Any] = {}

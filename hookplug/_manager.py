@@ -8,7 +8,6 @@ ignored. ``HOOKPLUG_DISABLE_PLUGIN_AUTOLOAD=1`` limits discovery to them.
 """
 from __future__ import annotations
 
-import difflib
 import functools
 import inspect
 import json
@@ -233,7 +232,9 @@ def _factory(name: str, options: Optional[Dict[str, Any]]):
     sources = _discover()
     src = sources.get(name)
     if src is None:
-        close = difflib.get_close_matches(name, list(sources), n=1)
+        from ._options import close_matches
+
+        close = close_matches(name, sources)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise PluginError(
             f"unknown hookplug plugin {name!r}.{hint} Available: {', '.join(sources) or 'none'}"

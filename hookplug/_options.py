@@ -18,7 +18,7 @@ import functools
 import inspect
 import types
 import typing
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, List
 
 from ._manager import PluginError
 
@@ -37,6 +37,17 @@ class OptionError(PluginError):
     def __init__(self, plugin: str, option: str, problem: str, message: str = ""):
         super().__init__(message or f"plugin {plugin!r} option {option!r}: {problem}")
         self.plugin, self.option, self.problem = plugin, option, problem
+
+
+def close_matches(word: str, choices: Any, n: int = 1) -> List[str]:
+    """The ``choices`` ``word`` may have meant, best first: those equal to it but for case
+    (difflib alone misses ``"FLOPS"`` for ``"flops"``), then difflib's close matches."""
+    choices = [c for c in choices if isinstance(c, str)]
+    if not isinstance(word, str):
+        return []
+    close = [c for c in choices if c.lower() == word.lower() and c != word]
+    close += [c for c in difflib.get_close_matches(word, choices, n=n) if c not in close]
+    return close[:n]
 
 
 def is_int_at_least(value: Any, least: int) -> bool:
@@ -148,7 +159,7 @@ def check_options(name: str, factory, options: Dict[str, Any],
         if param is None:
             if open_ended:
                 continue
-            close = difflib.get_close_matches(key, list(params), n=1)
+            close = close_matches(key, params)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             accepts = ", ".join(params) or "no options"
             raise OptionError(name, key, f"unknown option{hint}; {name!r} accepts: {accepts}",

@@ -32,7 +32,6 @@ Selectors may come from config files, so they are treated as untrusted text:
 """
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import math
 import re
@@ -43,6 +42,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
+
+from ._options import close_matches
 
 __all__ = ["SelectorError", "select", "parse_selector", "unwrap_model", "clean_name",
            "named_modules", "named_parameters"]
@@ -489,8 +490,7 @@ def _class_matcher(selector: str, pat: _ClassPattern, known: Sequence[type],
     if (not any(k.__name__ == name for k in known) and not isinstance(getattr(nn, name, None), type)
             and not _imported_class_named(name)):
         candidates = sorted({k.__name__ for k in known} | {n for n in dir(nn) if n[:1].isupper()})
-        close = [c for c in candidates if c.lower() == name.lower()]  # (difflib is case-sensitive)
-        close += [c for c in difflib.get_close_matches(name, candidates, n=3) if c not in close]
+        close = close_matches(name, candidates, n=3)
         hint = f"; did you mean {' or '.join(repr(c) for c in close[:3])}?" if close else ""
         raise _as_name_hint(SelectorError(
             selector, pat.column, f"no class named {name!r} in the model or in torch.nn{hint}"
@@ -760,16 +760,18 @@ def select_terms(model: nn.Module, selector: str, *, strict: bool = False, stack
         if not hit:
             unmatched.append((term, named_hit))
     result = [(n, m) for n, m in named if n in chosen]
-    if not result:
-        msg = f"selector {selector!r} matched no module of {type(model).__name__}"
-        if strict:
-            raise SelectorError(selector, 0, msg)
-        warnings.warn(msg, stacklevel=stacklevel)
-    elif len(terms) > 1:  # (one term: the message above; a warning only, also under strict)
+    if len(terms) > 1:  # (one term: the message below; a warning only, also under strict)
         for term, named_hit in unmatched:
             msg = _unmatched_term(selector, terms, term, model, module_names, named_hit)
             if msg:
                 warnings.warn(msg, stacklevel=stacklevel)
+    if not result:
+        msg = f"selector {selector!r} matched no module of {type(model).__name__}"
+        if len(terms) == 1 and unmatched:
+            msg += _term_hint(selector, terms[0], model, module_names, unmatched[0][1])
+        if strict:
+            raise SelectorError(selector, 0, msg)
+        warnings.warn(msg, stacklevel=stacklevel)
     return result, containers
 
 
@@ -794,6 +796,14 @@ def _unmatched_term(selector: str, terms: List[_Term], term: _Term, model: nn.Mo
         text = "-" + text
     msg = (f"selector {selector!r}: its term {text!r} matches no module of {type(model).__name__} "
            f"({'nothing removed' if term.exclude else 'nothing added'})")
+    return msg + _term_hint(selector, term, model, names, named_hit)
+
+
+def _term_hint(selector: str, term: _Term, model: nn.Module, names: List[str], named_hit: bool) -> str:
+    """Why a term may match nothing, as ``"; ..."`` (``''``: no idea): the root named by
+    ``*``, names matched only by modules of other classes, close names, ``|`` in a name."""
+    msg = ""
+    glob = term.name_kind == "glob"
     if glob and term.name_pattern == "*":
         known = list(type(model).__mro__)
         if any(_class_matcher(selector, p, known)(model) for p in term.classes):
@@ -802,7 +812,12 @@ def _unmatched_term(selector: str, terms: List[_Term], term: _Term, model: nn.Mo
     elif named_hit:
         msg += "; the modules its names match are of other classes"
     elif glob:
-        close = difflib.get_close_matches(term.name_pattern, [n for n in names if n], n=3)
+        if "|" in term.name_pattern:  # (alternatives of names, as of classes)
+            cls = "|".join(p.text for p in term.classes) or "*"
+            either = ", ".join(f"{cls}:{n}" for n in term.name_pattern.split("|"))
+            return (f"; '|' separates class names only: for either name write {either!r} or "
+                    f"{cls + ':re:' + term.name_pattern!r}")
+        close = close_matches(term.name_pattern, [n for n in names if n], n=3)
         if close:
             msg += f"; did you mean {' or '.join(repr(c) for c in close)}?"
     return msg

@@ -39,7 +39,7 @@ from ._options import is_int_at_least
 from ._pipelining import patch_pipelining
 from ._plugin import Plugin, user_stacklevel
 from ._sink import Sink
-from ._selectors import (check_strict, named_modules, named_parameters, parameter_owners, qualified, replica_group,
+from ._selectors import (check_strict, named_modules, parse_selector, named_parameters, parameter_owners, qualified, replica_group,
                          select_terms, unwrap_model, warn_never_called)
 
 __all__ = ["attach", "Session", "HookContext"]
@@ -1502,6 +1502,8 @@ def check_attach_arguments(who: str, selector: Any, plugins: Any, kwargs: Dict[s
             specs = _normalize_specs(spec, "plugins" if sel is not None else "sink")
             if sel is not None and not specs:
                 raise PluginError(f"no plugins given for selector {sel!r}")
+            if isinstance(sel, str):  # its syntax (classes are resolved against the model)
+                parse_selector(sel)
             for name, options, instance in specs:
                 if instance is None:
                     try:

@@ -111,6 +111,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import sys
 import threading
 import warnings
@@ -153,6 +154,11 @@ def _in_backward() -> bool:
 def _mode_stack() -> list:
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
     return _get_current_dispatch_mode_stack()
+
+
+# what _get_current_dispatch_mode_stack reads the stack with
+_stack_len = torch._C._len_torch_dispatch_stack
+_stack_at = torch._C._get_dispatch_stack_at
 
 
 def _module_call_frame():
@@ -539,6 +545,98 @@ def _extra_formulas() -> Dict[Any, Callable]:
     return out
 
 
+# torch's ``shape_wrapper`` hands a formula its arguments with each tensor replaced by its
+# shape, through ``tree_map`` (pytree flattening and rebuilding: ~2/3 of a counted op's cost
+# on the CPU, 20 pytree nodes for a conv). ``_shapes`` does the same for the arguments ops
+# get (tensors, lists and tuples of them, scalars); any other pytree node falls back to
+# torch's own wrapper, so a formula sees what it sees under FlopCounterMode.
+_NF_CODE = _fc.shape_wrapper(lambda: None).__code__
+_FAST_SHAPES = (_NF_CODE.co_freevars == ("f",) and {"tree_map", "get_shape"} <= set(_NF_CODE.co_names)
+                and hasattr(torch.utils._pytree, "SUPPORTED_NODES"))
+_PYTREE_NODES = getattr(torch.utils._pytree, "SUPPORTED_NODES", {})
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+class _PytreeNode(Exception):
+    """An argument that is a pytree node other than a plain list or tuple."""
+
+
+def _shapes(a):
+    """``tree_map(get_shape, a)`` for plain lists and tuples (raises :class:`_PytreeNode`
+    for another node: a dict, a namedtuple, a registered type)."""
+    t = type(a)
+    if t in _PLAIN_TENSORS:
+        return a.shape
+    if t is tuple:
+        return tuple([_shapes(x) for x in a])
+    if t is list:
+        return [_shapes(x) for x in a]
+    if t in _PYTREE_NODES or issubclass(t, tuple):
+        raise _PytreeNode
+    return a.shape if isinstance(a, torch.Tensor) else a
+
+
+def _key(a):
+    """A hashable key for ``_shapes``' result, telling apart what a formula could (a list
+    from a tuple, ``1`` from ``1.0`` and ``True``)."""
+    t = type(a)
+    if t is tuple or t is list:
+        return (t, *[_key(x) for x in a])
+    return (t, a)
+
+
+_MEMO_ENTRIES = 4096  # per formula: dynamic shapes keep at most this many
+
+
+def _calls_wrapped(f: Callable, depth: int = 2) -> bool:
+    """Whether ``f``, one of torch's own formulas, calls another through ``shape_wrapper``
+    (``addmm``'s ``mm_flop``, SDPA's ``bmm_flop``), directly or through a helper of its
+    module (``sdpa_flop_count``): those are worth remembering; the others cost less than
+    the key (``conv``'s 1 us against 4 us)."""
+    if getattr(f, "__module__", None) != _fc.__name__ or not hasattr(f, "__code__"):
+        return False
+    for name in f.__code__.co_names:
+        g = f.__globals__.get(name)
+        if getattr(g, "__code__", None) is _NF_CODE or (depth > 1 and callable(g) and _calls_wrapped(g, depth - 1)):
+            return True
+    return False
+
+
+def _fast_shape_wrapper(nf: Callable) -> Callable:
+    """``nf`` (a formula wrapped by torch's ``shape_wrapper``) with the shapes taken by
+    :func:`_shapes`; anything else as it is. torch's own formulas (pure functions of
+    shapes and scalars) are remembered per argument key: ``addmm``'s calls ``mm``'s through
+    ``shape_wrapper`` again, whose ``tree_map`` on two sizes costs ~45 us on this CPU."""
+    if not _FAST_SHAPES or getattr(nf, "__code__", None) is not _NF_CODE:
+        return nf
+    f = nf.__closure__[0].cell_contents
+    memo: Optional[Dict[Any, Any]] = {} if _calls_wrapped(f) else None
+
+    @functools.wraps(f)
+    def shaped(*args, out_val=None, **kwargs):
+        try:
+            shapes = tuple([_shapes(a) for a in args])
+            kw = {k: _shapes(v) for k, v in kwargs.items()} if kwargs else kwargs
+            out = _shapes(out_val)
+        except _PytreeNode:
+            return nf(*args, out_val=out_val, **kwargs)
+        if memo is None:
+            return f(*shapes, out_shape=out, **kw)
+        try:
+            key = (_key(shapes), _key(out), *[(k, _key(v)) for k, v in kw.items()])
+            flops = memo.get(key)
+        except TypeError:  # (a symbolic size: not hashable)
+            return f(*shapes, out_shape=out, **kw)
+        if flops is None:
+            flops = f(*shapes, out_shape=out, **kw)
+            if len(memo) >= _MEMO_ENTRIES:
+                memo.clear()
+            memo[key] = flops
+        return flops
+
+    return shaped
+
+
 def _formula_table(formulas: Optional[Dict[Any, Callable]], extra: bool) -> Dict[Any, Callable]:
     table = dict(_fc.flop_registry)
     if extra:
@@ -549,7 +647,7 @@ def _formula_table(formulas: Optional[Dict[Any, Callable]], extra: bool) -> Dict
         if not callable(fn):
             raise TypeError(f"flops: formulas[{op}] must be callable, got {type(fn).__name__}")
         table[op] = fn if getattr(fn, "_get_raw", False) else _fc.shape_wrapper(fn)
-    return table
+    return {op: _fast_shape_wrapper(fn) for op, fn in table.items()}
 
 
 # -- the dispatch mode and its windows -------------------------------------------------------------
@@ -749,11 +847,11 @@ class _Dispatcher(TorchDispatchMode):
         """Leave the mode stack if no window is open (and we are on top of it)."""
         if self.windows or not self.entered or self.dispatching:
             return  # (while dispatching: the next open or close settles)
-        stack = _mode_stack()
-        if stack and stack[-1] is self:
+        n = _stack_len()  # (the top read alone: the whole stack as a list costs 1-2 us)
+        if n and _stack_at(n - 1) is self:
             self.__exit__(None, None, None)
             self.entered = False
-        elif not any(m is self for m in stack):
+        elif not any(m is self for m in _mode_stack()):
             self._forget()
         # else: a mode entered inside a window is still above us; we stay, passing through,
         # and leave at the next settle()
@@ -922,6 +1020,7 @@ class FlopsPlugin(hookplug.Plugin):
         self.extra_formulas = extra_formulas
         self._formulas = _formula_table(formulas, self.extra_formulas)
         self._quiet: set = set()          # op overloads that never go to uncounted()
+        self._noisy: Dict[Any, str] = {}  # op overloads that do: their uncounted() key
         self._counting = False
         self._ended = True
         self._thread: Optional[int] = None
@@ -1375,14 +1474,18 @@ class FlopsPlugin(hookplug.Plugin):
                 self._fwd[name] += flops
 
     def _note_uncounted(self, func, packet) -> None:
-        if isinstance(func, _HOP):
-            self._uncounted[f"higher_order.{getattr(func, '_name', func)}"] += 1
-            return
-        ns = packet._qualified_op_name.partition("::")[0]
-        if ns in ("hookplug", "prim") or not _does_arithmetic(func):
-            self._quiet.add(func)
-            return
-        self._uncounted[str(packet)] += 1
+        key = self._noisy.get(func)  # (decided once an op: its tags and schema, 25 us a call)
+        if key is None:
+            if isinstance(func, _HOP):
+                key = f"higher_order.{getattr(func, '_name', func)}"
+            else:
+                ns = packet._qualified_op_name.partition("::")[0]
+                if ns in ("hookplug", "prim") or not _does_arithmetic(func):
+                    self._quiet.add(func)
+                    return
+                key = str(packet)
+            self._noisy[func] = key
+        self._uncounted[key] += 1
 
 
 def count_flops(model: torch.nn.Module, *inputs, selector: str = "*, *:", backward: bool = False,

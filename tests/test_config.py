@@ -373,3 +373,16 @@ def test_a_config_file_that_names_no_plugins_says_so(tmp_path):
     path.write_text("every = 2\n")
     with pytest.raises(hookplug.PluginError, match=r"plugins= is required .*telemetry\.toml.* names none"):
         hookplug.attach(MLP(), config=path)
+
+
+def test_a_plugin_name_in_other_case_gets_a_suggestion(tmp_path):
+    """``"FLOPS"`` (difflib is case-sensitive: no suggestion for all-caps names, where
+    ``"Flops"`` got one), in attach, a config file, and a plugin option's name."""
+    with pytest.raises(hookplug.PluginError, match=r"unknown hookplug plugin 'FLOPS'\. Did you mean 'flops'\?"):
+        hookplug.attach(MLP(), "Linear", plugins="FLOPS")
+    path = tmp_path / "telemetry.toml"
+    path.write_text("[plugins]\nstats = {}\n[sinks.JSONL]\n")
+    with pytest.raises(ConfigError, match=r"\[sinks\.JSONL\]: unknown plugin 'JSONL'\. Did you mean 'jsonl'\?"):
+        hookplug.load_config(path)
+    with pytest.raises(hookplug.PluginError, match=r"unknown option 'BINS' \(did you mean 'bins'\?\)"):
+        hookplug.attach(MLP(), "Linear", plugins=("stats", {"BINS": 8}))

@@ -411,6 +411,27 @@ def test_a_term_matching_no_module_warns(resnet, sel, term, hint):
         names(nn.Sequential(), "*, *:")  # '*' on a model that is one module
 
 
+@pytest.mark.parametrize("sel, hint", [
+    ("*:layer1.0.cnv1", "; did you mean 'layer1.0.conv1'"),  # the most common typo, alone
+    ("ResNetLike", "; '*' never names the root: it is selected with 'ResNetLike:'"),
+    ("Conv2d:layer1.0.conv1|layer1.0.conv2",
+     "; '|' separates class names only: for either name write "
+     "'Conv2d:layer1.0.conv1, Conv2d:layer1.0.conv2' or 'Conv2d:re:layer1.0.conv1|layer1.0.conv2'"),
+])
+def test_a_selector_of_one_term_matching_nothing_gets_the_terms_hint(resnet, sel, hint):
+    """A one-term selector matching nothing said only "matched no module"; the same term
+    among others got a hint (a close name, the root, ``|`` written between names). Now the
+    one message has it, as a warning and under ``strict=True``; several terms matching
+    nothing each get their own warning before it."""
+    with pytest.warns(UserWarning, match=re.escape(f"selector {sel!r} matched no module of ResNetLike{hint}")):
+        assert names(resnet, sel) == []
+    with pytest.raises(SelectorError, match=re.escape(hint)):
+        names(resnet, sel, strict=True)
+    with pytest.warns(UserWarning) as rec:
+        assert names(resnet, f"{sel}, *:nothing") == []
+    assert hint in str(rec[0].message) and "its term '*:nothing'" in str(rec[1].message)
+
+
 def test_any_whitespace_before_re_starts_the_regex():
     model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(12)])
     for sel in ("*: re:1\\d{0,1}", "*:\tre:1\\d{0,1}", "Linear:\n    re:1\\d{0,1}"):

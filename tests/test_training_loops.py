@@ -741,6 +741,8 @@ def test_the_trainer_writer_of_a_tensorboard_logger_subclass(tmp_path):
     ({"plugins": "stats", "sink": "jsonx"}, hookplug.PluginError, "Did you mean 'jsonl'"),
     ({"plugins": "stats", "evry": 2}, TypeError, "unexpected keyword argument 'evry'"),
     ({"plugins": "stats", "start_step": 3}, TypeError, "not a callback option"),
+    ({"selector": "Linear,", "plugins": "stats"}, hookplug.SelectorError, "empty term"),
+    ({"selector": {"Linear|": "stats"}}, hookplug.SelectorError, "empty class name"),
 ])
 @pytest.mark.parametrize("which", ["lightning", "transformers"])
 def test_callback_arguments_are_checked_when_it_is_made(which, kwargs, error, match):
@@ -752,8 +754,9 @@ def test_callback_arguments_are_checked_when_it_is_made(which, kwargs, error, ma
     else:
         pytest.importorskip("transformers")
         from hookplug.integrations.transformers import HookplugTrainerCallback as cls
+    kwargs = dict(kwargs)
     with pytest.raises(error, match=match) as info:
-        cls("Linear", **kwargs)
+        cls(kwargs.pop("selector", "Linear"), **kwargs)
     assert str(info.value).startswith(cls.__name__)
     cls("Linear", "stats", every=2, sink="jsonl", flush_every=4)  # (fine ones pass)
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
-import difflib
 import importlib
 import importlib.util
 import os
@@ -32,6 +31,7 @@ import torch.nn as nn
 
 import hookplug
 from hookplug import PluginError, SelectorError, hookimpl, plugin_info, select
+from hookplug._options import close_matches
 from hookplug.models import DEMO_MODELS
 from hookplug.structures import iter_tensors
 
@@ -305,7 +305,7 @@ def _import_module_or_file(spec: str, target: str) -> Any:
 
 
 def _unknown_model(spec: str) -> UsageError:
-    close = difflib.get_close_matches(spec, list(DEMO_MODELS), n=1)
+    close = close_matches(spec, DEMO_MODELS)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     return UsageError(
         f"unknown model {spec!r}: expected a built-in demo ({', '.join(DEMO_MODELS)}), "
@@ -333,7 +333,7 @@ def load_model(spec: str) -> LoadedModel:
         for piece in attr.split("."):
             if not hasattr(obj, piece):
                 public = [n for n in dir(obj) if not n.startswith("_")]
-                close = difflib.get_close_matches(piece, public, n=1)
+                close = close_matches(piece, public)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise UsageError(f"model {spec!r}: {mod_part!r} has no attribute {attr!r}{hint}")
             obj = getattr(obj, piece)

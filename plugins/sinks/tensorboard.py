@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Sequence, Union
 
 import hookplug
 from hookplug._optional import optional_import
