@@ -5,6 +5,7 @@
     session["flops"].results()["layer1.0"]   # {"flops", "macs", "params", "backward_flops"}
     session["flops"].total()                 # every selected window, nothing counted twice
     session["flops"].uncounted()             # {"aten.add": 12, ...}: ops with no formula
+    session["flops"].total(phase="train")    # training forwards and backwards only (no eval)
 
 Windows. A ``TorchDispatchMode`` is on the mode stack only while a selected module runs:
 entered when the outermost selected module's forward starts and left when it returns (also
@@ -657,11 +658,12 @@ class _Window:
     plugin's running modules count) or one autograd node's backward (``owners``: the modules
     whose forward created the node)."""
 
-    __slots__ = ("plugin_ref", "owners", "dispatcher", "noted_before", "noted")
+    __slots__ = ("plugin_ref", "owners", "phase", "dispatcher", "noted_before", "noted")
 
-    def __init__(self, plugin: "FlopsPlugin", owners: Optional[Tuple[str, ...]]):
+    def __init__(self, plugin: "FlopsPlugin", owners: Optional[Tuple[str, ...]], phase: str = "train"):
         self.plugin_ref = weakref.ref(plugin)  # the mode stack never keeps a plugin alive
         self.owners = owners
+        self.phase = phase  # what it counts for: the phase of the forward (see results())
         self.dispatcher: Optional[_Dispatcher] = None
         # the autocast notes it found and made when it opened (see _Dispatcher.open/close)
         self.noted_before: Tuple[Tuple, int] = ((), -1)
@@ -889,11 +891,12 @@ class _NodeWindow:
     penalty's): its nodes get windows of the same owners, so a second backward through them
     counts as their backward too."""
 
-    __slots__ = ("plugin_ref", "owners", "open_windows")
+    __slots__ = ("plugin_ref", "owners", "phase", "open_windows")
 
-    def __init__(self, plugin: "FlopsPlugin", owners: Tuple[str, ...]):
+    def __init__(self, plugin: "FlopsPlugin", owners: Tuple[str, ...], phase: str):
         self.plugin_ref = weakref.ref(plugin)
         self.owners = owners
+        self.phase = phase  # the forward's that created the node
         self.open_windows: List[Tuple[_Window, Optional[int]]] = []
 
     def pre(self, grad_outputs):
@@ -902,7 +905,7 @@ class _NodeWindow:
             plugin._report_failure("a backward window")
         if plugin is None or not plugin._counting or plugin._session_gone():
             return None
-        window = _Window(plugin, self.owners)
+        window = _Window(plugin, self.owners, self.phase)
         _dispatcher().open(window)
         lo = _peek_seq() if _peek_seq is not None and torch.is_grad_enabled() else None
         self.open_windows.append((window, lo))
@@ -921,7 +924,7 @@ class _NodeWindow:
             plugin = self.plugin_ref()
             roots = [g.grad_fn for g in grad_inputs if isinstance(g, torch.Tensor) and g.grad_fn is not None]
             if plugin is not None and roots and hi > lo and not plugin._ended:
-                plugin._hook_nodes(roots, lo, hi, [lo], [self.owners])
+                plugin._hook_nodes(roots, lo, hi, [lo], [self.owners], self.phase)
         return None
 
 
@@ -944,14 +947,44 @@ class _Lease:
             window.close()
 
 
+_PHASES = ("train", "eval")
+
+
+class _Counts:
+    """The FLOPs of one phase: per module and per op, forward and backward, and in total."""
+
+    __slots__ = ("fwd", "bwd", "op_fwd", "op_bwd", "total_fwd", "total_bwd")
+
+    def __init__(self):
+        self.fwd: Dict[str, int] = defaultdict(int)
+        self.bwd: Dict[str, int] = defaultdict(int)
+        self.op_fwd: Dict[str, int] = defaultdict(int)
+        self.op_bwd: Dict[str, int] = defaultdict(int)
+        self.total_fwd = 0
+        self.total_bwd = 0
+
+    @classmethod
+    def sum(cls, parts: List["_Counts"]) -> "_Counts":
+        out = cls()
+        for part in parts:
+            for name in ("fwd", "bwd", "op_fwd", "op_bwd"):
+                mine = getattr(out, name)
+                for key, value in getattr(part, name).items():
+                    mine[key] += value
+            out.total_fwd += part.total_fwd
+            out.total_bwd += part.total_bwd
+        return out
+
+
 class _Recompute:
     """A reentrant checkpoint's recompute running on one thread: the selected modules it
     re-runs (innermost last), their windows and the autograd nodes they create."""
 
-    __slots__ = ("base", "names", "windows", "lo", "seqs", "owners", "roots")
+    __slots__ = ("base", "names", "windows", "lo", "seqs", "owners", "roots", "phase")
 
-    def __init__(self, base: Tuple[str, ...], lo: Optional[int]):
+    def __init__(self, base: Tuple[str, ...], lo: Optional[int], phase: str):
         self.base = base  # owners of the backward window the recompute runs in
+        self.phase = phase  # that window's
         self.names: List[str] = []
         self.windows: List[_Window] = []
         self.lo = lo  # the first node's sequence number; None: non-reentrant (no nodes kept)
@@ -1039,29 +1072,36 @@ class FlopsPlugin(hookplug.Plugin):
 
     # -- public -----------------------------------------------------------------------------------
 
-    def results(self) -> Dict[str, Dict[str, int]]:
+    def results(self, phase: Optional[str] = None) -> Dict[str, Dict[str, int]]:
         """``{module name: {"flops", "macs", "params", "backward_flops"}}`` for every selected
-        module, in model order (zeros for a module that did not run)."""
+        module, in model order (zeros for a module that did not run); ``phase="train"`` or
+        ``"eval"``: the forwards of that phase only (and the backwards of their graphs),
+        e.g. training FLOPs per step without the validation passes between steps."""
+        c = self._counts_of(phase)
         self._size_params()
-        names = self._names or sorted(set(self._fwd) | set(self._bwd))
-        return {n: self._row(self._fwd.get(n, 0), self._bwd.get(n, 0), self._params.get(n, 0))
+        names = self._names or sorted(set(c.fwd) | set(c.bwd))
+        return {n: self._row(c.fwd.get(n, 0), c.bwd.get(n, 0), self._params.get(n, 0))
                 for n in names}
 
-    def total(self) -> Dict[str, int]:
+    def total(self, phase: Optional[str] = None) -> Dict[str, int]:
         """Every window of the session (each op counted once, however many selected modules
-        it belongs to): the same keys as a row of ``results()``; ``params`` is the model's."""
+        it belongs to): the same keys as a row of ``results()``; ``params`` is the model's.
+        ``phase``: as in :meth:`results`."""
+        c = self._counts_of(phase)
         self._size_params()
-        return self._row(self._total_fwd, self._total_bwd, self._model_params)
+        return self._row(c.total_fwd, c.total_bwd, self._model_params)
 
     def uncounted(self) -> Dict[str, int]:
         """``{op name: calls}`` of the ops that ran while counting, do arithmetic and have no
         formula (see the module docstring for what is left out), most called first."""
         return dict(self._uncounted.most_common())
 
-    def by_op(self) -> Dict[str, Dict[str, int]]:
-        """``{op name: {"flops", "backward_flops"}}`` over the whole session."""
-        ops = sorted(set(self._op_fwd) | set(self._op_bwd))
-        return {op: {"flops": self._op_fwd.get(op, 0), "backward_flops": self._op_bwd.get(op, 0)}
+    def by_op(self, phase: Optional[str] = None) -> Dict[str, Dict[str, int]]:
+        """``{op name: {"flops", "backward_flops"}}`` over the whole session (``phase``: as
+        in :meth:`results`)."""
+        c = self._counts_of(phase)
+        ops = sorted(set(c.op_fwd) | set(c.op_bwd))
+        return {op: {"flops": c.op_fwd.get(op, 0), "backward_flops": c.op_bwd.get(op, 0)}
                 for op in ops}
 
     def reset(self) -> None:
@@ -1167,7 +1207,7 @@ class FlopsPlugin(hookplug.Plugin):
         if not self._calls:  # the outermost selected module: open the forward window
             if self._session_gone():
                 return None
-            self._window = self._lease.window = _Window(self, None)
+            self._window = self._lease.window = _Window(self, None, ctx.phase)
             self._window_lo = seq
             _dispatcher().open(self._window)
         else:
@@ -1229,9 +1269,9 @@ class FlopsPlugin(hookplug.Plugin):
                 if not reentrant:
                     base = tuple(n for n in base if n == "" or name.startswith(n + "."))
                 rec = self._recomputes[threading.get_ident()] = _Recompute(
-                    base, _peek_seq() if reentrant else None)
+                    base, _peek_seq() if reentrant else None, outer.phase if outer is not None else "train")
             rec.names.append(name)
-            window = _Window(self, rec.running())
+            window = _Window(self, rec.running(), rec.phase)
             d.open(window)
             rec.windows.append(window)
             _note_owners(rec.seqs, rec.owners, _peek_seq(), window.owners)
@@ -1256,7 +1296,7 @@ class FlopsPlugin(hookplug.Plugin):
                 return
             del self._recomputes[threading.get_ident()]
             if rec.roots and seq > rec.lo:  # (roots: reentrant only)
-                self._hook_nodes(rec.roots, rec.lo, seq, rec.seqs, rec.owners)
+                self._hook_nodes(rec.roots, rec.lo, seq, rec.seqs, rec.owners, rec.phase)
         except Exception as exc:  # noqa: BLE001
             self._fail("a checkpoint's recompute", exc)
 
@@ -1279,9 +1319,9 @@ class FlopsPlugin(hookplug.Plugin):
         if window is not None:
             window.close()
         if hook_backward and roots and hi > lo:
-            self._hook_nodes(roots, lo, hi, seqs, owners)
+            self._hook_nodes(roots, lo, hi, seqs, owners, window.phase if window is not None else "train")
 
-    def _hook_nodes(self, roots, lo, hi, seqs, owners) -> None:
+    def _hook_nodes(self, roots, lo, hi, seqs, owners, phase: str) -> None:
         """Node pre/post hooks on every node with sequence number in ``[lo, hi)`` reachable from
         ``roots``, each owned by the modules that were running when it was created."""
         seen = set()
@@ -1296,7 +1336,7 @@ class FlopsPlugin(hookplug.Plugin):
             seen.add(seq)
             names = owners[bisect.bisect_right(seqs, seq) - 1] if seqs and seq >= seqs[0] else ()
             if names:
-                hooks = _NodeWindow(self, names)
+                hooks = _NodeWindow(self, names, phase)
                 node.register_prehook(hooks.pre)
                 node.register_hook(hooks.post)
             todo.extend(fn for fn, _ in node.next_functions)
@@ -1353,13 +1393,15 @@ class FlopsPlugin(hookplug.Plugin):
     # -- counting ---------------------------------------------------------------------------------
 
     def _reset_state(self) -> None:
-        self._fwd: Dict[str, int] = defaultdict(int)
-        self._bwd: Dict[str, int] = defaultdict(int)
-        self._op_fwd: Dict[str, int] = defaultdict(int)
-        self._op_bwd: Dict[str, int] = defaultdict(int)
-        self._total_fwd = 0
-        self._total_bwd = 0
+        self._counts: Dict[str, _Counts] = {}  # by phase
         self._uncounted: Counter = Counter()
+
+    def _counts_of(self, phase: Optional[str]) -> "_Counts":
+        """The counts of ``phase`` (None: every phase's, summed)."""
+        if phase is not None and phase not in _PHASES:
+            raise ValueError(f"flops: phase must be None or one of {_PHASES}, got {phase!r}")
+        parts = [c for p, c in self._counts.items() if phase is None or p == phase]
+        return parts[0] if len(parts) == 1 else _Counts.sum(parts)
 
     def _size_params(self) -> None:
         """The parameter counts of the modules as they are now (a layer added, a
@@ -1462,16 +1504,19 @@ class FlopsPlugin(hookplug.Plugin):
                               stacklevel=user_stacklevel())
             return
         key = str(op)
+        counts = self._counts.get(window.phase)
+        if counts is None:
+            counts = self._counts[window.phase] = _Counts()
         if window.owners is not None:
-            self._total_bwd += flops
-            self._op_bwd[key] += flops
+            counts.total_bwd += flops
+            counts.op_bwd[key] += flops
             for name in window.owners:
-                self._bwd[name] += flops
+                counts.bwd[name] += flops
         else:
-            self._total_fwd += flops
-            self._op_fwd[key] += flops
+            counts.total_fwd += flops
+            counts.op_fwd[key] += flops
             for name in self._active:
-                self._fwd[name] += flops
+                counts.fwd[name] += flops
 
     def _note_uncounted(self, func, packet) -> None:
         key = self._noisy.get(func)  # (decided once an op: its tags and schema, 25 us a call)

@@ -130,6 +130,55 @@ def test_params_count_what_the_modules_hold_when_read():
     assert res["0"]["params"] == sum(p.numel() for p in model[0].parameters()) == 80
 
 
+def test_eval_forwards_are_counted_apart_from_training():
+    """Training steps with evaluations between them (eval mode, ``inference_mode``, and an
+    eval-mode saliency backward): ``results(phase="train")``/``total(phase="train")`` are
+    the training steps' FLOPs alone, as ``FlopCounterMode`` counts them; ``phase="eval"``
+    the evaluations' (the saliency's backward included); ``phase=None`` (the default) both.
+    Evaluations were merged into the training numbers (a fit's FLOPs per step inflated by
+    its validation passes)."""
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(4, 32)
+
+    def fcm(fn):
+        with FlopCounterMode(display=False) as mode:
+            fn()
+        return {k: sum(v.values()) for k, v in mode.get_flop_counts().items()}
+
+    def train():
+        model.train()
+        model(x).sum().backward()
+
+    def evaluate():
+        model.eval()
+        with torch.no_grad():
+            model(x)
+        with torch.inference_mode():
+            model(x)
+        model(x.clone().requires_grad_()).sum().backward()  # a saliency map, eval mode
+
+    with hookplug.attach(model, ALL, plugins="flops") as s:
+        for _ in range(2):
+            train()
+            s.step()
+            evaluate()
+    plugin = s["flops"]
+    want_train = fcm(lambda: [train() for _ in range(2)])
+    want_eval = fcm(lambda: [evaluate() for _ in range(2)])
+    for phase, want in (("train", want_train), ("eval", want_eval)):
+        tot = plugin.total(phase=phase)
+        assert tot["flops"] + tot["backward_flops"] == want["Global"] > 0, phase
+        res = plugin.results(phase=phase)
+        for name in ("fc1", "fc2", "fc3"):
+            assert res[name]["flops"] + res[name]["backward_flops"] == want[f"MLP.{name}"], (phase, name)
+    assert plugin.total()["flops"] == plugin.total("train")["flops"] + plugin.total("eval")["flops"]
+    assert plugin.results()["fc1"]["backward_flops"] == sum(
+        plugin.results(p)["fc1"]["backward_flops"] for p in ("train", "eval"))
+    assert sum(op["flops"] for op in plugin.by_op("eval").values()) == plugin.total("eval")["flops"]
+    with pytest.raises(ValueError, match=r"phase must be None or one of \('train', 'eval'\), got 'val'"):
+        plugin.results(phase="val")
+
+
 def test_cnn_matches_flop_counter_mode():
     plugin = check_against_fcm(
         lambda: tiny_cnn(width=8), torch.randn(2, 3, 32, 32),

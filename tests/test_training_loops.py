@@ -1434,6 +1434,9 @@ def test_lightning_every_n_records_each_validation_after_an_unsampled_step():
     steps = {phase: sorted({r["step"] for r in sink.records if r["phase"] == phase}) for phase in ("train", "eval")}
     assert steps == {"train": [0, 4], "eval": [3, 7]}
     assert {r["numel"] for r in sink.records if r["phase"] == "eval" and r["module"] == "net.0"} == {2 * 4 * 8}
-    # flops counted the two sampled training steps and both validations (forward only)
-    per_sample = 2 * 8 * 8
-    assert cb.session["flops"].results()["net.0"]["flops"] == (2 * 4 + 2 * 2 * 4) * per_sample
+    # flops counted the two sampled training steps and both validations (forward only),
+    # apart: the training FLOPs without the validation passes
+    per_sample, flops = 2 * 8 * 8, cb.session["flops"]
+    assert flops.results(phase="train")["net.0"]["flops"] == 2 * 4 * per_sample
+    assert flops.results(phase="eval")["net.0"]["flops"] == 2 * 2 * 4 * per_sample
+    assert flops.results()["net.0"]["flops"] == (2 * 4 + 2 * 2 * 4) * per_sample
