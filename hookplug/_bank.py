@@ -680,6 +680,7 @@ class StatsBank:
         self.keys: List[Tuple] = []  # row r holds keys[r - 1]
         self.held_modules: set = set()  # traced without a row tensor in this step
         self.pending: List[Tuple[int, Dict[torch.device, torch.Tensor]]] = []
+        self.dropped_through: Optional[int] = None  # the last step dropped since collect()
         self.id = next(_bank_ids)  # what stats_accumulate_by_key finds it by (see prepare)
         # the id as the by-row op takes it (a graph input: see accumulate_by_row_op)
         with torch.inference_mode(False):  # saved for backward: never an inference tensor
@@ -693,6 +694,7 @@ class StatsBank:
         for dev in self._devices.values():
             dev.reset()
         self.pending = []
+        self.dropped_through = None
         self._warned = self._collected = False
 
     def row_of(self, key: Tuple) -> int:
@@ -942,6 +944,9 @@ class StatsBank:
             snaps[device] = dev.end_step(used, fold_every)
         self.pending.append((step, snaps))
         if len(self.pending) > keep + final:
+            dropped = [s for s, _ in self.pending[: len(self.pending) - keep - final] if type(s) is int]
+            if dropped:
+                self.dropped_through = max(dropped + [self.dropped_through or dropped[0]])
             del self.pending[: len(self.pending) - keep - final]
             if (warn_unflushed or self._collected) and not self._warned:
                 self._warned = True
@@ -970,6 +975,7 @@ class StatsBank:
         """The ended steps not yet collected, one block per step and device; ``meta(key,
         step)`` describes a row."""
         pending, self.pending = self.pending, []
+        dropped, self.dropped_through = self.dropped_through, None
         self._collected = True  # (steps dropped before a later flush are warned about)
         n = len(self.keys)
         out = []
@@ -978,9 +984,10 @@ class StatsBank:
                 metas = [meta(key, step) for key in self.keys]
                 for snap in snaps.values():
                     rows = snap[1:n + 1]  # a snapshot taken before the bank grew has fewer rows
-                    out.append(StatsBlock(metas[:rows.shape[0]], rows, self.kind))
+                    out.append(StatsBlock(metas[:rows.shape[0]], rows, self.kind, dropped))
         except BaseException:  # (Ctrl-C) the steps stay pending, before any ended since
             self.pending = pending + self.pending
+            self.dropped_through = dropped
             raise
         return out
 

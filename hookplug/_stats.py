@@ -365,11 +365,15 @@ class StatsBlock(NamedTuple):
     """What a telemetry producer may return from ``hookplug_collect`` instead of one
     ``(meta, TensorStats)`` pair per record: ``metas[i]`` (``{"step", "module", "site",
     ...}``) describes ``rows[i]`` of a ``[R, HEAD + B]`` float64 device tensor. Rows no call
-    touched (``calls`` and ``numel`` 0) produce no record."""
+    touched (``calls`` and ``numel`` 0) produce no record. ``dropped_through``: the producer
+    dropped its steps up to this one (a bound on what it keeps between flushes); under
+    torch.distributed every rank then leaves those steps out, so no merged record holds
+    only some ranks' data."""
 
     metas: List[Dict[str, Any]]
     rows: torch.Tensor
     hist: Any = None
+    dropped_through: Optional[int] = None
 
 
 _FLOAT_FIELDS = ("min", "max", "mean", "std", "absmax", "l2", "rms", "zero_fraction")

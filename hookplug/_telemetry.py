@@ -181,7 +181,7 @@ class _Flight:
     rows right after returning them, even while an earlier flush still waits for its
     device copy)."""
 
-    __slots__ = ("host", "event", "groups", "rank", "device_buf", "built", "records", "delivered")
+    __slots__ = ("host", "event", "groups", "rank", "device_buf", "built", "records", "delivered", "cut")
 
     def __init__(self, host, event, groups, rank, device_buf, built=None):
         self.host = host
@@ -192,6 +192,7 @@ class _Flight:
         self.built = built
         self.records: Optional[List[dict]] = None  # once built (built once, emitted once)
         self.delivered: set = set()  # the sinks (names) that got the records already
+        self.cut: Optional[int] = None  # steps up to this one are left out (see _Layouts.agree)
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
@@ -228,6 +229,7 @@ class Telemetry:
         self._was_collective = False  # a flush of this session ran collectively
         self._warned_ungrouped = False
         self._warned_env_rank = False
+        self._warned_cut = False  # steps another rank dropped, left out here (said once)
         self.note_rank()
 
     def note_rank(self) -> None:
@@ -373,7 +375,8 @@ class Telemetry:
     def _keep(self, blocks: List[StatsBlock]) -> None:
         """Put ``blocks`` (taken from the producers, not emitted) first in line for the next
         flush, as copies: a producer may refill its own rows."""
-        self._carry = [StatsBlock(b.metas, b.rows.clone(), b.hist) for b in blocks] + self._carry
+        self._carry = [StatsBlock(b.metas, b.rows.clone(), b.hist, getattr(b, "dropped_through", None))
+                       for b in blocks] + self._carry
 
     def _start(self, session, local: bool = False) -> Tuple[List[_Flight], Optional[BaseException]]:
         """Collect and start this flush: its flights, and an error to report once it is done."""
@@ -501,7 +504,17 @@ class Telemetry:
                 part = gathered[:, start:start + laid.numel()].view(world, *laid.shape)
                 start += laid.numel()
                 parts.append((_merge_ranks(part), laid[:, FIRST_BAD]))  # this rank's clocks
-            flights.append(self._flight(home, groups, parts, rank, run_id))
+            flight = self._flight(home, groups, parts, rank, run_id)
+            flight.cut = union.cut
+            flights.append(flight)
+        if union.cut is not None and (local.dropped_through is None or local.dropped_through < union.cut) \
+                and not self._warned_cut:
+            self._warned_cut = True
+            warnings.warn(f"hookplug telemetry: another rank dropped the steps up to {union.cut} before "
+                          "this flush (more ended steps than its producers keep: max_pending_steps/"
+                          "max_pending_bytes); every rank leaves them out, so no record holds only "
+                          "some ranks' data. Set flush_every= (or a smaller one), or raise the bound.",
+                          RuntimeWarning, stacklevel=user_stacklevel())
         return flights, error
 
     # -- host side --------------------------------------------------------------------------------------
@@ -520,6 +533,10 @@ class Telemetry:
             built = _build_records(flight.groups, self._unpack(flight), flight.rank,
                                    getattr(session, "run_id", None))
         out, bad = built
+        cut = flight.cut
+        if cut is not None:  # steps some rank dropped: left out on every rank
+            out = [r for r in out if not (type(r["step"]) is int and r["step"] <= cut)]
+            bad = [(r, c) for r, c in bad if not (type(r["step"]) is int and r["step"] <= cut)]
         first_bad: Dict[Any, Tuple[float, dict]] = {}
         for rec, clock in bad:  # rows that saw a NaN/Inf, with the clock of the first
             best = first_bad.get(rec["step"])
@@ -596,6 +613,7 @@ class _Class:
 class _Local(NamedTuple):
     base: Optional[int]  # the smallest int step (idents' steps are relative to it)
     classes: Dict[tuple, _Class]
+    dropped_through: Optional[int] = None  # steps a producer dropped here (StatsBlock's)
 
     def describe(self) -> list:
         """What the other ranks need of this rank's layout (plain data)."""
@@ -652,7 +670,8 @@ def _describe(blocks: List[StatsBlock]) -> Tuple[_Local, Optional[BaseException]
                 c.dups = True
             idx.append(i)
         c.parts.append((rows, idx))
-    return _Local(base, classes), error
+    dropped = [d for d in (getattr(b, "dropped_through", None) for b in blocks) if type(d) is int]
+    return _Local(base, classes, max(dropped) if dropped else None), error
 
 
 def _unpicklable(idents) -> bool:
@@ -717,6 +736,7 @@ class _Union:
             for li, p in enumerate(ucls.where):
                 ucls.local[p] = li
         self.ref: Optional[int] = None  # set by the caller at every flush
+        self.cut: Optional[int] = None  # the last step a rank dropped (all leave it out); too
 
     def lay_out(self, ucls: _UnionClass, c: Optional[_Class], base: Optional[int], home):
         """This rank's rows of ``ucls`` in the union order on ``home`` (float64; rows of an
@@ -791,13 +811,14 @@ class _Layouts:
         run_id = getattr(session, "run_id", None) if rank == 0 and not self.run_id_agreed else None
         seen: List[Any] = [None] * world
         try:
-            dist.all_gather_object(seen, (self.version, local.base, desc if changed else None, run_id))
+            dist.all_gather_object(seen, (self.version, local.base, desc if changed else None, run_id,
+                                          local.dropped_through))
         except RuntimeError as exc:  # (a timeout: some rank never came to this flush)
             if hasattr(exc, "add_note"):  # Python 3.11+
                 exc.add_note(_FLUSH_ALIKE)
             raise
         self.sent = desc
-        for r, (version, _, layout, _) in enumerate(seen):
+        for r, (version, _, layout, _, _) in enumerate(seen):
             if layout is not None:
                 self.known[r] = (version, layout)
             elif self.known.get(r, (None,))[0] != version:
@@ -807,15 +828,17 @@ class _Layouts:
             self.run_id_agreed = True
             if seen[0][3]:
                 session.run_id = seen[0][3]
-        bases = [b for _, b, _, _ in seen]
+        bases = [b for _, b, _, _, _ in seen]
         ints = [b for b in bases if b is not None]
         ref = min(ints) if ints else None
         shifts = [0 if b is None else b - ref for b in bases]
-        key = tuple((v, s) for (v, _, _, _), s in zip(seen, shifts))
+        key = tuple((v, s) for (v, _, _, _, _), s in zip(seen, shifts))
         if key != self.union_key:
             self.union = _Union([self.known[r][1] for r in range(world)], shifts, desc, shifts[rank])
             self.union_key = key
         self.union.ref = ref
+        dropped = [d for *_, d in seen if d is not None]
+        self.union.cut = max(dropped) if dropped else None
         return self.union
 
 

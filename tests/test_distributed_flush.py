@@ -157,6 +157,48 @@ def test_keys_seen_on_one_rank_only_reduce_by_the_union_exactly(tmp_path):
     same_on_every_rank(res)
 
 
+def uneven_pending_bound(rank, out):
+    """No flush until remove(); a byte bound that keeps 2 ended steps on rank 1 and 1 on
+    rank 0, which also runs an eval forward every step (more rows a step)."""
+    model, state, seen, dump, g = _watched_net(rank)
+    with hookplug.attach(model, "Linear", plugins=("stats", {"max_pending_bytes": 1}),
+                         sink=dump) as s:
+        bank = s["stats"].bank
+        for step in range(4):
+            state["step"] = step
+            model(torch.randn(4, 6, generator=g)).sum().backward()
+            if rank == 0:
+                model.eval()
+                with torch.no_grad():
+                    model(torch.randn(2, 6, generator=g))
+                model.train()
+            if step == 0:  # both ranks' bound from rank 1's step size: 2 kept there, 1 on rank 0
+                used = torch.tensor([len(bank.keys) + 1])
+                dist.all_reduce(used, op=dist.ReduceOp.MIN)
+                row_bytes = bank.width * 8
+                bank.max_pending_bytes = 2 * int(used) * row_bytes + row_bytes // 2
+            s.step()
+    return {"records": dump.records, "seen": seen}
+
+
+def test_steps_one_rank_dropped_are_left_out_on_every_rank(tmp_path):
+    """A bound on pending telemetry (``max_pending_bytes``) counted from each rank's own rows
+    drops more steps on the rank with more rows: the merged record of a step only the other
+    rank kept held that rank's data alone (half the calls), with nothing saying so. Every
+    rank now leaves out the steps any rank dropped (and says why on the ranks that kept
+    them); what remains is exact."""
+    res = spawn("uneven_pending_bound", tmp_path)
+    seen = [r["seen"] for r in res]
+    for r in res:
+        steps = sorted({rec["step"] for rec in r["records"]})
+        assert steps == [3], steps  # rank 0 kept step 3, rank 1 steps 2 and 3 (step 2: rank 1's alone)
+        assert {rec["calls"] for rec in r["records"] if rec["phase"] == "train"} == {2}
+        assert_exact(r["records"], seen)
+    assert any("were not collected by telemetry" in w for w in res[0]["warnings"]), res[0]["warnings"]
+    assert any("another rank dropped the steps up to 2" in w for w in res[1]["warnings"]), res[1]["warnings"]
+    same_on_every_rank(res)
+
+
 # -- a plugin disabled on one rank -------------------------------------------------------------------
 
 def disabled_on_one_rank(rank, out):
@@ -615,7 +657,7 @@ def test_a_failed_layout_exchange_says_every_rank_must_flush_alike():
     from hookplug._telemetry import _Layouts
 
     class Local:
-        base = 0
+        base, dropped_through = 0, None
 
         def describe(self):
             return []
