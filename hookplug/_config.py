@@ -98,8 +98,9 @@ def _show(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, dict):
         return "a table"
-    if isinstance(value, list):
-        return "an array"
+    if isinstance(value, list):  # its items, so a wrong one is seen (TOML's syntax; the first 6)
+        items = [_show(v) for v in value[:6]] + (["..."] if len(value) > 6 else [])
+        return f"an array [{', '.join(items)}]"
     return repr(value)
 
 
@@ -160,6 +161,9 @@ def _plugin_tables(ctx: _Ctx, table: str, raw: Any) -> Dict[str, Dict[str, Any]]
         out = {}
         for i, item in enumerate(raw):
             ctx.expect(f"plugins[{i}]", item, str)
+            if item in out:  # (as attach(plugins=[...]) refuses it)
+                raise ctx.error(f"plugins[{i}]", f"{item!r} is listed twice (a plugin name is used once "
+                                "in a session)")
             out[item] = {}
         return out
     if not isinstance(raw, dict):

@@ -74,6 +74,11 @@ class PluginSource:
 
         ``SystemExit`` at import is a failure like any other: it never escapes."""
         if self.factory is None and self.error is None:
+            pattern, value = getattr(self.entry_point, "pattern", None), getattr(self.entry_point, "value", None)
+            if pattern is not None and isinstance(value, str) and not pattern.match(value):
+                self.error = (f"the entry point's value {value!r} is malformed; write it as "
+                              "'package.module:PluginClass'")  # (importlib: 'NoneType' ... 'group')
+                return None
             try:
                 factory = self.entry_point.load()
             except (Exception, SystemExit) as exc:  # noqa: BLE001 - never stops the others

@@ -133,7 +133,9 @@ def test_values_a_plugin_refuses_at_attach_name_the_file_and_table(tmp_path, tex
     ('on_error = "ignore"\n', 'telemetry.toml: on_error: expected "raise" or "warn", got "ignore"'),
     ('flush_evry = 2\n', "telemetry.toml: flush_evry: unknown key (did you mean 'flush_every'?)"),
     ('select = 3\n', "telemetry.toml: select: expected a string, got 3"),
-    ('[plugins.stats]\nselect = ["Linear"]\n', "telemetry.toml: [plugins.stats] select: expected a string, got an array"),
+    ('[plugins.stats]\nselect = ["Linear"]\n', "telemetry.toml: [plugins.stats] select: expected a string, got an array [\"Linear\"]"),
+    ('[plugins.stats]\nsites = ["output", 3]\n', 'telemetry.toml: [plugins.stats] sites: expected a string or a '
+     'sequence of strings, got an array [\"output\", 3]'),
     ('plugins = [1]\n', "telemetry.toml: plugins[0]: expected a string, got 1"),
     ('plugins = 3\n', "telemetry.toml: plugins: expected a table [plugins.NAME] or an array of names, got 3"),
     ('sinks = "jsonl"\n', 'telemetry.toml: sinks: expected a table [sinks.NAME], got "jsonl"'),
@@ -386,3 +388,14 @@ def test_a_plugin_name_in_other_case_gets_a_suggestion(tmp_path):
         hookplug.load_config(path)
     with pytest.raises(hookplug.PluginError, match=r"unknown option 'BINS' \(did you mean 'bins'\?\)"):
         hookplug.attach(MLP(), "Linear", plugins=("stats", {"BINS": 8}))
+
+
+def test_a_plugin_listed_twice_in_a_file_is_refused_as_in_python(tmp_path):
+    """``plugins = ["stats", "stats"]`` was taken as one stats plugin, where
+    ``attach(plugins=["stats", "stats"])`` refuses the name used twice."""
+    path = tmp_path / "telemetry.toml"
+    path.write_text('plugins = ["stats", "capture", "stats"]\n')
+    with pytest.raises(ConfigError, match=r"telemetry\.toml: plugins\[2\]: 'stats' is listed twice"):
+        hookplug.load_config(path)
+    with pytest.raises(hookplug.PluginError, match="used twice"):
+        hookplug.attach(MLP(), "Linear", plugins=["stats", "stats"])

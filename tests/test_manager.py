@@ -554,6 +554,24 @@ def test_entry_point_naming_a_module_fails_to_import_saying_how_to_write_it(eps_
     assert "names a module" in info["modonly"].error
 
 
+def test_entry_point_with_a_malformed_value_fails_to_load_saying_so(monkeypatch, fresh_discovery):
+    """``mod:W:X`` (two colons): importlib's ``load()`` raised "AttributeError: 'NoneType'
+    object has no attribute 'group'", which said nothing of the value."""
+    from importlib.metadata import EntryPoint
+
+    class Bad(FakeEntryPoint):
+        pattern = EntryPoint.pattern
+
+        def load(self):  # what importlib does with it
+            return EntryPoint(self.name, self.value, "hookplug").load()
+
+    bad = Bad("bad", "thirdparty_bad:W:X", "thirdparty-bad", None)
+    monkeypatch.setattr(_manager, "_entry_points", lambda: [bad])
+    with pytest.raises(_manager.PluginLoadError, match=r"failed to import \(thirdparty_bad:W:X\): the entry "
+                       r"point's value 'thirdparty_bad:W:X' is malformed; write it as 'package\.module:PluginClass'"):
+        hookplug.attach(MLP(), "Linear", plugins=["bad"])
+
+
 def test_session_hook_written_as_a_wrapper_raises_instead_of_never_running():
     """A session-level hook marked hookwrapper=True / wrapper=True (pluggy's wrappers): the
     session calls each hook itself, so its body never ran and nothing said so; now it is
