@@ -54,3 +54,9 @@ def test_bench_regional_compile_stats_compiles_the_graphs_of_no_hooks(capsys):
     assert res["stats"]["graphs"] == res["no hooks"]["graphs"] <= 2
     assert res["windows"]["graphs_later"] == 0
     assert "no hooks" in capsys.readouterr().out
+
+
+def test_bench_flops_counts_what_flop_counter_mode_counts(capsys):
+    _load("bench_flops").main(["--rounds", "1", "--steps", "1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if "ms " in line]
+    assert len(rows) == 3 and all(row.rstrip().endswith("True") for row in rows), rows
