@@ -795,12 +795,11 @@ class StatsBank:
         compiling = _is_compiling()
         if not compiling and not self.live and not gated:
             return  # an unsampled step (eager); traced code reads the device gate instead
-        if compiling:
+        if compiling:  # (the device first: a restart for it comes before the key is held)
+            _device_rows_for_trace(self.id, t.device)
             row = _row_for_trace(self.id, *key)
         else:
             row = self.rows.get(key) or self.row_of(key)
-        if compiling:
-            _device_rows_for_trace(self.id, t.device)
         dev = self._devices.get(t.device) or self.device_rows(t.device)
         if dev is None:  # the meta device
             return

@@ -265,7 +265,7 @@ def parse_config(data: Dict[str, Any], path: str = "<config>") -> Dict[str, Any]
     sinks = _plugin_tables(ctx, "sinks", data.get("sinks", {}))
     for name, opts in sinks.items():
         factory = _check_options(ctx, "sinks", name, opts)
-        if factory is not None and not callable(getattr(factory, "hookplug_flush", None)):
+        if isinstance(factory, type) and not _is_sink_class(factory):  # (a factory function: attach checks)
             raise ctx.error(f"[sinks.{name}]", f"expected a sink (a plugin that writes telemetry); {name!r} "
                             f"is a plugin: put it under [plugins.{name}]")
         path_value = opts.get("path")
@@ -323,7 +323,15 @@ def _is_sink(name: str) -> bool:
         factory = _factory(name, None)[1]
     except PluginError:
         return False  # (attach() says what is wrong with it)
-    return callable(getattr(factory, "hookplug_flush", None))
+    return _is_sink_class(factory)
+
+
+def _is_sink_class(factory: Any) -> bool:
+    """Whether a plugin class implements ``hookplug_flush`` (under that name or a
+    ``specname=``)."""
+    from ._manager import implements_hook
+
+    return implements_hook(factory, "hookplug_flush")
 
 
 def _paths_relative_to(folder: str, sinks: Dict[str, Dict[str, Any]]) -> None:

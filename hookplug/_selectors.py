@@ -760,18 +760,23 @@ def select_terms(model: nn.Module, selector: str, *, strict: bool = False, stack
         if not hit:
             unmatched.append((term, named_hit))
     result = [(n, m) for n, m in named if n in chosen]
-    if len(terms) > 1:  # (one term: the message below; a warning only, also under strict)
+    if not result:  # one message, with each term's hint
+        msg = f"selector {selector!r} matched no module of {type(model).__name__}"
+        if len(terms) == 1 and unmatched:
+            msg += _term_hint(selector, terms[0], model, module_names, unmatched[0][1])
+        else:
+            for term, named_hit in unmatched:
+                hint = _term_hint(selector, term, model, module_names, named_hit)
+                if hint:
+                    msg += f"; its term {_term_text(selector, terms, term)!r}: {hint[2:]}"
+        if strict:
+            raise SelectorError(selector, 0, msg)
+        warnings.warn(msg, stacklevel=stacklevel)
+    elif len(terms) > 1:  # (a warning only, also under strict: the selection is not empty)
         for term, named_hit in unmatched:
             msg = _unmatched_term(selector, terms, term, model, module_names, named_hit)
             if msg:
                 warnings.warn(msg, stacklevel=stacklevel)
-    if not result:
-        msg = f"selector {selector!r} matched no module of {type(model).__name__}"
-        if len(terms) == 1 and unmatched:
-            msg += _term_hint(selector, terms[0], model, module_names, unmatched[0][1])
-        if strict:
-            raise SelectorError(selector, 0, msg)
-        warnings.warn(msg, stacklevel=stacklevel)
     return result, containers
 
 
@@ -787,16 +792,20 @@ def _unmatched_term(selector: str, terms: List[_Term], term: _Term, model: nn.Mo
     if (glob and term.exclude and term.name_pattern.endswith(".*")
             and any(fnmatch.fnmatchcase(n, term.name_pattern[:-2]) for n in names if n)):
         return ""
+    text = _term_text(selector, terms, term)
+    msg = (f"selector {selector!r}: its term {text!r} matches no module of {type(model).__name__} "
+           f"({'nothing removed' if term.exclude else 'nothing added'})")
+    return msg + _term_hint(selector, term, model, names, named_hit)
+
+
+def _term_text(selector: str, terms: List[_Term], term: _Term) -> str:
+    """``term`` as written in ``selector`` (an exclusion with its ``-``)."""
     i = terms.index(term)
     span = selector[term.column:terms[i + 1].column] if i + 1 < len(terms) else selector[term.column:]
     if i + 1 < len(terms) and "," in span:
         span = span[:span.rfind(",")]  # (the comma before the next term)
     text = span.strip()
-    if term.exclude and not text.startswith("-"):
-        text = "-" + text
-    msg = (f"selector {selector!r}: its term {text!r} matches no module of {type(model).__name__} "
-           f"({'nothing removed' if term.exclude else 'nothing added'})")
-    return msg + _term_hint(selector, term, model, names, named_hit)
+    return "-" + text if term.exclude and not text.startswith("-") else text
 
 
 def _term_hint(selector: str, term: _Term, model: nn.Module, names: List[str], named_hit: bool) -> str:
@@ -813,10 +822,11 @@ def _term_hint(selector: str, term: _Term, model: nn.Module, names: List[str], n
         msg += "; the modules its names match are of other classes"
     elif glob:
         if "|" in term.name_pattern:  # (alternatives of names, as of classes)
-            cls = "|".join(p.text for p in term.classes) or "*"
-            either = ", ".join(f"{cls}:{n}" for n in term.name_pattern.split("|"))
-            return (f"; '|' separates class names only: for either name write {either!r} or "
-                    f"{cls + ':re:' + term.name_pattern!r}")
+            cls = ("-" if term.exclude else "") + ("|".join(p.text for p in term.classes) or "*")
+            parts = term.name_pattern.split("|")
+            either = ", ".join(f"{cls}:{n}" for n in parts)
+            regex = "" if any(c in "*?[" for c in term.name_pattern) else f" or {cls + ':re:' + term.name_pattern!r}"
+            return f"; '|' separates class names only: for either name write {either!r}{regex}"
         close = close_matches(term.name_pattern, [n for n in names if n], n=3)
         if close:
             msg += f"; did you mean {' or '.join(repr(c) for c in close)}?"

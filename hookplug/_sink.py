@@ -45,6 +45,9 @@ def check_writable(path: str, who: str, folder: bool = False) -> None:
     creating nothing: the path itself if it exists, else its nearest existing ancestor, must
     be a writable folder. A sink calls it at attach (``hookplug_session_start``) so a bad
     path fails before training, not at the first flush with the run's telemetry lost."""
+    for p in _with_ancestors(path):  # (os.path.exists() is False for a link to nothing)
+        if os.path.islink(p) and not os.path.exists(p):
+            raise FileNotFoundError(errno.ENOENT, f"{who}: a symbolic link to nothing is in the way", p)
     if os.path.isdir(path) and not folder:
         raise IsADirectoryError(errno.EISDIR, f"{who}: a folder is where the file must be", path)
     if os.path.exists(path):
@@ -65,6 +68,19 @@ def check_writable(path: str, who: str, folder: bool = False) -> None:
     if not os.access(parent, os.W_OK | os.X_OK):
         raise PermissionError(errno.EACCES, f"{who}: cannot create the {'folder' if folder else 'file'}, "
                               "the folder is not writable", parent)
+
+
+def _with_ancestors(path: str):
+    """``path`` and its folders up to the first that exists (as the links they are)."""
+    p = os.path.abspath(path)
+    while True:
+        yield p
+        if os.path.exists(p):
+            return
+        up = os.path.dirname(p)
+        if up == p:
+            return
+        p = up
 
 
 def current_rank() -> int:

@@ -192,7 +192,9 @@ class _Flight:
         self.built = built
         self.records: Optional[List[dict]] = None  # once built (built once, emitted once)
         self.delivered: set = set()  # the sinks (names) that got the records already
-        self.cut: Optional[int] = None  # steps up to this one are left out (see _Layouts.agree)
+        # {(module, site, phase): step}: that row's steps up to this one are left out (see
+        # _Layouts.agree)
+        self.cut: Optional[Dict[tuple, int]] = None
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
@@ -507,14 +509,15 @@ class Telemetry:
             flight = self._flight(home, groups, parts, rank, run_id)
             flight.cut = union.cut
             flights.append(flight)
-        if union.cut is not None and (local.dropped_through is None or local.dropped_through < union.cut) \
-                and not self._warned_cut:
+        mine = local.dropped or {}
+        if union.cut and not self._warned_cut and any(mine.get(k, -math.inf) < step for k, step in union.cut.items()):
             self._warned_cut = True
-            warnings.warn(f"hookplug telemetry: another rank dropped the steps up to {union.cut} before "
-                          "this flush (more ended steps than its producers keep: max_pending_steps/"
-                          "max_pending_bytes); every rank leaves them out, so no record holds only "
-                          "some ranks' data. Set flush_every= (or a smaller one), or raise the bound.",
-                          RuntimeWarning, stacklevel=user_stacklevel())
+            last = max(union.cut.values())
+            warnings.warn(f"hookplug telemetry: another rank dropped steps (up to {last}) before this "
+                          "flush (more ended steps than its producers keep: max_pending_steps/"
+                          "max_pending_bytes); every rank leaves those rows out, so no record holds "
+                          "only some ranks' data. Set flush_every= (or a smaller one), or raise the "
+                          "bound.", RuntimeWarning, stacklevel=user_stacklevel())
         return flights, error
 
     # -- host side --------------------------------------------------------------------------------------
@@ -534,9 +537,13 @@ class Telemetry:
                                    getattr(session, "run_id", None))
         out, bad = built
         cut = flight.cut
-        if cut is not None:  # steps some rank dropped: left out on every rank
-            out = [r for r in out if not (type(r["step"]) is int and r["step"] <= cut)]
-            bad = [(r, c) for r, c in bad if not (type(r["step"]) is int and r["step"] <= cut)]
+        if cut:  # steps some rank's producer dropped: left out on every rank
+            def kept(r):
+                last = cut.get((r["module"], r["site"], r.get("phase")))
+                return last is None or not (type(r["step"]) is int and r["step"] <= last)
+
+            out = [r for r in out if kept(r)]
+            bad = [(r, c) for r, c in bad if kept(r)]
         first_bad: Dict[Any, Tuple[float, dict]] = {}
         for rec, clock in bad:  # rows that saw a NaN/Inf, with the clock of the first
             best = first_bad.get(rec["step"])
@@ -613,7 +620,9 @@ class _Class:
 class _Local(NamedTuple):
     base: Optional[int]  # the smallest int step (idents' steps are relative to it)
     classes: Dict[tuple, _Class]
-    dropped_through: Optional[int] = None  # steps a producer dropped here (StatsBlock's)
+    # {(module, site, phase): the last step dropped} of the producers that dropped steps here
+    # (StatsBlock.dropped_through: every key of such a producer, touched in a step or not)
+    dropped: Optional[Dict[tuple, int]] = None
 
     def describe(self) -> list:
         """What the other ranks need of this rank's layout (plain data)."""
@@ -670,8 +679,15 @@ def _describe(blocks: List[StatsBlock]) -> Tuple[_Local, Optional[BaseException]
                 c.dups = True
             idx.append(i)
         c.parts.append((rows, idx))
-    dropped = [d for d in (getattr(b, "dropped_through", None) for b in blocks) if type(d) is int]
-    return _Local(base, classes, max(dropped) if dropped else None), error
+    dropped: Dict[tuple, int] = {}
+    for b in blocks:
+        d = getattr(b, "dropped_through", None)
+        if type(d) is int:
+            for m in b.metas:
+                k = (m.get("module"), m.get("site"), m.get("phase"))
+                if dropped.get(k, d - 1) < d:
+                    dropped[k] = d
+    return _Local(base, classes, dropped or None), error
 
 
 def _unpicklable(idents) -> bool:
@@ -736,7 +752,7 @@ class _Union:
             for li, p in enumerate(ucls.where):
                 ucls.local[p] = li
         self.ref: Optional[int] = None  # set by the caller at every flush
-        self.cut: Optional[int] = None  # the last step a rank dropped (all leave it out); too
+        self.cut: Optional[Dict[tuple, int]] = None  # rows' steps a rank dropped (all leave them out)
 
     def lay_out(self, ucls: _UnionClass, c: Optional[_Class], base: Optional[int], home):
         """This rank's rows of ``ucls`` in the union order on ``home`` (float64; rows of an
@@ -812,7 +828,7 @@ class _Layouts:
         seen: List[Any] = [None] * world
         try:
             dist.all_gather_object(seen, (self.version, local.base, desc if changed else None, run_id,
-                                          local.dropped_through))
+                                          local.dropped))
         except RuntimeError as exc:  # (a timeout: some rank never came to this flush)
             if hasattr(exc, "add_note"):  # Python 3.11+
                 exc.add_note(_FLUSH_ALIKE)
@@ -837,8 +853,12 @@ class _Layouts:
             self.union = _Union([self.known[r][1] for r in range(world)], shifts, desc, shifts[rank])
             self.union_key = key
         self.union.ref = ref
-        dropped = [d for *_, d in seen if d is not None]
-        self.union.cut = max(dropped) if dropped else None
+        cut: Dict[tuple, int] = {}
+        for *_, dropped in seen:
+            for k, step in (dropped or {}).items():
+                if cut.get(k, step - 1) < step:
+                    cut[k] = step
+        self.union.cut = cut or None
         return self.union
 
 

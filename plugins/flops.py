@@ -128,7 +128,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import hookplug
 from hookplug import hookimpl
 from hookplug._plugin import plugin_failed, user_stacklevel
-from hookplug._binding import _run_eagerly
+from hookplug._binding import _phase_of, _run_eagerly
 from hookplug._optional import import_off_stack
 from hookplug.structures import iter_tensors
 
@@ -1269,7 +1269,7 @@ class FlopsPlugin(hookplug.Plugin):
                 if not reentrant:
                     base = tuple(n for n in base if n == "" or name.startswith(n + "."))
                 rec = self._recomputes[threading.get_ident()] = _Recompute(
-                    base, _peek_seq() if reentrant else None, outer.phase if outer is not None else "train")
+                    base, _peek_seq() if reentrant else None, outer.phase if outer is not None else self._root_phase())
             rec.names.append(name)
             window = _Window(self, rec.running(), rec.phase)
             d.open(window)
@@ -1300,6 +1300,13 @@ class FlopsPlugin(hookplug.Plugin):
         except Exception as exc:  # noqa: BLE001
             self._fail("a checkpoint's recompute", exc)
 
+    def _root_phase(self) -> str:
+        """The phase of the session's model now (a recompute no window of ours runs around:
+        the checkpoint called outside every selected module)."""
+        s = self._session_ref()
+        root = s._model_ref() if s is not None else None
+        return _phase_of(root) if root is not None else "train"
+
     def _clear_forward(self) -> None:
         self._calls: List[_OpenCall] = []
         self._active: Tuple[str, ...] = ()
@@ -1319,7 +1326,7 @@ class FlopsPlugin(hookplug.Plugin):
         if window is not None:
             window.close()
         if hook_backward and roots and hi > lo:
-            self._hook_nodes(roots, lo, hi, seqs, owners, window.phase if window is not None else "train")
+            self._hook_nodes(roots, lo, hi, seqs, owners, window.phase if window is not None else self._root_phase())
 
     def _hook_nodes(self, roots, lo, hi, seqs, owners, phase: str) -> None:
         """Node pre/post hooks on every node with sequence number in ``[lo, hi)`` reachable from

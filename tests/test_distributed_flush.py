@@ -161,7 +161,7 @@ def uneven_pending_bound(rank, out):
     """No flush until remove(); a byte bound that keeps 2 ended steps on rank 1 and 1 on
     rank 0, which also runs an eval forward every step (more rows a step)."""
     model, state, seen, dump, g = _watched_net(rank)
-    with hookplug.attach(model, "Linear", plugins=("stats", {"max_pending_bytes": 1}),
+    with hookplug.attach(model, "Linear", plugins=[("stats", {"max_pending_bytes": 1}), ("params", {"bins": 0})],
                          sink=dump) as s:
         bank = s["stats"].bank
         for step in range(4):
@@ -178,7 +178,9 @@ def uneven_pending_bound(rank, out):
                 row_bytes = bank.width * 8
                 bank.max_pending_bytes = 2 * int(used) * row_bytes + row_bytes // 2
             s.step()
-    return {"records": dump.records, "seen": seen}
+    stats = [r for r in dump.records if "." not in r["module"]]
+    params = [r for r in dump.records if "." in r["module"]]
+    return {"records": stats, "params": params, "seen": seen}
 
 
 def test_steps_one_rank_dropped_are_left_out_on_every_rank(tmp_path):
@@ -186,7 +188,8 @@ def test_steps_one_rank_dropped_are_left_out_on_every_rank(tmp_path):
     drops more steps on the rank with more rows: the merged record of a step only the other
     rank kept held that rank's data alone (half the calls), with nothing saying so. Every
     rank now leaves out the steps any rank dropped (and says why on the ranks that kept
-    them); what remains is exact."""
+    them); what remains is exact. Only that producer's rows: ``params``, which dropped
+    nothing, keeps every step (the first version cut every producer's)."""
     res = spawn("uneven_pending_bound", tmp_path)
     seen = [r["seen"] for r in res]
     for r in res:
@@ -195,7 +198,10 @@ def test_steps_one_rank_dropped_are_left_out_on_every_rank(tmp_path):
         assert {rec["calls"] for rec in r["records"] if rec["phase"] == "train"} == {2}
         assert_exact(r["records"], seen)
     assert any("were not collected by telemetry" in w for w in res[0]["warnings"]), res[0]["warnings"]
-    assert any("another rank dropped the steps up to 2" in w for w in res[1]["warnings"]), res[1]["warnings"]
+    assert any("another rank dropped steps (up to 2)" in w for w in res[1]["warnings"]), res[1]["warnings"]
+    for r in res:
+        assert sorted({rec["step"] for rec in r["params"]}) == [0, 1, 2, 3], r["params"][:2]
+        assert {rec["module"] for rec in r["params"]} == {f"{m}.{p}" for m in ("fc1", "fc2", "extra") for p in ("weight", "bias")}
     same_on_every_rank(res)
 
 
@@ -657,7 +663,7 @@ def test_a_failed_layout_exchange_says_every_rank_must_flush_alike():
     from hookplug._telemetry import _Layouts
 
     class Local:
-        base, dropped_through = 0, None
+        base, dropped = 0, None
 
         def describe(self):
             return []

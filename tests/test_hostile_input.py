@@ -215,13 +215,25 @@ def test_item14_tensorboard_folder_that_cannot_be_made_fails_at_attach(tmp_path,
     assert all(not x._forward_hooks for x in m.modules())
 
 
-@pytest.mark.parametrize("option", [{"flush_secs": 0}, {"flush_secs": -1}, {"max_queue": 0}])
+@pytest.mark.parametrize("option", [{"flush_secs": 0}, {"flush_secs": -1}, {"flush_secs": 10**12}, {"max_queue": 0}])
 def test_item14_tensorboard_queue_options_out_of_range_are_refused(tmp_path, option):
-    """``flush_secs=0`` kept TensorBoard's writer thread spinning a core; ``max_queue=0`` or
-    less was taken as given. Both refused when the sink is built, naming the option."""
+    """``flush_secs=0`` kept TensorBoard's writer thread spinning a core, a huge one stopped it
+    at its first wait (OverflowError: the run's telemetry lost); ``max_queue=0`` or less was
+    taken as given. All refused when the sink is built, naming the option."""
     pytest.importorskip("tensorboard")
     with pytest.raises(hookplug.PluginError, match=f"tensorboard sink: {next(iter(option))} must be"):
         hookplug.attach(MLP(), "Linear", plugins="stats", sink=("tensorboard", {"path": str(tmp_path), **option}))
+
+
+@pytest.mark.parametrize("sink, where", [("jsonl", "link/x.jsonl"), ("jsonl", "link"), ("tensorboard", "link"),
+                                         ("tensorboard", "link/tb")])
+def test_item14_a_symbolic_link_to_nothing_in_the_path_fails_at_attach(tmp_path, sink, where):
+    """A dangling link where the file or a folder goes passed the check (``exists()`` is
+    False for it: taken for a folder still to make) and the first flush failed."""
+    pytest.importorskip("tensorboard")
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    with pytest.raises(FileNotFoundError, match=f"{sink} sink: a symbolic link to nothing is in the way"):
+        hookplug.attach(MLP(), "Linear", plugins="stats", sink=(sink, {"path": str(tmp_path / where)}))
 
 
 def test_item14_unwritable_folder_fails_at_attach(tmp_path, monkeypatch):

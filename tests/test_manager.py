@@ -572,6 +572,29 @@ def test_entry_point_with_a_malformed_value_fails_to_load_saying_so(monkeypatch,
         hookplug.attach(MLP(), "Linear", plugins=["bad"])
 
 
+def test_config_sinks_given_by_a_factory_or_a_specname_flush_are_sinks(eps_of):
+    """``[sinks.NAME]`` refuses a plugin that is no sink: but a sink whose entry point is a
+    factory function, or whose flush is ``@hookimpl(specname="hookplug_flush")``, is one
+    (as ``attach(sink=...)`` takes it), and was refused."""
+    from hookplug._config import ConfigError, parse_config
+
+    class SpecSink(hookplug.Sink):
+        @hookplug.hookimpl(specname="hookplug_flush")
+        def write(self, records):
+            pass
+
+    def made(**options):
+        return SpecSink()
+
+    eps_of(spec=SpecSink, made=made, quiet=Quiet)
+    cfg = parse_config({"plugins": ["stats"], "sinks": {"spec": {}, "made": {}}})
+    assert set(cfg["sink"]) == {"spec", "made"}
+    with hookplug.attach(MLP(), **cfg) as s:
+        s.step()
+    with pytest.raises(ConfigError, match=r"\[sinks\.quiet\]: expected a sink"):
+        parse_config({"plugins": ["stats"], "sinks": {"quiet": {}}})
+
+
 def test_session_hook_written_as_a_wrapper_raises_instead_of_never_running():
     """A session-level hook marked hookwrapper=True / wrapper=True (pluggy's wrappers): the
     session calls each hook itself, so its body never ran and nothing said so; now it is

@@ -179,6 +179,33 @@ def test_eval_forwards_are_counted_apart_from_training():
         plugin.results(phase="val")
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("train", [True, False])
+def test_a_checkpoints_recompute_counts_in_the_phase_of_its_forward(train, reentrant):
+    """A checkpoint called where no selected module runs (the root's forward, selector
+    ``Linear``): its recompute in backward has no window of ours around it; it was counted
+    as training also when the model was in eval mode (a saliency map with checkpointing).
+    Every FLOP goes to the model's phase; none to the other."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+
+        def forward(self, x):
+            return checkpoint(self.block, x, use_reentrant=reentrant)
+
+    torch.manual_seed(0)
+    model = Net().train(train)
+    with hookplug.attach(model, "Linear", plugins="flops") as s:
+        model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    phase, other = ("train", "eval") if train else ("eval", "train")
+    got, none = s["flops"].total(phase), s["flops"].total(other)
+    assert got["flops"] == 2 * 2 * 4 * 8 * 8 and got["backward_flops"] > got["flops"]
+    assert none["flops"] == none["backward_flops"] == 0
+
+
 def test_cnn_matches_flop_counter_mode():
     plugin = check_against_fcm(
         lambda: tiny_cnn(width=8), torch.randn(2, 3, 32, 32),

@@ -421,15 +421,32 @@ def test_a_term_matching_no_module_warns(resnet, sel, term, hint):
 def test_a_selector_of_one_term_matching_nothing_gets_the_terms_hint(resnet, sel, hint):
     """A one-term selector matching nothing said only "matched no module"; the same term
     among others got a hint (a close name, the root, ``|`` written between names). Now the
-    one message has it, as a warning and under ``strict=True``; several terms matching
-    nothing each get their own warning before it."""
+    one message has it, as a warning and under ``strict=True``; with several terms matching
+    nothing, the one message has each term's hint."""
     with pytest.warns(UserWarning, match=re.escape(f"selector {sel!r} matched no module of ResNetLike{hint}")):
         assert names(resnet, sel) == []
     with pytest.raises(SelectorError, match=re.escape(hint)):
         names(resnet, sel, strict=True)
     with pytest.warns(UserWarning) as rec:
-        assert names(resnet, f"{sel}, *:nothing") == []
-    assert hint in str(rec[0].message) and "its term '*:nothing'" in str(rec[1].message)
+        assert names(resnet, f"{sel}, *:nothin") == []
+    assert len(rec) == 1, [str(r.message) for r in rec]
+    assert f"its term {sel!r}: {hint[2:]}" in str(rec[0].message)
+    assert "its term '*:nothin': did you mean 'layer1.0.conv1'" not in str(rec[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(SelectorError, match=re.escape(f"its term {sel!r}: {hint[2:]}")):  # (no warning first)
+            names(resnet, f"{sel}, Conv3d", strict=True)
+
+
+def test_the_bar_hint_keeps_an_exclusion_and_offers_no_regex_for_globs(resnet):
+    """``-*:a|b`` is removed with ``-*:a, -*:b`` (the hint wrote ``*:a, *:b``, which adds
+    them); ``layer?|fc`` has glob characters, which a regex reads otherwise: no ``re:``."""
+    with pytest.warns(UserWarning, match=re.escape(
+            "for either name write '-*:layer1.0.conv1, -*:fc9' or '-*:re:layer1.0.conv1|fc9'")):
+        names(resnet, "Conv2d, -*:layer1.0.conv1|fc9")
+    with pytest.warns(UserWarning) as rec:
+        names(resnet, "*:layer?|fc9")
+    assert "write '*:layer?, *:fc9'" in str(rec[0].message) and ":re:" not in str(rec[0].message)
 
 
 def test_any_whitespace_before_re_starts_the_regex():

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import weakref
 from typing import Any, Dict, List, Sequence, Union
 
@@ -100,9 +101,11 @@ class TensorBoardSink(hookplug.Sink):
         unknown = [s for s in stats if s not in STATS]
         if unknown:
             raise ValueError(f"tensorboard sink: unknown stats {unknown}; choose from {list(STATS)}")
-        if not (isinstance(flush_secs, (int, float)) and not isinstance(flush_secs, bool) and flush_secs > 0):
-            raise ValueError(f"tensorboard sink: flush_secs must be a number of seconds > 0, got {flush_secs!r}"
-                             " (0 keeps the writer's thread spinning)")
+        if not (isinstance(flush_secs, (int, float)) and not isinstance(flush_secs, bool)
+                and 0 < flush_secs <= threading.TIMEOUT_MAX):
+            raise ValueError(f"tensorboard sink: flush_secs must be a number of seconds > 0 (and at most "
+                             f"{threading.TIMEOUT_MAX:.0f}), got {flush_secs!r} (0 keeps the writer's "
+                             "thread spinning; more stops it at its first wait)")
         if not is_int_at_least(max_queue, 1):
             raise ValueError(f"tensorboard sink: max_queue must be an int >= 1, got {max_queue!r}")
         if writer is not None:
