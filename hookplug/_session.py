@@ -1342,11 +1342,12 @@ class Session:
         """Sample what runs until the next ``step()`` (an evaluation a trainer integration
         runs after a step ``every=N`` did not sample): the sampled hooks swapped in, plugins
         told (``hookplug_sampling``). The next ``step()`` samples by the rule again."""
-        if self._sampling or self._removed:
-            return
-        self._sampling = True
-        self._apply_sampling()
-        self._dispatch("hookplug_sampling")
+        with self._turns():  # (as step() changes sampling: another thread's step() waits)
+            if self._sampling or self._removed:
+                return
+            self._sampling = True
+            self._apply_sampling()
+            self._dispatch("hookplug_sampling")
 
     def _apply_sampling(self) -> None:
         """Swap in the tuples for this step: unsampled steps run only unsampled plugins."""

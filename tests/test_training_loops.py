@@ -1030,6 +1030,23 @@ def test_transformers_every_and_eval_on_start_follow_the_trainer_steps(tmp_path,
     assert results[2] == ([2, 4], evals, {8 * 8 * 32})
 
 
+def test_transformers_every_n_records_each_epoch_evaluation(tmp_path):
+    """``eval_strategy="epoch"``: the Trainer evaluates after steps 3 and 6 (3 steps an
+    epoch), which ``every=4`` does not sample; both evaluations are recorded (they were
+    dropped). The flow callback decides at the epoch's end, seen in ``on_epoch_end``."""
+    transformers = pytest.importorskip("transformers")
+    from hookplug.integrations.transformers import HookplugTrainerCallback
+
+    sink = Collect()
+    cb = HookplugTrainerCallback("Linear", ["stats"], sink=sink, flush_every=1, every=4)
+    args = _hf_args(transformers, tmp_path, num_train_epochs=2, eval_strategy="epoch")
+    transformers.Trainer(model=_tiny_gpt2(transformers), args=args, train_dataset=_Tokens(12),
+                         eval_dataset=_Tokens(8), callbacks=[cb]).train()
+    steps = {phase: sorted({r["step"] for r in sink.records if r["phase"] == phase}) for phase in ("train", "eval")}
+    assert steps == {"train": [4], "eval": [3, 6]}
+    assert {r["numel"] for r in sink.records if r["phase"] == "eval"} == {8 * 8 * 32}
+
+
 def _lightning_step_logger(pl, key):
     from lightning.pytorch.loggers import Logger
 
