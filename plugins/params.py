@@ -388,11 +388,14 @@ class ParamsPlugin(hookplug.Plugin):
         seen = set()
         found: List[Tuple[str, Any, str]] = []
         owner: Dict[int, Tuple[str, Any, str]] = {}
+        holder: Dict[str, Tuple[Any, str]] = {}  # every name of a parameter -> (module, attr)
         if model is not None:
             for mname, mod in model.named_modules(remove_duplicate=False):
                 for attr, p in mod.named_parameters(recurse=False, remove_duplicate=False):
+                    qualified = clean_name(f"{mname}.{attr}" if mname else attr)
+                    holder.setdefault(qualified, (mod, attr))
                     if id(p) not in owner:
-                        owner[id(p)] = (clean_name(f"{mname}.{attr}" if mname else attr), mod, attr)
+                        owner[id(p)] = (qualified, mod, attr)
         aliases = parameter_names(model) if model is not None else {}
         for mod in session.modules_of(self).values():
             for p in mod.parameters():
@@ -403,7 +406,8 @@ class ParamsPlugin(hookplug.Plugin):
                 # a tied parameter is matched by any of its names, and named by the first that matches
                 name = next((n for n in aliases.get(id(p), ()) if any(fnmatch.fnmatchcase(n, g) for g in self.globs)),
                             None)
-                if name is not None:
+                if name is not None:  # read where that name holds it (untied later: its own)
+                    m, attr = holder.get(name, (m, attr))
                     found.append((name, m, attr))
         if not found and seen:
             warnings.warn(f"hookplug plugin 'params': params={list(self.globs)!r} matches no parameter of the "
@@ -689,6 +693,9 @@ class ParamsPlugin(hookplug.Plugin):
     def hookplug_session_start(self, session):
         self.bank.reset()  # an instance attached again starts afresh, as a new one would
         self._last = None
+        # (the last session's optimizer entries name its _Param objects: measured in place of
+        # this session's, which were then measured again at step())
+        self._opt_cache, self._frames, self._opt_seen = {}, [], False
         self._session_ref = weakref.ref(session)
         self._rank, self._world = 0, 1
         self._refresh_replicas()

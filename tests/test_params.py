@@ -836,6 +836,55 @@ def test_tied_parameter_is_matched_by_any_of_its_names():
         hookplug.attach(m, "Linear:head", plugins=("params", {"params": "nothing.*"})).remove()
 
 
+def test_a_tied_parameter_untied_after_attach_is_read_under_the_name_it_is_recorded_by():
+    """``head.weight`` (tied to ``emb.weight``) selected by that name, then untied: the
+    records named ``head.weight`` read ``emb.weight`` (its first owner) for good, weight,
+    grad and update, silently. They read the head's own now."""
+    m = _TiedLM()
+    ids = torch.randint(0, 20, (2, 3))
+    with hookplug.attach(m, "Linear:head", plugins=("params", {"params": "head.weight"})) as s:
+        m.head.weight = nn.Parameter(m.emb.weight.detach() * 10)
+        opt = torch.optim.SGD(m.head.parameters(), lr=0.1)
+        before = m.head.weight.detach().clone()
+        m(ids).sum().backward()
+        grad = m.head.weight.grad.clone()
+        opt.step()
+        s.step()
+        got = s["params"].results()["head.weight"]
+    check(got["weight"], ref(before))
+    check(got["grad"], ref(grad))
+    check(got["update"], ref(m.head.weight.detach() - before))
+
+
+def test_a_params_plugin_attached_again_measures_as_a_new_one(tmp_path):
+    """The same ``ParamsPlugin`` instance attached for a second session (one a phase, kept
+    in a config): its optimizer entries named the first session's parameters, measured in
+    place of the new ones, which ``step()`` then measured again (weights and grads counted
+    twice). Both sessions' records equal a fresh instance's."""
+    from hookplug_plugins.params import ParamsPlugin
+
+    def run(plugins):
+        m, x = model_and_data()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        out = []
+        for plugin in plugins:
+            sink = RecordSink()
+            with hookplug.attach(m, "Linear", plugins=plugin, sink=sink) as s:
+                for _ in range(2):
+                    m(x).pow(2).mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                    s.step()
+            out.append(sorted((r["step"], r["module"], r["site"], r["calls"], r["numel"], r["l2"])
+                              for r in sink.records))
+        return out
+
+    reused = ParamsPlugin(bins=0)
+    again, fresh = run([reused, reused]), run([ParamsPlugin(bins=0), ParamsPlugin(bins=0)])
+    assert again[1] == fresh[1] and again[0] == fresh[0]
+    assert {r[3] for r in fresh[1]} == {1}
+
+
 def test_skipped_gradscaler_step_is_measured_before_zero_grad():
     """A step GradScaler skipped (inf/NaN gradients) runs no optimizer hook: its gradients
     are measured by ``measure_unstepped()`` (or ``session.step()``) before ``zero_grad()``
