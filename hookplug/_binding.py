@@ -100,7 +100,21 @@ def _NO_SESSION() -> None:
 _inference_mode = torch.is_inference_mode_enabled
 
 
-def _own_outputs(output, args, kwargs):
+def _inputs_at_call(args, kwargs) -> Optional[set]:
+    """The ``id`` of every input tensor as a call begins, where an argument is a list or
+    dict (a feature list torchvision's FPN blocks append their new outputs to: read after
+    ``forward``, those outputs were taken for inputs passed through); None otherwise (the
+    arguments as they are after ``forward`` say the same)."""
+    for a in args:
+        if isinstance(a, (list, dict)):
+            return _input_ids(args, kwargs)
+    for a in kwargs.values():
+        if isinstance(a, (list, dict)):
+            return _input_ids(args, kwargs)
+    return None
+
+
+def _own_outputs(output, args, kwargs, inputs: Optional[set] = None):
     """``(output to use or None, ids)``: each output tensor that needs a gradient and is one
     of the call's inputs (``nn.Identity``, an empty ``nn.Sequential`` shortcut, Dropout in
     eval) replaced by ``t.view_as(t)``: same values and memory, its own autograd node, so a
@@ -113,12 +127,12 @@ def _own_outputs(output, args, kwargs):
     ModelOutput (a list or dict may be the module's own state, a dataclass or subclass may
     hold what a rebuild drops); the session warns once per module. ``(x, x)`` gets one view
     at both places. A leaf that is not an input (a Parameter returned as is) stays itself
-    and gets no hook (it would keep it for good)."""
+    and gets no hook (it would keep it for good). ``inputs``: the input ids as the call
+    began (:func:`_inputs_at_call`), else read from the arguments now."""
     if isinstance(output, torch.Tensor):  # the common case, without walking anything
-        if not output.requires_grad or id(output) not in _input_ids(args, kwargs):
+        if not output.requires_grad or id(output) not in (_input_ids(args, kwargs) if inputs is None else inputs):
             return None, ()
         return (output.view_as(output) if _has_views(output) else None), (id(output),)
-    inputs = None
     shared = set()
     for _, t in iter_tensors(output):
         if t.requires_grad:
@@ -455,8 +469,8 @@ class _ModuleBinding:
 
     __slots__ = ("name", "where", "session", "fwd_in", "fwd_out", "out_grad", "all_in", "all_out",
                  "all_grad", "grad_in_graph", "eager_only", "eager_reason", "calls", "has_pre",
-                 "has_post", "variants", "impls", "recompute", "_pending", "module_tensors", "_ref",
-                 "__weakref__")
+                 "has_post", "variants", "impls", "recompute", "_pending", "_noted", "module_tensors",
+                 "_ref", "__weakref__")
 
     def __init__(self, name: str, session: "Session"):
         self.name = name
@@ -481,6 +495,8 @@ class _ModuleBinding:
         # pushed by pre_hook, taken by post_hook: every thread appends and takes only its
         # own entries (by identity, one step under the GIL), never by position
         self._pending: List[Any] = []  # HookContext, or _RecomputeMark
+        # (thread, id(args), input ids) of calls with list/dict arguments (see _note_inputs)
+        self._noted: List[Tuple[int, int, set]] = []
         # per phase (see _TracedContext): a graph guards on the table it reads, so the eval
         # rows made after the first eval pass must not change the training graph's table
         self.module_tensors: Dict[str, Dict[Any, torch.Tensor]] = {"train": {}, "eval": {}}
@@ -532,6 +548,7 @@ class _ModuleBinding:
         self.impls = _NO_IMPLS
         self.variants, self.recompute = {}, ()
         self.has_pre = self.has_post = False
+        self._noted = []
         self.session = None
 
     def __reduce__(self):
@@ -573,6 +590,8 @@ class _ModuleBinding:
             # (compiled code makes an equal one there: a traced list mutation graph-breaks
             # inside a checkpoint's region and is lost when its early stop raises)
             ctx._impls = step_impls
+            if step_impls[2]:  # its grad sites: what was an input before forward appended to it
+                self._note_inputs(args, kwargs)
             if self._pending:  # (rare: nested or overlapping calls, or ones Ctrl-C left)
                 self._drop_interrupted(module)
             self._pending.append(ctx)
@@ -598,6 +617,34 @@ class _ModuleBinding:
                 args = tuple(args)
                 changed = True
         return (args, kwargs) if changed else None
+
+    def note_inputs(self, module, args, kwargs=_FOREIGN):
+        """The pre hook of a module with grad sites and no forward-input plugin: see
+        :meth:`_note_inputs`."""
+        if kwargs is _FOREIGN:
+            return self.foreign(module, False)
+        if _is_compiling():  # (compiled grad sites read the arguments as traced)
+            return None
+        inputs = _inputs_at_call(args, kwargs)
+        if inputs is not None and self.out_grad:
+            self._noted.append((_get_ident(), id(args), inputs))
+        return None
+
+    def _note_inputs(self, args, kwargs) -> None:
+        """Where an argument is a list or dict: the ids of the input tensors as the call begins
+        (see :func:`_inputs_at_call`), for its post hook, by thread and argument tuple."""
+        inputs = _inputs_at_call(args, kwargs)
+        if inputs is not None:
+            self._noted.append((_get_ident(), id(args), inputs))
+
+    def _noted_inputs(self, args) -> Optional[set]:
+        """The input ids :meth:`_note_inputs` noted for this call (taken), else None."""
+        me, key = _get_ident(), id(args)
+        noted = self._noted
+        for i in range(len(noted) - 1, -1, -1):
+            if noted[i][0] == me and noted[i][1] == key:
+                return noted.pop(i)[2]
+        return None
 
     def post_hook(self, module, args, kwargs, output=_FOREIGN):
         """Also runs (``always_call``) when ``forward`` raised; ``output`` is None then.
@@ -664,7 +711,8 @@ class _ModuleBinding:
                 new = res
         if not out_grad:
             return new
-        return self._watch_grads(ctx, module, args, kwargs, output if new is None else new, new)
+        inputs = self._noted_inputs(args) if self._noted else None
+        return self._watch_grads(ctx, module, args, kwargs, output if new is None else new, new, inputs)
 
     def _post_hook_compiled(self, module, args, kwargs, output):
         """``post_hook`` inside compiled code: the sampled tuples always, nothing Python-side
@@ -696,19 +744,19 @@ class _ModuleBinding:
             ctx = HookContext(self.name, -1, None, self.session, _phase_of(self.session._phase_module(module)))
         return self._watch_grads(ctx, module, args, kwargs, output, None)
 
-    def _watch_grads(self, ctx, module, args, kwargs, output, new):
+    def _watch_grads(self, ctx, module, args, kwargs, output, new, inputs: Optional[set] = None):
         """Eager code: :meth:`_hook_grads` with autograd on; with it off, remember a call
         that may be a reentrant checkpoint's first forward and return ``new``."""
         if not torch.is_grad_enabled():
             if self.session._training():
                 self.session._recompute.forward_call(self, ctx)
             return new
-        return self._hook_grads(ctx, module, args, kwargs, output, new)
+        return self._hook_grads(ctx, module, args, kwargs, output, new, inputs)
 
-    def _hook_grads(self, ctx, module, args, kwargs, output, new):
+    def _hook_grads(self, ctx, module, args, kwargs, output, new, inputs: Optional[set] = None):
         """A tensor hook on each output tensor that needs a gradient (a module's own view of
         one it shares, see :func:`_own_outputs`); returns the output to use, or ``new``."""
-        own, shared = _own_outputs(output, args, kwargs)
+        own, shared = _own_outputs(output, args, kwargs, inputs)
         if own is not None:
             output = new = own
         found: List[Tuple[torch.Tensor, List[str]]] = []

@@ -859,6 +859,9 @@ class Session:
                     # (removed one by one: other threads append and take theirs meanwhile)
                     for c in [c for c in binding._pending[:] if c._thread == me]:
                         binding._pending.remove(c)
+                if binding._noted:  # (a call whose post hook did not take its note)
+                    for n in [n for n in binding._noted[:] if n[0] == me]:
+                        binding._noted.remove(n)
         if sampling != self._sampling:
             self._sampling = sampling
             self._apply_sampling()
@@ -1181,6 +1184,9 @@ class Session:
             if binding.has_pre:
                 self._keep_handle(mod, _shared_id(mod.register_forward_pre_hook(
                     binding.pre_hook, with_kwargs=True), self._hook_ids[0]))
+            elif out_grad:  # a grad site reads the call's inputs as it begins (see _inputs_at_call)
+                self._keep_handle(mod, _shared_id(mod.register_forward_pre_hook(
+                    binding.note_inputs, with_kwargs=True), self._hook_ids[0]))
             if binding.has_post:
                 self._keep_handle(mod, _shared_id(mod.register_forward_hook(
                     binding.post_hook, **_POST_HOOK_KWARGS), self._hook_ids[1]))

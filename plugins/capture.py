@@ -378,7 +378,9 @@ class CapturePlugin(hookplug.Plugin):
             out = {}
             for name, values in store.items():
                 by_call = dict(zip(calls[name], values))
-                out[name] = [by_call.get(c) for c in fcalls.get(name, ())]
+                aligned = [by_call.get(c) for c in fcalls.get(name, ())]
+                if any(v is not None for v in aligned):  # (none of its kept calls: no entry)
+                    out[name] = aligned
             return out
 
     # -- copying ---------------------------------------------------------------------------------
@@ -570,8 +572,8 @@ class CapturePlugin(hookplug.Plugin):
                 self._warned_objects = True
                 warnings.warn(
                     f"hookplug plugin 'capture': the {prefix} of {name or '<root>'!r} holds "
-                    f"{', '.join(sorted(set(found)))} object(s) (an HF cache?); their tensors are "
-                    "captured as a dict of the object's attributes, not the live object (one "
+                    f"{', '.join(sorted(set(found)))} object(s) (not containers: an HF cache, a "
+                    "torchvision ImageList); their tensors are captured as a dict of the object's attributes, not the live object (one "
                     f"nested more than {_MAX_OBJECT_DEPTH} objects deep as None)",
                     RuntimeWarning, stacklevel=user_stacklevel(),
                 )
@@ -681,10 +683,11 @@ class CapturePlugin(hookplug.Plugin):
     def _forward_input(self, ctx, args, kwargs=None) -> None:
         if kwargs and not self._warned_kwargs and next(iter_tensors(kwargs), None) is not None:
             self._warned_kwargs = True
+            holding = [str(k) for k, v in kwargs.items() if next(iter_tensors(v), None) is not None]
             warnings.warn(
                 f"hookplug plugin 'capture': inputs=True keeps the positional arguments; "
                 f"{ctx.name or '<root>'!r} was called with keyword arguments holding tensors "
-                f"({', '.join(map(str, kwargs))}), which are not kept (stats' 'input' site "
+                f"({', '.join(holding)}), which are not kept (stats' 'input' site "
                 "measures them)", RuntimeWarning, stacklevel=user_stacklevel())
         if self._capture("inputs", ctx.name, ctx.call_index, tuple(args), "input"):
             self._open[(ctx.name, ctx.call_index)] = threading.get_ident()  # until its output

@@ -1712,5 +1712,21 @@ def test_inputs_warns_once_that_keyword_tensors_are_not_kept():
             m(torch.randn(2, 3))
             m(torch.randn(2, 3))
     msgs = [str(w.message) for w in seen if "keyword arguments" in str(w.message)]
-    assert len(msgs) == 1 and "'attn'" in msgs[0] and "hidden_states" in msgs[0]
+    assert len(msgs) == 1 and "'attn'" in msgs[0] and "(hidden_states)" in msgs[0]  # (not scale)
     assert [len(a) for a in s["capture"].inputs["attn"]] == [0, 1, 0, 1]
+
+
+def test_keep_n_grads_has_no_entry_for_a_module_none_of_whose_kept_calls_got_one():
+    """As documented (and as ``keep="last"`` does): a module whose kept calls all ran without
+    a gradient has no ``grads`` entry; ``keep=2`` gave ``[None, None]``. One with a gradient
+    in a kept call keeps its aligned list."""
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    x = torch.randn(2, 4)
+    with hookplug.attach(m, "*", plugins=("capture", {"keep": 2, "grads": True})) as s:
+        m(x).sum().backward()
+        with torch.no_grad():
+            m(x), m(x)
+        assert s["capture"].grads == {}
+        m(x).sum().backward()
+        grads = s["capture"].grads
+    assert set(grads) == {"0", "1"} and grads["0"][0] is None and grads["0"][1] is not None

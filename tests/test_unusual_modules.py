@@ -2,8 +2,10 @@
 nested-tensor fast path of nn.TransformerEncoder, float16 and sparse gradients. Each case
 is compared with what plain torch (hooks, FlopCounterMode) gives."""
 import collections
+import copy
 import dataclasses
 import gc
+import math
 import warnings
 import weakref
 
@@ -57,6 +59,66 @@ def test_a_shortcut_returning_its_input_sees_only_its_own_gradient(shortcut):
     body_only.load_state_dict(model.state_dict())
     (body_only.body(body_only.stem(x)) + 2 * body_only.stem(x).detach()).square().sum().backward()
     assert torch.allclose(model.stem.weight.grad, body_only.stem.weight.grad)
+
+
+@pytest.mark.parametrize("plugins", ["stats+capture", "gradclamp"])
+def test_a_module_appending_its_new_output_to_a_list_argument_keeps_its_grad_site(plugins):
+    """``feats.append(y); return y`` (torchvision's FPN extra blocks append p6/p7, or the
+    pooled level, to the list they get): read after ``forward``, ``y`` was among the inputs,
+    taken for one passed through: the module returned a view of it (``feats[-1] is y`` no
+    longer), its grad site saw only the gradient through the returned value, and gradclamp
+    clamped only that part (parameter gradients changed, silently). The inputs are now read
+    as the call begins: ``y`` is the module's own, hooked as it is."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, feats):
+            y = self.lin(x).tanh()
+            feats.append(y)
+            return y
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.b1, self.b2 = Block(), Block()
+
+        def forward(self, x):
+            feats = []
+            y = self.b2(self.b1(x, feats), feats)
+            return y.sum() + sum(f.square().sum() for f in feats), feats, y
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 4)
+    ref = Net()
+    m = copy.deepcopy(ref)
+    seen = {}
+
+    def on_grad(g):
+        seen["b1"] = g.clone()
+        return g.clamp(-0.1, 0.1) if plugins == "gradclamp" else None
+
+    ref.b1.register_forward_hook(lambda mod, a, out: out.register_hook(on_grad) and None)
+    loss, _, _ = ref(x)
+    loss.backward()
+    spec = ([("stats", {"sites": ("output", "grad")}), ("capture", {"grads": True})] if plugins != "gradclamp"
+            else [("gradclamp", {"min": -0.1, "max": 0.1})])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with hookplug.attach(m, "*:b1", plugins=spec) as s:
+            loss, feats, y = m(x)
+            assert feats[-1] is y and feats[0] is not None
+            loss.backward()
+    if plugins == "gradclamp":
+        for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+    else:
+        assert torch.equal(s["capture"].grads["b1"], seen["b1"])
+        st = s["stats"].results()["b1"]["grad"]
+        want = seen["b1"].double()
+        assert int(st.numel) == want.numel() and math.isclose(float(st.mean), float(want.mean()),
+                                                              rel_tol=1e-6, abs_tol=1e-9)
 
 
 def test_identity_on_a_leaf_input_reports_its_gradient():
