@@ -219,7 +219,9 @@ class HookContext:
 
     # _impls: the binding's (fwd_in, fwd_out, out_grad, sampling key) at the call's pre hook:
     # its post hook runs the same step's plugins (set only on contexts left in _pending)
-    __slots__ = ("name", "call_index", "_step", "_session_ref", "phase", "_thread", "_impls")
+    # _inputs: the ids of the call's input tensors as it began, where an argument is a list or
+    # dict the call may append its own outputs to (see _inputs_at_call; contexts in _pending)
+    __slots__ = ("name", "call_index", "_step", "_session_ref", "phase", "_thread", "_impls", "_inputs")
 
     def __init__(self, name: str, call_index: int, step: Optional[int], session: Optional["Session"],
                  phase: str = "train", thread: Optional[int] = None):
@@ -231,6 +233,7 @@ class HookContext:
         self._session_ref = _NO_SESSION if session is None else session._self_ref
         self.phase = phase
         self._thread = thread  # the calling thread, for contexts the pre hook leaves in _pending (else None)
+        self._inputs: Optional[set] = None
 
     @property
     def session(self) -> Optional["Session"]:
@@ -469,8 +472,8 @@ class _ModuleBinding:
 
     __slots__ = ("name", "where", "session", "fwd_in", "fwd_out", "out_grad", "all_in", "all_out",
                  "all_grad", "grad_in_graph", "eager_only", "eager_reason", "calls", "has_pre",
-                 "has_post", "variants", "impls", "recompute", "_pending", "_noted", "module_tensors",
-                 "_ref", "__weakref__")
+                 "has_post", "variants", "impls", "recompute", "_pending", "module_tensors", "_ref",
+                 "__weakref__")
 
     def __init__(self, name: str, session: "Session"):
         self.name = name
@@ -495,8 +498,6 @@ class _ModuleBinding:
         # pushed by pre_hook, taken by post_hook: every thread appends and takes only its
         # own entries (by identity, one step under the GIL), never by position
         self._pending: List[Any] = []  # HookContext, or _RecomputeMark
-        # (thread, id(args), input ids) of calls with list/dict arguments (see _note_inputs)
-        self._noted: List[Tuple[int, int, set]] = []
         # per phase (see _TracedContext): a graph guards on the table it reads, so the eval
         # rows made after the first eval pass must not change the training graph's table
         self.module_tensors: Dict[str, Dict[Any, torch.Tensor]] = {"train": {}, "eval": {}}
@@ -526,7 +527,7 @@ class _ModuleBinding:
         thread's pending call of the module off (``fuse_modules`` keeps the selected ReLU,
         pre hook and all, inside the fused module that runs the copy of its post hook)."""
         compiling = _is_compiling()
-        if post and self.has_pre and self._pending and not compiling:
+        if post and self._pending and not compiling:
             self._own_pending()  # as post_hook takes it
         s = self.session
         if s is not None and not s._foreign_warned and not s._removed and not compiling:
@@ -548,7 +549,6 @@ class _ModuleBinding:
         self.impls = _NO_IMPLS
         self.variants, self.recompute = {}, ()
         self.has_pre = self.has_post = False
-        self._noted = []
         self.session = None
 
     def __reduce__(self):
@@ -591,7 +591,7 @@ class _ModuleBinding:
             # inside a checkpoint's region and is lost when its early stop raises)
             ctx._impls = step_impls
             if step_impls[2]:  # its grad sites: what was an input before forward appended to it
-                self._note_inputs(args, kwargs)
+                ctx._inputs = _inputs_at_call(args, kwargs)
             if self._pending:  # (rare: nested or overlapping calls, or ones Ctrl-C left)
                 self._drop_interrupted(module)
             self._pending.append(ctx)
@@ -619,32 +619,24 @@ class _ModuleBinding:
         return (args, kwargs) if changed else None
 
     def note_inputs(self, module, args, kwargs=_FOREIGN):
-        """The pre hook of a module with grad sites and no forward-input plugin: see
-        :meth:`_note_inputs`."""
+        """The pre hook of a module with grad sites and no forward-input plugin: a call with a
+        list or dict argument takes :meth:`pre_hook`'s path (a context in ``_pending``, which
+        keeps the inputs as the call began, see :func:`_inputs_at_call`); any other costs a
+        look at its arguments' types."""
         if kwargs is _FOREIGN:
             return self.foreign(module, False)
+        for a in args:
+            if isinstance(a, (list, dict)):
+                break
+        else:
+            for a in kwargs.values():
+                if isinstance(a, (list, dict)):
+                    break
+            else:
+                return None
         if _is_compiling():  # (compiled grad sites read the arguments as traced)
             return None
-        inputs = _inputs_at_call(args, kwargs)
-        if inputs is not None and self.out_grad:
-            self._noted.append((_get_ident(), id(args), inputs))
-        return None
-
-    def _note_inputs(self, args, kwargs) -> None:
-        """Where an argument is a list or dict: the ids of the input tensors as the call begins
-        (see :func:`_inputs_at_call`), for its post hook, by thread and argument tuple."""
-        inputs = _inputs_at_call(args, kwargs)
-        if inputs is not None:
-            self._noted.append((_get_ident(), id(args), inputs))
-
-    def _noted_inputs(self, args) -> Optional[set]:
-        """The input ids :meth:`_note_inputs` noted for this call (taken), else None."""
-        me, key = _get_ident(), id(args)
-        noted = self._noted
-        for i in range(len(noted) - 1, -1, -1):
-            if noted[i][0] == me and noted[i][1] == key:
-                return noted.pop(i)[2]
-        return None
+        return self.pre_hook(module, args, kwargs)
 
     def post_hook(self, module, args, kwargs, output=_FOREIGN):
         """Also runs (``always_call``) when ``forward`` raised; ``output`` is None then.
@@ -661,7 +653,7 @@ class _ModuleBinding:
             return self._post_hook_compiled(module, args, kwargs, output)
         # this thread's own pending call (other threads append and take theirs meanwhile);
         # None where it has none (a call whose pre hook left no context)
-        ctx = self._own_pending() if self.has_pre and self._pending else None
+        ctx = self._own_pending() if self._pending else None
         if ctx is not None:
             if ctx.__class__ is _RecomputeMark:  # a recompute's mark
                 for plugin in self.recompute:
@@ -672,6 +664,7 @@ class _ModuleBinding:
             # the tuples of the step the call began in: a step() on another thread since
             # (every=N) must not run the output half of a call whose input half did not
             # run, or skip the output half of one whose input half did
+            inputs, ctx._inputs = ctx._inputs, None  # (as the call began: see _inputs_at_call)
             step_impls, ctx._impls = ctx._impls, None  # (the context lives on in the output's
             # grad hook, which must not hold the plugins' bound methods: see _session_ref)
             if step_impls is not self.impls:  # a step() or a plugin disabled since: the
@@ -681,6 +674,7 @@ class _ModuleBinding:
             if not fwd_out and not out_grad:
                 return None
         else:
+            inputs = None
             fwd_out, out_grad = self.fwd_out, self.out_grad
             if not fwd_out and not out_grad:  # e.g. an unsampled step: count the call, no more
                 self.calls += 1
@@ -711,7 +705,6 @@ class _ModuleBinding:
                 new = res
         if not out_grad:
             return new
-        inputs = self._noted_inputs(args) if self._noted else None
         return self._watch_grads(ctx, module, args, kwargs, output if new is None else new, new, inputs)
 
     def _post_hook_compiled(self, module, args, kwargs, output):

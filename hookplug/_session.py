@@ -859,9 +859,6 @@ class Session:
                     # (removed one by one: other threads append and take theirs meanwhile)
                     for c in [c for c in binding._pending[:] if c._thread == me]:
                         binding._pending.remove(c)
-                if binding._noted:  # (a call whose post hook did not take its note)
-                    for n in [n for n in binding._noted[:] if n[0] == me]:
-                        binding._noted.remove(n)
         if sampling != self._sampling:
             self._sampling = sampling
             self._apply_sampling()

@@ -61,14 +61,15 @@ def test_a_shortcut_returning_its_input_sees_only_its_own_gradient(shortcut):
     assert torch.allclose(model.stem.weight.grad, body_only.stem.weight.grad)
 
 
-@pytest.mark.parametrize("plugins", ["stats+capture", "gradclamp"])
+@pytest.mark.parametrize("plugins", ["stats+capture", "gradclamp", "stats+capture, args replaced after"])
 def test_a_module_appending_its_new_output_to_a_list_argument_keeps_its_grad_site(plugins):
     """``feats.append(y); return y`` (torchvision's FPN extra blocks append p6/p7, or the
     pooled level, to the list they get): read after ``forward``, ``y`` was among the inputs,
     taken for one passed through: the module returned a view of it (``feats[-1] is y`` no
     longer), its grad site saw only the gradient through the returned value, and gradclamp
     clamped only that part (parameter gradients changed, silently). The inputs are now read
-    as the call begins: ``y`` is the module's own, hooked as it is."""
+    as the call begins: ``y`` is the module's own, hooked as it is (also where a pre hook
+    registered after hookplug's replaces the argument tuple)."""
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
@@ -107,9 +108,12 @@ def test_a_module_appending_its_new_output_to_a_list_argument_keeps_its_grad_sit
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with hookplug.attach(m, "*:b1", plugins=spec) as s:
+            if "replaced" in plugins:
+                m.b1.register_forward_pre_hook(lambda mod, a: (*a,))
             loss, feats, y = m(x)
             assert feats[-1] is y and feats[0] is not None
             loss.backward()
+            assert not s._bindings["b1"]._pending  # every call's context taken
     if plugins == "gradclamp":
         for (name, p), q in zip(m.named_parameters(), ref.parameters()):
             assert torch.equal(p.grad, q.grad), name
