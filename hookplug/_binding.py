@@ -100,18 +100,23 @@ def _NO_SESSION() -> None:
 _inference_mode = torch.is_inference_mode_enabled
 
 
+def _has_container_arg(args, kwargs) -> bool:
+    """Whether an argument is a list or dict (one the call may append its outputs to)."""
+    for a in args:
+        if isinstance(a, (list, dict)):
+            return True
+    for a in kwargs.values():
+        if isinstance(a, (list, dict)):
+            return True
+    return False
+
+
 def _inputs_at_call(args, kwargs) -> Optional[set]:
     """The ``id`` of every input tensor as a call begins, where an argument is a list or
     dict (a feature list torchvision's FPN blocks append their new outputs to: read after
     ``forward``, those outputs were taken for inputs passed through); None otherwise (the
     arguments as they are after ``forward`` say the same)."""
-    for a in args:
-        if isinstance(a, (list, dict)):
-            return _input_ids(args, kwargs)
-    for a in kwargs.values():
-        if isinstance(a, (list, dict)):
-            return _input_ids(args, kwargs)
-    return None
+    return _input_ids(args, kwargs) if _has_container_arg(args, kwargs) else None
 
 
 def _own_outputs(output, args, kwargs, inputs: Optional[set] = None):
@@ -625,17 +630,8 @@ class _ModuleBinding:
         look at its arguments' types."""
         if kwargs is _FOREIGN:
             return self.foreign(module, False)
-        for a in args:
-            if isinstance(a, (list, dict)):
-                break
-        else:
-            for a in kwargs.values():
-                if isinstance(a, (list, dict)):
-                    break
-            else:
-                return None
-        if _is_compiling():  # (compiled grad sites read the arguments as traced)
-            return None
+        if not _has_container_arg(args, kwargs) or _is_compiling():  # (compiled grad sites
+            return None                                               # read the arguments as traced)
         return self.pre_hook(module, args, kwargs)
 
     def post_hook(self, module, args, kwargs, output=_FOREIGN):
