@@ -59,6 +59,9 @@ _NO_IMPLS: Tuple = ((), (), (), None)
 _CALL_IMPL = nn.Module._call_impl.__code__  # the frame torch runs a module's hooks and forward in
 
 
+# the hook name a failure of forward_output given no output is reported under
+_GIVEN_NONE = "hookplug_forward_output (given output=None: the forward raised, or returned None)"
+
 def interrupted_calls(open_calls: list, module) -> list:
     """The oldest of ``open_calls`` (this thread's calls of ``module`` that began and did not
     end, oldest first, the call now starting not among them) that no longer run: a
@@ -694,7 +697,8 @@ class _ModuleBinding:
             try:
                 res = fn(ctx, module, args, kwargs, output if new is None else new)
             except Exception as exc:  # noqa: BLE001 - on_error decides
-                self.session._plugin_failed(plugin, "hookplug_forward_output", exc)
+                self.session._plugin_failed(plugin, "hookplug_forward_output" if output is not None
+                                            else _GIVEN_NONE, exc)
                 continue
             if res is not None and _returned_ok(self.session, plugin, "hookplug_forward_output", self.where,
                                                 output if new is None else new, res):

@@ -239,6 +239,12 @@ def _factory(name: str, options: Optional[Dict[str, Any]]):
     if src is None:
         from ._options import close_matches
 
+        bare, paren, rest = name.partition("(")
+        if paren and rest.endswith(")") and bare.strip() in sources:
+            raise PluginError(
+                f"unknown hookplug plugin {name!r}: the 'name(option=value)' form is the "
+                f"command line's (--plugins); in Python give "
+                f"({bare.strip()!r}, {{'option': value}}) or {{{bare.strip()!r}: {{...}}}}")
         close = close_matches(name, sources)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise PluginError(
@@ -308,6 +314,15 @@ def is_plugin_object(obj) -> bool:
     from ._sink import Sink
 
     return isinstance(obj, (Plugin, Sink)) or any(is_hookimpl(obj, attr) for attr in dir(obj))
+
+
+def is_plugin_class(cls: type) -> bool:
+    """Whether instances of ``cls`` would be plugin objects (see :func:`is_plugin_object`),
+    judged without building one."""
+    from ._plugin import Plugin
+    from ._sink import Sink
+
+    return issubclass(cls, (Plugin, Sink)) or any(is_hookimpl(cls, attr) for attr in dir(cls))
 
 
 _MARKS = pluggy.PluginManager(hookspecs.hookimpl.project_name)  # no specs: reads @hookimpl marks only

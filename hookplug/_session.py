@@ -158,6 +158,13 @@ def _check_parameters(plugin_name: str, hook_name: str, fn) -> None:
     except (TypeError, ValueError):  # a builtin: pluggy read what it could
         return
     spec = ", ".join(_SPEC_ARGS[hook_name])
+    defaulted = [p.name for p in params if p.name in _SPEC_ARGS[hook_name]
+                 and p.default is not p.empty]
+    if defaulted:  # pluggy passes only parameters without a default: it would get the default
+        raise PluginError(
+            f"hookplug plugin {plugin_name!r}: {hook_name} gives the spec argument(s) "
+            f"{', '.join(defaulted)} a default, so they would never be passed (pluggy passes "
+            f"only parameters without one); drop the default, from ({spec})")
     required = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
     if required:
         raise PluginError(
@@ -608,6 +615,8 @@ class Session:
         # step on: the same rule on every rank, no communication
         self._step = start_step
         self._steps_done = 0  # step() calls (flush_every counts these)
+        self._last_ended: Optional[int] = None  # the number of the step that ended last
+        self._backwards_warned = False
         self._replaced_warned: set = set()  # selected modules warned of as gone from the model
         self._sampling = start_step % every == 0
         self._nonfinite: Deque[dict] = collections.deque(maxlen=_NONFINITE_KEPT)
@@ -804,17 +813,29 @@ class Session:
 
     def report_sections(self) -> Dict[str, Any]:
         """``{plugin name: section}`` from every plugin implementing
-        ``hookplug_report_section`` (plain data; see ``hookplug.hookspecs``), in plugin order."""
+        ``hookplug_report_section`` (plain data; see ``hookplug.hookspecs``), in plugin order.
+        A section that fails is left out with a warning under ``on_error="warn"`` (its plugin
+        goes on collecting, as after a failed ``report()``); under ``"raise"`` its error is
+        raised, with a note naming it."""
         out: Dict[str, Any] = {}
-
-        def keep(name: str, res: Any) -> None:
-            if res is None:
-                return
-            if not isinstance(res, dict):  # a report would drop it silently
-                raise TypeError(f"hookplug plugin {name!r}: hookplug_report_section must return a "
-                                f"dict or None, got {type(res).__name__}")
-            out[name] = res
-        self._dispatch("hookplug_report_section", on_result=keep)
+        for entry in self._call_order.get("hookplug_report_section", []):
+            if entry.disabled is not None:
+                continue
+            impl = entry.impls["hookplug_report_section"]
+            try:
+                res = impl.function(**{a: self for a in impl.argnames if a == "session"})
+                if res is not None and not isinstance(res, dict):  # a report would drop it silently
+                    raise TypeError(f"hookplug plugin {entry.name!r}: hookplug_report_section must "
+                                    f"return a dict or None, got {type(res).__name__}")
+            except Exception as exc:  # noqa: BLE001 - on_error decides
+                if self.on_error == "raise":
+                    _raise_noted(exc, entry.name, "hookplug_report_section")
+                warnings.warn(f"hookplug plugin {entry.name!r}: hookplug_report_section failed "
+                              f"({type(exc).__name__}: {exc}); left out of the report "
+                              "(on_error='warn')", RuntimeWarning, stacklevel=2)
+                continue
+            if res is not None:
+                out[entry.name] = res
         return out
 
     @_eager
@@ -841,6 +862,9 @@ class Session:
                              f"({ended}), got {next_step}")
         if self._removed:  # its plugins ended (files closed, hooks off): nothing to step
             return _StepScope(self)
+        if self._last_ended is not None and ended <= self._last_ended:
+            self._warn_backwards(ended)
+        self._last_ended = ended
         self._step = ended + 1 if next_step is None else next_step
         self._steps_done += 1
         if self._steps_done == 1 and not self._removed:
@@ -985,6 +1009,19 @@ class Session:
         go out alone."""
         if self._telemetry.has_unsent() and self.has_sinks:
             self._telemetry.flush(self, wait=True, local=True)
+
+    def _warn_backwards(self, ended: int) -> None:
+        """Once: a step numbered at or before one that already ended (a per-epoch batch
+        index passed as ``step=``): records of different steps share numbers, and sampling
+        repeats. A resumed run restarting below its last step is the one known reason."""
+        if self._backwards_warned:
+            return
+        self._backwards_warned = True
+        warnings.warn(
+            f"hookplug: session.step(step={ended}) ends a step numbered at or before one that "
+            f"already ended ({self._last_ended}); records of different steps now share numbers "
+            "(pass a number that grows every step, e.g. a trainer's global step)",
+            RuntimeWarning, stacklevel=user_stacklevel())
 
     def _warn_replaced(self) -> None:
         """Warn (once per name) about selected modules the model no longer holds: replaced
@@ -1292,6 +1329,12 @@ class Session:
                         f"plugin {entry.name!r}: {caller.name} cannot be a hookwrapper/wrapper "
                         "(hookplug calls each plugin's hook itself, so its body would never run); "
                         "implement it as a plain hook")
+                fn = impl.function
+                if inspect.isgeneratorfunction(fn) or inspect.iscoroutinefunction(fn) \
+                        or inspect.isasyncgenfunction(fn):
+                    raise PluginError(
+                        f"hookplug plugin {entry.name!r}: {caller.name} is a generator or async "
+                        "function, whose body a call never runs; make it a plain function")
         except PluginError as exc:
             if pm.is_registered(plugin):
                 pm.unregister(plugin)

@@ -6,7 +6,8 @@ spec's arguments (pluggy matches them by name).
 
 Per-call hooks (the hot path) are resolved **once, at attach time**, into tuples of bound
 methods per module; pluggy is not consulted on each forward. Their results are *folded in
-plugin order*: each plugin sees the previous plugin's result, and ``None`` leaves the value
+plugin order* (that of ``attach(plugins=[...])``; a hook marked ``tryfirst``/``trylast`` runs
+before/after the others, as pluggy orders them): each plugin sees the previous plugin's result, and ``None`` leaves the value
 unchanged (observe only).
 
 ``ctx`` is a :class:`hookplug.HookContext` with ``name`` (the module's qualified name),

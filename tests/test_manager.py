@@ -851,3 +851,147 @@ def test_plugin_author_mistakes_get_errors_that_say_what_to_do():
     with hookplug.attach(model, "Linear", plugins=[Texty()]) as s:
         with pytest.raises(TypeError, match="hookplug plugin 'texty': hookplug_report_section must return"):
             s.report_sections()
+
+
+@pytest.mark.parametrize("signature", ["(self, ctx, output=None)", "(self, ctx, *, output=None)"])
+def test_a_spec_argument_given_a_default_is_refused_as_it_would_never_be_passed(signature):
+    """pluggy passes only parameters without a default: ``output=None`` got None on every
+    call, silently."""
+    ns: dict = {}
+    exec(f"def hookplug_forward_output{signature}:\n    return None", ns)
+
+    class Defaulted(hookplug.Plugin):
+        name = "defaulted"
+        hookplug_forward_output = hookplug.hookimpl(ns["hookplug_forward_output"])
+
+    with pytest.raises(PluginError, match=r"plugin 'defaulted': hookplug_forward_output gives the spec "
+                                          r"argument\(s\) output a default, so they would never be passed"):
+        hookplug.attach(MLP(), "Linear", plugins=[Defaulted()])
+    with pytest.warns(RuntimeWarning, match="defaulted"):
+        with hookplug.attach(MLP(), "Linear", plugins=[Defaulted(), "stats"], on_error="warn") as s:
+            assert list(s.plugins) == ["stats"]
+
+
+@pytest.mark.parametrize("kind", ["generator", "async"])
+def test_a_hook_written_as_a_generator_or_coroutine_is_refused(kind):
+    """Its body never ran (a call only makes the generator/coroutine), silently."""
+    body = "    yield" if kind == "generator" else "    pass"
+    ns: dict = {}
+    exec(f"{'async ' if kind == 'async' else ''}def hookplug_step(self, step):\n{body}", ns)
+
+    class Gen(hookplug.Plugin):
+        name = "gen"
+        hookplug_step = hookplug.hookimpl(ns["hookplug_step"])
+
+    with pytest.raises(PluginError, match=r"plugin 'gen': hookplug_step is a generator or async function"):
+        hookplug.attach(MLP(), "Linear", plugins=[Gen()])
+
+
+def test_a_failing_report_section_leaves_its_plugin_collecting():
+    """Under on_error="warn" a report section that raised disabled its plugin (its forward
+    hooks stopped), where a failing report() or results() only leaves it out."""
+
+    class Counting(hookplug.Plugin):
+        name = "counting"
+
+        def __init__(self):
+            self.calls = 0
+
+        @hookplug.hookimpl
+        def hookplug_forward_output(self, ctx):
+            self.calls += 1
+
+        @hookplug.hookimpl
+        def hookplug_report_section(self, session):
+            raise KeyError("oops")
+
+    model, plugin = MLP(), Counting()
+    with hookplug.attach(model, "Linear", plugins=[plugin, "stats"], on_error="warn") as s:
+        model(torch.randn(2, 32))
+        with pytest.warns(RuntimeWarning, match=r"plugin 'counting': hookplug_report_section failed "
+                                                r"\(KeyError: 'oops'\); left out of the report"):
+            sections = s.report_sections()
+        assert "counting" not in sections and "stats" in sections
+        before = plugin.calls
+        model(torch.randn(2, 32))
+        assert plugin.calls > before and not s.disabled
+    with hookplug.attach(model, "Linear", plugins=[Counting()]) as s:
+        with pytest.raises(KeyError, match="oops") as info:
+            s.report_sections()
+        assert any("'counting' in hookplug_report_section" in n for n in getattr(info.value, "__notes__", []))
+
+
+def test_the_cli_option_form_given_to_attach_says_how_to_write_it_in_python():
+    with pytest.raises(PluginError, match=r"unknown hookplug plugin 'stats\(bins=0\)': the 'name\(option=value\)' "
+                                          r"form is the command line's \(--plugins\); in Python give \('stats', "):
+        hookplug.attach(MLP(), "Linear", plugins="stats(bins=0)")
+
+
+def test_a_forward_output_hook_failing_on_a_raised_forward_says_output_was_none():
+    class Clamp(hookplug.Plugin):
+        name = "clamp"
+
+        @hookplug.hookimpl
+        def hookplug_forward_output(self, output):
+            return output.clamp(-1, 1)
+
+    class Boom(torch.nn.Module):
+        def forward(self, x):
+            raise RuntimeError("out of memory (simulated)")
+
+    model = torch.nn.Sequential(Boom())
+    with hookplug.attach(model, "Boom", plugins=[Clamp()], on_error="warn") as s:
+        with pytest.warns(RuntimeWarning, match=r"hookplug_forward_output \(given output=None: the forward "
+                                                r"raised, or returned None\)"):
+            with pytest.raises(RuntimeError, match="simulated"):
+                model(torch.randn(2))
+        assert "output=None" in s.disabled["clamp"]
+
+
+def test_cli_plugins_lists_a_class_with_no_hooks_as_failed_and_keeps_its_json_clean(eps_of, capsys):
+    """An entry point naming a class that is no plugin (``collections:OrderedDict``) was
+    listed "ok", with that class's docstring; a plugin module printing as it imports broke
+    ``--json``; a plugin class without a docstring had no description (its module's now)."""
+    import collections
+    import types
+
+    from hookplug.__main__ import main
+
+    noisy = types.ModuleType("thirdparty_noisy", "Noisy: says hello as it imports.")
+
+    def load_noisy():
+        print("hello from a plugin module")
+
+        class Noisy(hookplug.Plugin):
+            @hookplug.hookimpl
+            def hookplug_step(self, step):
+                pass
+
+        Noisy.__module__ = noisy.__name__
+        return Noisy
+
+    class Lazy:  # a factory the loader calls: prints as an import would
+        def __call__(self):
+            return load_noisy()
+
+    sys.modules[noisy.__name__] = noisy
+    try:
+        eps_of(odict=collections.OrderedDict)
+        real = _manager._entry_points()
+        ep = FakeEntryPoint("noisy", "thirdparty_noisy:Noisy", "thirdparty-noisy", Lazy())
+        _manager._entry_points, old = (lambda: [ep, *real]), _manager._entry_points
+        _manager._reset_discovery()
+        try:
+            capsys.readouterr()
+            assert main(["plugins", "--json"]) == 0
+            out, err = capsys.readouterr()
+        finally:
+            _manager._entry_points = old
+    finally:
+        del sys.modules[noisy.__name__]
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert "hello from a plugin module" in err
+    assert rows["odict"]["status"] == ("failed: it names the class OrderedDict, which has no "
+                                       "@hookplug.hookimpl method (not a plugin)")
+    assert rows["noisy"]["status"] == "ok"
+    assert rows["noisy"]["description"] == "Noisy: says hello as it imports."

@@ -7,6 +7,7 @@ import contextlib
 import copy
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -150,6 +151,31 @@ def test_explicit_global_step_and_resume_continue_numbering():
     assert all(r["numel"] == 8 for r in sink2.records)  # one call each: never merged twice
     with pytest.raises(ValueError):
         hookplug.attach(model, "Linear", plugins="stats").step(step=-1)
+
+
+def test_a_step_numbered_at_or_before_one_that_ended_warns_once():
+    """A per-epoch batch index passed as ``step=`` repeats numbers: records of different
+    steps would share them silently."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    sink = Collect()
+    with hookplug.attach(model, "Linear", plugins="stats", sink=sink, flush_every=1) as s:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for i in (0, 1, 5):  # growing, with gaps: no warning
+                model(torch.randn(2, 4))
+                s.step(step=i)
+        for epoch in range(2):
+            for i in range(2):
+                model(torch.randn(2, 4))
+                if epoch == 0 and i == 0:
+                    with pytest.warns(RuntimeWarning, match=r"step\(step=0\) ends a step numbered at "
+                                      r"or before one that already ended \(5\)"):
+                        s.step(step=i)
+                else:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("error")  # once per session
+                        s.step(step=i)
+    assert [r["step"] for r in sink.records] == [0, 1, 5, 0, 1, 0, 1]
 
 
 def test_next_step_numbers_the_step_starting_and_samples_by_it():

@@ -31,6 +31,7 @@ import torch.nn as nn
 
 import hookplug
 from hookplug import PluginError, SelectorError, hookimpl, plugin_info, select
+from hookplug._manager import is_plugin_class
 from hookplug._options import close_matches
 from hookplug.models import DEMO_MODELS
 from hookplug.structures import iter_tensors
@@ -570,16 +571,23 @@ def _doc_summary(doc: Optional[str]) -> str:
 def cmd_plugins(args) -> int:
     rows = []
     for src in plugin_info():
-        with warnings.catch_warnings():
+        # (what a plugin's module prints as it imports goes to stderr: stdout is the listing)
+        with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):
             warnings.simplefilter("ignore")
             factory = src.load()
         status = "ok" if factory is not None and src.error is None else f"failed: {src.error}"
+        if status == "ok" and isinstance(factory, type) and not is_plugin_class(factory):
+            status = (f"failed: it names the class {factory.__name__}, which has no "
+                      "@hookplug.hookimpl method (not a plugin)")
+        doc = factory.__dict__.get("__doc__") if isinstance(factory, type) else getattr(factory, "__doc__", None)
+        if not doc and factory is not None:  # (a class without a docstring: its module's)
+            doc = getattr(sys.modules.get(getattr(factory, "__module__", None) or ""), "__doc__", None)
         rows.append({
             "name": src.name,
             "origin": src.origin,
             "status": status,
             "entry_point": getattr(src.entry_point, "value", ""),
-            "description": _doc_summary(getattr(factory, "__doc__", None)),
+            "description": _doc_summary(doc),
         })
     if args.json:
         import json
