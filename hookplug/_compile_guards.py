@@ -19,7 +19,8 @@ def _guard_module_hooks(recompile_limit: int = 0) -> None:
     """torch.compile does not guard on module hooks by default (``skip_nnmodule_hook_guards``):
     code compiled before hooks were added or removed would keep running without (or with)
     them, and an instance of a class compiled without hooks (an EMA copy, a teacher) would
-    share its graph with a hooked one. Switch the guards on, process-wide. The first switch
+    share its graph with a hooked one. Switch the guards on: on this thread now, and on any
+    thread as it starts compiling (dynamo's config is per thread; see ``ON_COMPILE_START``). The first switch
     drops all compiled code (it has no hook guards, wherever it lives: the model's forward, a
     compiled parent, code after a graph break); later attaches and removes are then caught
     by the guards. Also raise dynamo's recompile limit to ``recompile_limit``

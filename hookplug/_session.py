@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import copy
 import copyreg
 import difflib
@@ -976,6 +977,7 @@ class Session:
         self._param_aliases.clear()
         _guard_module_hooks()  # compiled code that ran with the hooks recompiles without
         child = os.getpid() != self._pid
+        flush_error: Optional[BaseException] = None
         try:
             # under torch.distributed the final flush is collective: every rank runs it when
             # the session has a telemetry producer, whether or not a sink is given here; a
@@ -995,14 +997,19 @@ class Session:
                     raise
                 # ... or under on_error="warn"
                 self._flush_unsent()
+        except BaseException as exc:
+            flush_error = exc
+            raise
         finally:
             # disabled plugins get their cleanup call too; one failing never skips the others.
             # A forked child leaves the sinks alone: their files, writers and servers are
-            # the parent's
+            # the parent's. After a failed final flush, an error here is noted on it (it
+            # would replace it: the first failure, a sink's last write, would go unreported)
             not_started = self._not_started
-            self._dispatch("hookplug_session_end", include_disabled=True, run_all=True,
-                           skip=lambda p: (self._entry_of[id(p)].is_sink and child
-                                           or self._entry_of[id(p)].name in not_started))
+            with (_teardown_behind(flush_error) if flush_error is not None else contextlib.nullcontext()):
+                self._dispatch("hookplug_session_end", include_disabled=True, run_all=True,
+                               skip=lambda p: (self._entry_of[id(p)].is_sink and child
+                                               or self._entry_of[id(p)].name in not_started))
 
     def _flush_unsent(self) -> None:
         """Rows the final collective flush could not send (no later flush can): this rank's

@@ -455,7 +455,7 @@ class ParamsPlugin(hookplug.Plugin):
                 f"hookplug plugin 'params': {pr.name} has a {t.layout} tensor (a sparse gradient: "
                 "nn.Embedding(sparse=True)); only strided tensors are measured, this one is left out"))
             return None
-        return as_measured(t.detach())  # float8 through float32 (exact); no integers
+        return as_measured(t.detach())  # float8 through float64 (exact); no integers
 
     # -- measuring ---------------------------------------------------------------------------------
 

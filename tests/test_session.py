@@ -1202,6 +1202,34 @@ def test_an_error_removing_the_session_does_not_replace_the_with_blocks_own():
     assert any("teardown failed" in n for n in info.value.__notes__)
 
 
+def test_a_failed_last_flush_and_a_failing_session_end_are_both_reported():
+    """The sink's last write failed and a plugin's session_end failed too: the session_end
+    error replaced the flush's, which went unreported (as a block's note and as the error
+    raised)."""
+
+    class FullDisk(hookplug.Sink):
+        name = "fulldisk"
+
+        @hookplug.hookimpl
+        def hookplug_flush(self, records):
+            raise OSError("disk full")
+
+    model = MLP()
+    with pytest.warns(RuntimeWarning) as rec:
+        with pytest.raises(KeyError, match="block") as info:
+            with hookplug.attach(model, "Linear", plugins=["stats", _Ends(fail="end")], sink=FullDisk()):
+                model(torch.randn(2, 32))
+                raise KeyError("block")
+    said = [str(w.message) for w in rec]
+    assert any("OSError: disk full" in m for m in said) and any("teardown failed" in m for m in said)
+    assert any("disk full" in n for n in info.value.__notes__)
+    with pytest.warns(RuntimeWarning, match="removing the session failed as well: RuntimeError: teardown failed"):
+        with pytest.raises(OSError, match="disk full") as info:  # the first failure is raised
+            with hookplug.attach(model, "Linear", plugins=["stats", _Ends(fail="end")], sink=FullDisk()):
+                model(torch.randn(2, 32))
+    assert any("teardown failed" in n for n in info.value.__notes__)
+
+
 def test_a_plugin_failing_to_start_is_the_error_raised_and_only_started_plugins_end():
     first, second = _Ends("first", fail="start"), _Ends("second")
     model = MLP()

@@ -11,7 +11,7 @@ sink) groups one statistic across layers: one scalar per statistic under
 picks which: by default ``min, max, mean, std, absmax, rms, zero_fraction, nan_count,
 inf_count``, no constant ``numel``) and, when the record has a histogram, a histogram under ``hookplug/hist/<module>/<site>`` built from its buckets
 (``bucket_limit`` = the right edges, each run of empty buckets written as one and none
-before the first value or after the last: the same histogram in ~12 buckets where log2 has
+before the first value or after the last: the same histogram in ~12 buckets (one-signed values; ~25 with both signs) where log2 has
 131; ``sum``/``sum_squares`` from the finite mean and std).
 ``histogram=False`` leaves the histograms out. ``global_step`` is the record's step and
 ``walltime`` its time.
@@ -20,9 +20,9 @@ The sink runs on the training thread (``session.step()`` hands it each flush). T
 torch's ``SummaryWriter`` it writes the values of one step in events of up to 1000 values,
 not one event per value; another ``writer=`` (tensorboardX's, or a subclass overriding
 them) gets ``add_scalar``/``add_histogram_raw`` calls. The writer it opens queues up to
-``max_queue=10000`` events for its own writing thread and writes them to disk every
-``flush_secs=30`` seconds and when the session ends, not at every telemetry flush:
-TensorBoard sees the data at most ``flush_secs`` late. A ``writer=`` given to it is used as
+``max_queue=10000`` events for its own writing thread, which writes each as it takes it
+(the training thread never waits on the disk; the file is flushed every ``flush_secs=30``
+seconds and when the session ends): TensorBoard sees the data at most ``flush_secs`` late. A ``writer=`` given to it is used as
 it is and flushed after every telemetry flush. TensorBoard's writer checksums each event
 with a pure-Python CRC-32C (~5 MB/s, holding the GIL); with ``google-crc32c`` installed
 (the ``tensorboard`` extra) the sink has it use that C implementation instead (the same
@@ -215,7 +215,7 @@ class TensorBoardSink(hookplug.Sink):
         """``(tag, fields of a HistogramProto)``, or None. Runs of empty buckets are written
         as one empty bucket, and none before the first or after the last value: the same
         histogram (a bucket's left edge is the limit before it, the first's the min), in
-        ~12 buckets where a log2 histogram has 131."""
+        ~12 buckets (~25 with values of both signs) where a log2 histogram has 131."""
         counts, edges = rec.get("hist"), rec.get("hist_edges")
         if not (self.histogram and counts and edges):
             return None
