@@ -843,8 +843,11 @@ class StatsBank:
 
     def accumulate_by_row(self, t: torch.Tensor, ctx, path: str) -> None:
         """``accumulate_by_key`` for a compiled backward, by the module's row tensor where it
-        exists (see :meth:`accumulate_traced`), else by names."""
+        exists (see :meth:`accumulate_traced`), else by names (also for a context an eager
+        forward made, which has no table: its hook traced by compiled autograd)."""
         tensors = ctx._module_tensors
+        if tensors is None:
+            return self.accumulate_by_key(t, (ctx.name, path, ctx.phase))
         row = tensors.get(self._table_entry(path, ctx.phase, t.device))
         if row is None or self._by_row is None:
             if _is_compiling():

@@ -749,6 +749,43 @@ def test_compiled_grad_site_under_compiled_autograd_equals_eager(how):
             assert math.isclose(e[k][f], c[k][f], rel_tol=1e-6, abs_tol=1e-12), (k, f)
 
 
+def test_grad_site_of_an_eager_forward_traces_into_a_compiled_autograd_backward_without_a_break():
+    """An eager forward's grad hooks traced by compiled autograd: their context has no row
+    table, the traced path read it (AttributeError, caught; dynamo cannot trace the note the
+    error got): a graph break per hook, and with a fullgraph compiler an error."""
+    from torch._dynamo import compiled_autograd
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    xs = [torch.randn(4, 8) for _ in range(2)]
+    opts = ("stats", {"sites": ("grad",)})
+    eager, compiled = ListSink(), ListSink()
+    with hookplug.attach(m, "Linear", plugins=opts, sink=eager, flush_every=1) as s:
+        for x in xs:
+            m(x).square().mean().backward()
+            s.step()
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        with hookplug.attach(m, "Linear", plugins=opts, sink=compiled, flush_every=1) as s:
+            for x in xs:
+                loss = m(x).square().mean()
+                with compiled_autograd._enable(torch.compile(backend="aot_eager", fullgraph=True)):
+                    loss.backward()
+                s.step()
+            assert not s.disabled
+    finally:
+        torch._dynamo.reset()
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    e, c = by_key(eager.records), by_key(compiled.records)
+    assert set(e) == set(c) and len(e) == 2 * 2
+    for k in e:
+        for f in ("numel", "nan_count", "min", "max", "hist"):
+            assert e[k][f] == c[k][f], (k, f)
+        assert math.isclose(e[k]["mean"], c[k]["mean"], rel_tol=1e-6, abs_tol=1e-12), k
+
+
 def test_compiled_autograd_around_backward_only_trains_on_with_shared_block_graphs():
     """Blocks compiled one by one (sharing a graph, their row tensors graph inputs) and
     compiled autograd switched on only around ``backward()``: training runs and the records,
