@@ -313,6 +313,26 @@ def _install_callbacks(handler) -> None:
             callbacks[callbacks.index(bare)] = wrapped  # in place: dynamo may be iterating
         if (wrapped or bare) not in callbacks:
             register(wrapped or bare)
+    if not getattr(handler, "_hookplug_keeps_callbacks", False):
+        _keep_callbacks_through_clear(handler)
+
+
+def _keep_callbacks_through_clear(handler) -> None:
+    """``torch._dynamo.reset()`` / ``torch.compiler.reset()`` clear every compile callback:
+    a session attached before (a notebook cell, a test fixture) would then trace without
+    its compile-start work (gradclamp's loss-scale tensors: a first backward clamped in
+    scaled units, silently). Register ours again after each clear."""
+    clear = handler.clear
+
+    def clear_and_keep_hookplugs() -> None:
+        clear()
+        _install_callbacks(handler)
+
+    try:
+        handler.clear = clear_and_keep_hookplugs
+        handler._hookplug_keeps_callbacks = True
+    except (AttributeError, TypeError):  # (a handler without an instance dict: as before)
+        pass
 
 
 # Whether inference mode was on where dynamo started compiling a frame, and that compile's

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from typing import Any, Callable, Dict, Hashable
+from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
 __all__ = ["Plugin"]
 
@@ -39,6 +39,19 @@ def user_stacklevel() -> int:
             break
         frame, level = frame.f_back, level + 1
     return level
+
+
+def user_site() -> Optional[Tuple[str, int]]:
+    """``(file, line)`` of the frame :func:`user_stacklevel` names (None inside traced code)."""
+    level = user_stacklevel()
+    compiler = getattr(sys.modules.get("torch"), "compiler", None)
+    if compiler is not None and compiler.is_compiling():
+        return None
+    try:
+        frame = sys._getframe(level - 1)  # (stacklevel 1 is this function's frame)
+    except ValueError:
+        return None
+    return frame.f_code.co_filename, frame.f_lineno
 
 
 def plugin_off(plugin, session) -> bool:

@@ -38,7 +38,8 @@ from ._manager import (PluginError, PluginLoadError, check_plugin, create_plugin
                        new_plugin_manager, check_hook_methods)
 from ._options import is_int_at_least
 from ._pipelining import patch_pipelining
-from ._plugin import Plugin, user_stacklevel
+from ._plugin import Plugin, user_site, user_stacklevel
+from .structures import iter_tensors
 from ._sink import Sink
 from ._selectors import (check_strict, named_modules, parse_selector, named_parameters, parameter_owners, qualified, replica_group,
                          select_terms, unwrap_model, warn_never_called)
@@ -455,6 +456,27 @@ def _own_copy_methods(cls) -> List[str]:
 _HOOK_IDS_OF: "weakref.WeakKeyDictionary[nn.Module, Dict[Tuple[int, int], bool]]" = weakref.WeakKeyDictionary()
 
 
+# Where each live session of a model was attached (file, line): the same place attaching
+# again while its last session is not removed is a re-run notebook cell or a loop that
+# reassigns ``s = attach(...)``, and the old session, unreachable, would run for good.
+_ATTACHED_AT: "weakref.WeakKeyDictionary[nn.Module, List[Tuple[weakref.ref, Any]]]" = weakref.WeakKeyDictionary()
+
+
+def _note_attached_at(model: nn.Module, session: "Session") -> None:
+    site = user_site()
+    live = [(ref, at) for ref, at in _ATTACHED_AT.get(model, ())
+            if ref() is not None and not ref()._removed]
+    if site is not None and any(at == site for _, at in live):
+        warnings.warn(
+            f"hookplug: attach() again at {os.path.basename(site[0])}:{site[1]} on this "
+            f"{type(model).__name__}, whose session attached there is not removed (a re-run "
+            "notebook cell, a loop reassigning the session?): both sessions run (the old one's "
+            "hooks stay, still recording and steering). Call remove() on the old session, or "
+            "use `with hookplug.attach(...) as s:`", RuntimeWarning, stacklevel=user_stacklevel())
+    live.append((weakref.ref(session), site))
+    _ATTACHED_AT[model] = live
+
+
 def _new_hook_ids(model: nn.Module) -> Tuple[Tuple[int, int], Dict[Tuple[int, int], bool]]:
     """Two ids from torch's hook-handle counter that no live handle has, and the table of
     ``model``'s pairs to give them back to (see _HOOK_IDS_OF)."""
@@ -828,6 +850,10 @@ class Session:
                 if res is not None and not isinstance(res, dict):  # a report would drop it silently
                     raise TypeError(f"hookplug plugin {entry.name!r}: hookplug_report_section must "
                                     f"return a dict or None, got {type(res).__name__}")
+                tensor = next(iter_tensors(res, "section"), None) if res else None
+                if tensor is not None:  # (a device tensor: a sync per report, JSON as a list)
+                    raise TypeError(f"hookplug plugin {entry.name!r}: hookplug_report_section must "
+                                    f"return plain data (host numbers), got a tensor at {tensor[0]}")
             except Exception as exc:  # noqa: BLE001 - on_error decides
                 if self.on_error == "raise":
                     _raise_noted(exc, entry.name, "hookplug_report_section")
@@ -1691,6 +1717,7 @@ def attach(
         session._attached = True
         if session.has_sinks:
             _flush_at_exit(session)
+        _note_attached_at(model, session)
     except BaseException as exc:
         # only plugins whose session_start ran (or that have none) are ended
         session._not_started = {n for n, e in session._entries.items()

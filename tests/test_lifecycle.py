@@ -1062,3 +1062,36 @@ def test_copies_of_a_module_keeping_its_handles_in_a_namedtuple():
         torch.save(model, io.BytesIO())
     assert isinstance(copied[0].hooks, _Hooks)
     assert copied[0].hooks.fwd.hooks_dict_ref() is copied[0]._forward_hooks
+
+
+def test_attaching_again_from_the_same_line_while_its_session_is_live_warns():
+    """A re-run notebook cell or a loop reassigning ``s = attach(...)``: the old session,
+    unreachable, stayed attached for good (its hooks still steering and costing time),
+    silently. Sessions attached elsewhere, or removed, are no reason to warn."""
+    model = MLP()
+
+    def attach_here():
+        return hookplug.attach(model, "Linear", plugins="stats")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        first = hookplug.attach(model, "Linear", plugins="stats")
+        second = hookplug.attach(model, "Linear", plugins="stats")  # another line: on purpose
+        for _ in range(2):
+            with hookplug.attach(model, "Linear", plugins="stats"):
+                pass
+        first.remove(), second.remove()
+    sessions = []
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            sessions.append(hookplug.attach(model, "Linear", plugins="stats"))
+    said = [str(w.message) for w in seen if "attach() again" in str(w.message)]
+    assert len(said) == 2 and "whose session attached there is not removed" in said[0]
+    assert all(w.filename == __file__ for w in seen)
+    for s in sessions:
+        s.remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attach_here().remove()
+        attach_here().remove()

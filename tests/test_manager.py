@@ -995,3 +995,20 @@ def test_cli_plugins_lists_a_class_with_no_hooks_as_failed_and_keeps_its_json_cl
                                        "@hookplug.hookimpl method (not a plugin)")
     assert rows["noisy"]["status"] == "ok"
     assert rows["noisy"]["description"] == "Noisy: says hello as it imports."
+
+
+def test_a_report_section_holding_a_tensor_is_a_plugin_error():
+    """"Plain data" was not checked: a device tensor in a section meant a sync per report and
+    a list in the JSON."""
+
+    class Tensory(hookplug.Plugin):
+        name = "tensory"
+
+        @hookplug.hookimpl
+        def hookplug_report_section(self, session):
+            return {"summary": "ok", "stats": {"fc1": {"mean": torch.tensor(0.5)}}}
+
+    with hookplug.attach(MLP(), "Linear", plugins=[Tensory()]) as s:
+        with pytest.raises(TypeError, match=r"plugin 'tensory': hookplug_report_section must return plain "
+                                            r"data \(host numbers\), got a tensor at section\.stats\.fc1\.mean"):
+            s.report_sections()

@@ -809,6 +809,44 @@ def test_grad_scaler_compiled_equals_eager(opts, init_scale, device):
     assert (got[2] < init_scale) == (init_scale == 2.0**40)
 
 
+def test_a_dynamo_reset_after_attach_keeps_the_compiled_steering_in_unscaled_units():
+    """``torch.compiler.reset()`` after attach (a notebook cell, a test fixture) cleared
+    hookplug's compile-start callbacks: gradclamp's scale tensor was never made, and the
+    first compiled backward clamped in scaled units (gradients differed from eager)."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    xs = [torch.randn(4, 8) for _ in range(2)]
+    opts = ("gradclamp", {"min": -0.01, "max": 0.01})
+
+    def run(compiled):
+        m = copy.deepcopy(base)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        s = hookplug.attach(m, "Linear", plugins=[(opts[0], {**opts[1], "scaler": scaler})])
+        if compiled:
+            torch.compiler.reset()
+        run_m = torch.compile(m, backend="aot_eager") if compiled else m
+        grads = []
+        for x in xs:
+            m.zero_grad()
+            scaler.scale(run_m(x).square().mean()).backward()
+            grads.append([p.grad / scaler.get_scale() for p in m.parameters()])
+            s.step()
+        changed = {k: v["changed"] for k, v in s["gradclamp"].results().items()}
+        s.remove()
+        return grads, changed
+
+    want = run(False)
+    torch._dynamo.reset()
+    try:
+        got = run(True)
+    finally:
+        torch._dynamo.reset()
+    assert got[1] == want[1] and sum(want[1].values()) > 0
+    for g, w in zip(got[0], want[0]):
+        for a, b in zip(g, w):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_grad_scaler_option_checks():
     scaler = torch.amp.GradScaler("cpu")
     with pytest.raises(ValueError, match="scaler"):

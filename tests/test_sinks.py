@@ -929,6 +929,29 @@ def test_wandb_sink_starts_and_finishes_a_run_of_its_own(tmp_path, offline_wandb
     assert [p.name for p in (tmp_path / "wb" / "wandb").glob("offline-run-*")]
 
 
+def test_wandb_run_of_a_session_dropped_without_remove_is_finished_when_collected(tmp_path, offline_wandb):
+    """A model and session dropped without remove(): the sink's own run stayed active, and
+    the next session's wandb sink logged into it (under the old session's name)."""
+    import gc
+
+    model = MLP()
+    s = hookplug.attach(model, "Linear", plugins="stats",
+                        sink=("wandb", {"path": str(tmp_path / "a"), "stats": ("mean",)}), flush_every=1)
+    model(torch.randn(2, 32))
+    s.step()
+    old = offline_wandb.run
+    assert old is not None and old.name == s.run_id
+    del s, model
+    gc.collect()
+    assert offline_wandb.run is None  # finished with its sink
+    model = MLP()
+    with hookplug.attach(model, "Linear", plugins="stats",
+                         sink=("wandb", {"path": str(tmp_path / "b"), "stats": ("mean",)}), flush_every=1) as s:
+        model(torch.randn(2, 32))
+        s.step()
+        assert s["wandb"].run is not old and s["wandb"].run.name == s.run_id
+
+
 def test_wandb_run_started_by_the_sink_gets_the_exit_flush_of_a_session_never_removed(fresh_python):
     """wandb tears its run down in an atexit handler registered at wandb.init, i.e. after
     hookplug's (at attach), so it ran first: the exit flush of a session never removed failed

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import hookplug
@@ -130,6 +131,11 @@ class WandbSink(hookplug.Sink):
             kwargs.update(self.init)
             self.run = self._wandb.init(**kwargs)
             self._own_run = True
+            # a session dropped without remove(): its run is finished when the sink is
+            # collected (else the next sink would find it active and log into it); at exit
+            # wandb's own handler finishes it, after the exit flush
+            self._run_finisher = weakref.finalize(self, self.run.finish)
+            self._run_finisher.atexit = False
         if self._declared != id(self.run):
             # a run started after attach tears itself down at exit before a never-removed
             # session's exit flush would reach it: that flush goes first
@@ -163,6 +169,7 @@ class WandbSink(hookplug.Sink):
     def close(self) -> None:
         """Finish the run the sink started (a run given to it or found active is left open)."""
         if self.run is not None and self._own_run:
+            self._run_finisher.detach()
             self.run.finish()
         self.run = self._given_run  # a run found active may be gone by the next session
         self._own_run = False
