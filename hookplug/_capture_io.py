@@ -2,7 +2,7 @@
 
 The file holds one tensor per captured leaf, keyed ``"<module>/<path>"`` (``keep="last"``) or
 ``"<module>/<i>/<path>"`` (call ``i`` of a ``keep="all"|N`` list), where ``path`` is
-``output…``, ``grad…`` or ``input…``; and, under the metadata key ``"hookplug.capture"``, a
+``output…``, ``grad…``, ``input…`` or ``kwargs…`` (keyword arguments); and, under the metadata key ``"hookplug.capture"``, a
 JSON description of every structure (tuples, lists, dicts; dataclasses and ``ModelOutput``\\ s
 are written as dicts) from which :func:`load_capture` rebuilds the dicts of the plugin.
 """
@@ -26,8 +26,8 @@ FORMAT_VERSION = 2  # 2: complex dtypes safetensors lacks, stored as real views 
 # safetensors has no complex32/complex128: those are written as their ``view_as_real``
 # (float16/float64, a trailing dimension of 2) and the entry says ``"complex": true``
 _AS_REAL = (torch.complex32, torch.complex128)
-_WHAT = ("features", "grads", "inputs")
-_PREFIX = {"features": "output", "grads": "grad", "inputs": "input"}
+_WHAT = ("features", "grads", "inputs", "input_kwargs")
+_PREFIX = {"features": "output", "grads": "grad", "inputs": "input", "input_kwargs": "kwargs"}
 
 
 def _require_safetensors():
@@ -134,7 +134,7 @@ def _short(value: Any) -> str:
 def save_capture(
     path: Union[str, os.PathLike], stores: Dict[str, Dict[str, Any]], *, keep: Any = "last"
 ) -> None:
-    """Write ``{"features"|"grads"|"inputs": {module: value or [values]}}`` to ``path``."""
+    """Write ``{"features"|"grads"|"inputs"|"input_kwargs": {module: value or [values]}}`` to ``path``."""
     st = _require_safetensors()
     tensors: Dict[str, torch.Tensor] = {}
     dropped: List[str] = []
@@ -192,8 +192,9 @@ def load_capture(
     """Read a file written by ``CapturePlugin.save`` back into the plugin's dict shape.
 
     ``what="features"`` (default) returns ``{module: output}`` (or ``{module: [outputs]}`` for
-    ``keep="all"|N``) like ``plugin.features``; ``"grads"`` and ``"inputs"`` likewise;
-    ``"all"`` returns ``{"features": ..., "grads": ..., "inputs": ...}``. Tensors are loaded
+    ``keep="all"|N``) like ``plugin.features``; ``"grads"``, ``"inputs"`` and
+    ``"input_kwargs"`` likewise; ``"all"`` returns ``{"features": ..., "grads": ...,
+    "inputs": ..., "input_kwargs": ...}``. Tensors are loaded
     onto ``device``. Dataclass outputs come back as dicts.
     """
     if what not in (*_WHAT, "all"):

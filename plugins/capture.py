@@ -24,13 +24,14 @@ Options (keyword-only):
   are held too, put back if it is not captured).
 - ``grads=False``: also keep the gradient of each output in ``grads[name]``, in the output's
   structure (``None`` where no gradient arrived); with ``keep="last"`` that of the last call.
-- ``inputs=False``: also keep the positional arguments in ``inputs[name]`` (a tuple), read
-  before ``forward`` runs (as torch's forward pre-hooks get them; keyword arguments holding
-  tensors, e.g. an HF attention's ``hidden_states=``, are not kept: it warns once).
+- ``inputs=False``: also keep the arguments, read before ``forward`` runs (as torch's
+  forward pre-hooks get them): the positional ones in ``inputs[name]`` (a tuple), the
+  keyword ones in ``input_kwargs[name]`` (a dict, ``{}`` for a call given none: an HF
+  attention's ``hidden_states=``, ``attention_mask=``, ...), call by call alike.
 
 ``results()`` is ``features``. ``save(path)`` writes a safetensors file (never pickle): keys
 ``"<module>/output"``, ``"<module>/output[1]"``, ``"<module>/3/output"`` (call 3 of a list),
-``"<module>/grad"``, ``"<module>/input[0]"``, plus JSON metadata from which
+``"<module>/grad"``, ``"<module>/input[0]"``, ``"<module>/kwargs.attention_mask"``, plus JSON metadata from which
 ``hookplug.load_capture(path)`` rebuilds the same dicts (dataclasses come back as dicts).
 safetensors holds dense strided tensors only: nested tensors (``torch.nested``, e.g. inside
 ``nn.TransformerEncoder``'s fast path) and sparse ones are captured like any other, but
@@ -88,7 +89,15 @@ from hookplug.structures import _rebuild_fields, children, iter_tensors, map_ten
 __all__ = ["CapturePlugin"]
 
 _KINDS = ("features", "grads", "inputs")
-_PREFIX = {"features": "output", "grads": "grad", "inputs": "input"}
+_PREFIX = {"features": "output", "grads": "grad", "inputs": "input", "input_kwargs": "kwargs"}
+
+
+def _part(calls: Dict[str, Any], i: int, per_call: bool) -> Dict[str, Any]:
+    """Part ``i`` (0: args, 1: kwargs) of the ``(args, kwargs)`` the inputs store holds per
+    call (a list of them, None where a call has none, with ``per_call``)."""
+    if per_call:
+        return {n: [None if v is None else v[i] for v in values] for n, values in calls.items()}
+    return {n: v[i] for n, v in calls.items()}
 
 
 class _Slot:
@@ -330,7 +339,6 @@ class CapturePlugin(hookplug.Plugin):
         self._set_aside: Dict[tuple, List[tuple]] = {}
         self._warned = False
         self._warned_objects = False
-        self._warned_kwargs = False
         self._warned_batched = False
 
     def _wait(self) -> None:
@@ -364,7 +372,15 @@ class CapturePlugin(hookplug.Plugin):
         ``features`` holds (aligned as ``grads`` are)."""
         if self._events:
             self._wait()
-        return self._aligned("inputs")
+        return _part(self._aligned("inputs"), 0, self.keep != "last")
+
+    @property
+    def input_kwargs(self) -> Dict[str, Any]:
+        """``{module: keyword arguments dict}`` read before ``forward`` (``inputs=True``;
+        ``{}`` for a call given none), of the calls ``inputs`` holds, aligned as it is."""
+        if self._events:
+            self._wait()
+        return _part(self._aligned("inputs"), 1, self.keep != "last")
 
     def _aligned(self, kind: str) -> Dict[str, Any]:
         """What ``kind`` holds, call by call with ``features``: a list entry per kept call
@@ -681,15 +697,8 @@ class CapturePlugin(hookplug.Plugin):
                 self.skipped -= 1  # (a call Ctrl-C stopped is no call skipped, as a raised one)
 
     def _forward_input(self, ctx, args, kwargs=None) -> None:
-        if kwargs and not self._warned_kwargs and next(iter_tensors(kwargs), None) is not None:
-            self._warned_kwargs = True
-            holding = [str(k) for k, v in kwargs.items() if next(iter_tensors(v), None) is not None]
-            warnings.warn(
-                f"hookplug plugin 'capture': inputs=True keeps the positional arguments; "
-                f"{ctx.name or '<root>'!r} was called with keyword arguments holding tensors "
-                f"({', '.join(holding)}), which are not kept (stats' 'input' site "
-                "measures them)", RuntimeWarning, stacklevel=user_stacklevel())
-        if self._capture("inputs", ctx.name, ctx.call_index, tuple(args), "input"):
+        # one value per call, (args, kwargs): kept, bounded and dropped together
+        if self._capture("inputs", ctx.name, ctx.call_index, (tuple(args), dict(kwargs or {})), "input"):
             self._open[(ctx.name, ctx.call_index)] = threading.get_ident()  # until its output
 
     @hookimpl
@@ -821,6 +830,12 @@ class CapturePlugin(hookplug.Plugin):
             stores = {k: ({n: (list(x) if per_call else x) for n, x in v.items()}
                           if k == "features" else self._aligned(k))
                       for k, v in self._store.items() if v}
+        if "inputs" in stores:  # (args, kwargs) per call: two kinds in the file
+            calls = stores.pop("inputs")
+            stores["inputs"] = _part(calls, 0, per_call)
+            kwargs = _part(calls, 1, per_call)
+            if any(v for value in kwargs.values() for v in (value if per_call else [value])):
+                stores["input_kwargs"] = kwargs
         left_out: List[str] = []
         for kind, store in stores.items():
             prefix = _PREFIX[kind]

@@ -501,11 +501,11 @@ def test_item18_real_dynamic_cache_passed_to_blocks_is_not_kept_live():
         out = m(torch.randint(0, 50, (1, 5)), use_cache=True)
     live = out.past_key_values
     for block in ("h.0", "h.1"):
-        for a in s["capture"].inputs[block]:
+        for a in [*s["capture"].inputs[block], *s["capture"].input_kwargs[block].values()]:
             for obj in [a] + ([] if not isinstance(a, dict) else list(a.get("layers", []))):
                 assert obj is not live and all(obj is not layer for layer in live.layers)
     assert s["capture"].nbytes == sum(t.numel() * t.element_size()
-                                      for kind in ("features", "inputs")
+                                      for kind in ("features", "inputs", "input_kwargs")
                                       for v in getattr(s["capture"], kind).values()
                                       for _, t in hookplug.structures.iter_tensors(v))
 

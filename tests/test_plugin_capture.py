@@ -1692,9 +1692,13 @@ def test_objects_without_tensors_past_the_depth_limit_stay_as_they_are():
     assert isinstance(s["capture"].features[""][1], Info)
 
 
-def test_inputs_warns_once_that_keyword_tensors_are_not_kept():
+@pytest.mark.parametrize("keep", ["last", "all", 2])
+def test_inputs_keep_keyword_arguments_call_by_call_and_save_them(keep, tmp_path):
+    """Keyword arguments (an HF attention's ``hidden_states=``) were left out of ``inputs``
+    with a warning: they are kept in ``input_kwargs``, aligned with ``inputs``, counted in
+    ``nbytes`` and written by ``save()``."""
     class Attn(torch.nn.Module):
-        def forward(self, hidden_states=None, scale=1.0):
+        def forward(self, hidden_states=None, scale=1.0, mask=None):
             return hidden_states * scale
 
     class M(torch.nn.Module):
@@ -1703,17 +1707,44 @@ def test_inputs_warns_once_that_keyword_tensors_are_not_kept():
             self.attn = Attn()
 
         def forward(self, x):
-            return self.attn(hidden_states=x, scale=2.0) + self.attn(x)
+            return self.attn(hidden_states=x, scale=2.0, mask=x > 0) + self.attn(x)
 
     m = M()
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        with hookplug.attach(m, "*:attn", plugins=("capture", {"inputs": True, "keep": "all"})) as s:
-            m(torch.randn(2, 3))
-            m(torch.randn(2, 3))
-    msgs = [str(w.message) for w in seen if "keyword arguments" in str(w.message)]
-    assert len(msgs) == 1 and "'attn'" in msgs[0] and "(hidden_states)" in msgs[0]  # (not scale)
-    assert [len(a) for a in s["capture"].inputs["attn"]] == [0, 1, 0, 1]
+    xs = [torch.randn(2, 3) for _ in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with hookplug.attach(m, "*:attn", plugins=("capture", {"inputs": True, "keep": keep})) as s:
+            for x in xs:
+                m(x)
+            cap = s["capture"]
+            kept_bytes = cap.nbytes
+    calls = [c for x in xs for c in (((), {"hidden_states": x, "scale": 2.0, "mask": x > 0}), ((x,), {}))]
+    want = calls[-1:] if keep == "last" else calls[-2:] if keep == 2 else calls
+    got_args, got_kwargs = cap.inputs["attn"], cap.input_kwargs["attn"]
+    if keep == "last":
+        got_args, got_kwargs = [got_args], [got_kwargs]
+    assert len(got_args) == len(got_kwargs) == len(want)
+    for (args, kwargs), a, k in zip(want, got_args, got_kwargs):
+        assert len(a) == len(args) and all(torch.equal(u, v) for u, v in zip(a, args))
+        assert set(k) == set(kwargs)
+        for name, v in kwargs.items():
+            assert torch.equal(k[name], v) if isinstance(v, torch.Tensor) else k[name] == v
+    feats = [cap.features["attn"]] if keep == "last" else cap.features["attn"]
+    feat = sum(t.numel() * t.element_size() for t in feats)
+    held = sum(t.numel() * t.element_size() for a, k in zip(got_args, got_kwargs)
+               for t in [*a, *[v for v in k.values() if isinstance(v, torch.Tensor)]])
+    assert kept_bytes == feat + held
+    path = tmp_path / "cap.safetensors"
+    cap.save(path)
+    back = hookplug.load_capture(path, what="all")
+    b_args, b_kwargs = back["inputs"]["attn"], back["input_kwargs"].get("attn")
+    if keep == "last":  # the last call had no keywords: none written
+        assert b_kwargs is None and torch.equal(b_args[0], xs[-1])
+        return
+    for k, bk in zip(got_kwargs, b_kwargs):
+        assert (bk or {}).keys() == k.keys()
+        for name, v in k.items():
+            assert torch.equal(bk[name], v) if isinstance(v, torch.Tensor) else bk[name] == v
 
 
 def test_keep_n_grads_has_no_entry_for_a_module_none_of_whose_kept_calls_got_one():
