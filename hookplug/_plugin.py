@@ -85,6 +85,10 @@ class Plugin:
     #: per call (capture) sets this to False: where it is attached, the hooks run outside
     #: the graph (a graph break per hooked call) exactly as in eager code.
     traceable: bool = True
+    #: The plugin works on the parameters of its modules (as ``params`` does; a plugin with
+    #: ``hookplug_param_grad`` does in any case): a module with parameters put under one of
+    #: them after attach, which it does not cover, is warned about at the first step.
+    watches_parameters: bool = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -662,6 +662,8 @@ class Session:
         self._bindings: Dict[str, _ModuleBinding] = {}
         self._param_bindings: Dict[str, _ParamBinding] = {}
         self._replaced: Dict[int, _ParamBinding] = {}  # whose Parameter was replaced (see _settle_replaced)
+        self.params_settled = 0  # how many times _settle_replaced renamed and rebound parameters
+        self._param_roots: Dict[str, "weakref.WeakSet[nn.Module]"] = {}  # see _bind
         self._param_aliases: Dict[str, weakref.ref] = {}  # a tied parameter's other names: their owners
         self._handles: Dict[int, Any] = {}  # id -> hook handle, taken off at remove()
         self._guarded: List[Tuple[weakref.ref, int]] = []  # (module, hook id) left out of copies
@@ -1066,6 +1068,8 @@ class Session:
         if model is None or not self._module_refs:
             return
         present = {id(m) for m in model.modules()}
+        if self._param_roots:
+            self._warn_new_parameters(model, present)
         gone = [name for name, ref in self._module_refs.items()
                 if name not in self._replaced_warned and id(ref()) not in present]
         if not gone:
@@ -1076,6 +1080,32 @@ class Session:
                       f"after attach?): {shown}; their hooks stay on the old module objects, which "
                       f"the model does not call, so nothing is recorded for them. Attach after "
                       f"replacing modules, or remove() and attach again.", RuntimeWarning,
+                      stacklevel=user_stacklevel())
+
+    def _warn_new_parameters(self, model: nn.Module, present: set) -> None:
+        """Warn (once per name) about modules holding parameters put after attach under a
+        selected module of a plugin working on parameters (``params``, ``gradclamp``
+        ``params=``): a child replaced, an adapter wrapped around one. Parameters are listed
+        at attach: theirs are neither measured nor steered, silently."""
+        roots = {mn: known for mn, known in self._param_roots.items()
+                 if id(self._module_refs[mn]()) in present}
+        if not roots:
+            return
+        new = []
+        for prefix, mod in named_modules(model):
+            if any(p is not None for p in mod._parameters.values()) and prefix not in self._replaced_warned:
+                root = next((mn for mn, known in roots.items()
+                             if mod not in known and (mn == "" or prefix.startswith(mn + "."))), None)
+                if root is not None:
+                    new.append(prefix)
+        if not new:
+            return
+        self._replaced_warned.update(new)
+        shown = ", ".join(repr(n) for n in new[:5]) + (f" and {len(new) - 5} more" if len(new) > 5 else "")
+        warnings.warn(f"hookplug: {len(new)} module(s) with parameters were put under selected modules "
+                      f"after attach (a child replaced, an adapter added?): {shown}; their parameters "
+                      "are not covered (params and gradclamp params= list parameters at attach). "
+                      "Attach after changing the model, or remove() and attach again.", RuntimeWarning,
                       stacklevel=user_stacklevel())
 
     def _remove_foreign_copies(self) -> None:
@@ -1227,6 +1257,12 @@ class Session:
         # the owners a parameter hook may follow: the selected modules and what they hold
         under = {id(m) for entry in self._call_order["hookplug_param_grad"] if not entry.is_sink
                  for mn in entry.modules for m in mods[mn].modules()}
+        # the modules under those of plugins working on parameters, for _warn_replaced
+        watching = {mn for e in self._entries.values() if not e.is_sink and (
+            "hookplug_param_grad" in e.impls or getattr(e.plugin, "watches_parameters", False))
+            for mn in e.modules}
+        # (held weakly, not by id: a module replaced and freed leaves its id to the next)
+        self._param_roots = {mn: weakref.WeakSet(mods[mn].modules()) for mn in watching}
         for pname, p in wanted_params.items():
             # keyed by its first name; held through its first selected owner, whose attribute
             # it follows when replaced (``lm_head.weight`` tied to an unselected ``wte``)
@@ -1461,6 +1497,7 @@ class Session:
             if got:
                 pb.name = qualified(got[0][0], got[0][2])
                 pb.owner_ids = frozenset(id(m) for _, m, _ in got)
+        self.params_settled += 1  # (plugins matching parameters by name look again: untied, tied)
         self._rebind()
 
     def _module_ids_of(self, entry: _Entry) -> set:

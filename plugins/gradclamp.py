@@ -272,6 +272,7 @@ class GradClampPlugin(hookplug.Plugin):
         # to decide whether to raise, a sync a graph cannot hold (its tensor hooks remain).
         self.grad_in_graph = self.outputs and nan != "raise" and _count_op() is not None
         self._match: Dict[str, bool] = {}
+        self._settled_seen = 0  # session.params_settled when _match was built
         self._tag = self.name  # the plugin's name in its session (keys of the module tables)
         self._model_ref = lambda: None  # the session's model (weakly)
         self._session_ref: Callable[[], Any] = lambda: None
@@ -532,15 +533,7 @@ class GradClampPlugin(hookplug.Plugin):
             self._put_tokens(session)
         if not self.params:
             return
-        self._match = {}  # names of another model (a plugin attached again)
-        hits = []
-        if model is not None:
-            ids = {id(p) for m in session.modules_of(self).values() for p in m.parameters()}
-            for pid, names in parameter_names(model).items():
-                if pid in ids:  # the hooks name it by its first name; a tied one matches by any
-                    hit = self._match[names[0]] = any(self._glob_matches(n) for n in names)
-                    hits.append(hit)
-        if not any(hits):
+        if not any(self._match_params(session).values()):
             warnings.warn(
                 f"hookplug plugin 'gradclamp': params={list(self.params)!r} matches no parameter "
                 f"of the {len(session.modules_of(self))} selected module(s); parameter hooks exist "
@@ -549,6 +542,31 @@ class GradClampPlugin(hookplug.Plugin):
                 RuntimeWarning,
                 stacklevel=user_stacklevel(),
             )
+
+    def _match_params(self, session) -> Dict[str, bool]:
+        """Whether ``params=`` steers each parameter of the selected modules, by the name its
+        gradient hook gives (the first; a tied one matches by any of its names). Built at
+        attach, and again once the session renamed parameters (untied, tied after attach:
+        the tensor a hook's name reaches has other names now)."""
+        self._settled_seen = session.params_settled
+        model = session.model
+        match: Dict[str, bool] = {}
+        if model is not None:
+            ids = {id(p) for m in session.modules_of(self).values() for p in m.parameters()}
+            for pid, names in parameter_names(model).items():
+                if pid in ids:
+                    hit = any(self._glob_matches(n) for n in names)
+                    for n in names:  # (a hook named by a name that is no longer the first)
+                        match.setdefault(n, hit)
+                    match[names[0]] = hit
+        if match != self._match:  # (the same dict otherwise: compiled code guards on it)
+            self._match = match
+        return match
+
+    @hookimpl
+    def hookplug_step(self, session):
+        if self.params and session.params_settled != self._settled_seen:
+            self._match_params(session)
 
     @hookimpl
     def hookplug_session_end(self, session):

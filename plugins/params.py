@@ -325,6 +325,8 @@ class ParamsPlugin(hookplug.Plugin):
     """Per parameter and site, a :class:`hookplug.TensorStats` of the weight, its gradient
     and its update. See the module docstring for the options and the call order."""
 
+    watches_parameters = True
+
     name = "params"
     sampled = False  # sampling is the bank's gate
     collect_when_disabled = True  # its bank hands over only the steps ended before (collect_for)

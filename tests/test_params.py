@@ -1,5 +1,6 @@
 """The ``params`` plugin in one process: weight / grad / update stats equal plain torch."""
 import math
+import warnings
 
 import pytest
 import torch
@@ -1479,3 +1480,45 @@ def test_parameters_replaced_in_the_model_but_not_in_the_optimizer_record_no_upd
             m.zero_grad()
     assert {r["step"] for r in keep.records if r["site"] == "update"} == {0}
     assert {r["step"] for r in keep.records if r["site"] == "grad"} == {0, 1, 2}
+
+
+@pytest.mark.parametrize("selector", ["*:0", "*:"])
+def test_modules_with_parameters_put_under_a_selected_module_after_attach_are_warned_about(selector):
+    """A child replaced or wrapped in an adapter after attach under a selected container:
+    params and gradclamp params= list parameters at attach, so the new ones were neither
+    measured nor steered, silently."""
+    import gc
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc2(torch.relu(self.fc1(x)))
+
+    class Adapter(nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+            self.a = nn.Parameter(torch.zeros(4, 4))
+
+        def forward(self, x):
+            return self.base(x) + x @ self.a
+
+    for plugins in (["params"], [("gradclamp", {"max": 1.0, "params": "*", "outputs": False})], ["stats"]):
+        m = nn.Sequential(Block(), nn.Linear(4, 2))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with hookplug.attach(m, selector, plugins=plugins) as s:
+                m[0].fc1 = nn.Linear(4, 4)
+                m[0].fc2 = Adapter(m[0].fc2)
+                gc.collect()  # (the old fc1 freed: its id free for the next module)
+                m(torch.randn(3, 4)).sum().backward()
+                s.step()
+                s.step()
+        said = [str(w.message) for w in seen if "put under selected modules" in str(w.message)]
+        if plugins == ["stats"]:  # module hooks only: nothing it covers changed
+            assert said == [], said
+        else:
+            assert len(said) == 1 and "'0.fc1', '0.fc2'" in said[0], (plugins, said)

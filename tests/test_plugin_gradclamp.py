@@ -463,6 +463,35 @@ def test_a_parameter_untied_after_attach_is_steered_under_its_own_name(selector)
     assert all(p._backward_hooks in (None, {}) for p in model.parameters())
 
 
+@pytest.mark.parametrize("tied_at_attach", [True, False])
+def test_params_glob_follows_a_tie_or_untie_after_attach(tied_at_attach):
+    """``params="2.*"`` matched once at attach, by the hook's name: untied after, the first
+    name's Parameter (``0.weight``, never named by the glob) was still clamped; tied after,
+    the shared Parameter's hook (named ``0.weight``) was never steered, silently."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 4, bias=False))
+    if tied_at_attach:
+        model[2].weight = model[0].weight
+    x = torch.randn(5, 4)
+    opts = ("gradclamp", {"min": -0.01, "max": 0.01, "params": "2.*"})
+    with hookplug.attach(model, "Linear", plugins=opts) as s:
+        if tied_at_attach:
+            model[2].weight = nn.Parameter(model[0].weight.detach().clone())
+        else:
+            model[2].weight = model[0].weight
+        s.step()
+        got = run(model, x)
+        res = s["gradclamp"].results()
+    want = run(model, x)
+    if tied_at_attach:  # only 2.weight
+        assert torch.equal(got["0.weight"], want["0.weight"]) and want["0.weight"].abs().max() > 0.01
+        assert torch.equal(got["2.weight"], want["2.weight"].clamp(-0.01, 0.01))
+        assert list(res) == ["2.weight"]
+    else:  # the shared Parameter, once, under its first name
+        assert torch.equal(got["0.weight"], want["0.weight"].clamp(-0.01, 0.01))
+        assert list(res) == ["0.weight"] and res["0.weight"]["changed"] > 0
+
+
 def _tied_pair():
     """Two bias-free Linears around a Tanh, ``2.weight`` tied to ``0.weight``; an input; a
     plugin doubling parameter gradients."""
