@@ -325,8 +325,10 @@ def _keep_callbacks_through_clear(handler) -> None:
     clear = handler.clear
 
     def clear_and_keep_hookplugs() -> None:
-        clear()
-        _install_callbacks(handler)
+        try:
+            clear()  # (raises when callbacks are pending: after emptying the lists)
+        finally:
+            _install_callbacks(handler)
 
     try:
         handler.clear = clear_and_keep_hookplugs

@@ -697,7 +697,8 @@ class _ModuleBinding:
             try:
                 res = fn(ctx, module, args, kwargs, output if new is None else new)
             except Exception as exc:  # noqa: BLE001 - on_error decides
-                self.session._plugin_failed(plugin, "hookplug_forward_output" if output is not None
+                given = output if new is None else new
+                self.session._plugin_failed(plugin, "hookplug_forward_output" if given is not None
                                             else _GIVEN_NONE, exc)
                 continue
             if res is not None and _returned_ok(self.session, plugin, "hookplug_forward_output", self.where,

@@ -456,24 +456,50 @@ def _own_copy_methods(cls) -> List[str]:
 _HOOK_IDS_OF: "weakref.WeakKeyDictionary[nn.Module, Dict[Tuple[int, int], bool]]" = weakref.WeakKeyDictionary()
 
 
-# Where each live session of a model was attached (file, line): the same place attaching
-# again while its last session is not removed is a re-run notebook cell or a loop that
-# reassigns ``s = attach(...)``, and the old session, unreachable, would run for good.
+# Each live session of a model, with where (file, line) and with what (selector, plugins,
+# sink) it was attached: the same attach again from the same place while that session is not
+# removed is a re-run notebook cell or a loop reassigning ``s = attach(...)``, and the old
+# session, unreachable, would run for good. (Sessions attached from one place with other
+# selectors or plugins, e.g. two trainer callbacks, are meant to run together.)
 _ATTACHED_AT: "weakref.WeakKeyDictionary[nn.Module, List[Tuple[weakref.ref, Any]]]" = weakref.WeakKeyDictionary()
 
 
-def _note_attached_at(model: nn.Module, session: "Session") -> None:
+def _spec_key(value: Any) -> Any:
+    """A comparable stand-in for an attach argument: plain values as they are, containers
+    item by item, any other object (a plugin instance: a new one each re-run) by its type."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, dict):
+        return ("dict", tuple((_spec_key(k), _spec_key(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return ("seq", tuple(_spec_key(v) for v in value))
+    return ("object", type(value).__qualname__)
+
+
+def _attached_again(model: nn.Module, what: Any) -> Any:
+    """Warn where ``model`` has a live session attached from the caller's place with the same
+    ``what``; returns the key to note once this one is attached."""
     site = user_site()
-    live = [(ref, at) for ref, at in _ATTACHED_AT.get(model, ())
-            if ref() is not None and not ref()._removed]
-    if site is not None and any(at == site for _, at in live):
+    if site is None:
+        return None
+    key = (site, _spec_key(what))
+    if any(at == key and ref() is not None and not ref()._removed
+           for ref, at in _ATTACHED_AT.get(model, ())):
         warnings.warn(
             f"hookplug: attach() again at {os.path.basename(site[0])}:{site[1]} on this "
-            f"{type(model).__name__}, whose session attached there is not removed (a re-run "
-            "notebook cell, a loop reassigning the session?): both sessions run (the old one's "
-            "hooks stay, still recording and steering). Call remove() on the old session, or "
-            "use `with hookplug.attach(...) as s:`", RuntimeWarning, stacklevel=user_stacklevel())
-    live.append((weakref.ref(session), site))
+            f"{type(model).__name__}, whose session attached there with the same selector and "
+            "plugins is not removed (a re-run notebook cell, a loop reassigning the session?): "
+            "both sessions run (the old one's hooks stay, still recording and steering). Call "
+            "remove() on the old session, or use `with hookplug.attach(...) as s:`",
+            RuntimeWarning, stacklevel=user_stacklevel())
+    return key
+
+
+def _note_attached_at(model: nn.Module, session: "Session", key: Any) -> None:
+    live = [(ref, at) for ref, at in _ATTACHED_AT.get(model, ())
+            if ref() is not None and not ref()._removed]
+    if key is not None:
+        live.append((weakref.ref(session), key))
     _ATTACHED_AT[model] = live
 
 
@@ -663,6 +689,8 @@ class Session:
         self._param_bindings: Dict[str, _ParamBinding] = {}
         self._replaced: Dict[int, _ParamBinding] = {}  # whose Parameter was replaced (see _settle_replaced)
         self.params_settled = 0  # how many times _settle_replaced renamed and rebound parameters
+        # plugin name -> why its last report section failed (on_error="warn"; see report_sections)
+        self.section_failures: Dict[str, str] = {}
         self._param_roots: Dict[str, "weakref.WeakSet[nn.Module]"] = {}  # see _bind
         self._param_aliases: Dict[str, weakref.ref] = {}  # a tied parameter's other names: their owners
         self._handles: Dict[int, Any] = {}  # id -> hook handle, taken off at remove()
@@ -859,6 +887,8 @@ class Session:
             except Exception as exc:  # noqa: BLE001 - on_error decides
                 if self.on_error == "raise":
                     _raise_noted(exc, entry.name, "hookplug_report_section")
+                why = f"{type(exc).__name__} in hookplug_report_section: {exc}"
+                self.section_failures[entry.name] = why
                 warnings.warn(f"hookplug plugin {entry.name!r}: hookplug_report_section failed "
                               f"({type(exc).__name__}: {exc}); left out of the report "
                               "(on_error='warn')", RuntimeWarning, stacklevel=2)
@@ -1676,6 +1706,7 @@ def attach(
     if isinstance(model, nn.Module):
         group = replica_group(model)
         model = unwrap_model(model)  # hooks on the wrapped modules serve the wrapper too
+    again = _attached_again(model, (selector, plugins, sink)) if isinstance(model, nn.Module) else None
     session = Session(model, every=every, on_error=on_error, flush_every=flush_every,
                       start_step=start_step, distributed=distributed)
     session._replica_group = group
@@ -1754,7 +1785,7 @@ def attach(
         session._attached = True
         if session.has_sinks:
             _flush_at_exit(session)
-        _note_attached_at(model, session)
+        _note_attached_at(model, session, again)
     except BaseException as exc:
         # only plugins whose session_start ran (or that have none) are ended
         session._not_started = {n for n, e in session._entries.items()

@@ -626,6 +626,19 @@ def test_a_plugin_that_cannot_attach_is_an_error_and_one_failing_in_the_run_exit
     assert got.returncode == 1 and "failed during the run" in got.stderr, got.stderr
     assert "'jsonl' failed and is disabled" in got.stderr, got.stderr
     assert (tmp_path / "run.json").exists()  # the reports are written first
+    # a report section that fails leaves its plugin collecting, but the report is not whole
+    import hookplug_plugins.flops as flops
+
+    def broken(self, session):
+        raise RuntimeError("section broke")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(flops.FlopsPlugin.hookplug_report_section, "__code__", broken.__code__)
+        got = call("profile", "mlp", "--plain", "--json", "sec.json", cwd=tmp_path)
+    assert got.returncode == 1 and "'flops' failed during the run" in got.stderr, got.stderr
+    doc = json.loads((tmp_path / "sec.json").read_text())
+    assert doc["failed_sections"] == {"flops": "RuntimeError in hookplug_report_section: section broke"}
+    assert "plugin 'flops' left out of the report" in got.stdout
 
 
 def test_json_and_html_on_one_file_is_refused(tmp_path, call):

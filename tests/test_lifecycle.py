@@ -1087,10 +1087,16 @@ def test_attaching_again_from_the_same_line_while_its_session_is_live_warns():
         for _ in range(3):
             sessions.append(hookplug.attach(model, "Linear", plugins="stats"))
     said = [str(w.message) for w in seen if "attach() again" in str(w.message)]
-    assert len(said) == 2 and "whose session attached there is not removed" in said[0]
+    assert len(said) == 2 and "whose session attached there with the same selector and plugins is not removed" in said[0]
     assert all(w.filename == __file__ for w in seen)
     for s in sessions:
         s.remove()
+    with warnings.catch_warnings():  # one place, other selectors or plugins: meant to run together
+        warnings.simplefilter("error")
+        kept = [hookplug.attach(model, sel, plugins=p) for sel, p in
+                (("Linear", "stats"), ("*:fc1", "stats"), ("Linear", "flops"), ("Linear", ("stats", {"bins": 0})))]
+        for s in kept:
+            s.remove()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         attach_here().remove()

@@ -1012,3 +1012,32 @@ def test_a_report_section_holding_a_tensor_is_a_plugin_error():
         with pytest.raises(TypeError, match=r"plugin 'tensory': hookplug_report_section must return plain "
                                             r"data \(host numbers\), got a tensor at section\.stats\.fc1\.mean"):
             s.report_sections()
+
+
+def test_a_forward_output_hook_given_a_filled_in_output_is_not_said_to_get_none():
+    """The "given output=None" note read the module's output, not what the failing plugin
+    got: after a plugin before it replaced a None output, it said None wrongly."""
+
+    class NoneOut(torch.nn.Module):
+        def forward(self, x):
+            return None
+
+    class Fill(hookplug.Plugin):
+        name = "fill"
+
+        @hookplug.hookimpl
+        def hookplug_forward_output(self, output):
+            return torch.zeros(1) if output is None else None
+
+    class Picky(hookplug.Plugin):
+        name = "picky"
+
+        @hookplug.hookimpl
+        def hookplug_forward_output(self, output):
+            raise ValueError(f"bad {type(output).__name__}")
+
+    model = torch.nn.Sequential(NoneOut())
+    with pytest.warns(RuntimeWarning, match="picky"):
+        with hookplug.attach(model, "NoneOut", plugins=[Fill(), Picky()], on_error="warn") as s:
+            assert torch.equal(model(torch.randn(2)), torch.zeros(1))
+    assert s.disabled["picky"] == "ValueError in hookplug_forward_output: bad Tensor"

@@ -952,6 +952,28 @@ def test_wandb_run_of_a_session_dropped_without_remove_is_finished_when_collecte
         assert s["wandb"].run is not old and s["wandb"].run.name == s.run_id
 
 
+def test_wandb_run_shared_by_two_live_sessions_is_finished_by_the_last_to_end(tmp_path, offline_wandb):
+    """A second session's sink logs into the run the first one's sink started (found
+    active): the first session's end left the second logging into a finished run."""
+    ma, mb = MLP(), MLP()
+    a = hookplug.attach(ma, "Linear", plugins="stats", flush_every=1,
+                        sink=("wandb", {"path": str(tmp_path / "a"), "stats": ("mean",)}))
+    ma(torch.randn(2, 32))
+    a.step()
+    run = offline_wandb.run
+    b = hookplug.attach(mb, "Linear", plugins="stats", flush_every=1, sink=("wandb", {"stats": ("mean",)}))
+    mb(torch.randn(2, 32))
+    b.step()
+    assert b["wandb"].run is run
+    a.remove()
+    assert offline_wandb.run is run  # b still logs into it
+    mb(torch.randn(2, 32))
+    b.step()
+    assert not b.disabled
+    b.remove()
+    assert offline_wandb.run is None
+
+
 def test_wandb_run_started_by_the_sink_gets_the_exit_flush_of_a_session_never_removed(fresh_python):
     """wandb tears its run down in an atexit handler registered at wandb.init, i.e. after
     hookplug's (at attach), so it ran first: the exit flush of a session never removed failed

@@ -814,7 +814,8 @@ def _run_profile(args, created: _Created) -> Tuple[Dict[str, Any], Optional[Path
             "steps": args.steps, "backward": bool(args.backward), "step_seconds": step_times})
     finally:
         session.remove()
-        args.failed_plugins = dict(session.disabled)  # (in the run or at its end: status 1)
+        # (in the run, at its end or in its report: status 1)
+        args.failed_plugins = {**session.section_failures, **session.disabled}
         if tb_writer is not None:
             tb_writer.close()
 

@@ -192,6 +192,7 @@ def build_document(session, records: Sequence[Dict[str, Any]], meta: Dict[str, A
         "notes": [str(line) for s in sections.values() for line in s.get("summary") or ()],
         "telemetry": [{k: r.get(k) for k in _RECORD_KEYS} for r in records],
         "disabled": dict(session.disabled),
+        "failed_sections": {n: w for n, w in session.section_failures.items() if n not in session.disabled},
         "extra": {n: _jsonable(v) for n, v in extra.items() if v},
     }
     return _clean_floats(doc)
@@ -371,6 +372,8 @@ def _summary_lines(doc: Dict[str, Any]) -> List[str]:
                      + ("; FLOPs per step" if "flops" in doc.get("kinds", []) else ""))
     for name, why in (doc.get("disabled") or {}).items():
         lines.append(f"plugin {name!r} was disabled during the run: {why}")
+    for name, why in (doc.get("failed_sections") or {}).items():
+        lines.append(f"plugin {name!r} left out of the report: {why}")
     missing = [p for p in doc.get("plugins", []) if p not in (doc.get("plugins_active") or [])]
     if missing:
         lines.append(f"not loaded: {', '.join(missing)} (see 'hookplug plugins')")

@@ -7,8 +7,9 @@ Logs into ``run=`` (a ``wandb`` Run), else the run active at the first flush
 (``wandb.run``: the one ``wandb.init``, Lightning's ``WandbLogger`` or the 🤗 Trainer's
 ``report_to="wandb"`` started), else a run of its own: ``wandb.init(project=project or
 "hookplug", dir=path, name=<run-id>, **init)`` (``path`` unset: ``runs/<run-id>``; ``{rank}`` and
-``{run_id}`` are filled in), finished when the session ends. A run it did not start is
-never finished by it. A session never removed flushes its last steps into the run at
+``{run_id}`` are filled in), finished when the session ends (or, for a session dropped
+without ``remove()``, when its sink is collected; where another session's sink logs into
+it, when the last of them ends). A run it did not start is never finished by it. A session never removed flushes its last steps into the run at
 interpreter exit, before wandb's own exit handler (registered at ``wandb.init``) ends it.
 
 Names are the TensorBoard sink's: ``hookplug/<stat>/<module>/<site>`` (``hookplug_eval/...``
@@ -31,6 +32,7 @@ Needs the ``wandb`` package: ``pip install 'hookplug[wandb]'``.
 """
 from __future__ import annotations
 
+import gc
 import math
 import os
 import weakref
@@ -48,6 +50,30 @@ __all__ = ["WandbSink", "histogram_bins"]
 STATS = hookplug.STAT_FIELDS  # what stats= may name
 MAX_BINS = 512  # wandb.Histogram's limit
 STEP_KEY = "hookplug/step"
+
+
+# Runs wandb sinks started: id(run) -> the sink (weakly); and how many other sinks log into
+# each (they found it active). A run is finished by the sink that started it, at its
+# session's end or when it is collected (a session dropped without remove()): not while
+# another sink logs into it.
+_STARTED: Dict[int, "weakref.ref[WandbSink]"] = {}
+_ADOPTERS: Dict[int, int] = {}
+_ORPHANED: Dict[int, Any] = {}  # runs whose sink ended while others logged into them: the last finishes it
+
+
+def _finish_dropped(pid: int, run) -> None:
+    """The finalizer of a sink's own run (see ``_STARTED``): in the process that started it
+    only (a forked child's copy of a collected sink leaves the parent's run alone)."""
+    if os.getpid() != pid:
+        return
+    _STARTED.pop(id(run), None)
+    if _ADOPTERS.get(id(run)):  # another session logs into it: the last one's end finishes it
+        _ORPHANED[id(run)] = run
+        return
+    try:
+        run.finish()
+    except Exception:  # noqa: BLE001 - a finalizer must not raise (wandb torn down at exit)
+        pass
 
 
 def _wandb():
@@ -115,11 +141,22 @@ class WandbSink(hookplug.Sink):
         self.stats = tuple(stats)
         self.histogram = histogram
         self._own_run = False
+        self._adopted = False  # counted in _ADOPTERS (a run found active)
         self._declared: Optional[int] = None  # id() of the run the x-axis was declared on
 
     def _open(self, session, rank: int):
         if self.run is None and not self.all_ranks and self._wandb.run is not None:
-            self.run = self._wandb.run
+            owner = _STARTED.get(id(self._wandb.run))
+            if owner is not None and owner() is not self:
+                # another sink's run: one of a session dropped without remove() is finished
+                # when that sink is collected, which may not have happened yet
+                gc.collect()
+            active = self._wandb.run
+            if active is not None:
+                self.run = active
+                if self._given_run is None:
+                    _ADOPTERS[id(active)] = _ADOPTERS.get(id(active), 0) + 1
+                    self._adopted = True
         if self.run is None:
             self.path = self.resolve_path(session, rank)
             os.makedirs(self.path, exist_ok=True)
@@ -134,7 +171,8 @@ class WandbSink(hookplug.Sink):
             # a session dropped without remove(): its run is finished when the sink is
             # collected (else the next sink would find it active and log into it); at exit
             # wandb's own handler finishes it, after the exit flush
-            self._run_finisher = weakref.finalize(self, self.run.finish)
+            _STARTED[id(self.run)] = weakref.ref(self)
+            self._run_finisher = weakref.finalize(self, _finish_dropped, os.getpid(), self.run)
             self._run_finisher.atexit = False
         if self._declared != id(self.run):
             # a run started after attach tears itself down at exit before a never-removed
@@ -168,9 +206,20 @@ class WandbSink(hookplug.Sink):
 
     def close(self) -> None:
         """Finish the run the sink started (a run given to it or found active is left open)."""
+        if self._adopted:
+            self._adopted = False
+            left = _ADOPTERS.pop(id(self.run), 1) - 1
+            if left:
+                _ADOPTERS[id(self.run)] = left
+            elif _ORPHANED.pop(id(self.run), None) is not None:  # its sink ended before this one
+                self.run.finish()
         if self.run is not None and self._own_run:
             self._run_finisher.detach()
-            self.run.finish()
+            _STARTED.pop(id(self.run), None)
+            if _ADOPTERS.get(id(self.run)):  # another session logs into it: the last one ends it
+                _ORPHANED[id(self.run)] = self.run
+            else:
+                self.run.finish()
         self.run = self._given_run  # a run found active may be gone by the next session
         self._own_run = False
         self._declared = None
