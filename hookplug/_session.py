@@ -479,6 +479,11 @@ def _spec_key(value: Any) -> Any:
 def _attached_again(model: nn.Module, what: Any) -> Any:
     """Warn where ``model`` has a live session attached from the caller's place with the same
     ``what``; returns the key to note once this one is attached."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("hookplug"):
+        if frame.f_globals["__name__"].startswith(("hookplug.integrations", "hookplug.cli")):
+            return None  # (a trainer callback or the CLI: each manages its own sessions)
+        frame = frame.f_back
     site = user_site()
     if site is None:
         return None
@@ -691,7 +696,8 @@ class Session:
         self.params_settled = 0  # how many times _settle_replaced renamed and rebound parameters
         # plugin name -> why its last report section failed (on_error="warn"; see report_sections)
         self.section_failures: Dict[str, str] = {}
-        self._param_roots: Dict[str, "weakref.WeakSet[nn.Module]"] = {}  # see _bind
+        self._param_roots: List[str] = []  # see _bind
+        self._param_modules: "weakref.WeakKeyDictionary[nn.Module, frozenset]" = weakref.WeakKeyDictionary()
         self._param_aliases: Dict[str, weakref.ref] = {}  # a tied parameter's other names: their owners
         self._handles: Dict[int, Any] = {}  # id -> hook handle, taken off at remove()
         self._guarded: List[Tuple[weakref.ref, int]] = []  # (module, hook id) left out of copies
@@ -893,6 +899,7 @@ class Session:
                               f"({type(exc).__name__}: {exc}); left out of the report "
                               "(on_error='warn')", RuntimeWarning, stacklevel=2)
                 continue
+            self.section_failures.pop(entry.name, None)
             if res is not None:
                 out[entry.name] = res
         return out
@@ -1117,23 +1124,23 @@ class Session:
         selected module of a plugin working on parameters (``params``, ``gradclamp``
         ``params=``): a child replaced, an adapter wrapped around one. Parameters are listed
         at attach: theirs are neither measured nor steered, silently."""
-        roots = {mn: known for mn, known in self._param_roots.items()
-                 if id(self._module_refs[mn]()) in present}
+        roots = [mn for mn in self._param_roots if id(self._module_refs[mn]()) in present]
         if not roots:
             return
         new = []
         for prefix, mod in named_modules(model):
-            if any(p is not None for p in mod._parameters.values()) and prefix not in self._replaced_warned:
-                root = next((mn for mn, known in roots.items()
-                             if mod not in known and (mn == "" or prefix.startswith(mn + "."))), None)
-                if root is not None:
+            names = frozenset(k for k, p in mod._parameters.items() if p is not None)
+            if names and prefix not in self._replaced_warned and any(
+                    mn == "" or prefix == mn or prefix.startswith(mn + ".") for mn in roots):
+                known = self._param_modules.get(mod)
+                if known is None or not names <= known:  # (a parameter added: pruning's weight_orig)
                     new.append(prefix)
         if not new:
             return
         self._replaced_warned.update(new)
         shown = ", ".join(repr(n) for n in new[:5]) + (f" and {len(new) - 5} more" if len(new) > 5 else "")
-        warnings.warn(f"hookplug: {len(new)} module(s) with parameters were put under selected modules "
-                      f"after attach (a child replaced, an adapter added?): {shown}; their parameters "
+        warnings.warn(f"hookplug: {len(new)} module(s) under selected modules got parameters after "
+                      f"attach (a child replaced, an adapter added, pruning?): {shown}; their parameters "
                       "are not covered (params and gradclamp params= list parameters at attach). "
                       "Attach after changing the model, or remove() and attach again.", RuntimeWarning,
                       stacklevel=user_stacklevel())
@@ -1291,8 +1298,12 @@ class Session:
         watching = {mn for e in self._entries.values() if not e.is_sink and (
             "hookplug_param_grad" in e.impls or getattr(e.plugin, "watches_parameters", False))
             for mn in e.modules}
-        # (held weakly, not by id: a module replaced and freed leaves its id to the next)
-        self._param_roots = {mn: weakref.WeakSet(mods[mn].modules()) for mn in watching}
+        # (held weakly, not by id: a module replaced and freed leaves its id to the next),
+        # with the names of the parameters each held
+        self._param_roots = list(watching)
+        self._param_modules = weakref.WeakKeyDictionary(
+            (m, frozenset(k for k, p in m._parameters.items() if p is not None))
+            for mn in watching for m in mods[mn].modules())
         for pname, p in wanted_params.items():
             # keyed by its first name; held through its first selected owner, whose attribute
             # it follows when replaced (``lm_head.weight`` tied to an unselected ``wte``)
@@ -1706,7 +1717,8 @@ def attach(
     if isinstance(model, nn.Module):
         group = replica_group(model)
         model = unwrap_model(model)  # hooks on the wrapped modules serve the wrapper too
-    again = _attached_again(model, (selector, plugins, sink)) if isinstance(model, nn.Module) else None
+    again = (_attached_again(model, (selector, plugins, sink, every, flush_every, on_error, start_step))
+             if isinstance(model, nn.Module) else None)
     session = Session(model, every=every, on_error=on_error, flush_every=flush_every,
                       start_step=start_step, distributed=distributed)
     session._replica_group = group

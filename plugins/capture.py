@@ -27,7 +27,10 @@ Options (keyword-only):
 - ``inputs=False``: also keep the arguments, read before ``forward`` runs (as torch's
   forward pre-hooks get them): the positional ones in ``inputs[name]`` (a tuple), the
   keyword ones in ``input_kwargs[name]`` (a dict, ``{}`` for a call given none: an HF
-  attention's ``hidden_states=``, ``attention_mask=``, ...), call by call alike.
+  attention's ``hidden_states=``, ``attention_mask=``, ...), call by call alike. A keyword
+  argument that is no tensor, plain value or container (an HF cache, handed to every
+  attention call: a copy per call would hold every layer's keys and values each time) is
+  kept as ``"<ClassName: not kept>"``.
 
 ``results()`` is ``features``. ``save(path)`` writes a safetensors file (never pickle): keys
 ``"<module>/output"``, ``"<module>/output[1]"``, ``"<module>/3/output"`` (call 3 of a list),
@@ -115,6 +118,16 @@ class _Slot:
 _PLAIN = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
 _OPAQUE = (torch.nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType)
 _MAX_OBJECT_DEPTH = 8
+
+
+def _keyword_value(value: Any) -> Any:
+    """What ``input_kwargs`` keeps of one keyword argument: tensors, plain values and
+    containers of them; any other object by its class name only. An HF cache (``cache=``,
+    ``past_key_values=``) is handed to every attention call: copied per call it held every
+    layer's keys and values once per call (hundreds of MB over a short ``generate()``)."""
+    if isinstance(value, (torch.Tensor, *_PLAIN)) or children(value) is not None:
+        return value
+    return f"<{type(value).__name__}: not kept>"
 
 
 def _objects_as_dicts(obj: Any, found: List[str], depth: int = 0) -> Any:
@@ -698,7 +711,8 @@ class CapturePlugin(hookplug.Plugin):
 
     def _forward_input(self, ctx, args, kwargs=None) -> None:
         # one value per call, (args, kwargs): kept, bounded and dropped together
-        if self._capture("inputs", ctx.name, ctx.call_index, (tuple(args), dict(kwargs or {})), "input"):
+        kept = {k: _keyword_value(v) for k, v in kwargs.items()} if kwargs else {}
+        if self._capture("inputs", ctx.name, ctx.call_index, (tuple(args), kept), "input"):
             self._open[(ctx.name, ctx.call_index)] = threading.get_ident()  # until its output
 
     @hookimpl
@@ -833,9 +847,7 @@ class CapturePlugin(hookplug.Plugin):
         if "inputs" in stores:  # (args, kwargs) per call: two kinds in the file
             calls = stores.pop("inputs")
             stores["inputs"] = _part(calls, 0, per_call)
-            kwargs = _part(calls, 1, per_call)
-            if any(v for value in kwargs.values() for v in (value if per_call else [value])):
-                stores["input_kwargs"] = kwargs
+            stores["input_kwargs"] = _part(calls, 1, per_call)
         left_out: List[str] = []
         for kind, store in stores.items():
             prefix = _PREFIX[kind]

@@ -1517,8 +1517,33 @@ def test_modules_with_parameters_put_under_a_selected_module_after_attach_are_wa
                 m(torch.randn(3, 4)).sum().backward()
                 s.step()
                 s.step()
-        said = [str(w.message) for w in seen if "put under selected modules" in str(w.message)]
+        said = [str(w.message) for w in seen if "got parameters after attach" in str(w.message)]
         if plugins == ["stats"]:  # module hooks only: nothing it covers changed
             assert said == [], said
         else:
             assert len(said) == 1 and "'0.fc1', '0.fc2'" in said[0], (plugins, said)
+
+
+def test_pruning_after_attach_is_warned_about_and_a_module_shared_into_another_subtree_is_not():
+    """``prune.l1_unstructured`` registers ``weight_orig`` on a module that was there at
+    attach: not measured, silently. A selected module's child shared into another selected
+    subtree after attach is covered (its parameters were listed): no warning."""
+    from torch.nn.utils import prune
+
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with hookplug.attach(m, "Linear", plugins="params") as s:
+            prune.l1_unstructured(m[0], "weight", amount=0.5)
+            m(torch.randn(2, 4)).sum().backward()
+            s.step()
+    said = [str(w.message) for w in seen if "got parameters after attach" in str(w.message)]
+    assert len(said) == 1 and "'0'" in said[0] and "'2'" not in said[0], said
+
+    enc, dec = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), nn.Sequential(nn.Linear(4, 4))
+    m = nn.ModuleDict({"enc": enc, "dec": dec})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with hookplug.attach(m, "*:dec, *:enc", plugins="params") as s:
+            dec.append(enc[1])
+            s.step()

@@ -1737,9 +1737,9 @@ def test_inputs_keep_keyword_arguments_call_by_call_and_save_them(keep, tmp_path
     path = tmp_path / "cap.safetensors"
     cap.save(path)
     back = hookplug.load_capture(path, what="all")
-    b_args, b_kwargs = back["inputs"]["attn"], back["input_kwargs"].get("attn")
-    if keep == "last":  # the last call had no keywords: none written
-        assert b_kwargs is None and torch.equal(b_args[0], xs[-1])
+    b_args, b_kwargs = back["inputs"]["attn"], back["input_kwargs"]["attn"]
+    if keep == "last":  # the last call had no keywords
+        assert b_kwargs == {} and torch.equal(b_args[0], xs[-1])
         return
     for k, bk in zip(got_kwargs, b_kwargs):
         assert (bk or {}).keys() == k.keys()
@@ -1761,3 +1761,30 @@ def test_keep_n_grads_has_no_entry_for_a_module_none_of_whose_kept_calls_got_one
         m(x).sum().backward()
         grads = s["capture"].grads
     assert set(grads) == {"0", "1"} and grads["0"][0] is None and grads["0"][1] is not None
+
+
+def test_input_kwargs_keep_an_object_argument_by_its_class_name_only():
+    """An HF cache handed to every attention call (``cache=``): copied per call, a short
+    ``generate()`` held every layer's keys and values once per call."""
+
+    class Cache:
+        def __init__(self):
+            self.keys = [torch.randn(64, 64) for _ in range(4)]
+
+    class Attn(torch.nn.Module):
+        def forward(self, hidden_states, cache=None, use_cache=True, mask=None):
+            return hidden_states + cache.keys[0].sum()
+
+    m = torch.nn.Sequential(Attn())
+    cache, x = Cache(), torch.randn(2, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no objects-as-dicts warning: nothing copied)
+        with hookplug.attach(m, "*:0", plugins=("capture", {"inputs": True, "keep": "all"})) as s:
+            for _ in range(3):
+                m[0](x, cache=cache, use_cache=True, mask=(x > 0, None))
+    cap = s["capture"]
+    for kw in cap.input_kwargs["0"]:
+        assert kw["cache"] == "<Cache: not kept>" and kw["use_cache"] is True
+        assert torch.equal(kw["mask"][0], x > 0) and kw["mask"][1] is None
+    held = 3 * (2 * x.numel() * x.element_size() + x.numel())  # x twice (input, output), the mask
+    assert cap.nbytes == held

@@ -33,6 +33,7 @@ Needs the ``wandb`` package: ``pip install 'hookplug[wandb]'``.
 from __future__ import annotations
 
 import gc
+import itertools
 import math
 import os
 import weakref
@@ -52,28 +53,50 @@ MAX_BINS = 512  # wandb.Histogram's limit
 STEP_KEY = "hookplug/step"
 
 
-# Runs wandb sinks started: id(run) -> the sink (weakly); and how many other sinks log into
-# each (they found it active). A run is finished by the sink that started it, at its
-# session's end or when it is collected (a session dropped without remove()): not while
-# another sink logs into it.
+# The runs wandb sinks started (id(run) -> the sink, weakly) and the sinks logging into a
+# run they found active (id(run) -> {token}). A run is finished by the sink that started it,
+# at its session's end or when it is collected (a session dropped without remove()); where
+# other sinks log into it then, by the last of them to end (or be collected).
 _STARTED: Dict[int, "weakref.ref[WandbSink]"] = {}
-_ADOPTERS: Dict[int, int] = {}
-_ORPHANED: Dict[int, Any] = {}  # runs whose sink ended while others logged into them: the last finishes it
+_ADOPTERS: Dict[int, set] = {}
+_ORPHANED: Dict[int, Any] = {}  # runs whose sink ended while others logged into them
+_TOKENS = itertools.count()
 
 
-def _finish_dropped(pid: int, run) -> None:
-    """The finalizer of a sink's own run (see ``_STARTED``): in the process that started it
-    only (a forked child's copy of a collected sink leaves the parent's run alone)."""
+def _finish(run) -> None:
+    for table in (_STARTED, _ADOPTERS, _ORPHANED):
+        table.pop(id(run), None)
+    try:
+        run.finish()
+    except Exception:  # noqa: BLE001 - at a finalizer: wandb may be torn down (exit)
+        pass
+
+
+def _starter_ended(pid: int, run) -> None:
+    """The sink that started ``run`` ended (or was collected): finish it, unless other sinks
+    log into it. Only in the process that started it (a forked child's copy of a
+    collected sink leaves the parent's run alone)."""
     if os.getpid() != pid:
         return
     _STARTED.pop(id(run), None)
-    if _ADOPTERS.get(id(run)):  # another session logs into it: the last one's end finishes it
+    if _ADOPTERS.get(id(run)):
         _ORPHANED[id(run)] = run
+    else:
+        _finish(run)
+
+
+def _adopter_ended(pid: int, run_id: int, token: int) -> None:
+    """A sink logging into a run it found active ended (or was collected)."""
+    if os.getpid() != pid:
         return
-    try:
-        run.finish()
-    except Exception:  # noqa: BLE001 - a finalizer must not raise (wandb torn down at exit)
-        pass
+    tokens = _ADOPTERS.get(run_id)
+    if tokens is not None:
+        tokens.discard(token)
+        if not tokens:
+            del _ADOPTERS[run_id]
+            orphan = _ORPHANED.get(run_id)
+            if orphan is not None:  # its sink ended first: the last to log into it finishes it
+                _finish(orphan)
 
 
 def _wandb():
@@ -141,22 +164,24 @@ class WandbSink(hookplug.Sink):
         self.stats = tuple(stats)
         self.histogram = histogram
         self._own_run = False
-        self._adopted = False  # counted in _ADOPTERS (a run found active)
+        self._adopted: Optional[weakref.finalize] = None  # counted in _ADOPTERS (a run found active)
+        self._run_finisher: Optional[weakref.finalize] = None  # of its own run
         self._declared: Optional[int] = None  # id() of the run the x-axis was declared on
 
     def _open(self, session, rank: int):
         if self.run is None and not self.all_ranks and self._wandb.run is not None:
-            owner = _STARTED.get(id(self._wandb.run))
-            if owner is not None and owner() is not self:
-                # another sink's run: one of a session dropped without remove() is finished
-                # when that sink is collected, which may not have happened yet
+            found = id(self._wandb.run)
+            if found in _STARTED or found in _ORPHANED:
+                # another sink's run: one of a session dropped without remove() (its sink, or
+                # the sinks logging into it) ends when collected, which may not have happened
                 gc.collect()
             active = self._wandb.run
             if active is not None:
                 self.run = active
-                if self._given_run is None:
-                    _ADOPTERS[id(active)] = _ADOPTERS.get(id(active), 0) + 1
-                    self._adopted = True
+                token = next(_TOKENS)
+                _ADOPTERS.setdefault(id(active), set()).add(token)
+                self._adopted = weakref.finalize(self, _adopter_ended, os.getpid(), id(active), token)
+                self._adopted.atexit = False
         if self.run is None:
             self.path = self.resolve_path(session, rank)
             os.makedirs(self.path, exist_ok=True)
@@ -172,7 +197,7 @@ class WandbSink(hookplug.Sink):
             # collected (else the next sink would find it active and log into it); at exit
             # wandb's own handler finishes it, after the exit flush
             _STARTED[id(self.run)] = weakref.ref(self)
-            self._run_finisher = weakref.finalize(self, _finish_dropped, os.getpid(), self.run)
+            self._run_finisher = weakref.finalize(self, _starter_ended, os.getpid(), self.run)
             self._run_finisher.atexit = False
         if self._declared != id(self.run):
             # a run started after attach tears itself down at exit before a never-removed
@@ -206,20 +231,12 @@ class WandbSink(hookplug.Sink):
 
     def close(self) -> None:
         """Finish the run the sink started (a run given to it or found active is left open)."""
-        if self._adopted:
-            self._adopted = False
-            left = _ADOPTERS.pop(id(self.run), 1) - 1
-            if left:
-                _ADOPTERS[id(self.run)] = left
-            elif _ORPHANED.pop(id(self.run), None) is not None:  # its sink ended before this one
-                self.run.finish()
+        if self._adopted is not None:
+            adopted, self._adopted = self._adopted, None
+            adopted()  # (the last sink logging into a run whose own sink ended finishes it)
         if self.run is not None and self._own_run:
-            self._run_finisher.detach()
-            _STARTED.pop(id(self.run), None)
-            if _ADOPTERS.get(id(self.run)):  # another session logs into it: the last one ends it
-                _ORPHANED[id(self.run)] = self.run
-            else:
-                self.run.finish()
+            finisher, self._run_finisher = self._run_finisher, None
+            finisher()
         self.run = self._given_run  # a run found active may be gone by the next session
         self._own_run = False
         self._declared = None
