@@ -1109,14 +1109,18 @@ class Session:
             self._warn_new_parameters(model, present)
         gone = [name for name, ref in self._module_refs.items()
                 if name not in self._replaced_warned and id(ref()) not in present]
-        if not gone:
+        self._warn_modules(gone, "selected module(s) are no longer in the model (replaced after "
+                           "attach?): {}; their hooks stay on the old module objects, which the "
+                           "model does not call, so nothing is recorded for them. Attach after "
+                           "replacing modules, or remove() and attach again.")
+
+    def _warn_modules(self, names: List[str], text: str) -> None:
+        """One warning naming ``names`` (the first five) in ``text``, each named once a session."""
+        if not names:
             return
-        self._replaced_warned.update(gone)
-        shown = ", ".join(repr(n) for n in gone[:5]) + (f" and {len(gone) - 5} more" if len(gone) > 5 else "")
-        warnings.warn(f"hookplug: {len(gone)} selected module(s) are no longer in the model (replaced "
-                      f"after attach?): {shown}; their hooks stay on the old module objects, which "
-                      f"the model does not call, so nothing is recorded for them. Attach after "
-                      f"replacing modules, or remove() and attach again.", RuntimeWarning,
+        self._replaced_warned.update(names)
+        shown = ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        warnings.warn(f"hookplug: {len(names)} {text.format(shown)}", RuntimeWarning,
                       stacklevel=user_stacklevel())
 
     def _warn_new_parameters(self, model: nn.Module, present: set) -> None:
@@ -1135,15 +1139,10 @@ class Session:
                 known = self._param_modules.get(mod)
                 if known is None or not names <= known:  # (a parameter added: pruning's weight_orig)
                     new.append(prefix)
-        if not new:
-            return
-        self._replaced_warned.update(new)
-        shown = ", ".join(repr(n) for n in new[:5]) + (f" and {len(new) - 5} more" if len(new) > 5 else "")
-        warnings.warn(f"hookplug: {len(new)} module(s) under selected modules got parameters after "
-                      f"attach (a child replaced, an adapter added, pruning?): {shown}; their parameters "
-                      "are not covered (params and gradclamp params= list parameters at attach). "
-                      "Attach after changing the model, or remove() and attach again.", RuntimeWarning,
-                      stacklevel=user_stacklevel())
+        self._warn_modules(new, "module(s) under selected modules got parameters after attach (a "
+                           "child replaced, an adapter added, pruning?): {}; their parameters are "
+                           "not covered (params and gradclamp params= list parameters at attach). "
+                           "Attach after changing the model, or remove() and attach again.")
 
     def _remove_foreign_copies(self) -> None:
         """Take off the model's modules the copies of this session's hooks that torch
