@@ -939,11 +939,12 @@ def test_wandb_run_of_a_session_dropped_without_remove_is_finished_when_collecte
                         sink=("wandb", {"path": str(tmp_path / "a"), "stats": ("mean",)}), flush_every=1)
     model(torch.randn(2, 32))
     s.step()
-    old = offline_wandb.run
+    old = s["wandb"].run
     assert old is not None and old.name == s.run_id
     del s, model
     gc.collect()
-    assert offline_wandb.run is None  # finished with its sink
+    with pytest.raises(Exception, match="finished"):  # finished with its sink
+        old.log({"x": 1})
     model = MLP()
     with hookplug.attach(model, "Linear", plugins="stats",
                          sink=("wandb", {"path": str(tmp_path / "b"), "stats": ("mean",)}), flush_every=1) as s:
@@ -953,25 +954,56 @@ def test_wandb_run_of_a_session_dropped_without_remove_is_finished_when_collecte
 
 
 def test_wandb_run_shared_by_two_live_sessions_is_finished_by_the_last_to_end(tmp_path, offline_wandb):
-    """A second session's sink logs into the run the first one's sink started (found
-    active): the first session's end left the second logging into a finished run."""
+    """A second session's sink given the run the first one's sink started (``run=``), or one
+    sink serving two sessions: the first session's end finished the run under the second."""
     ma, mb = MLP(), MLP()
     a = hookplug.attach(ma, "Linear", plugins="stats", flush_every=1,
                         sink=("wandb", {"path": str(tmp_path / "a"), "stats": ("mean",)}))
     ma(torch.randn(2, 32))
     a.step()
-    run = offline_wandb.run
-    b = hookplug.attach(mb, "Linear", plugins="stats", flush_every=1, sink=("wandb", {"stats": ("mean",)}))
+    run = a["wandb"].run
+    assert offline_wandb.run is None  # (a run of its own, not the process's active one)
+    b = hookplug.attach(mb, "Linear", plugins="stats", flush_every=1, sink=("wandb", {"run": run}))
     mb(torch.randn(2, 32))
     b.step()
-    assert b["wandb"].run is run
     a.remove()
-    assert offline_wandb.run is run  # b still logs into it
     mb(torch.randn(2, 32))
-    b.step()
+    b.step()  # still logs into it
     assert not b.disabled
     b.remove()
-    assert offline_wandb.run is None
+    with pytest.raises(Exception, match="finished"):  # the last to end finished it
+        run.log({"x": 1})
+
+    from hookplug import _manager
+
+    shared = _manager.create_plugin("wandb", {"path": str(tmp_path / "s"), "stats": ("mean",)})
+    a = hookplug.attach(ma, "Linear", plugins="stats", flush_every=1, sink=shared)
+    b = hookplug.attach(mb, "Linear", plugins="stats", flush_every=1, sink=shared)
+    ma(torch.randn(2, 32)), mb(torch.randn(2, 32))
+    a.step(), b.step()
+    run = shared.run
+    a.remove()
+    mb(torch.randn(2, 32))
+    b.step()
+    assert not b.disabled and shared.run is run
+    b.remove()
+    with pytest.raises(Exception, match="finished"):
+        run.log({"x": 1})
+
+
+def test_wandb_sink_never_finishes_a_run_the_user_started(tmp_path, offline_wandb):
+    """wandb.init() hands back a run already active (one the user made with
+    reinit="create_new", not the process's wandb.run): the sink took it for its own and
+    finished it at remove()."""
+    user = offline_wandb.init(project="mine", dir=str(tmp_path), reinit="create_new")
+    m = MLP()
+    with hookplug.attach(m, "Linear", plugins="stats", flush_every=1,
+                         sink=("wandb", {"path": str(tmp_path / "s"), "stats": ("mean",)})) as s:
+        m(torch.randn(2, 32))
+        s.step()
+        assert s["wandb"].run is not user
+    user.log({"x": 1})  # still open
+    user.finish()
 
 
 def test_wandb_run_started_by_the_sink_gets_the_exit_flush_of_a_session_never_removed(fresh_python):
@@ -1275,3 +1307,24 @@ def test_a_session_dropped_without_remove_releases_its_sinks_files_threads_and_p
         assert gone() is None
     assert fds() == before_fds
     assert threading.active_count() == before_threads
+
+
+def test_wandb_sink_finish_error_reaches_the_session(tmp_path, offline_wandb):
+    """An error finishing its own run was swallowed (the run left active, unreported)."""
+    m = MLP()
+    s = hookplug.attach(m, "Linear", plugins="stats", flush_every=1,
+                        sink=("wandb", {"path": str(tmp_path / "s"), "stats": ("mean",)}))
+    m(torch.randn(2, 32))
+    s.step()
+    run = s["wandb"].run
+    finish = run.finish
+
+    def failing(*args, **kwargs):
+        raise OSError("upload failed")
+
+    run.finish = failing
+    try:
+        with pytest.raises(OSError, match="upload failed"):
+            s.remove()
+    finally:
+        finish()

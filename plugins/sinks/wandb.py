@@ -7,7 +7,9 @@ Logs into ``run=`` (a ``wandb`` Run), else the run active at the first flush
 (``wandb.run``: the one ``wandb.init``, Lightning's ``WandbLogger`` or the 🤗 Trainer's
 ``report_to="wandb"`` started), else a run of its own: ``wandb.init(project=project or
 "hookplug", dir=path, name=<run-id>, **init)`` (``path`` unset: ``runs/<run-id>``; ``{rank}`` and
-``{run_id}`` are filled in), finished when the session ends (or, for a session dropped
+``{run_id}`` are filled in; with ``reinit="create_new"`` where wandb has it, 0.19.10+: a new
+run, never one already active, and not the process's ``wandb.run``), finished when the session
+ends or, when one sink serves several sessions, the last of them ends (or, for a session dropped
 without ``remove()``, when its sink is collected; where another session's sink logs into
 it, when the last of them ends). A run it did not start is never finished by it. A session never removed flushes its last steps into the run at
 interpreter exit, before wandb's own exit handler (registered at ``wandb.init``) ends it.
@@ -63,16 +65,17 @@ _ORPHANED: Dict[int, Any] = {}  # runs whose sink ended while others logged into
 _TOKENS = itertools.count()
 
 
-def _finish(run) -> None:
+def _finish(run, quiet: bool) -> None:
     for table in (_STARTED, _ADOPTERS, _ORPHANED):
         table.pop(id(run), None)
     try:
         run.finish()
-    except Exception:  # noqa: BLE001 - at a finalizer: wandb may be torn down (exit)
-        pass
+    except Exception:
+        if not quiet:  # (a sink's close(): the session's on_error decides)
+            raise  # (quiet: a finalizer, which must not raise; wandb may be torn down at exit)
 
 
-def _starter_ended(pid: int, run) -> None:
+def _starter_ended(pid: int, run, quiet: bool = True) -> None:
     """The sink that started ``run`` ended (or was collected): finish it, unless other sinks
     log into it. Only in the process that started it (a forked child's copy of a
     collected sink leaves the parent's run alone)."""
@@ -82,11 +85,11 @@ def _starter_ended(pid: int, run) -> None:
     if _ADOPTERS.get(id(run)):
         _ORPHANED[id(run)] = run
     else:
-        _finish(run)
+        _finish(run, quiet)
 
 
-def _adopter_ended(pid: int, run_id: int, token: int) -> None:
-    """A sink logging into a run it found active ended (or was collected)."""
+def _adopter_ended(pid: int, run_id: int, token: int, quiet: bool = True) -> None:
+    """A sink logging into a run it did not start ended (or was collected)."""
     if os.getpid() != pid:
         return
     tokens = _ADOPTERS.get(run_id)
@@ -96,7 +99,18 @@ def _adopter_ended(pid: int, run_id: int, token: int) -> None:
             del _ADOPTERS[run_id]
             orphan = _ORPHANED.get(run_id)
             if orphan is not None:  # its sink ended first: the last to log into it finishes it
-                _finish(orphan)
+                _finish(orphan, quiet)
+
+
+def _new_run_setting(wandb) -> Dict[str, Any]:
+    """``reinit="create_new"`` where this wandb has it (0.19.10+): ``wandb.init`` otherwise
+    hands back a run already active (the user's, or another sink's), which the sink would
+    take for its own and finish."""
+    try:
+        version = tuple(int(p) for p in wandb.__version__.split(".")[:3])
+    except (AttributeError, ValueError):
+        return {}
+    return {"reinit": "create_new"} if version >= (0, 19, 10) else {}
 
 
 def _wandb():
@@ -166,6 +180,7 @@ class WandbSink(hookplug.Sink):
         self._own_run = False
         self._adopted: Optional[weakref.finalize] = None  # counted in _ADOPTERS (a run found active)
         self._run_finisher: Optional[weakref.finalize] = None  # of its own run
+        self._sessions: set = set()  # ids of the sessions it serves (one sink may serve several)
         self._declared: Optional[int] = None  # id() of the run the x-axis was declared on
 
     def _open(self, session, rank: int):
@@ -178,10 +193,10 @@ class WandbSink(hookplug.Sink):
             active = self._wandb.run
             if active is not None:
                 self.run = active
-                token = next(_TOKENS)
-                _ADOPTERS.setdefault(id(active), set()).add(token)
-                self._adopted = weakref.finalize(self, _adopter_ended, os.getpid(), id(active), token)
-                self._adopted.atexit = False
+                self._adopt(active)
+        elif self.run is not None and self._adopted is None and (
+                id(self.run) in _STARTED or id(self.run) in _ORPHANED):
+            self._adopt(self.run)  # run= another sink's own run: not finished under this one
         if self.run is None:
             self.path = self.resolve_path(session, rank)
             os.makedirs(self.path, exist_ok=True)
@@ -190,8 +205,14 @@ class WandbSink(hookplug.Sink):
                                       "name": run_id}
             if self.all_ranks:
                 kwargs.update(name=f"{run_id}-rank{rank}", group=run_id)
+            kwargs.update(_new_run_setting(self._wandb))
             kwargs.update(self.init)
+            before = self._wandb.run
             self.run = self._wandb.init(**kwargs)
+            if self.run is before or any(id(self.run) in t for t in (_STARTED, _ADOPTERS, _ORPHANED)):
+                self._adopt(self.run)  # (an older wandb handed back a run already active)
+                self._declared = None
+                return self._open_declared()
             self._own_run = True
             # a session dropped without remove(): its run is finished when the sink is
             # collected (else the next sink would find it active and log into it); at exit
@@ -199,6 +220,17 @@ class WandbSink(hookplug.Sink):
             _STARTED[id(self.run)] = weakref.ref(self)
             self._run_finisher = weakref.finalize(self, _starter_ended, os.getpid(), self.run)
             self._run_finisher.atexit = False
+        return self._open_declared()
+
+    def _adopt(self, run) -> None:
+        """Log into ``run``, which another sink or the user started: counted, so that a sink
+        that started it does not finish it under this one (see ``_ADOPTERS``)."""
+        token = next(_TOKENS)
+        _ADOPTERS.setdefault(id(run), set()).add(token)
+        self._adopted = weakref.finalize(self, _adopter_ended, os.getpid(), id(run), token)
+        self._adopted.atexit = False
+
+    def _open_declared(self):
         if self._declared != id(self.run):
             # a run started after attach tears itself down at exit before a never-removed
             # session's exit flush would reach it: that flush goes first
@@ -229,14 +261,29 @@ class WandbSink(hookplug.Sink):
         for step in sorted(rows):
             run.log(rows[step])
 
+    @hookplug.hookimpl
+    def hookplug_session_start(self, session) -> None:
+        self._sessions.add(id(session))
+
+    @hookplug.hookimpl
+    def hookplug_session_end(self, session) -> None:
+        self._sessions.discard(id(session))
+        super().hookplug_session_end(session)
+
     def close(self) -> None:
         """Finish the run the sink started (a run given to it or found active is left open)."""
+        if self._sessions:  # another session this sink serves goes on logging into the run
+            return
         if self._adopted is not None:
             adopted, self._adopted = self._adopted, None
-            adopted()  # (the last sink logging into a run whose own sink ended finishes it)
-        if self.run is not None and self._own_run:
+            info = adopted.detach()
+            if info is not None:  # (the last to log into a run whose sink ended finishes it)
+                _adopter_ended(*info[2], quiet=False)
+        if self.run is not None and self._own_run and self._run_finisher is not None:
             finisher, self._run_finisher = self._run_finisher, None
-            finisher()
+            info = finisher.detach()
+            if info is not None:
+                _starter_ended(*info[2], quiet=False)
         self.run = self._given_run  # a run found active may be gone by the next session
         self._own_run = False
         self._declared = None
