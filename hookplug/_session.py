@@ -466,14 +466,18 @@ _ATTACHED_AT: "weakref.WeakKeyDictionary[nn.Module, List[Tuple[weakref.ref, Any]
 
 def _spec_key(value: Any) -> Any:
     """A comparable stand-in for an attach argument: plain values as they are, containers
-    item by item, any other object (a plugin instance: a new one each re-run) by its type."""
+    item by item, any other object (a plugin instance: a new one each re-run) by its type
+    and its public plain attributes (its options, mostly)."""
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
     if isinstance(value, dict):
         return ("dict", tuple((_spec_key(k), _spec_key(v)) for k, v in value.items()))
     if isinstance(value, (list, tuple)):
         return ("seq", tuple(_spec_key(v) for v in value))
-    return ("object", type(value).__qualname__)
+    attrs = getattr(value, "__dict__", None) or {}
+    return ("object", type(value).__qualname__,
+            tuple(sorted((k, v) for k, v in attrs.items()
+                         if not k.startswith("_") and (v is None or isinstance(v, (str, int, float, bool))))))
 
 
 def _attached_again(model: nn.Module, what: Any) -> Any:
@@ -1128,17 +1132,18 @@ class Session:
         selected module of a plugin working on parameters (``params``, ``gradclamp``
         ``params=``): a child replaced, an adapter wrapped around one. Parameters are listed
         at attach: theirs are neither measured nor steered, silently."""
-        roots = [mn for mn in self._param_roots if id(self._module_refs[mn]()) in present]
+        roots = {mn for mn in self._param_roots if id(self._module_refs[mn]()) in present}
         if not roots:
             return
         new = []
         for prefix, mod in named_modules(model):
             names = frozenset(k for k, p in mod._parameters.items() if p is not None)
-            if names and prefix not in self._replaced_warned and any(
-                    mn == "" or prefix == mn or prefix.startswith(mn + ".") for mn in roots):
-                known = self._param_modules.get(mod)
-                if known is None or not names <= known:  # (a parameter added: pruning's weight_orig)
-                    new.append(prefix)
+            known = self._param_modules.get(mod)
+            if not names or (known is not None and names <= known) or prefix in self._replaced_warned:
+                continue  # (what attach listed, or a parameter added to it: pruning's weight_orig)
+            if "" in roots or any(".".join(prefix.split(".")[:i]) in roots
+                                  for i in range(1, prefix.count(".") + 2)):
+                new.append(prefix)
         self._warn_modules(new, "module(s) under selected modules got parameters after attach (a "
                            "child replaced, an adapter added, pruning?): {}; their parameters are "
                            "not covered (params and gradclamp params= list parameters at attach). "
@@ -1716,7 +1721,8 @@ def attach(
     if isinstance(model, nn.Module):
         group = replica_group(model)
         model = unwrap_model(model)  # hooks on the wrapped modules serve the wrapper too
-    again = (_attached_again(model, (selector, plugins, sink, every, flush_every, on_error, start_step))
+    again = (_attached_again(model, (selector, plugins, sink, every, flush_every, on_error, start_step,
+                                     distributed))
              if isinstance(model, nn.Module) else None)
     session = Session(model, every=every, on_error=on_error, flush_every=flush_every,
                       start_step=start_step, distributed=distributed)

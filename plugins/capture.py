@@ -28,9 +28,9 @@ Options (keyword-only):
   forward pre-hooks get them): the positional ones in ``inputs[name]`` (a tuple), the
   keyword ones in ``input_kwargs[name]`` (a dict, ``{}`` for a call given none: an HF
   attention's ``hidden_states=``, ``attention_mask=``, ...), call by call alike. A keyword
-  argument that is no tensor, plain value or container (an HF cache, handed to every
-  attention call: a copy per call would hold every layer's keys and values each time) is
-  kept as ``"<ClassName: not kept>"``.
+  argument holding tensors that is no container (an HF cache, handed to every attention
+  call: a copy per call would hold every layer's keys and values each time) is kept as
+  ``"<ClassName: not kept>"``; a cache passed positionally, or returned, is copied.
 
 ``results()`` is ``features``. ``save(path)`` writes a safetensors file (never pickle): keys
 ``"<module>/output"``, ``"<module>/output[1]"``, ``"<module>/3/output"`` (call 3 of a list),
@@ -121,11 +121,14 @@ _MAX_OBJECT_DEPTH = 8
 
 
 def _keyword_value(value: Any) -> Any:
-    """What ``input_kwargs`` keeps of one keyword argument: tensors, plain values and
-    containers of them; any other object by its class name only. An HF cache (``cache=``,
-    ``past_key_values=``) is handed to every attention call: copied per call it held every
-    layer's keys and values once per call (hundreds of MB over a short ``generate()``)."""
-    if isinstance(value, (torch.Tensor, *_PLAIN)) or children(value) is not None:
+    """What ``input_kwargs`` keeps of one keyword argument: as ``inputs`` does, except an
+    object holding tensors that is no container, kept by its class name only. An HF cache
+    (``cache=``, ``past_key_values=``) is handed to every attention call: copied per call it
+    held every layer's keys and values once per call (hundreds of MB over a short
+    ``generate()``). Objects holding no tensor (an enum, a slice, a memory format) are kept
+    as ``inputs`` keeps them."""
+    if isinstance(value, (torch.Tensor, *_PLAIN)) or children(value) is not None \
+            or not _reaches_tensor(value, set()):
         return value
     return f"<{type(value).__name__}: not kept>"
 
