@@ -8,11 +8,12 @@ Logs into ``run=`` (a ``wandb`` Run), else the run active at the first flush
 ``report_to="wandb"`` started), else a run of its own: ``wandb.init(project=project or
 "hookplug", dir=path, name=<run-id>, **init)`` (``path`` unset: ``runs/<run-id>``; ``{rank}`` and
 ``{run_id}`` are filled in; with ``reinit="create_new"`` where wandb has it, 0.19.10+: a new
-run, never one already active, and not the process's ``wandb.run``), finished when the session
-ends or, when one sink serves several sessions, the last of them ends (or, for a session dropped
-without ``remove()``, when its sink is collected; where another session's sink logs into
-it, when the last of them ends). A run it did not start is never finished by it. A session never removed flushes its last steps into the run at
-interpreter exit, before wandb's own exit handler (registered at ``wandb.init``) ends it.
+run, never one already active, and not the process's ``wandb.run``). It is finished when the
+session ends (one sink serving several sessions: when the last ends; a session dropped
+without ``remove()``: when its sink is collected; another session's sink given it as
+``run=``: when the last of them ends). A run it did not start is never finished by it. A
+session never removed flushes its last steps into the run at interpreter exit, before
+wandb's own exit handler (registered at ``wandb.init``) ends it.
 
 Names are the TensorBoard sink's: ``hookplug/<stat>/<module>/<site>`` (``hookplug_eval/...``
 for eval-phase records; ``stats=`` picks which, by default ``min, max, mean, std, absmax,
