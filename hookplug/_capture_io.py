@@ -22,7 +22,8 @@ from .structures import children
 __all__ = ["load_capture", "save_capture"]
 
 META_KEY = "hookplug.capture"
-FORMAT_VERSION = 2  # 2: complex dtypes safetensors lacks, stored as real views (see _AS_REAL)
+# 2: complex dtypes safetensors lacks, stored as real views (see _AS_REAL); 3: tuple dict keys
+FORMAT_VERSION = 3
 # safetensors has no complex32/complex128: those are written as their ``view_as_real``
 # (float16/float64, a trailing dimension of 2) and the entry says ``"complex": true``
 _AS_REAL = (torch.complex32, torch.complex128)
@@ -36,10 +37,40 @@ def _require_safetensors():
     return st
 
 
+def _plain_tuple(k: Any) -> bool:
+    return isinstance(k, tuple) and all(
+        isinstance(i, (str, int, float, bool)) or i is None or _plain_tuple(i) for i in k)
+
+
 def _json_key(k: Any):
+    """A dict key as JSON: strings, numbers, booleans and null as they are; a tuple of them
+    (``{("a", 0): t}``) as ``{"tuple": [...]}``, read back a tuple; anything else as its repr."""
     if isinstance(k, (str, int, float, bool)) or k is None:
         return k
+    if _plain_tuple(k):
+        return {"tuple": [_json_key(i) for i in k]}
     return repr(k)
+
+
+def _has_tuple_key(desc: Any) -> bool:
+    """Whether an encoded layout holds a tuple dict key (format version 3)."""
+    if isinstance(desc, dict):
+        if "dict" in desc and isinstance(desc["dict"], list):
+            if any(isinstance(p[0], dict) for p in desc["dict"]):
+                return True
+            return any(_has_tuple_key(p[1]) for p in desc["dict"])
+        return any(_has_tuple_key(v) for v in desc.values())
+    if isinstance(desc, list):
+        return any(_has_tuple_key(v) for v in desc)
+    return False
+
+
+def _read_key(k: Any, where: str) -> Any:
+    if isinstance(k, (str, int, float, bool)) or k is None:
+        return k
+    if isinstance(k, dict) and set(k) == {"tuple"} and isinstance(k["tuple"], list):
+        return tuple(_read_key(i, where) for i in k["tuple"])
+    raise _BadFile(f"{where}: a key must be a string, a number or {{\"tuple\": [...]}}, got {_short(k)}")
 
 
 def _encode(obj: Any, key: str, tensors: Dict[str, torch.Tensor], dropped: Optional[List[str]] = None) -> Any:
@@ -104,8 +135,7 @@ def _decode(desc: Any, tensors: Dict[str, torch.Tensor], where: str, depth: int 
             if not (isinstance(pair, list) and len(pair) == 2):
                 raise _BadFile(f"{where}.dict[{i}]: expected a [key, value] pair, got {_short(pair)}")
             k, v = pair
-            if not (isinstance(k, (str, int, float, bool)) or k is None):
-                raise _BadFile(f"{where}.dict[{i}]: a key must be a string or a number, got {_short(k)}")
+            k = _read_key(k, f"{where}.dict[{i}]")
             out[k] = _decode(v, tensors, f"{where}.{k}", depth + 1)
         return out
     for kind, build in (("list", list), ("tuple", tuple)):
@@ -176,7 +206,8 @@ def save_capture(
     meta = {
         "format": "hookplug.capture",
         # version 1 where no entry needs 2: older hookplugs still read such files
-        "version": FORMAT_VERSION if any(t.dtype in _AS_REAL for t in tensors.values()) else 1,
+        # the oldest version that reads it: older hookplugs still read such files
+        "version": 3 if _has_tuple_key(layout) else 2 if any(t.dtype in _AS_REAL for t in tensors.values()) else 1,
         "keep": keep if isinstance(keep, (str, int)) else str(keep),
         "layout": layout,
     }

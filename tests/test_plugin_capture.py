@@ -1790,3 +1790,26 @@ def test_input_kwargs_keep_an_object_argument_by_its_class_name_only():
         assert torch.equal(kw["mask"][0], x > 0) and kw["mask"][1] is None
     held = 3 * (2 * x.numel() * x.element_size() + x.numel())  # x twice (input, output), the mask
     assert cap.nbytes == held
+
+
+def test_tuple_dict_keys_load_back_as_tuples(tmp_path):
+    """A dict keyed by tuples (``{("layer", 0): t}``) loaded back keyed by their repr
+    strings; now a tuple key is written as ``{"tuple": [...]}`` (format version 3, only in
+    files that need it) and other objects' keys still as their repr."""
+    from safetensors import safe_open
+
+    class Keyed(torch.nn.Module):
+        def forward(self, x):
+            return {("a", 0): x, ("a", (1, None)): x * 2, "plain": x + 1, 3: x - 1}
+
+    m = torch.nn.Sequential(Keyed())
+    x = torch.randn(2, 3)
+    with hookplug.attach(m, "*:0", plugins="capture") as s:
+        m(x)
+    s["capture"].save(tmp_path / "k.safetensors")
+    back = hookplug.load_capture(tmp_path / "k.safetensors")["0"]
+    assert list(back) == [("a", 0), ("a", (1, None)), "plain", 3]
+    for k, v in s["capture"].features["0"].items():
+        assert torch.equal(back[k], v)
+    with safe_open(str(tmp_path / "k.safetensors"), framework="pt") as f:
+        assert '"version": 3' in f.metadata()["hookplug.capture"]
