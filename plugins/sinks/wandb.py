@@ -181,7 +181,9 @@ class WandbSink(hookplug.Sink):
         self._own_run = False
         self._adopted: Optional[weakref.finalize] = None  # counted in _ADOPTERS (a run found active)
         self._run_finisher: Optional[weakref.finalize] = None  # of its own run
-        self._sessions: set = set()  # ids of the sessions it serves (one sink may serve several)
+        # the sessions it serves (one sink may serve several; weakly: one dropped without
+        # remove() is no longer counted once collected)
+        self._sessions: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._declared: Optional[int] = None  # id() of the run the x-axis was declared on
 
     def _open(self, session, rank: int):
@@ -264,11 +266,11 @@ class WandbSink(hookplug.Sink):
 
     @hookplug.hookimpl
     def hookplug_session_start(self, session) -> None:
-        self._sessions.add(id(session))
+        self._sessions.add(session)
 
     @hookplug.hookimpl
     def hookplug_session_end(self, session) -> None:
-        self._sessions.discard(id(session))
+        self._sessions.discard(session)
         super().hookplug_session_end(session)
 
     def close(self) -> None:
