@@ -205,7 +205,6 @@ def save_capture(
         out[k] = t
     meta = {
         "format": "hookplug.capture",
-        # version 1 where no entry needs 2: older hookplugs still read such files
         # the oldest version that reads it: older hookplugs still read such files
         "version": 3 if _has_tuple_key(layout) else 2 if any(t.dtype in _AS_REAL for t in tensors.values()) else 1,
         "keep": keep if isinstance(keep, (str, int)) else str(keep),

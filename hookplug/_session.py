@@ -464,20 +464,21 @@ _HOOK_IDS_OF: "weakref.WeakKeyDictionary[nn.Module, Dict[Tuple[int, int], bool]]
 _ATTACHED_AT: "weakref.WeakKeyDictionary[nn.Module, List[Tuple[weakref.ref, Any]]]" = weakref.WeakKeyDictionary()
 
 
-def _spec_key(value: Any) -> Any:
+def _spec_key(value: Any, depth: int = 0) -> Any:
     """A comparable stand-in for an attach argument: plain values as they are, containers
     item by item, any other object (a plugin instance: a new one each re-run) by its type
-    and its public plain attributes (its options, mostly)."""
+    and its public attributes (its options, mostly), down to a few levels."""
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
+    if depth > 3:
+        return ("deep", type(value).__qualname__)
     if isinstance(value, dict):
-        return ("dict", tuple((_spec_key(k), _spec_key(v)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)):
-        return ("seq", tuple(_spec_key(v) for v in value))
+        return ("dict", tuple((_spec_key(k, depth + 1), _spec_key(v, depth + 1)) for k, v in list(value.items())[:64]))
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return ("seq", tuple(_spec_key(v, depth + 1) for v in list(value)[:64]))
     attrs = getattr(value, "__dict__", None) or {}
     return ("object", type(value).__qualname__,
-            tuple(sorted((k, v) for k, v in attrs.items()
-                         if not k.startswith("_") and (v is None or isinstance(v, (str, int, float, bool))))))
+            tuple((k, _spec_key(v, depth + 1)) for k, v in sorted(attrs.items()) if not k.startswith("_")))
 
 
 def _attached_again(model: nn.Module, what: Any) -> Any:

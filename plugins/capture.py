@@ -125,12 +125,37 @@ def _keyword_value(value: Any) -> Any:
     object holding tensors that is no container, kept by its class name only. An HF cache
     (``cache=``, ``past_key_values=``) is handed to every attention call: copied per call it
     held every layer's keys and values once per call (hundreds of MB over a short
-    ``generate()``). Objects holding no tensor (an enum, a slice, a memory format) are kept
-    as ``inputs`` keeps them."""
-    if isinstance(value, (torch.Tensor, *_PLAIN)) or children(value) is not None \
-            or not _reaches_tensor(value, set()):
+    ``generate()``); a 🤗 ``Cache`` also while still empty. Small objects holding no tensor
+    (an enum, a slice, a memory format) are kept as ``inputs`` keeps them; a large one is not
+    walked or copied per call."""
+    if isinstance(value, (torch.Tensor, *_PLAIN)) or children(value) is not None:
+        return value
+    cache = getattr(sys.modules.get("transformers"), "Cache", None)  # (empty at first: still a cache)
+    if (cache is None or not isinstance(value, cache)) and _small_and_tensor_free(value):
         return value
     return f"<{type(value).__name__}: not kept>"
+
+
+def _small_and_tensor_free(obj: Any, budget: int = 256) -> bool:
+    """Whether ``obj`` reaches no tensor and holds at most ``budget`` values (each object
+    walked once): a per-call check, so a large object is not walked whole (nor copied)."""
+    seen, todo, visits = set(), [obj], 0
+    while todo:
+        o = todo.pop()
+        visits += 1
+        if isinstance(o, torch.Tensor) or visits > budget:
+            return False
+        if isinstance(o, (*_PLAIN, *_OPAQUE)) or id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, (dict, list, tuple)):
+            if len(o) > budget:  # (not walked item by item: a vocabulary)
+                return False
+            todo.extend(o.values() if isinstance(o, dict) else o)
+            continue
+        kids = children(o)
+        todo.extend(v for _, _, v in kids) if kids is not None else todo.extend((_attributes(o) or {}).values())
+    return True
 
 
 def _objects_as_dicts(obj: Any, found: List[str], depth: int = 0) -> Any:

@@ -1068,6 +1068,8 @@ def test_attaching_again_from_the_same_line_while_its_session_is_live_warns():
     """A re-run notebook cell or a loop reassigning ``s = attach(...)``: the old session,
     unreachable, stayed attached for good (its hooks still steering and costing time),
     silently. Sessions attached elsewhere, or removed, are no reason to warn."""
+    from hookplug_plugins.stats import StatsPlugin
+
     model = MLP()
 
     def attach_here():
@@ -1094,7 +1096,9 @@ def test_attaching_again_from_the_same_line_while_its_session_is_live_warns():
     with warnings.catch_warnings():  # one place, other selectors or plugins: meant to run together
         warnings.simplefilter("error")
         kept = [hookplug.attach(model, sel, plugins=p) for sel, p in
-                (("Linear", "stats"), ("*:fc1", "stats"), ("Linear", "flops"), ("Linear", ("stats", {"bins": 0})))]
+                (("Linear", "stats"), ("*:fc1", "stats"), ("Linear", "flops"), ("Linear", ("stats", {"bins": 0})),
+                 ("Linear", StatsPlugin(hist="linear", bins=4, range=(-1.0, 1.0))),
+                 ("Linear", StatsPlugin(hist="linear", bins=4, range=(-2.0, 2.0))))]
         for s in kept:
             s.remove()
     with warnings.catch_warnings():

@@ -1771,8 +1771,13 @@ def test_input_kwargs_keep_an_object_argument_by_its_class_name_only():
         def __init__(self):
             self.keys = [torch.randn(64, 64) for _ in range(4)]
 
+    class Vocab:  # a tokenizer's: no tensor, 50k entries
+        def __init__(self):
+            self.ids = {f"t{i}": i for i in range(50_000)}
+
     class Attn(torch.nn.Module):
-        def forward(self, hidden_states, cache=None, use_cache=True, mask=None, layout=None, where=None):
+        def forward(self, hidden_states, cache=None, use_cache=True, mask=None, layout=None, where=None,
+                    vocab=None):
             return hidden_states + cache.keys[0].sum()
 
     m = torch.nn.Sequential(Attn())
@@ -1782,11 +1787,12 @@ def test_input_kwargs_keep_an_object_argument_by_its_class_name_only():
         with hookplug.attach(m, "*:0", plugins=("capture", {"inputs": True, "keep": "all"})) as s:
             for _ in range(3):
                 m[0](x, cache=cache, use_cache=True, mask=(x > 0, None), layout=torch.channels_last,
-                     where=slice(0, 2))
+                     where=slice(0, 2), vocab=Vocab())
     cap = s["capture"]
     for kw in cap.input_kwargs["0"]:
         assert kw["cache"] == "<Cache: not kept>" and kw["use_cache"] is True
         assert kw["layout"] == torch.channels_last and kw["where"] == slice(0, 2)  # (no tensor in them)
+        assert kw["vocab"] == "<Vocab: not kept>"  # (too large to walk or copy per call)
         assert torch.equal(kw["mask"][0], x > 0) and kw["mask"][1] is None
     held = 3 * (2 * x.numel() * x.element_size() + x.numel())  # x twice (input, output), the mask
     assert cap.nbytes == held

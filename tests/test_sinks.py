@@ -962,7 +962,6 @@ def test_wandb_run_shared_by_two_live_sessions_is_finished_by_the_last_to_end(tm
     ma(torch.randn(2, 32))
     a.step()
     run = a["wandb"].run
-    assert offline_wandb.run is None  # (a run of its own, not the process's active one)
     b = hookplug.attach(mb, "Linear", plugins="stats", flush_every=1, sink=("wandb", {"run": run}))
     mb(torch.randn(2, 32))
     b.step()
@@ -994,16 +993,18 @@ def test_wandb_run_shared_by_two_live_sessions_is_finished_by_the_last_to_end(tm
 def test_wandb_sink_never_finishes_a_run_the_user_started(tmp_path, offline_wandb):
     """wandb.init() hands back a run already active (one the user made with
     reinit="create_new", not the process's wandb.run): the sink took it for its own and
-    finished it at remove()."""
+    finished it at remove(). It logs into it, as into a run found active."""
     user = offline_wandb.init(project="mine", dir=str(tmp_path), reinit="create_new")
-    m = MLP()
-    with hookplug.attach(m, "Linear", plugins="stats", flush_every=1,
-                         sink=("wandb", {"path": str(tmp_path / "s"), "stats": ("mean",)})) as s:
-        m(torch.randn(2, 32))
-        s.step()
-        assert s["wandb"].run is not user
-    user.log({"x": 1})  # still open
-    user.finish()
+    try:
+        m = MLP()
+        with hookplug.attach(m, "Linear", plugins="stats", flush_every=1,
+                             sink=("wandb", {"path": str(tmp_path / "s"), "stats": ("mean",)})) as s:
+            m(torch.randn(2, 32))
+            s.step()
+            assert s["wandb"].run is user and not s["wandb"]._own_run
+        user.log({"x": 1})  # still open
+    finally:
+        user.finish()
 
 
 def test_wandb_run_started_by_the_sink_gets_the_exit_flush_of_a_session_never_removed(fresh_python):

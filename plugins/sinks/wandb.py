@@ -7,8 +7,9 @@ Logs into ``run=`` (a ``wandb`` Run), else the run active at the first flush
 (``wandb.run``: the one ``wandb.init``, Lightning's ``WandbLogger`` or the 🤗 Trainer's
 ``report_to="wandb"`` started), else a run of its own: ``wandb.init(project=project or
 "hookplug", dir=path, name=<run-id>, **init)`` (``path`` unset: ``runs/<run-id>``; ``{rank}`` and
-``{run_id}`` are filled in; with ``reinit="create_new"`` where wandb has it, 0.19.10+: a new
-run, never one already active, and not the process's ``wandb.run``). It is finished when the
+``{run_id}`` are filled in; ``all_ranks=True`` beside an active ``wandb.run``: with
+``reinit="create_new"``, wandb 0.19.10+; a run ``wandb.init`` hands back that was already
+active, e.g. one the user made with ``reinit="create_new"``, is logged into, never finished). It is finished when the
 session ends (one sink serving several sessions: when the last ends; a session dropped
 without ``remove()``: when its sink is collected; another session's sink given it as
 ``run=``: when the last of them ends). A run it did not start is never finished by it. A
@@ -39,6 +40,7 @@ import gc
 import itertools
 import math
 import os
+import re
 import weakref
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -104,14 +106,14 @@ def _adopter_ended(pid: int, run_id: int, token: int, quiet: bool = True) -> Non
 
 
 def _new_run_setting(wandb) -> Dict[str, Any]:
-    """``reinit="create_new"`` where this wandb has it (0.19.10+): ``wandb.init`` otherwise
-    hands back a run already active (the user's, or another sink's), which the sink would
-    take for its own and finish."""
-    try:
-        version = tuple(int(p) for p in wandb.__version__.split(".")[:3])
-    except (AttributeError, ValueError):
+    """``reinit="create_new"`` where this wandb has it (0.19.10+), for a run of its own while
+    another is the process's ``wandb.run`` (``all_ranks=True``): ``wandb.init`` would hand
+    that one back. (Not otherwise: a ``create_new`` run is not ``wandb.run``, and a later
+    ``wandb.init()``, the 🤗 Trainer's, would get it back with ``wandb.run`` unset.)"""
+    match = re.match(r"(\d+)\.(\d+)\.(\d+)", getattr(wandb, "__version__", ""))
+    if match is None:
         return {}
-    return {"reinit": "create_new"} if version >= (0, 19, 10) else {}
+    return {"reinit": "create_new"} if tuple(map(int, match.groups())) >= (0, 19, 10) else {}
 
 
 def _wandb():
@@ -208,12 +210,16 @@ class WandbSink(hookplug.Sink):
                                       "name": run_id}
             if self.all_ranks:
                 kwargs.update(name=f"{run_id}-rank{rank}", group=run_id)
-            kwargs.update(_new_run_setting(self._wandb))
+            if self._wandb.run is not None:
+                kwargs.update(_new_run_setting(self._wandb))
             kwargs.update(self.init)
             before = self._wandb.run
             self.run = self._wandb.init(**kwargs)
-            if self.run is before or any(id(self.run) in t for t in (_STARTED, _ADOPTERS, _ORPHANED)):
-                self._adopt(self.run)  # (an older wandb handed back a run already active)
+            if self.run is before or getattr(self.run, "name", kwargs["name"]) != kwargs["name"] \
+                    or any(id(self.run) in t for t in (_STARTED, _ADOPTERS, _ORPHANED)):
+                # wandb handed back a run already active (the user's, made with
+                # reinit="create_new" and so not wandb.run): logged into, never finished
+                self._adopt(self.run)
                 self._declared = None
                 return self._open_declared()
             self._own_run = True
@@ -277,16 +283,18 @@ class WandbSink(hookplug.Sink):
         """Finish the run the sink started (a run given to it or found active is left open)."""
         if self._sessions:  # another session this sink serves goes on logging into the run
             return
-        if self._adopted is not None:
-            adopted, self._adopted = self._adopted, None
-            info = adopted.detach()
-            if info is not None:  # (the last to log into a run whose sink ended finishes it)
-                _adopter_ended(*info[2], quiet=False)
-        if self.run is not None and self._own_run and self._run_finisher is not None:
-            finisher, self._run_finisher = self._run_finisher, None
-            info = finisher.detach()
-            if info is not None:
-                _starter_ended(*info[2], quiet=False)
-        self.run = self._given_run  # a run found active may be gone by the next session
-        self._own_run = False
-        self._declared = None
+        try:
+            if self._adopted is not None:
+                adopted, self._adopted = self._adopted, None
+                info = adopted.detach()
+                if info is not None:  # (the last to log into a run whose sink ended finishes it)
+                    _adopter_ended(*info[2], quiet=False)
+            if self.run is not None and self._own_run and self._run_finisher is not None:
+                finisher, self._run_finisher = self._run_finisher, None
+                info = finisher.detach()
+                if info is not None:
+                    _starter_ended(*info[2], quiet=False)
+        finally:  # (also after a failed finish: a next session gets a run of its own)
+            self.run = self._given_run  # a run found active may be gone by the next session
+            self._own_run = False
+            self._declared = None
