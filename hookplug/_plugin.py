@@ -29,29 +29,36 @@ def user_stacklevel() -> int:
     wrappers the session methods run through, ``Module.__call__`` and ``backward()`` around
     a hook), where a fixed count named hookplug's or torch's own code. Inside code dynamo
     traces: 2 (it cannot trace the frame walk, and says so in a warning of its own)."""
-    compiler = getattr(sys.modules.get("torch"), "compiler", None)
-    if compiler is not None and compiler.is_compiling():
+    if _tracing():
         return 2
-    level, frame = 1, sys._getframe(1)
+    return _user_frame(sys._getframe(1))[0]
+
+
+def _tracing() -> bool:
+    compiler = getattr(sys.modules.get("torch"), "compiler", None)
+    return compiler is not None and compiler.is_compiling()
+
+
+def _user_frame(frame, unless: Tuple[str, ...] = ()):
+    """``(stacklevel, frame)`` of the first frame from ``frame`` outside hookplug, its
+    plugins and torch (see :func:`user_stacklevel`); None where a frame on the way is in a
+    module under one of ``unless``. Not inside code dynamo traces (it cannot trace the walk)."""
+    level = 1
     while frame.f_back is not None:
         module = frame.f_globals.get("__name__", "")
+        if unless and module.startswith(unless):
+            return None
         if not any(module == p or module.startswith(p + ".") for p in _OWN_PACKAGES):
             break
         frame, level = frame.f_back, level + 1
-    return level
+    return level, frame
 
 
-def user_site() -> Optional[Tuple[str, int]]:
-    """``(file, line)`` of the frame :func:`user_stacklevel` names (None inside traced code)."""
-    level = user_stacklevel()
-    compiler = getattr(sys.modules.get("torch"), "compiler", None)
-    if compiler is not None and compiler.is_compiling():
-        return None
-    try:
-        frame = sys._getframe(level - 1)  # (stacklevel 1 is this function's frame)
-    except ValueError:
-        return None
-    return frame.f_code.co_filename, frame.f_lineno
+def user_site(unless: Tuple[str, ...] = ()) -> Optional[Tuple[str, int]]:
+    """``(file, line)`` of the frame :func:`user_stacklevel` names; None inside traced code,
+    or where a caller on the way is in a module under one of ``unless``."""
+    found = None if _tracing() else _user_frame(sys._getframe(1), unless)
+    return None if found is None else (found[1].f_code.co_filename, found[1].f_lineno)
 
 
 def plugin_off(plugin, session) -> bool:

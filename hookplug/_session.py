@@ -484,12 +484,8 @@ def _spec_key(value: Any, depth: int = 0) -> Any:
 def _attached_again(model: nn.Module, what: Any) -> Any:
     """Warn where ``model`` has a live session attached from the caller's place with the same
     ``what``; returns the key to note once this one is attached."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("hookplug"):
-        if frame.f_globals["__name__"].startswith(("hookplug.integrations", "hookplug.cli")):
-            return None  # (a trainer callback or the CLI: each manages its own sessions)
-        frame = frame.f_back
-    site = user_site()
+    # (a trainer callback or the CLI: each manages its own sessions)
+    site = user_site(unless=("hookplug.integrations", "hookplug.cli"))
     if site is None:
         return None
     key = (site, _spec_key(what))
@@ -898,8 +894,7 @@ class Session:
             except Exception as exc:  # noqa: BLE001 - on_error decides
                 if self.on_error == "raise":
                     _raise_noted(exc, entry.name, "hookplug_report_section")
-                why = f"{type(exc).__name__} in hookplug_report_section: {exc}"
-                self.section_failures[entry.name] = why
+                self.section_failures[entry.name] = f"{type(exc).__name__} in hookplug_report_section: {exc}"
                 warnings.warn(f"hookplug plugin {entry.name!r}: hookplug_report_section failed "
                               f"({type(exc).__name__}: {exc}); left out of the report "
                               "(on_error='warn')", RuntimeWarning, stacklevel=2)
