@@ -370,7 +370,9 @@ class ParamsPlugin(hookplug.Plugin):
                               max_pending_bytes=max_pending_bytes, who=self.name,
                               clock_base=LATE_CLOCK)  # measured after activations
         self._params: List[_Param] = []
-        self._by_id: Dict[int, _Param] = {}
+        # (module weakly, attribute, id of its parameter) of every slot the selection read (_retied);
+        # not the parameter weakly: torch.utils.swap_tensors (to_empty under FSDP2) refuses those
+        self._slots: List[Tuple[Any, str, int]] = []
         # id -> (ref, its parameters' ids, our params among them, their tensors' ids)
         self._opt_cache: Dict[int, Tuple[Any, Tuple[int, ...], List[_Param], List[int]]] = {}
         self._frames: List[_Frame] = []  # optimizer steps in progress, outermost first
@@ -385,7 +387,9 @@ class ParamsPlugin(hookplug.Plugin):
 
     # -- which parameters ------------------------------------------------------------------------
 
-    def _select(self, session) -> None:
+    def _select(self, session, within: Optional[set] = None) -> None:
+        """The parameters to measure (``within``: only those held in these ``(id(module),
+        attribute)`` slots, the ones listed at attach)."""
         model = session.model
         seen = set()
         found: List[Tuple[str, Any, str]] = []
@@ -415,9 +419,46 @@ class ParamsPlugin(hookplug.Plugin):
             warnings.warn(f"hookplug plugin 'params': params={list(self.globs)!r} matches no parameter of the "
                           f"{len(session.modules_of(self))} selected module(s) (by any of their names); "
                           "nothing is measured", RuntimeWarning, stacklevel=user_stacklevel())
+        if within is not None:  # (new ones are warned about: see Session._warn_new_parameters)
+            found = [f for f in found if (id(f[1]), f[2]) in within]
         found.sort(key=lambda f: f[0])  # the same order (and rows) on every rank
         self._warn_fsdp1([getattr(m, "_parameters", {}).get(a) for _, m, a in found])
         self._params = [_Param(n, m, a, i) for i, (n, m, a) in enumerate(found)]
+        if within is not None:
+            return  # (the slots of attach)
+        slots = {(id(m), a): (m, a) for _, m, a in found}
+        for top in session.modules_of(self).values():
+            for m in top.modules():
+                for a in m._parameters:
+                    slots.setdefault((id(m), a), (m, a))
+        self._slots = [(weakref.ref(m), a, id(m._parameters.get(a))) for m, a in slots.values()]
+
+    def _retied(self) -> bool:
+        """Whether a slot the selection read holds another parameter now: tied or untied
+        after attach (``head.weight = nn.Parameter(...)``), where the names measured change."""
+        for mod_ref, attr, pid in self._slots:
+            mod = mod_ref()
+            if mod is not None and id(mod._parameters.get(attr)) != pid:
+                return True
+        return False
+
+    def _select_again(self, session) -> None:
+        """Select again after ties or unties (:meth:`_retied`): the parameters that keep
+        their name keep their update copy and counting rank; new names get rows after the
+        others (an untied head is measured from now on; one tied to another is recorded
+        under its first matching name only, as at attach)."""
+        old = {pr.name: pr for pr in self._params}
+        known = {(id(ref()), attr) for ref, attr, _ in self._slots if ref() is not None}
+        self._select(session, within=known)
+        self._slots = [(ref, attr, id(ref()._parameters.get(attr)) if ref() is not None else 0)
+                       for ref, attr, _ in self._slots]  # (found again only when it changes again)
+        for pr in self._params:
+            was = old.get(pr.name)
+            if was is not None and was.module_ref() is pr.module_ref() and was.attr == pr.attr:
+                pr.prev, pr.owner = was.prev, was.owner  # (the same slot, as before)
+            for s in self.sites:
+                self.bank.row_of(pr.keys[s])
+        self._opt_cache = {}
 
     def _warn_fsdp1(self, params) -> None:
         """FSDP1 (``FullyShardedDataParallel``, ``use_orig_params=True``) hands every rank a
@@ -794,6 +835,8 @@ class ParamsPlugin(hookplug.Plugin):
         if self.bank.pending:
             self._last = self.bank.pending[-1][1]
         live_next = session.sampled
+        if live_next and self._retied():  # (checked before the steps measured only)
+            self._select_again(session)
         if "update" in self.sites and not self._opt_seen and live_next:
             for pr in self._params:  # the baseline of the next step's update
                 w = self._local(pr, pr.tensor())

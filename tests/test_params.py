@@ -857,6 +857,45 @@ def test_a_tied_parameter_untied_after_attach_is_read_under_the_name_it_is_recor
     check(got["update"], ref(m.head.weight.detach() - before))
 
 
+def test_params_selects_again_after_an_untie_or_a_tie_made_after_attach():
+    """Selected with ``"*"``: a tied weight is measured once under its first name. Untied
+    after attach, the head's new weight was never measured (only ``emb.weight``); tied
+    after attach, one tensor was recorded under two names. The next sampled step follows
+    the model: both names measured after the untie, one after the tie."""
+    m = _TiedLM()
+    ids = torch.randint(0, 20, (2, 3))
+
+    def train_step(s):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        before = {n: p.detach().clone() for n, p in m.named_parameters()}
+        m(ids).sum().backward()
+        grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+        opt.step()
+        m.zero_grad()
+        s.step()
+        return before, grads
+
+    with hookplug.attach(m, "*", plugins="params") as s:
+        train_step(s)
+        assert sorted(s["params"].results()) == ["emb.weight"]
+        m.head.weight = nn.Parameter(m.emb.weight.detach() * 10)  # untied
+        train_step(s)  # (the step the untie is found at: the selection of the step before)
+        before, grads = train_step(s)
+        got = s["params"].results()
+        assert sorted(got) == ["emb.weight", "head.weight"]
+        for name, p in m.named_parameters():
+            check(got[name]["weight"], ref(before[name]))
+            check(got[name]["grad"], ref(grads[name]))
+            check(got[name]["update"], ref(p.detach() - before[name]))
+        m.head.weight = m.emb.weight  # tied again
+        train_step(s)
+        before, grads = train_step(s)
+        got = s["params"].results()
+        assert sorted(got) == ["emb.weight"]
+        check(got["emb.weight"]["grad"], ref(grads["emb.weight"]))
+        check(got["emb.weight"]["update"], ref(m.emb.weight.detach() - before["emb.weight"]))
+
+
 def test_a_params_plugin_attached_again_measures_as_a_new_one(tmp_path):
     """The same ``ParamsPlugin`` instance attached for a second session (one a phase, kept
     in a config): its optimizer entries named the first session's parameters, measured in
