@@ -495,7 +495,7 @@ class _DeviceRows:
     rows in use when it was taken (the meta row and one per key), not the whole capacity."""
 
     __slots__ = ("acc", "gate", "empty", "totals", "unfolded", "lock", "_block", "_next", "_views",
-                 "_snapshot", "retired", "graph_kept")
+                 "_snapshot", "retired", "graph_kept", "kernel")
 
     @_outside_inference_mode
     def __init__(self, device, capacity: int, width: int, lo: float, hi: float, live: bool,
@@ -522,9 +522,12 @@ class _DeviceRows:
         self._next = 0  # the next free slot
         self._views: Tuple = (0, None, None)  # (used, acc[:used], empty[:used])
         self._snapshot = None  # CPU: the compiled snap <- acc, acc <- empty (one call, no dispatcher)
-        if self.acc.device.type == "cpu":
-            from . import ops
+        from . import ops
 
+        # whether the compiled op has a kernel here (not for CUDA where _C was built without
+        # its CUDA kernels, nor MPS/XPU: the pure-torch reference then, with a warning once)
+        self.kernel = ops.has_kernel(self.acc.device)
+        if self.acc.device.type == "cpu":
             self._snapshot = ops.snapshot_rows()
 
     @_outside_inference_mode
@@ -668,6 +671,7 @@ class StatsBank:
         self.max_pending_bytes = max_pending_bytes
         self.clock_base = clock_base
         self.op_args = ops.hist_args(bins, hist, range)  # (bins, hist_mode, lo, hi)
+        self._reference = ops.reference_accumulate_  # (a device without a compiled kernel)
         nb = ops.buckets(self.op_args[0], hist)
         self.width = HEAD + nb
         if nb == 0:
@@ -828,6 +832,8 @@ class StatsBank:
         # The gate is passed in eager code too: a CUDA graph captured there replays the op,
         # and the device flag is what keeps sampling working on replay.
         gate = dev.gate if gate is None else gate
+        if not dev.kernel:
+            return self._reference(t.detach(), dev.acc, row, gate, *self.op_args, skip_recompute)
         if not compiling and self._eager is not None and type(t) in _PLAIN_TENSORS:
             self._eager(t, dev.acc, row, gate, *self.op_args)  # below autograd: no detach
             return
@@ -861,7 +867,8 @@ class StatsBank:
         the by-row op does when a compiled backward runs it."""
         dev = self._devices.get(t.device) or self.device_rows(t.device)  # (a row tensor's device has rows)
         if dev is not None:
-            self._accumulate_at(t.detach(), dev.acc, row, dev.gate, *self.op_args, skip_recompute)
+            accumulate_at = self._accumulate_at if dev.kernel else self._reference
+            accumulate_at(t.detach(), dev.acc, row, dev.gate, *self.op_args, skip_recompute)
 
     def accumulate_by_row(self, t: torch.Tensor, ctx, path: str) -> None:
         """``accumulate_by_key`` for a compiled backward, by the module's row tensor where it

@@ -116,8 +116,9 @@ _LOG2_EDGES_LIST = list(_LOG2_EDGES)  # shared by records (read-only by conventi
 
 
 def log2_edges(device=None) -> torch.Tensor:
-    """The 132 edges of the log2 histogram (float64): -2**33 .. -2**-32, 2**-32 .. 2**33."""
-    return torch.tensor(_LOG2_EDGES, dtype=torch.float64, device=device)
+    """The 132 edges of the log2 histogram (float64): -2**33 .. -2**-32, 2**-32 .. 2**33
+    (on a CUDA device without a host sync: see ``host_to_device``)."""
+    return host_to_device(_LOG2_EDGES, torch.float64, "cpu" if device is None else device)
 
 
 def _edges(lo: float, hi: float, hist: Any, b: int) -> List[float]:

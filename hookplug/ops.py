@@ -244,8 +244,14 @@ def tensor_stats(x: torch.Tensor, *, bins: Optional[int] = None, hist: str = "lo
 
 
 def _compiled_kernel_for(x: torch.Tensor) -> bool:
+    return has_kernel(x.device)
+
+
+def has_kernel(device: torch.device) -> bool:
+    """Whether the compiled op runs on ``device`` (else the pure-torch reference serves: on
+    the reference backend, and, with a warning once, on a device ``_C`` has no kernel for)."""
     be = _backend if _backend is not None else _load()
-    dev = x.device.type
+    dev = device.type
     if be == "reference":
         return False
     if dev in ("cpu", "meta") or (dev == "cuda" and _has_cuda):

@@ -658,3 +658,42 @@ def test_merged_while_another_thread_assigns_a_key():
 
     assert list(bank.merged(select)) == [("a", "output", "eval")]
     assert bank.merged(lambda k: k)[("b", "output", "eval")].numel.item() == 2
+
+
+def test_a_device_the_compiled_op_has_no_kernel_for_uses_the_reference(monkeypatch):
+    """Where ``_C`` has no kernel for a device (built without its CUDA kernels, an MPS or
+    XPU model) ``ops.tensor_stats`` fell back to the reference, but the bank (stats, params)
+    always called the compiled op: NotImplementedError at every hooked call. The bank now
+    asks per device (shown on the CPU, the only device here, told it has no kernel)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    x = torch.randn(4, 6)
+
+    def run():
+        m.zero_grad()
+        with hookplug.attach(m, "Linear", plugins=["stats", "params"]) as s:
+            m(x).square().sum().backward()
+            torch.optim.SGD(m.parameters(), lr=0.1).step()
+            return s["stats"].results(), s["params"].results()
+
+    with torch.no_grad():
+        start = [p.clone() for p in m.parameters()]
+    want = run()
+    with torch.no_grad():
+        for p, w in zip(m.parameters(), start):
+            p.copy_(w)
+    used = []
+    reference = ops.reference_accumulate_
+    monkeypatch.setattr(ops, "has_kernel", lambda device: False)
+    monkeypatch.setattr(ops, "reference_accumulate_", lambda *a, **k: used.append(1) or reference(*a, **k))
+    got = run()
+    assert used
+    for w, g in zip(want, got):
+        assert w.keys() == g.keys()
+        for name in w:
+            assert w[name].keys() == g[name].keys()
+            for site in w[name]:
+                a, b = w[name][site], g[name][site]
+                assert (a.numel, a.calls, float(a.min), float(a.max)) == (b.numel, b.calls, float(b.min), float(b.max))
+                assert math.isclose(float(a.mean), float(b.mean), rel_tol=1e-5, abs_tol=1e-7)
+                assert math.isclose(float(a.std), float(b.std), rel_tol=1e-5, abs_tol=1e-7)
