@@ -171,18 +171,19 @@ class BlockSource {
 };
 
 struct Partial {  // one chunk
-  Moments m{0, 0, 0};
+  ShiftedMoments m{0, 0, 0, 0};
   double mn = std::numeric_limits<double>::infinity();
   double mx = -std::numeric_limits<double>::infinity();
   int64_t zeros = 0, neg_zeros = 0, pos_inf = 0, neg_inf = 0, nan = 0;
 
-  void add(const BlockResult& r) { add(static_cast<double>(r.n), r.mean, r.m2, r); }
-  void add(const Partial& o) { add(o.m.n, o.m.mean, o.m.m2, o); }
+  void add(const BlockResult& r) { add(static_cast<double>(r.n), r.shift, r.mean, r.m2, r); }
+  void add(const Partial& o) { add(o.m.n, o.m.shift, o.m.mean, o.m.m2, o); }
 
-  // A block's or another chunk's result: moments by Chan's formula, the rest by min/max/sum.
+  // A block's or another chunk's result: moments by Chan's formula around their shifts
+  // (stats_defs.h), the rest by min/max/sum.
   template <typename R>
-  void add(double n, double mean, double m2, const R& r) {
-    moments_merge(m, n, mean, m2);
+  void add(double n, double shift, double mean, double m2, const R& r) {
+    shifted_merge(m, n, shift, mean, m2);
     mn = r.mn < mn ? r.mn : mn;
     mx = r.mx > mx ? r.mx : mx;
     zeros += r.zeros;
@@ -222,7 +223,7 @@ void fold_into_row(const Partial& total, int64_t N, const int64_t* hist, int64_t
   S.inf = static_cast<double>(total.pos_inf + total.neg_inf);
   S.zero = static_cast<double>(total.zeros);
   S.n = total.m.n;
-  S.mean = total.m.mean;
+  S.mean = total.m.shift + total.m.mean;
   S.m2 = std::max(total.m.m2, 0.0);
   S.mn = total.mn;  // +inf / -inf when there is no finite value
   S.mx = total.mx;

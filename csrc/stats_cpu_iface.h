@@ -15,8 +15,9 @@ enum DType : int { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3, kNumDTypes = 4 };
 // Statistics of one block of at most kBlock contiguous elements.
 struct BlockResult {
   int64_t n;        // finite values
-  double mean;      // of the finite values (0 when n == 0)
-  double m2;        // sum of squared deviations from `mean`
+  double shift;     // a value near them (the kernel's K): the mean is shift + mean
+  double mean;      // of the finite values, relative to shift (0 when n == 0)
+  double m2;        // sum of squared deviations from the mean
   double mn, mx;    // finite min / max (+inf / -inf when n == 0)
   int64_t zeros;    // +0 and -0
   int64_t neg_zeros;  // -0 only (filled only when a raw histogram is requested)

@@ -377,10 +377,11 @@ static inline double coarse_shift(double mean, int e) {
 // finite value.
 static inline double next_shift(const BlockResult& r, double prev) {
   if (!r.n) return prev;
-  if (!(r.m2 > 0x1p-900) || !is_finite(r.m2)) return r.mean;
+  const double mean = r.shift + r.mean;
+  if (!(r.m2 > 0x1p-900) || !is_finite(r.m2)) return mean;
   const int d = exponent_of(r.m2) - exponent_of(static_cast<double>(r.n));  // log2(variance), +-1
   const int half = d >= 0 ? d / 2 : -((1 - d) / 2);  // floor(d / 2)
-  return coarse_shift(r.mean, half - 10);
+  return coarse_shift(mean, half - 10);
 }
 
 // -0.0 values of an all-finite block (only needed with the histogram, and only when the
@@ -464,7 +465,8 @@ static void block_slow(const void* p, int64_t n, BlockResult* r, uint32_t* hist)
     // torch's); it stays inf rather than becoming inf - inf.
   }
   r->n = nf;
-  r->mean = mean;
+  r->shift = mean;  // (absolute: this exact path is rare, Inf/NaN blocks)
+  r->mean = 0;
   r->m2 = m2 > 0 ? m2 : 0;
   r->mn = mn;
   r->mx = mx;
@@ -591,7 +593,8 @@ static void block_two_pass(const void* p, int64_t n, BlockResult* r, uint32_t* h
   const double nd = static_cast<double>(n);
   const double m2 = c2 - c1 * c1 / nd;
   r->n = n;
-  r->mean = static_cast<double>(m) + c1 / nd;
+  r->shift = static_cast<double>(m);
+  r->mean = c1 / nd;
   r->m2 = m2 > 0 ? m2 : 0;
   r->mn = tmn;
   r->mx = tmx;
@@ -710,7 +713,8 @@ static void block_stats(const void* p, int64_t n, BlockResult* r, uint32_t* hist
     return;
   }
   r->n = n;
-  r->mean = static_cast<double>(k) + delta;
+  r->shift = static_cast<double>(k);
+  r->mean = delta;
   r->m2 = m2 > 0 ? m2 : 0;
   r->mn = tmn;
   r->mx = tmx;

@@ -132,6 +132,52 @@ HOOKPLUG_HD void moments_merge(Moments& a, double nb, double mean_b, double m2_b
   a.n = n;
 }
 
+// Moments whose mean is relative to `shift`, one of the values or near them (absolute mean:
+// shift + mean). The difference of two sets' means, which Chan's merge squares, is then
+// (b.shift - a.shift) + (b.mean - a.mean), exact where the shifts are within a factor 2 of
+// each other, instead of the difference of two rounded absolute means (float64 data at
+// mean/std ~ 1e8 lost ~1e-10 of its std that way, over a GPU's thread partials or the CPU
+// kernel's 2048-element blocks).
+struct ShiftedMoments {
+  double n;
+  double shift;
+  double mean;
+  double m2;
+};
+
+HOOKPLUG_HD void shifted_merge(ShiftedMoments& a, double nb, double shift_b, double mean_b, double m2_b) {
+  if (nb == 0) return;
+  if (a.n == 0) {
+    a.n = nb;
+    a.shift = shift_b;
+    a.mean = mean_b;
+    a.m2 = m2_b;
+    return;
+  }
+  const double n = a.n + nb;
+  const double delta = (shift_b - a.shift) + (mean_b - a.mean);
+  if (delta - delta == 0) {  // finite
+    // the merged mean relative to either shift; the nearer shift is kept (an outlier that
+    // was a first value would otherwise hold every later merge at its ulp)
+    const double ra = a.mean + delta * (nb / n), rb = mean_b - delta * (a.n / n);
+    if ((rb < 0.0 ? -rb : rb) < (ra < 0.0 ? -ra : ra)) {
+      a.shift = shift_b;
+      a.mean = rb;
+    } else {
+      a.mean = ra;
+    }
+    a.m2 += m2_b + delta * delta * (a.n * (nb / n));
+    a.n = n;
+  } else {  // shifts of opposite signs near the largest double: absolute means
+    Moments m{a.n, a.shift + a.mean, a.m2};
+    moments_merge(m, nb, shift_b + mean_b, m2_b);
+    a.n = m.n;
+    a.shift = 0.0;
+    a.mean = m.mean;
+    a.m2 = m.m2;
+  }
+}
+
 // The statistics of one tensor as a kernel finds them (counts as doubles: exact < 2**53).
 struct Summary {
   double numel, nan, inf, zero;

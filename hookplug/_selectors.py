@@ -587,13 +587,13 @@ def unwrap_model_once(model: nn.Module) -> nn.Module:
     return model
 
 
-def replica_group(model: nn.Module):
-    """The ``process_group`` of the first ``DistributedDataParallel`` among the wrappers
-    :func:`unwrap_model` looks through (None: none): the ranks holding replicas of the
+def ddp_wrapper(model: nn.Module) -> Optional[nn.Module]:
+    """The first ``DistributedDataParallel`` among the wrappers :func:`unwrap_model` looks
+    through (None: none). Its ``process_group`` holds the ranks holding replicas of the
     model's plain parameters (a data-parallel group of a pipeline x data-parallel job)."""
     while isinstance(model, nn.Module):
         if isinstance(model, nn.parallel.DistributedDataParallel):
-            return getattr(model, "process_group", None)
+            return model
         inner = unwrap_model_once(model)
         if inner is model:
             return None

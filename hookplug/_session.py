@@ -41,7 +41,7 @@ from ._pipelining import patch_pipelining
 from ._plugin import Plugin, user_site, user_stacklevel
 from .structures import iter_tensors
 from ._sink import Sink
-from ._selectors import (check_strict, named_modules, parse_selector, named_parameters, parameter_owners, qualified, replica_group,
+from ._selectors import (check_strict, named_modules, parse_selector, named_parameters, parameter_owners, qualified, ddp_wrapper,
                          select_terms, unwrap_model, warn_never_called)
 
 __all__ = ["attach", "Session", "HookContext"]
@@ -663,6 +663,7 @@ class Session:
         # the process group of a DistributedDataParallel the model was attached through: the
         # ranks holding replicas of its plain parameters (None: the world)
         self._replica_group = None
+        self._ddp_ref = None  # that DistributedDataParallel (its Join state: see _join_config)
         self.every = every
         self.on_error = on_error
         self.flush_every = flush_every
@@ -786,6 +787,14 @@ class Session:
         inside a training model still counts as training)."""
         model = self._model_ref()
         return model is not None and model.training
+
+    def _join_config(self):
+        """The ``Join`` config of the DistributedDataParallel attached through, once a
+        ``Join`` (uneven inputs) enabled it (None: none). Each ``Join`` block sets a new one,
+        which stays after the block."""
+        ddp = self._ddp_ref() if self._ddp_ref is not None else None
+        config = getattr(ddp, "_join_config", None)
+        return config if getattr(config, "enable", False) else None
 
     def _in_child(self) -> bool:
         """Whether this is a process forked from the one that attached the session (a
@@ -1713,16 +1722,18 @@ def attach(
         config, _given, selector, plugins, every=every, sink=sink, on_error=on_error,
         strict=strict, flush_every=flush_every)
     patch_pipelining()  # a PipelineStage's metadata inference runs no hook (see _pipelining)
-    group = None
+    ddp = None
     if isinstance(model, nn.Module):
-        group = replica_group(model)
+        ddp = ddp_wrapper(model)
         model = unwrap_model(model)  # hooks on the wrapped modules serve the wrapper too
     again = (_attached_again(model, (selector, plugins, sink, every, flush_every, on_error, start_step,
                                      distributed))
              if isinstance(model, nn.Module) else None)
     session = Session(model, every=every, on_error=on_error, flush_every=flush_every,
                       start_step=start_step, distributed=distributed)
-    session._replica_group = group
+    if ddp is not None:
+        session._replica_group = getattr(ddp, "process_group", None)
+        session._ddp_ref = weakref.ref(ddp)
     groups = _plugin_groups("attach(): ", selector, plugins,
                             "" if config is None else f"; config={config!r} names none ([plugins.NAME] tables)")
 

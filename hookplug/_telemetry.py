@@ -220,6 +220,8 @@ class Telemetry:
         self.step_times: Dict[int, float] = {}
         self.flushes = 0
         self.records_emitted = 0
+        self._join_seen = None  # the DDP Join config of the last step() (on_step)
+        self._flush_base = 0  # flush_every counts step() calls from here (a Join block's start)
         # blocks of a failed collective flush (sent again once), or taken by a flush that a
         # BaseException (Ctrl-C) interrupted
         self._carry: List[StatsBlock] = []
@@ -262,9 +264,21 @@ class Telemetry:
         if session._in_child():
             return
         fe = session.flush_every
-        if fe and session._steps_done % fe == 0:
+        join = session._join_config() if fe else None
+        if join is not None:
+            # DDP's Join (uneven inputs): a rank that has joined answers DDP's collectives
+            # only, which a flush's would meet (a hang until the group's timeout). Flushes
+            # run at the first step() of each Join block (a new config: every rank is at its
+            # first step of the block, none has joined) and the count starts from there.
+            if join is not self._join_seen:
+                self._join_seen = join
+                self._flush_base = session._steps_done
+                self.flush(session, wait=False)
+                return
+        elif fe and (session._steps_done - self._flush_base) % fe == 0:
             self.flush(session, wait=False)
-        elif self.in_flight:
+            return
+        if self.in_flight:
             self.poll(session)
 
     def flush(self, session, *, wait: bool = True, local: bool = False) -> List[dict]:

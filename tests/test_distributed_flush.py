@@ -675,3 +675,46 @@ def test_a_failed_layout_exchange_says_every_rank_must_flush_alike():
     with pytest.raises(RuntimeError, match="Timed out") as info:
         _Layouts().agree(None, Local(), TimedOut(), 2, 1)
     assert any("flush alike" in n and "distributed=False" in n for n in info.value.__notes__)
+
+
+# -- DDP's Join (uneven inputs) with flush_every -------------------------------------------------------
+
+def uneven_inputs_under_join(rank, out):
+    """Epochs of uneven batches per rank under ``Join([ddp])``, ``flush_every=2``: rank 1's
+    flush after its 4th step met the all-reduces rank 0 shadowed for DDP once it had joined
+    (a hang until the process group's timeout). Under Join a flush runs at the first step()
+    of each block, where no rank has joined."""
+    from torch.distributed.algorithms.join import Join
+
+    torch.manual_seed(0)
+    model, state, dump, g = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3)), {"step": 0}, Dump(), \
+        torch.Generator().manual_seed(100 + rank)
+    seen = watch(model, state)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    flushes = []
+    with hookplug.attach(ddp, "Linear", plugins=["stats", ("params", {"bins": 0})], sink=dump,
+                         flush_every=2) as s:
+        for epoch, batches in enumerate(((3, 5), (4, 4), (2, 3))):
+            with Join([ddp]):
+                for i in range(batches[rank]):
+                    state["step"] = step = 10 * epoch + i  # (steps 3, 4: rank 1's alone)
+                    ddp(torch.randn(4, 6, generator=g)).square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                    s.step(step=step)
+                    flushes.append(s._telemetry.flushes)
+    return {"records": dump.records, "seen": seen, "flushes": flushes}
+
+
+def test_uneven_inputs_under_join_with_flush_every_do_not_hang(tmp_path):
+    res = spawn("uneven_inputs_under_join", tmp_path)
+    # a flush at the first step of each block, none after it in the block
+    assert res[0]["flushes"] == [1, 1, 1, 2, 2, 2, 2, 3, 3]
+    assert res[1]["flushes"] == [1, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3]
+    seen = [r["seen"] for r in res]
+    for r in res:
+        outputs = [rec for rec in r["records"] if rec["site"] == "output"]
+        assert sorted({rec["step"] for rec in outputs}) == [0, 1, 2, 3, 4, 10, 11, 12, 13, 20, 21, 22]
+        assert_exact(outputs, seen, ranks=(0, 1))  # (a step one rank ran: its values alone)
+    same_on_every_rank(res)

@@ -390,12 +390,15 @@ def test_a_nonfinite_or_outlying_first_element_keeps_std(first, device):
 
 
 @needs_ext
-@pytest.mark.parametrize("device", [on_cuda("cuda")])
-def test_cuda_float64_far_from_zero_keeps_its_std(device):
-    """The CUDA kernel merges ~100K thread partials by means relative to a shift
-    (stats_moments.h; tests/test_cuda_moments.py replays it on the host): 2M float64 values
-    at mean/std 1e8 keep their std to 1e-12 (absolute means lost ~2e-11 to 1e-10)."""
-    x = torch.randn(2_000_000, dtype=torch.float64, generator=gen(72)) + 1e8
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", [4096, 65536, 2_000_000])  # CPU: 2 blocks, 4 chunks, many chunks
+def test_float64_far_from_zero_keeps_its_std(device, n):
+    """The kernels merge partials (the CPU's 2048-element blocks and chunks, ~100K CUDA
+    thread partials) by means relative to a shift (ShiftedMoments, stats_defs.h;
+    tests/test_cuda_moments.py replays CUDA's on the host): float64 values at mean/std 1e8
+    keep their std to 1e-12 (absolute means lost ~2e-11 to 1e-10; the CPU's did until its
+    blocks kept their shift)."""
+    x = torch.randn(n, dtype=torch.float64, generator=gen(72)) + 1e8
     st = ops.tensor_stats(x.to(device)).to_dict()
     mean = float(x.mean())
     std = float((x - mean).square().mean().sqrt())

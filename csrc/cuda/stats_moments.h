@@ -16,10 +16,8 @@ HOOKPLUG_HD bool finite(double x) { return x - x == 0.0; }  // false for NaN and
 
 // A set of finite values: count, mean and sum of squared deviations (Chan's merge), finite
 // min/max, and the NaN/Inf/zero counts. `mean` is relative to `shift`, one of the values
-// (absolute mean: shift + mean): the difference of two partials' means, which Chan's merge
-// squares, is then (b.shift - a.shift) + (b.mean - a.mean), exact where the shifts are
-// within a factor 2 of each other, instead of the difference of two rounded absolute means
-// (float64 data at mean/std ~ 1e8 lost ~2e-10 of its std that way over 2M thread partials).
+// (absolute mean: shift + mean; see ShiftedMoments in stats_defs.h: float64 data at
+// mean/std ~ 1e8 lost ~2e-10 of its std over 2M thread partials with absolute means).
 // The counts are a block's at most: fewer than 2**32 elements a block (grid_size), and
 // 32-bit counts keep the kernels at 74-78 registers without spills (the last block adds the
 // blocks' counts as Counts).
@@ -51,40 +49,15 @@ HOOKPLUG_HD Partial empty_partial() {
   return p;
 }
 
-// Chan's merge of b's moments into a's.
+// Chan's merge of b's moments into a's, around their shifts (stats_defs.h).
 HOOKPLUG_HD void merge_moments(Partial& a, const Partial& b) {
-  if (b.n == 0) return;
-  if (a.n == 0) {
-    a.n = b.n;
-    a.shift = b.shift;
-    a.mean = b.mean;
-    a.m2 = b.m2;
-    return;
-  }
-  const double n = a.n + b.n;
-  const double delta = (b.shift - a.shift) + (b.mean - a.mean);
-  if (finite(delta)) {
-    // the merged mean relative to either shift; the nearer shift is kept (an outlier that
-    // was a thread's first value would otherwise hold every later merge at its ulp)
-    const double ra = a.mean + delta * (b.n / n), rb = b.mean - delta * (a.n / n);
-    if ((rb < 0.0 ? -rb : rb) < (ra < 0.0 ? -ra : ra)) {
-      a.shift = b.shift;
-      a.mean = rb;
-    } else {
-      a.mean = ra;
-    }
-    a.m2 += b.m2 + delta * delta * (a.n * (b.n / n));
-    a.n = n;
-  } else {  // shifts of opposite signs near the largest double: absolute means (see moments_merge)
-    Moments m{a.n, a.shift + a.mean, a.m2};
-    moments_merge(m, b.n, b.shift + b.mean, b.m2);
-    a.n = m.n;
-    a.shift = 0.0;
-    a.mean = m.mean;
-    a.m2 = m.m2;
-  }
+  ShiftedMoments m{a.n, a.shift, a.mean, a.m2};
+  shifted_merge(m, b.n, b.shift, b.mean, b.m2);
+  a.n = m.n;
+  a.shift = m.shift;
+  a.mean = m.mean;
+  a.m2 = m.m2;
 }
-
 struct MergeOp {
   HOOKPLUG_HD Partial operator()(const Partial& a, const Partial& b) const {
     Partial r = a;
