@@ -982,11 +982,13 @@ class _ParamBinding:
                 self._warn_fsdp2()
         else:
             param._backward_hooks = hooks
+        if getattr(param, "_fsdp_flattened", False):  # FSDP1's views of its flat parameter,
+            self._warn_fsdp2(wrapper="FSDP1's FullyShardedDataParallel")  # wrapped before or after
 
-    def _warn_fsdp2(self) -> None:
+    def _warn_fsdp2(self, wrapper: str = "FSDP2's fully_shard") -> None:
         if not self.session._fsdp2_warned:
             self.session._fsdp2_warned = True  # once a session: it names the first one
-            _warn_fsdp2_param(self.name)
+            _warn_fsdp2_param(self.name, wrapper)
 
     def _hooked_by_another(self, param: torch.Tensor, hooks: dict) -> bool:
         """Another binding of the session hooks ``param`` (tied to it). A hook left by a
@@ -1162,11 +1164,11 @@ def fsdp2_owners(model: Optional[nn.Module]) -> frozenset:
     return frozenset(out)
 
 
-def _warn_fsdp2_param(name: str) -> None:
+def _warn_fsdp2_param(name: str, wrapper: str = "FSDP2's fully_shard") -> None:
     warnings.warn(
-        f"hookplug: parameter {name!r} (and every other one sharded by FSDP2's fully_shard) "
-        "gets no gradient hook: FSDP2 computes its gradient "
+        f"hookplug: parameter {name!r} (and every other one sharded by {wrapper}) "
+        "gets no gradient hook: FSDP computes its gradient "
         "on an unsharded copy and reduce-scatters it into .grad directly, so a "
         "parameter-gradient hook (hookplug_param_grad: gradclamp params=, ...) never runs for "
         "it. Steer module-output gradients instead, or clip after backward (the params "
-        "plugin measures FSDP2 gradients from .grad)", RuntimeWarning, stacklevel=user_stacklevel())
+        "plugin measures FSDP gradients from .grad)", RuntimeWarning, stacklevel=user_stacklevel())

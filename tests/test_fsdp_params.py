@@ -108,6 +108,36 @@ def test_param_grad_hooks_under_fsdp2_warn_once(tmp_path, when):
             assert got["zeroed"] == [[], []] and got["changed"] == {}, got
 
 
+def _fsdp1_gradclamp(rank, world, when):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 1))
+    opts = {"min": 0.0, "max": 0.0, "params": "*", "outputs": False}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if when == "before":
+            session = hookplug.attach(model, "Linear", plugins=("gradclamp", opts))
+        wrapped = fsdp.FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
+        if when == "after":
+            session = hookplug.attach(wrapped, "Linear", plugins=("gradclamp", opts))
+        for _ in range(2):
+            wrapped(torch.randn(4, 6) + rank).sum().backward()
+            wrapped.zero_grad()
+            session.step()
+        changed = session.results()["gradclamp"]
+        session.remove()
+    return {"warnings": [str(w.message) for w in caught if "gets no gradient hook" in str(w.message)],
+            "changed": changed}
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_param_grad_hooks_under_fsdp1_warn_once(tmp_path, when):
+    """FSDP1 (``use_orig_params=True``) runs no hook of its original parameters either (it
+    computes the flat parameter's gradient): gradclamp ``params=`` did nothing, silently."""
+    for got in spawn(_fsdp1_gradclamp, tmp_path, when):
+        assert got["changed"] == {}, got
+        assert len(got["warnings"]) == 1 and "FSDP1" in got["warnings"][0], got
+
+
 def _fsdp2_regional(rank, world, variant):
     """torchtitan's layout: each block ``fully_shard``ed, then compiled on its own, the root
     sharded; stats on every Linear (outputs and gradients) or none; two training steps."""
