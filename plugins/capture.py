@@ -82,6 +82,7 @@ import torch
 
 import hookplug
 from hookplug import hookimpl
+from hookplug._bank import is_dtensor
 from hookplug._binding import interrupted_calls
 from hookplug._plugin import user_stacklevel
 from hookplug._func import is_batched as _is_batched
@@ -283,7 +284,10 @@ _CALL_IMPL = torch.nn.Module._call_impl.__code__
 
 def _tensor_bytes(t: torch.Tensor) -> int:
     """The bytes ``t`` holds: a sparse tensor its indices and values (not its dense size), a
-    meta tensor none (a view its own elements: not the base it keeps alive)."""
+    meta tensor none, a DTensor its local shard (a view its own elements: not the base it
+    keeps alive)."""
+    if is_dtensor(t):
+        t = t.to_local()
     if t.is_meta:
         return 0
     layout = t.layout
@@ -304,6 +308,8 @@ def _nbytes(obj: Any) -> int:
 
 def _unsavable(t: torch.Tensor) -> Optional[str]:
     """Why safetensors cannot store ``t`` (None if it can)."""
+    if is_dtensor(t):  # (its shards are the ranks': no file of one rank holds the tensor)
+        return "DTensor: save t.to_local() or t.full_tensor() yourself"
     if t.is_nested:
         return "nested"
     if t.layout is not torch.strided:

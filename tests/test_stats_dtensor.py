@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import hookplug
-from _gloo import Dump, free_port, leave
+from _gloo import Dump, free_port, leave, spawn
 
 WORLD = 2
 SEQ = 4  # per rank: the sequence dimension is sharded
@@ -207,7 +207,35 @@ def test_a_replicate_output_is_counted_once_when_the_ranks_met_other_keys_first(
     key's bank row, which differs between ranks once one met a key the other did not (a
     module run on one rank only): ``rep``'s eval output was counted on both ranks (numel
     24 for its 12 elements) or on none (no record at all)."""
-    from _gloo import spawn
-
     for got in spawn(_replicate_after_a_key_of_one_rank, tmp_path, first):
         assert got["recs"] == [["extra", 12, 1], ["rep", 12, 1]]
+
+
+def _capture_a_dtensor_output(rank, world, out):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.LayerNorm(8))
+    parallelize_module(m, init_device_mesh("cpu", (world,)), {"0": SequenceParallel()})
+    with hookplug.attach(m, "LayerNorm", plugins="capture") as s:
+        m(torch.randn(2, 4, 8))
+    cap = s["capture"]
+    feature = cap.features["0"]
+    path = os.path.join(out, f"c{rank}.safetensors")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cap.save(path)
+    loaded = hookplug.load_capture(path)
+    return {"local_bytes": feature.to_local().numel() * feature.element_size(), "nbytes": cap.nbytes,
+            "warnings": [str(w.message) for w in caught], "loaded": repr(loaded.get("0"))}
+
+
+def test_a_dtensor_capture_counts_its_shard_and_is_left_out_of_the_file(tmp_path):
+    """A SequenceParallel LayerNorm's output is a DTensor (``use_local_output=False``):
+    ``nbytes`` counted its global size (``max_bytes`` too), and ``save()`` raised "invalid
+    python storage". Its shard is counted; the file leaves it out, with a warning."""
+    for got in spawn(_capture_a_dtensor_output, tmp_path, str(tmp_path)):
+        assert got["nbytes"] == got["local_bytes"] == 2 * 4 * 8 * 4  # (global: twice)
+        assert got["loaded"] == "None"
+        assert any("DTensor" in w for w in got["warnings"]), got["warnings"]
