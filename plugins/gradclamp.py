@@ -337,13 +337,17 @@ class GradClampPlugin(hookplug.Plugin):
                 "(dense) gradients are steered, this one is left as it is"))
             return None
         if self.nan == "raise":
-            if bool(torch.isnan(grad).any()):  # the one deliberate sync
+            # (a DTensor's shard of this rank: no collective, which torch 2.14 ran for .any())
+            local = grad.to_local() if is_dtensor(grad) else grad
+            if bool(torch.isnan(local).any()):  # the one deliberate sync
                 raise FloatingPointError(f"gradclamp: NaN in the gradient of {what()}")
         amp = self._scale(grad) if self.scaler is not None else None
         batched = is_batched(grad)  # under vmap: a count would be a BatchedTensor escaping it
         g, n = self._steer(grad, amp, count=not batched)
         if g is None or batched:
             return g
+        if is_dtensor(n):  # a sharded gradient's: this rank's shard's count (a Partial sum,
+            n = n.to_local()  # which int() read as this rank's part for Shard, whole for Replicate)
         plain = unwrapped(n)
         if plain is not n:  # inside torch.func.grad: n wraps the count; a counter kept as such
             with outside_transforms():  # escaped, and an in-place add to one made outside raised

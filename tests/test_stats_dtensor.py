@@ -239,3 +239,45 @@ def test_a_dtensor_capture_counts_its_shard_and_is_left_out_of_the_file(tmp_path
         assert got["nbytes"] == got["local_bytes"] == 2 * 4 * 8 * 4  # (global: twice)
         assert got["loaded"] == "None"
         assert any("DTensor" in w for w in got["warnings"]), got["warnings"]
+
+
+def _gradclamp_on_tp_gradients(rank, world, opts):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    parallelize_module(m, init_device_mesh("cpu", (world,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    want = {}
+    for name, p in m.named_parameters():
+        def before(g, name=name):  # registered first: the gradient before the clamp, this rank's part
+            local = g.to_local()
+            if rank == 1 and name == "0.weight" and opts["nan"] == "raise":
+                local[0, 0] = math.nan  # (in rank 1's shard only)
+            want[name] = int(((local < opts["min"]) | (local > opts["max"])).sum())
+        p.register_hook(before)
+    with hookplug.attach(m, "Linear", plugins=("gradclamp", {**opts, "params": "*", "outputs": False})) as s:
+        x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * 5
+        try:
+            m(x).square().sum().backward()
+            raised = None
+        except FloatingPointError as exc:
+            raised = str(exc)
+        got = {k: v["changed"] for k, v in s.results()["gradclamp"].items()}
+    return {"got": got, "want": want, "raised": raised}
+
+
+@pytest.mark.parametrize("nan", ["keep", "raise"])
+def test_gradclamp_on_tensor_parallel_gradients_counts_this_ranks_shard(tmp_path, nan):
+    """A DTensor gradient's ``changed`` was a Partial sum: ``int()`` read this rank's part of
+    a sharded parameter and the whole count of a replicated one; ``nan="raise"`` ran a
+    collective on torch 2.14 (both ranks raised) and none on 2.13. Now both are this
+    rank's shard's, on every torch."""
+    opts = {"min": -0.5, "max": 0.5, "nan": nan}
+    got = spawn(_gradclamp_on_tp_gradients, tmp_path, opts)
+    if nan == "raise":
+        assert got[0]["raised"] is None and "NaN in the gradient" in got[1]["raised"], got
+        return
+    for r in got:
+        assert r["got"] == r["want"] and sum(r["want"].values()) > 0, r
+    assert got[0]["want"] != got[1]["want"]  # (the shards differ: counted per rank)
