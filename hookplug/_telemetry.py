@@ -15,7 +15,7 @@ A flush:
    a producer disabled on one rank): they reduce by the *union* of their keys. One
    ``all_gather_object`` exchanges the layouts (a rank sends its own only when it changed
    since it last sent it); every rank lays its rows out in the union order (a key it lacks:
-   empty rows, which merge as identity) and one ``all_gather_into_tensor`` per device type
+   empty rows, which merge as identity) and one ``all_gather_single`` per device type
    gathers them. Every rank gets the same merged records. ``first_nonfinite`` stays per
    rank (each rank's own clock). The first exchange also gives every rank rank 0's
    ``run_id`` (``session.run_id`` changes to it there).
@@ -480,7 +480,7 @@ class Telemetry:
     def _start_collective(self, session, blocks, dist):
         """A flush every rank runs alike, whatever it holds: one ``all_gather_object`` (the
         layouts, see :class:`_Layouts`), then per device type of the union one
-        ``all_gather_into_tensor`` of the rows laid out in the union order (a key this rank
+        ``all_gather_single`` of the rows laid out in the union order (a key this rank
         lacks: empty rows, which merge as identity) and ``merge_rows``. Returns the flights
         and the error of blocks this rank could not lay out (they are left out; raised or
         warned once the flush is done)."""
@@ -513,7 +513,8 @@ class Telemetry:
             if via is not None:  # CPU rows (FSDP2's CPU offload) under an NCCL-only group
                 flat = flat.to(via)
             gathered = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
-            dist.all_gather_into_tensor(gathered, flat)
+            # (all_gather_single where torch has it: all_gather_into_tensor warns, deprecated)
+            (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, flat)
             gathered = gathered.view(world, -1).to(home)
             parts, start = [], 0
             for laid in lays:

@@ -49,7 +49,8 @@ def batches():
 def train(model, wrapped, chunk, world, zero=False, materialize=None):
     sink = Dump()
     calls = {"gather": 0}
-    real = dist.all_gather_into_tensor
+    gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    real = getattr(dist, gather)
     with hookplug.attach(wrapped, "Linear", plugins=["params", ("stats", {"sites": "output"})],
                          sink=sink) as s:
         if materialize is not None:  # attached on meta (FSDP2's deferred init)
@@ -81,11 +82,11 @@ def train(model, wrapped, chunk, world, zero=False, materialize=None):
             calls["gather"] += 1
             return real(*a, **k)
 
-        dist.all_gather_into_tensor = counting
+        setattr(dist, gather, counting)
         try:
             s.flush()
         finally:
-            dist.all_gather_into_tensor = real
+            setattr(dist, gather, real)
     return sink.records, calls["gather"]
 
 
