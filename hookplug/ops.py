@@ -150,6 +150,10 @@ def _register_fake() -> None:
 def _check_dtype(x, who: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{who}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.is_nested or x.layout is not torch.strided:  # (no kernel: the dispatcher's error otherwise)
+        what = "a nested tensor" if x.is_nested else f"a {str(x.layout).replace('torch.', '')} tensor"
+        raise TypeError(f"{who}: expected a dense (strided) tensor, got {what} (measure its "
+                        "values: .values() of a sparse or nested tensor)")
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{who}: expected a floating tensor (float32, float64, float16, bfloat16), "
                         f"got {x.dtype}")

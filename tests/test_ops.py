@@ -781,6 +781,20 @@ def test_non_floating_inputs_raise_naming_the_dtype(dtype, device):
             torch.ops.hookplug.tensor_stats(x, 1, 0)
 
 
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(4, 4).to_sparse(), lambda: torch.randn(4, 4).to_sparse_csr(),
+    lambda: torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]),
+    lambda: torch.nested.nested_tensor([torch.randn(2), torch.randn(3)], layout=torch.jagged),
+], ids=["coo", "csr", "nested", "jagged"])
+def test_non_strided_inputs_raise_naming_the_layout(make):
+    """The dispatcher's "Could not run ... 'SparseCPU' backend" (or a bare NotImplementedError
+    for a jagged tensor) before: no kernel is registered for these."""
+    x = make()
+    for fn in (ops.tensor_stats, lambda t: ops.accumulate_(t, torch.zeros(2, 12 + 131, dtype=torch.float64), 1)):
+        with pytest.raises(TypeError, match=r"expected a dense \(strided\) tensor, got a"):
+            fn(x)
+
+
 def test_bad_arguments():
     x = torch.randn(10)
     with pytest.raises(ValueError, match="hist='log2' or 'linear'"):
