@@ -521,6 +521,19 @@ def _as_name_hint(exc: SelectorError, text: str, module_names: Sequence[str]) ->
     return exc
 
 
+def _parse_error_hint(exc: SelectorError, module_names: Sequence[str]) -> SelectorError:
+    """``exc`` (a selector that does not parse) with :func:`_as_name_hint`'s hint where the
+    class part it points into is a module name or glob of the model (``net.0``, ``net.*``)."""
+    if not exc.reason.startswith("expected a class name"):
+        return exc
+    start = exc.selector.rfind(",", 0, exc.column) + 1
+    end = exc.selector.find(",", exc.column)
+    term = exc.selector[start:len(exc.selector) if end < 0 else end].strip().lstrip("-").strip()
+    class_part = term.partition(":")[0].strip()
+    alt = next((a.strip() for a in class_part.split("|") if not _is_class_path(a.strip())), class_part)
+    return _as_name_hint(exc, alt, module_names)
+
+
 def _name_matcher(selector: str, term: _Term) -> Callable[[str], bool]:
     if term.name_kind == "root":
         return lambda n: n == ""
@@ -730,7 +743,10 @@ def select_terms(model: nn.Module, selector: str, *, strict: bool = False, stack
         raise TypeError(f"select() expects a torch.nn.Module, got {type(model).__name__}")
     check_strict("select()", strict)
     model = unwrap_model(model)
-    terms = parse_selector(selector)
+    try:
+        terms = parse_selector(selector)
+    except SelectorError as exc:  # a module name where a class goes ('net.0'): say how to write it
+        raise _parse_error_hint(exc, [n for n, _ in named_modules(model)]) from None
     named = named_modules(model)
     aliases = module_aliases(model)
     known = list({k for _, m in named for k in type(m).__mro__})
