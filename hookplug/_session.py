@@ -671,6 +671,9 @@ class Session:
         # step on: the same rule on every rank, no communication
         self._step = start_step
         self._steps_done = 0  # step() calls (flush_every counts these)
+        # the step in progress runs an evaluation only (a trainer's evaluation before training,
+        # HF eval_on_start): plugins measuring the training step record nothing for it
+        self._evaluation_only = False
         self._last_ended: Optional[int] = None  # the number of the step that ended last
         self._backwards_warned = False
         self._replaced_warned: set = set()  # selected modules warned of as gone from the model
@@ -968,6 +971,7 @@ class Session:
             # the next one
             self._dispatch("hookplug_step", step=ended, run_all=True)
         except Exception as exc:
+            self._evaluation_only = False
             # the step ended all the same (the other ranks flush now; a caller that goes on
             # would get this step's records only at the next flush, a step late)
             try:
@@ -977,6 +981,7 @@ class Session:
                     exc.add_note(f"(the telemetry flush of this step also failed: "
                                  f"{type(other).__name__}: {other})")
             raise
+        self._evaluation_only = False
         self._telemetry.on_step(self, ended)  # polls flushes in flight; never waits
         return _StepScope(self)
 

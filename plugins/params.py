@@ -826,8 +826,8 @@ class ParamsPlugin(hookplug.Plugin):
 
     @hookimpl
     def hookplug_step(self, session, step):
-        if self.bank.live:
-            self.measure_unstepped()
+        if self.bank.live and not session._evaluation_only:  # (a trainer's evaluation before
+            self.measure_unstepped()  # training: no training step to measure)
         self._frames = []
         for pr in self._params:
             pr.done = False

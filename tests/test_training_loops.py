@@ -1041,19 +1041,23 @@ def test_transformers_every_and_eval_on_start_follow_the_trainer_steps(tmp_path,
     results = {}
     for every in (1, 2):
         sink = Collect()
-        cb = HookplugTrainerCallback("Linear", ["stats"], sink=sink, flush_every=1, every=every)
+        cb = HookplugTrainerCallback("Linear", ["stats", ("params", {"params": "*.weight", "bins": 0})],
+                                     sink=sink, flush_every=1, every=every)
         evaluated.clear()
         args = _hf_args(transformers, tmp_path, max_steps=5, eval_strategy="steps", eval_steps=2,
                         eval_on_start=eval_on_start)
         transformers.Trainer(model=_tiny_gpt2(transformers), args=args, train_dataset=_Tokens(40),
                              eval_dataset=_Tokens(8), callbacks=[cb, Evals()]).train()
-        results[every] = (sorted(r["step"] for r in sink.records if r["phase"] == "train"),
-                          sorted(r["step"] for r in sink.records if r["phase"] == "eval"),
-                          {r["numel"] for r in sink.records if r["phase"] == "eval"})
+        stats = [r for r in sink.records if not r["module"].endswith(".weight")]
+        results[every] = (sorted(r["step"] for r in stats if r["phase"] == "train"),
+                          sorted(r["step"] for r in stats if r["phase"] == "eval"),
+                          {r["numel"] for r in stats if r["phase"] == "eval"},
+                          # (the evaluation before training got weight and update=0 records)
+                          sorted({r["step"] for r in sink.records if r["module"].endswith(".weight")}))
     evals = [0, 2, 4, 5] if eval_on_start else [2, 4, 5]
     assert evaluated == evals
-    assert results[1] == ([1, 2, 3, 4, 5], evals, {8 * 8 * 32})  # one eval run each
-    assert results[2] == ([2, 4], evals, {8 * 8 * 32})
+    assert results[1] == ([1, 2, 3, 4, 5], evals, {8 * 8 * 32}, [1, 2, 3, 4, 5])  # one eval run each
+    assert results[2] == ([2, 4], evals, {8 * 8 * 32}, [2, 4])
 
 
 def test_transformers_every_n_records_each_epoch_evaluation(tmp_path):

@@ -119,7 +119,8 @@ class HookplugTrainerCallback(_trainer_callback.TrainerCallback):
         self._steps = _PendingStep()
         self._steps.session = self.session
         if getattr(args, "eval_on_start", False):  # the step in progress holds only that
-            self.session._sample_until_step()      # evaluation: recorded whatever every=N says
+            self.session._sample_until_step()      # evaluation: recorded whatever every=N says,
+            self.session._evaluation_only = True   # with no parameter records (params)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._commit()
