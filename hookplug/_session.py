@@ -663,7 +663,7 @@ class Session:
         # the process group of a DistributedDataParallel the model was attached through: the
         # ranks holding replicas of its plain parameters (None: the world)
         self._replica_group = None
-        self._ddp_ref = None  # that DistributedDataParallel (its Join state: see _join_config)
+        self._ddp_ref = None  # that DistributedDataParallel (its Join blocks: see _join_block)
         self.every = every
         self.on_error = on_error
         self.flush_every = flush_every
@@ -791,13 +791,11 @@ class Session:
         model = self._model_ref()
         return model is not None and model.training
 
-    def _join_config(self):
-        """The ``Join`` config of the DistributedDataParallel attached through, once a
-        ``Join`` (uneven inputs) enabled it (None: none). Each ``Join`` block sets a new one,
-        which stays after the block."""
+    def _join_block(self):
+        """The ``Join`` block (uneven inputs) the DistributedDataParallel attached through
+        runs in now: a token new at each entry (None: none; see ``_telemetry.watch_join``)."""
         ddp = self._ddp_ref() if self._ddp_ref is not None else None
-        config = getattr(ddp, "_join_config", None)
-        return config if getattr(config, "enable", False) else None
+        return getattr(ddp, "_hookplug_join_block", None)
 
     def _in_child(self) -> bool:
         """Whether this is a process forked from the one that attached the session (a
@@ -1739,6 +1737,10 @@ def attach(
     if ddp is not None:
         session._replica_group = getattr(ddp, "process_group", None)
         session._ddp_ref = weakref.ref(ddp)
+        if flush_every:
+            from ._telemetry import watch_join
+
+            watch_join()
     groups = _plugin_groups("attach(): ", selector, plugins,
                             "" if config is None else f"; config={config!r} names none ([plugins.NAME] tables)")
 

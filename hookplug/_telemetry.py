@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import math
 import os
@@ -211,6 +212,38 @@ def _collects(session, plugin) -> bool:
     return entry is None or entry.disabled is None or getattr(plugin, "collect_when_disabled", False)
 
 
+def watch_join() -> None:
+    """Mark each ``Join`` block on its joinables (``_hookplug_join_block``: a token new at each
+    entry, None after the block; the config torch sets stays after it), so that a session's
+    periodic flushes keep off the steps where a rank may have joined (``Telemetry.on_step``).
+    Wraps ``Join.__enter__``/``__exit__`` once."""
+    try:
+        from torch.distributed.algorithms.join import Join
+    except ImportError:  # pragma: no cover - torch without distributed
+        return
+    if getattr(Join.__enter__, "_hookplug_watched", False):
+        return
+    enter, exit_ = Join.__enter__, Join.__exit__
+
+    @functools.wraps(enter)
+    def entered(self):
+        out = enter(self)
+        for joinable in self._joinables:
+            joinable._hookplug_join_block = object() if self._enable else None
+        return out
+
+    @functools.wraps(exit_)
+    def exited(self, *exc):
+        try:
+            return exit_(self, *exc)
+        finally:
+            for joinable in self._joinables:
+                joinable._hookplug_join_block = None
+
+    entered._hookplug_watched = True
+    Join.__enter__, Join.__exit__ = entered, exited
+
+
 class Telemetry:
     """Per-session flush state: flushes in flight, step end times, and under torch.distributed
     the layout the ranks agreed on (see :class:`_Layouts`)."""
@@ -220,8 +253,8 @@ class Telemetry:
         self.step_times: Dict[int, float] = {}
         self.flushes = 0
         self.records_emitted = 0
-        self._join_seen = None  # the DDP Join config of the last step() (on_step)
-        self._flush_base = 0  # flush_every counts step() calls from here (a Join block's start)
+        self._join_seen = None  # the DDP Join block of the last step() (on_step)
+        self._flush_base = 0  # flush_every counts step() calls from here (a Join block's edge)
         # blocks of a failed collective flush (sent again once), or taken by a flush that a
         # BaseException (Ctrl-C) interrupted
         self._carry: List[StatsBlock] = []
@@ -264,14 +297,14 @@ class Telemetry:
         if session._in_child():
             return
         fe = session.flush_every
-        join = session._join_config() if fe else None
-        if join is not None:
+        block = session._join_block() if fe and self.collective(session) else None
+        if block is not None or self._join_seen is not None:
             # DDP's Join (uneven inputs): a rank that has joined answers DDP's collectives
             # only, which a flush's would meet (a hang until the group's timeout). Flushes
-            # run at the first step() of each Join block (a new config: every rank is at its
-            # first step of the block, none has joined) and the count starts from there.
-            if join is not self._join_seen:
-                self._join_seen = join
+            # run at the first step() of each Join block and the first after one (every rank
+            # is there: none has joined), and counting starts again from there.
+            if block is not self._join_seen:
+                self._join_seen = block
                 self._flush_base = session._steps_done
                 self.flush(session, wait=False)
                 return

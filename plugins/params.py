@@ -370,6 +370,7 @@ class ParamsPlugin(hookplug.Plugin):
                               max_pending_bytes=max_pending_bytes, who=self.name,
                               clock_base=LATE_CLOCK)  # measured after activations
         self._params: List[_Param] = []
+        self._ever_named: set = set()  # every name selected (records flushed after a retie keep theirs)
         # (module weakly, attribute, id of its parameter) of every slot the selection read (_retied);
         # not the parameter weakly: torch.utils.swap_tensors (to_empty under FSDP2) refuses those
         self._slots: List[Tuple[Any, str, int]] = []
@@ -388,11 +389,11 @@ class ParamsPlugin(hookplug.Plugin):
     # -- which parameters ------------------------------------------------------------------------
 
     def _select(self, session, within: Optional[set] = None) -> None:
-        """The parameters to measure (``within``: only those held in these ``(id(module),
-        attribute)`` slots, the ones listed at attach)."""
+        """The parameters to measure (``within``: only those of these ids, the ones the slots
+        listed at attach hold now)."""
         model = session.model
         seen = set()
-        found: List[Tuple[str, Any, str]] = []
+        found: List[Tuple[str, Any, str, int]] = []  # (name, module, attribute, id of the parameter)
         owner: Dict[int, Tuple[str, Any, str]] = {}
         holder: Dict[str, Tuple[Any, str]] = {}  # every name of a parameter -> (module, attr)
         if model is not None:
@@ -414,19 +415,20 @@ class ParamsPlugin(hookplug.Plugin):
                             None)
                 if name is not None:  # read where that name holds it (untied later: its own)
                     m, attr = holder.get(name, (m, attr))
-                    found.append((name, m, attr))
+                    found.append((name, m, attr, id(p)))
         if not found and seen:
             warnings.warn(f"hookplug plugin 'params': params={list(self.globs)!r} matches no parameter of the "
                           f"{len(session.modules_of(self))} selected module(s) (by any of their names); "
                           "nothing is measured", RuntimeWarning, stacklevel=user_stacklevel())
         if within is not None:  # (new ones are warned about: see Session._warn_new_parameters)
-            found = [f for f in found if (id(f[1]), f[2]) in within]
+            found = [f for f in found if f[3] in within]
         found.sort(key=lambda f: f[0])  # the same order (and rows) on every rank
-        self._warn_fsdp1([getattr(m, "_parameters", {}).get(a) for _, m, a in found])
-        self._params = [_Param(n, m, a, i) for i, (n, m, a) in enumerate(found)]
+        self._warn_fsdp1([getattr(m, "_parameters", {}).get(a) for _, m, a, _ in found])
+        self._params = [_Param(n, m, a, i) for i, (n, m, a, _) in enumerate(found)]
+        self._ever_named.update(pr.name for pr in self._params)
         if within is not None:
             return  # (the slots of attach)
-        slots = {(id(m), a): (m, a) for _, m, a in found}
+        slots = {(id(m), a): (m, a) for _, m, a, _ in found}
         for top in session.modules_of(self).values():
             for m in top.modules():
                 for a in m._parameters:
@@ -448,14 +450,19 @@ class ParamsPlugin(hookplug.Plugin):
         others (an untied head is measured from now on; one tied to another is recorded
         under its first matching name only, as at attach)."""
         old = {pr.name: pr for pr in self._params}
-        known = {(id(ref()), attr) for ref, attr, _ in self._slots if ref() is not None}
-        self._select(session, within=known)
+        # the rank counting each parameter read before: a slot's new name (untied) is counted
+        # where the parameter its slot held was (a pipeline stage's rank, not round-robin)
+        owner_of = {id(t): pr.owner for pr in self._params if (t := pr.tensor()) is not None}
+        was_in = {(id(ref()), attr): pid for ref, attr, pid in self._slots if ref() is not None}
         self._slots = [(ref, attr, id(ref()._parameters.get(attr)) if ref() is not None else 0)
                        for ref, attr, _ in self._slots]  # (found again only when it changes again)
+        self._select(session, within={pid for ref, _, pid in self._slots if ref() is not None})
         for pr in self._params:
             was = old.get(pr.name)
             if was is not None and was.module_ref() is pr.module_ref() and was.attr == pr.attr:
                 pr.prev, pr.owner = was.prev, was.owner  # (the same slot, as before)
+            else:
+                pr.owner = owner_of.get(was_in.get((id(pr.module_ref()), pr.attr)), pr.owner)
             for s in self.sites:
                 self.bank.row_of(pr.keys[s])
         self._opt_cache = {}
@@ -742,6 +749,7 @@ class ParamsPlugin(hookplug.Plugin):
         self._session_ref = weakref.ref(session)
         self._rank, self._world = 0, 1
         self._refresh_replicas()
+        self._ever_named = set()
         self._select(session)
         self._find_holders(session)
         # every row now, in name order: the same layout on every rank, whatever each holds
@@ -875,7 +883,7 @@ class ParamsPlugin(hookplug.Plugin):
 
     @property
     def _names(self) -> set:
-        return {pr.name for pr in self._params}
+        return self._ever_named
 
     # -- results -----------------------------------------------------------------------------------
 

@@ -698,28 +698,37 @@ def uneven_inputs_under_join(rank, out):
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     flushes = []
+
+    def train_step(step):
+        state["step"] = step
+        ddp(torch.randn(4, 6, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        s.step(step=step)
+        flushes.append(s._telemetry.flushes)
+
     with hookplug.attach(ddp, "Linear", plugins=["stats", ("params", {"bins": 0})], sink=dump,
                          flush_every=2) as s:
+        join = Join([ddp])  # (one object entered for each epoch)
         for epoch, batches in enumerate(((3, 5), (4, 4), (2, 3))):
-            with Join([ddp]):
+            with join:
                 for i in range(batches[rank]):
-                    state["step"] = step = 10 * epoch + i  # (steps 3, 4: rank 1's alone)
-                    ddp(torch.randn(4, 6, generator=g)).square().mean().backward()
-                    opt.step()
-                    opt.zero_grad()
-                    s.step(step=step)
-                    flushes.append(s._telemetry.flushes)
+                    train_step(10 * epoch + i)  # (steps 3, 4: rank 1's alone)
+        for i in range(4):  # even inputs after the blocks: every flush_every=2 steps again
+            train_step(30 + i)
     return {"records": dump.records, "seen": seen, "flushes": flushes}
 
 
 def test_uneven_inputs_under_join_with_flush_every_do_not_hang(tmp_path):
     res = spawn("uneven_inputs_under_join", tmp_path)
-    # a flush at the first step of each block, none after it in the block
-    assert res[0]["flushes"] == [1, 1, 1, 2, 2, 2, 2, 3, 3]
-    assert res[1]["flushes"] == [1, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3]
+    # a flush at the first step of each block, none after it in the block; then at the first
+    # step after the last block and every 2 steps from there
+    assert res[0]["flushes"] == [1, 1, 1, 2, 2, 2, 2, 3, 3] + [4, 4, 5, 5]
+    assert res[1]["flushes"] == [1, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3] + [4, 4, 5, 5]
     seen = [r["seen"] for r in res]
     for r in res:
         outputs = [rec for rec in r["records"] if rec["site"] == "output"]
-        assert sorted({rec["step"] for rec in outputs}) == [0, 1, 2, 3, 4, 10, 11, 12, 13, 20, 21, 22]
+        assert sorted({rec["step"] for rec in outputs}) == [0, 1, 2, 3, 4, 10, 11, 12, 13, 20, 21, 22,
+                                                             30, 31, 32, 33]
         assert_exact(outputs, seen, ranks=(0, 1))  # (a step one rank ran: its values alone)
     same_on_every_rank(res)

@@ -896,6 +896,33 @@ def test_params_selects_again_after_an_untie_or_a_tie_made_after_attach():
         check(got["emb.weight"]["update"], ref(m.emb.weight.detach() - before["emb.weight"]))
 
 
+def test_a_tie_to_an_unselected_module_keeps_the_parameter_measured_and_its_records_whole():
+    """Only the head selected (``"Linear"``), then tied to the embedding: the tensor is named
+    by its first name, ``emb.weight``, read where that name holds it; the first version of
+    the re-selection dropped it (that slot was not the selection's). Records flushed after
+    the tie keep ``update_to_weight`` under the name they were measured by."""
+    m = _TiedLM()
+    m.head.weight = nn.Parameter(m.emb.weight.detach().clone())  # untied at attach
+    ids = torch.randint(0, 20, (2, 3))
+    sink = RecordSink()
+    with hookplug.attach(m, "Linear", plugins="params", sink=sink) as s:
+        for step in range(3):
+            if step == 1:
+                m.head.weight = m.emb.weight  # tied after attach
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            m(ids).sum().backward()
+            grad = m.head.weight.grad.clone()
+            opt.step()
+            m.zero_grad()
+            s.step()
+        got = s["params"].results()
+    assert sorted(got) == ["emb.weight"]
+    check(got["emb.weight"]["grad"], ref(grad))
+    updates = [(r["step"], r["module"]) for r in sink.records if r["site"] == "update"]
+    assert updates == [(0, "head.weight"), (1, "head.weight"), (2, "emb.weight")]
+    assert all("update_to_weight" in r for r in sink.records if r["site"] == "update")
+
+
 def test_a_params_plugin_attached_again_measures_as_a_new_one(tmp_path):
     """The same ``ParamsPlugin`` instance attached for a second session (one a phase, kept
     in a config): its optimizer entries named the first session's parameters, measured in
