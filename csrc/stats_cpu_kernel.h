@@ -435,7 +435,7 @@ static void block_slow(const void* p, int64_t n, BlockResult* r, uint32_t* hist)
     }
   }
   const double nd = static_cast<double>(nf);
-  double mean = nf ? sum / nd : 0.0, c = 0, m2 = 0;
+  double mean = nf ? sum / nd : 0.0, c = 0, m2 = 0, rel = 0;
   if (nf && mn == mx) {  // one finite value (any magnitude): exactly
     mean = static_cast<double>(mn);
   } else if (nf) {
@@ -456,7 +456,7 @@ static void block_slow(const void* p, int64_t n, BlockResult* r, uint32_t* hist)
       }
     }
     if (is_finite(c)) {
-      mean += c / nd;
+      rel = c / nd;  // (kept beside mean: mean + c / nd rounded to one double loses it)
       if (is_finite(m2)) m2 -= c * (c / nd);  // (c^2 <= n * m2: no overflow)
     } else {  // values spanning more than the largest double
       m2 = __builtin_inf();
@@ -465,8 +465,8 @@ static void block_slow(const void* p, int64_t n, BlockResult* r, uint32_t* hist)
     // torch's); it stays inf rather than becoming inf - inf.
   }
   r->n = nf;
-  r->shift = mean;  // (absolute: this exact path is rare, Inf/NaN blocks)
-  r->mean = 0;
+  r->shift = mean;
+  r->mean = rel;
   r->m2 = m2 > 0 ? m2 : 0;
   r->mn = mn;
   r->mx = mx;

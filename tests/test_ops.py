@@ -392,16 +392,21 @@ def test_a_nonfinite_or_outlying_first_element_keeps_std(first, device):
 @needs_ext
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("n", [4096, 65536, 2_000_000])  # CPU: 2 blocks, 4 chunks, many chunks
-def test_float64_far_from_zero_keeps_its_std(device, n):
+@pytest.mark.parametrize("bad", [None, math.nan, math.inf])  # (CPU: blocks with one take the exact path)
+def test_float64_far_from_zero_keeps_its_std(device, n, bad):
     """The kernels merge partials (the CPU's 2048-element blocks and chunks, ~100K CUDA
     thread partials) by means relative to a shift (ShiftedMoments, stats_defs.h;
     tests/test_cuda_moments.py replays CUDA's on the host): float64 values at mean/std 1e8
     keep their std to 1e-12 (absolute means lost ~2e-11 to 1e-10; the CPU's did until its
     blocks kept their shift)."""
     x = torch.randn(n, dtype=torch.float64, generator=gen(72)) + 1e8
+    finite = x.clone()
+    if bad is not None:
+        x[::1000] = bad
+        finite = x[torch.isfinite(x)]
     st = ops.tensor_stats(x.to(device)).to_dict()
-    mean = float(x.mean())
-    std = float((x - mean).square().mean().sqrt())
+    mean = float(finite.mean())
+    std = float((finite - mean).square().mean().sqrt())
     assert st["std"] == pytest.approx(std, rel=1e-12)
     assert st["mean"] == pytest.approx(mean, rel=1e-15)
 
