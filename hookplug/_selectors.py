@@ -528,10 +528,14 @@ def _parse_error_hint(exc: SelectorError, module_names: Sequence[str]) -> Select
         return exc
     start = exc.selector.rfind(",", 0, exc.column) + 1
     end = exc.selector.find(",", exc.column)
-    term = exc.selector[start:len(exc.selector) if end < 0 else end].strip().lstrip("-").strip()
-    class_part = term.partition(":")[0].strip()
+    term = exc.selector[start:len(exc.selector) if end < 0 else end].strip()
+    excluded = term.startswith("-")
+    class_part = term.lstrip("-").strip().partition(":")[0].strip()
     alt = next((a.strip() for a in class_part.split("|") if not _is_class_path(a.strip())), class_part)
-    return _as_name_hint(exc, alt, module_names)
+    hinted = _as_name_hint(exc, alt, module_names)
+    if excluded and hinted is not exc:  # (the same term, removed: '-*:net.0')
+        hinted = SelectorError(exc.selector, exc.column, hinted.reason.replace(f"'*:{alt}'", f"'-*:{alt}'"))
+    return hinted
 
 
 def _name_matcher(selector: str, term: _Term) -> Callable[[str], bool]:

@@ -1740,7 +1740,7 @@ def attach(
         if flush_every:
             from ._telemetry import watch_join
 
-            watch_join()
+            watch_join(ddp)
     groups = _plugin_groups("attach(): ", selector, plugins,
                             "" if config is None else f"; config={config!r} names none ([plugins.NAME] tables)")
 

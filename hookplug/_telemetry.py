@@ -212,15 +212,22 @@ def _collects(session, plugin) -> bool:
     return entry is None or entry.disabled is None or getattr(plugin, "collect_when_disabled", False)
 
 
-def watch_join() -> None:
+def watch_join(joinable=None) -> None:
     """Mark each ``Join`` block on its joinables (``_hookplug_join_block``: a token new at each
-    entry, None after the block; the config torch sets stays after it), so that a session's
-    periodic flushes keep off the steps where a rank may have joined (``Telemetry.on_step``).
-    Wraps ``Join.__enter__``/``__exit__`` once."""
+    entry of an outermost block, None after it; the config torch sets stays after it), so
+    that a session's periodic flushes keep off the steps where a rank may have joined
+    (``Telemetry.on_step``). Wraps ``Join.__enter__``/``__exit__`` once. ``joinable`` (the
+    DDP a session is attached through) already enabled by a ``Join`` entered before: taken
+    as inside that block (its exit, or the next entry, sets it right)."""
     try:
         from torch.distributed.algorithms.join import Join
     except ImportError:  # pragma: no cover - torch without distributed
         return
+    if (joinable is not None and getattr(getattr(joinable, "_join_config", None), "enable", False)
+            and "_hookplug_join_depth" not in joinable.__dict__):
+        joinable._hookplug_join_block = object()
+        joinable._hookplug_join_depth = 1
+        joinable._hookplug_join_assumed = True
     if getattr(Join.__enter__, "_hookplug_watched", False):
         return
     enter, exit_ = Join.__enter__, Join.__exit__
@@ -228,8 +235,13 @@ def watch_join() -> None:
     @functools.wraps(enter)
     def entered(self):
         out = enter(self)
-        for joinable in self._joinables:
-            joinable._hookplug_join_block = object() if self._enable else None
+        if self._enable:  # (nested blocks: the outermost one decides)
+            for joinable in self._joinables:
+                depth = 0 if joinable.__dict__.pop("_hookplug_join_assumed", False) else \
+                    getattr(joinable, "_hookplug_join_depth", 0)
+                if not depth:
+                    joinable._hookplug_join_block = object()
+                joinable._hookplug_join_depth = depth + 1
         return out
 
     @functools.wraps(exit_)
@@ -237,8 +249,12 @@ def watch_join() -> None:
         try:
             return exit_(self, *exc)
         finally:
-            for joinable in self._joinables:
-                joinable._hookplug_join_block = None
+            if self._enable:
+                for joinable in self._joinables:
+                    depth = getattr(joinable, "_hookplug_join_depth", 1) - 1
+                    joinable._hookplug_join_depth = max(depth, 0)
+                    if depth <= 0:
+                        joinable._hookplug_join_block = None
 
     entered._hookplug_watched = True
     Join.__enter__, Join.__exit__ = entered, exited

@@ -452,11 +452,17 @@ class ParamsPlugin(hookplug.Plugin):
         old = {pr.name: pr for pr in self._params}
         # the rank counting each parameter read before: a slot's new name (untied) is counted
         # where the parameter its slot held was (a pipeline stage's rank, not round-robin)
-        owner_of = {id(t): pr.owner for pr in self._params if (t := pr.tensor()) is not None}
         was_in = {(id(ref()), attr): pid for ref, attr, pid in self._slots if ref() is not None}
+        owner_of = {was_in[k]: pr.owner for pr in self._params if (k := (id(pr.module_ref()), pr.attr)) in was_in}
         self._slots = [(ref, attr, id(ref()._parameters.get(attr)) if ref() is not None else 0)
                        for ref, attr, _ in self._slots]  # (found again only when it changes again)
         self._select(session, within={pid for ref, _, pid in self._slots if ref() is not None})
+        listed = set(was_in)
+        for pr in self._params:  # a slot read now that attach did not list (a tie to an unselected
+            mod = pr.module_ref()  # module's parameter): watched from now on
+            if mod is not None and (id(mod), pr.attr) not in listed:
+                listed.add((id(mod), pr.attr))
+                self._slots.append((weakref.ref(mod), pr.attr, id(mod._parameters.get(pr.attr))))
         for pr in self._params:
             was = old.get(pr.name)
             if was is not None and was.module_ref() is pr.module_ref() and was.attr == pr.attr:

@@ -732,3 +732,52 @@ def test_uneven_inputs_under_join_with_flush_every_do_not_hang(tmp_path):
                                                              30, 31, 32, 33]
         assert_exact(outputs, seen, ranks=(0, 1))  # (a step one rank ran: its values alone)
     same_on_every_rank(res)
+
+
+def join_attached_inside_and_nested(rank, out):
+    """A session attached inside a Join block (the wrapper that marks blocks is installed
+    at attach: that block was entered before), then a nested Join in an outer one (the
+    inner exit ended the outer block's mark): flush_every=2 flushed inside them, a hang."""
+    from torch.distributed.algorithms.join import Join
+
+    torch.manual_seed(0)
+    model, state, dump, g = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3)), {"step": 0}, Dump(), \
+        torch.Generator().manual_seed(100 + rank)
+    seen = watch(model, state)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    flushes = []
+
+    def train_step(s, step):
+        state["step"] = step
+        ddp(torch.randn(4, 6, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        s.step(step=step)
+        flushes.append(s._telemetry.flushes)
+
+    with Join([ddp]):
+        s = hookplug.attach(ddp, "Linear", plugins="stats", sink=dump, flush_every=2)
+        for i in range((3, 6)[rank]):
+            train_step(s, i)
+    with Join([ddp]):
+        with Join([ddp]):
+            for i in range(2):
+                train_step(s, 10 + i)
+        for i in range((2, 5)[rank]):
+            train_step(s, 20 + i)
+    s.remove()
+    return {"records": dump.records, "seen": seen, "flushes": flushes}
+
+
+def test_join_entered_before_attach_and_nested_joins_do_not_hang(tmp_path):
+    res = spawn("join_attached_inside_and_nested", tmp_path)
+    # one flush at the first step of each (outermost) block, none inside
+    assert res[0]["flushes"] == [1, 1, 1] + [2, 2, 2, 2]
+    assert res[1]["flushes"] == [1] * 6 + [2] * 7
+    seen = [r["seen"] for r in res]
+    for r in res:
+        outputs = [rec for rec in r["records"] if rec["site"] == "output"]
+        assert sorted({rec["step"] for rec in outputs}) == [0, 1, 2, 3, 4, 5, 10, 11, 20, 21, 22, 23, 24]
+        assert_exact(outputs, seen, ranks=(0, 1))
+    same_on_every_rank(res)

@@ -923,6 +923,32 @@ def test_a_tie_to_an_unselected_module_keeps_the_parameter_measured_and_its_reco
     assert all("update_to_weight" in r for r in sink.records if r["site"] == "update")
 
 
+def test_a_tie_to_an_unselected_module_undone_there_measures_the_selected_parameter_again():
+    """The head (selected) tied to the embedding (not), then the embedding given a new
+    Parameter: the head keeps the tensor, measured again as ``head.weight`` (the slot read
+    after the tie, the embedding's, was not watched: its new Parameter, outside the
+    selection, was measured as ``emb.weight`` for good)."""
+    m = _TiedLM()
+    m.head.weight = nn.Parameter(m.emb.weight.detach().clone())
+    ids = torch.randint(0, 20, (2, 3))
+    measured = []
+    with hookplug.attach(m, "Linear", plugins="params") as s:
+        for step in range(5):
+            if step == 1:
+                m.head.weight = m.emb.weight
+            if step == 3:
+                m.emb.weight = nn.Parameter(m.emb.weight.detach().clone())
+            m(ids).sum().backward()
+            weight = m.head.weight.detach().clone()  # (measured before the update)
+            torch.optim.SGD(m.parameters(), lr=0.1).step()
+            m.zero_grad()
+            s.step()
+            (name,) = s["params"].results()
+            measured.append(name)
+    assert measured == ["head.weight", "head.weight", "emb.weight", "emb.weight", "head.weight"]
+    check(s["params"].results()["head.weight"]["weight"], ref(weight))
+
+
 def test_a_params_plugin_attached_again_measures_as_a_new_one(tmp_path):
     """The same ``ParamsPlugin`` instance attached for a second session (one a phase, kept
     in a config): its optimizer entries named the first session's parameters, measured in

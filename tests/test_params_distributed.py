@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import hookplug
-from _gloo import Dump, free_port, leave
+from _gloo import Dump, free_port, leave, spawn
 
 STEPS = 3
 BATCH = 16
@@ -232,3 +232,42 @@ def test_ddp_replicas_are_counted_once_per_replica_group(tmp_path, attach_first,
     # each parameter's weight copy (for its update) kept on the rank that counts it only;
     # attached before the group existed, every rank had copied every parameter
     assert sum(r["copies"] for r in got) == 2 * len(names), [r["copies"] for r in got]
+
+
+class _TiedStage(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(20, 8), nn.Linear(8, 20, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+def _stage_untied_after_attach(rank, world):
+    torch.manual_seed(0)
+    m = _TiedStage() if rank == 0 else nn.Sequential(nn.Linear(4, 4))
+    dump = Dump()
+    with hookplug.attach(m, "*", plugins=("params", {"bins": 0, "sites": ["weight"]}), sink=dump) as s:
+        for step in range(3):
+            if step == 1 and rank == 0:
+                m.emb.weight = nn.Parameter(m.emb.weight.detach().clone())  # untied: head keeps the old
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            x = torch.randint(0, 20, (2, 3)) if rank == 0 else torch.randn(2, 4)
+            m(x).sum().backward()
+            opt.step()
+            m.zero_grad()
+            s.step()
+    return {"weights": sorted((r["step"], r["module"]) for r in dump.records if r["site"] == "weight")}
+
+
+@pytest.mark.slow
+def test_a_name_an_untie_makes_on_a_pipeline_stage_is_counted_by_that_stage(tmp_path):
+    """Two stages holding different layers (no data parallelism): rank 0's tied embedding
+    and head untied after attach. The new name was counted round-robin (rank 1, which does
+    not hold it): no ``head.weight`` record at all. Now by the rank that counted its slot's
+    parameter."""
+    for got in spawn(_stage_untied_after_attach, tmp_path):
+        heads = [step for step, module in got["weights"] if module == "head.weight"]
+        assert heads == [2], got  # (step 1 ends with the selection before the untie)
+        assert [step for step, module in got["weights"] if module == "emb.weight"] == [0, 1, 2]

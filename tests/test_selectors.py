@@ -460,6 +460,7 @@ def test_any_whitespace_before_re_starts_the_regex():
     # dotted names and globs do not parse as a class: the hint was missing there
     ("layer1.0", "'layer1.0' is a module name here: a name is written after a colon, '*:layer1.0'"),
     ("Conv2d,layer1.*", "'layer1.*' is a module name here: a name is written after a colon, '*:layer1.*'"),
+    ("Conv2d,-layer1.0", "a name is written after a colon, '-*:layer1.0'"),
     ("re:layer1", "a regex over names is written after a colon: '*:re:...'"),
     ("conv2D", "did you mean 'Conv2d'"),  # case: difflib alone missed it
     ("RELU", "did you mean 'ReLU'"),
