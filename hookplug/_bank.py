@@ -285,6 +285,27 @@ def hook_compile_start() -> None:
         _mark_trace_constants()
     except Exception:  # noqa: BLE001 - a torch without them (private API)
         pass
+    _keep_effects_in_compiled_autograd()
+
+
+def _keep_effects_in_compiled_autograd() -> None:
+    """Compiled autograd's dead-code elimination keeps the nodes in its ``_impure_targets``
+    and those ``Node.is_impure()`` calls impure. torch 2.11's ``is_impure`` does not look a
+    higher-order op up in ``_side_effectful_functions`` (2.13 does), so ``has_side_effect``
+    (see :func:`_register_ordered_effect`) does not keep ``with_effects`` there: the grad
+    site's and gradclamp's count ops were dropped from a backward run under compiled
+    autograd. Name it among compiled autograd's impure targets (private API; once dynamo
+    and its compiled_autograd module are imported: also at each compile start)."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    targets = getattr(ca, "_impure_targets", None)
+    if targets is None:
+        return
+    try:
+        op = torch.ops.higher_order.with_effects
+        if op not in targets:
+            targets.add(op)
+    except Exception:  # noqa: BLE001 - private API
+        pass
 
 
 def dynamo_disable() -> Optional[Callable]:
@@ -380,7 +401,7 @@ def _mark_trace_constants() -> None:
 
 # more to run at each compile start (the session's: dynamo's per-thread config settings on
 # the compiling thread)
-ON_COMPILE_START: List[Callable[[], None]] = []
+ON_COMPILE_START: List[Callable[[], None]] = [_keep_effects_in_compiled_autograd]
 
 
 def _on_compile_start(args=None) -> None:

@@ -38,7 +38,11 @@ __all__ = ["HookContext"]
 # torch.export (also compiling): hooks run no plugin, so the exported program holds no
 # hookplug op and no bank of the session (it would need hookplug to load, and keep
 # accumulating into the session after remove())
-_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+def _is_exporting() -> bool:
+    """torch.export is running (not merely torch.compile): its flag, read as an attribute.
+    dynamo in torch 2.11 folds a call of ``torch.compiler.is_exporting()`` to True under any
+    torch.compile (2.13 reads the flag), which made every compiled hook a no-op there."""
+    return getattr(torch.compiler, "_is_exporting_flag", False)
 # torch.jit.trace (and the TorchScript ONNX exporter): likewise, or the traced graph would
 # call the session's ops on its bank (still accumulating after remove(), needing hookplug
 # wherever it runs); capture's per-call state made trace's check fail
@@ -137,6 +141,8 @@ def _own_outputs(output, args, kwargs, inputs: Optional[set] = None):
     at both places. A leaf that is not an input (a Parameter returned as is) stays itself
     and gets no hook (it would keep it for good). ``inputs``: the input ids as the call
     began (:func:`_inputs_at_call`), else read from the arguments now."""
+    if inputs is None and _is_compiling():
+        return _own_outputs_traced(output, args, kwargs)
     if isinstance(output, torch.Tensor):  # the common case, without walking anything
         if not output.requires_grad or id(output) not in (_input_ids(args, kwargs) if inputs is None else inputs):
             return None, ()
@@ -152,6 +158,21 @@ def _own_outputs(output, args, kwargs, inputs: Optional[set] = None):
         return None, ()
     new = _with_views(output, shared, {})
     return (None if new is output else new), shared
+
+
+def _own_outputs_traced(output, args, kwargs):
+    """:func:`_own_outputs` in code dynamo traces: an output is found among the inputs by
+    identity (``is``), not by ``id()``, which torch 2.11's dynamo does not trace for a tensor
+    made inside the graph (``call_id() without source``: a graph break at every grad site
+    taking tensor hooks, e.g. under compiled autograd). The rare output that is an input
+    takes the ``id()`` path (it may break the graph there)."""
+    ins = [x for _, x in iter_tensors((args, kwargs))]
+    if isinstance(output, torch.Tensor):
+        if not output.requires_grad or not any(output is x for x in ins):
+            return None, ()
+    elif not any(t.requires_grad and any(t is x for x in ins) for _, t in iter_tensors(output)):
+        return None, ()
+    return _own_outputs(output, args, kwargs, {id(x) for x in ins})
 
 
 def _is_model_output(obj) -> bool:

@@ -19,7 +19,9 @@ from typing import List
 
 from ._binding import _NO_IMPLS, _ModuleBinding, _ParamBinding
 
-_METHODS = ("_forward_metadata_inference", "_backward_metadata_inference")
+# (torch 2.11: ``_shape_inference``, a forward under no_grad on zeros, from
+# ``_prepare_forward_infra``; 2.13 on: the forward and backward metadata inference)
+_METHODS = ("_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference")
 
 
 def patch_pipelining() -> None:

@@ -82,7 +82,9 @@ def _clamp_by_hand(model):
     for m in model.modules():
         if isinstance(m, nn.Linear):
             m.register_forward_hook(
-                lambda m, a, o: o.register_hook(lambda g: g.clamp(min=LO)) and None)
+                # (torch 2.11's PipelineStage infers shapes by a forward under no_grad)
+                lambda m, a, o: (o.register_hook(lambda g: g.clamp(min=LO)) and None)
+                if o.requires_grad else None)
 
 
 def _full_tensor(t):

@@ -564,7 +564,8 @@ def test_hooks_around_a_module_of_a_frame_dynamo_gave_up_on_run_as_eager_code():
                     s.step()
         out[mode] = (by_key(sink.records), counters["stats"]["unique_graphs"])
     torch._dynamo.reset()
-    assert out["plain"][1] == 2 and out["compiled"][1] == out["plain"][1]
+    # (2 graphs from torch 2.13 on; torch 2.11 compiles none for the plain hooks either)
+    assert out["plain"][1] in (0, 2) and out["compiled"][1] == out["plain"][1]
     e, c = out["eager"][0], out["compiled"][0]
     assert set(e) == set(c) and len(e) == 3 * 3 * 2
     for k in e:
@@ -1305,6 +1306,9 @@ def test_blocks_compiled_one_by_one_and_checkpointed_from_eager_code_count_each_
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
     if how == "selective" and backend == "aot_eager":
+        if torch.__version__ < "2.13":  # (compared as versions) its checkpoint keeps SAC's mode pushed
+            pytest.skip("torch < 2.13: checkpoint(use_reentrant=False) does not close its "
+                        "forward context when the forward raises (later tests would fail)")
         request.applymarker(_SAC_UNDER_AOT_EAGER)
 
     def policy(ctx, op, *args, **kwargs):
