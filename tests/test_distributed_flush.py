@@ -691,15 +691,31 @@ def uneven_inputs_under_join(rank, out):
     of each block, where no rank has joined."""
     from torch.distributed.algorithms.join import Join
 
+    ddp, seen, dump, train_step, flushes = _ddp_training(rank)
+    with hookplug.attach(ddp, "Linear", plugins=["stats", ("params", {"bins": 0})], sink=dump,
+                         flush_every=2) as s:
+        join = Join([ddp])  # (one object entered for each epoch)
+        for epoch, batches in enumerate(((3, 5), (4, 4), (2, 3))):
+            with join:
+                for i in range(batches[rank]):
+                    train_step(s, 10 * epoch + i)  # (steps 3, 4: rank 1's alone)
+        for i in range(4):  # even inputs after the blocks: every flush_every=2 steps again
+            train_step(s, 30 + i)
+    return {"records": dump.records, "seen": seen, "flushes": flushes}
+
+
+def _ddp_training(rank):
+    """A DDP model watched by plain hooks, a sink, and ``train_step(session, step)``, which
+    notes the session's flush count after each step in ``flushes``."""
     torch.manual_seed(0)
-    model, state, dump, g = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3)), {"step": 0}, Dump(), \
+    model, state, g = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3)), {"step": 0}, \
         torch.Generator().manual_seed(100 + rank)
     seen = watch(model, state)
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     flushes = []
 
-    def train_step(step):
+    def train_step(s, step):
         state["step"] = step
         ddp(torch.randn(4, 6, generator=g)).square().mean().backward()
         opt.step()
@@ -707,16 +723,7 @@ def uneven_inputs_under_join(rank, out):
         s.step(step=step)
         flushes.append(s._telemetry.flushes)
 
-    with hookplug.attach(ddp, "Linear", plugins=["stats", ("params", {"bins": 0})], sink=dump,
-                         flush_every=2) as s:
-        join = Join([ddp])  # (one object entered for each epoch)
-        for epoch, batches in enumerate(((3, 5), (4, 4), (2, 3))):
-            with join:
-                for i in range(batches[rank]):
-                    train_step(10 * epoch + i)  # (steps 3, 4: rank 1's alone)
-        for i in range(4):  # even inputs after the blocks: every flush_every=2 steps again
-            train_step(30 + i)
-    return {"records": dump.records, "seen": seen, "flushes": flushes}
+    return ddp, seen, Dump(), train_step, flushes
 
 
 def test_uneven_inputs_under_join_with_flush_every_do_not_hang(tmp_path):
@@ -740,22 +747,7 @@ def join_attached_inside_and_nested(rank, out):
     inner exit ended the outer block's mark): flush_every=2 flushed inside them, a hang."""
     from torch.distributed.algorithms.join import Join
 
-    torch.manual_seed(0)
-    model, state, dump, g = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3)), {"step": 0}, Dump(), \
-        torch.Generator().manual_seed(100 + rank)
-    seen = watch(model, state)
-    ddp = nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    flushes = []
-
-    def train_step(s, step):
-        state["step"] = step
-        ddp(torch.randn(4, 6, generator=g)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        s.step(step=step)
-        flushes.append(s._telemetry.flushes)
-
+    ddp, seen, dump, train_step, flushes = _ddp_training(rank)
     with Join([ddp]):
         s = hookplug.attach(ddp, "Linear", plugins="stats", sink=dump, flush_every=2)
         for i in range((3, 6)[rank]):
