@@ -242,13 +242,9 @@ def tensor_stats(x: torch.Tensor, *, bins: Optional[int] = None, hist: str = "lo
     """
     bins, hist, lo, hi = _parse(x, bins, hist, range)
     kind = _kind(_num_buckets(bins, hist), hist, lo, hi)
-    if not _compiled_kernel_for(x):
+    if not has_kernel(x.device):
         return reference_tensor_stats(x, bins=bins, hist=hist, range=range)
     return TensorStats(torch.ops.hookplug.tensor_stats(x, bins, _HIST_MODES[hist], lo, hi), kind)
-
-
-def _compiled_kernel_for(x: torch.Tensor) -> bool:
-    return has_kernel(x.device)
 
 
 def has_kernel(device: torch.device) -> bool:
@@ -271,7 +267,7 @@ def accumulate_(x: torch.Tensor, acc: torch.Tensor, row: int, gate: Optional[tor
     ``acc`` is a bank from ``hookplug._stats.empty_rows`` on ``x``'s device."""
     b, mode, lo, hi = hist_args(bins, hist, range)
     _check_dtype(x, "hookplug.ops.accumulate_")
-    if _compiled_kernel_for(x):
+    if has_kernel(x.device):
         torch.ops.hookplug.stats_accumulate_(x, acc, row, gate, b, mode, lo, hi)
     else:
         reference_accumulate_(x, acc, row, gate, b, mode, lo, hi)
